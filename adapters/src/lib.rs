@@ -1,0 +1,21 @@
+//! Broker-neutral message model and the Source/Sink traits that delayd's core
+//! drives, with the RabbitMQ (`amqp`, lapin) and Kafka (`kafka`, rdkafka)
+//! adapters behind cargo features.
+//!
+//! This crate knows nothing about the write-ahead log or the timing wheel: a
+//! source hands out [`Delivery`]s and is told when to acknowledge them, a sink
+//! publishes a [`Message`] to a [`Target`] and says whether the broker took it.
+#![forbid(unsafe_code)]
+
+pub mod codec;
+pub mod message;
+pub mod traits;
+
+#[cfg(feature = "amqp")]
+pub mod amqp;
+
+pub use codec::{decode, encode, CodecError};
+pub use message::{FieldTable, Message, Properties, Value};
+pub use traits::{
+    AckHandle, BoxFuture, Delivery, PublishOutcome, Sink, SinkError, Source, SourceError, Target,
+};

@@ -1,0 +1,109 @@
+//! The contracts between delayd's core and a broker adapter.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::message::Message;
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Where a message is published: an AMQP exchange (with routing key) or a
+/// Kafka topic (the routing key is then unused).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Target {
+    /// Exchange name (AMQP; `""` is the default exchange) or topic (Kafka).
+    pub destination: String,
+    /// AMQP routing key. `None` keeps the message's own routing key.
+    pub routing_key: Option<String>,
+}
+
+impl Target {
+    pub fn exchange(name: impl Into<String>) -> Self {
+        Self {
+            destination: name.into(),
+            routing_key: None,
+        }
+    }
+
+    /// A target that publishes straight to a queue through the default exchange.
+    pub fn queue(name: impl Into<String>) -> Self {
+        Self {
+            destination: String::new(),
+            routing_key: Some(name.into()),
+        }
+    }
+}
+
+/// Settles one consumed message with its broker.
+pub trait AckHandle: Send {
+    /// The message is safe with delayd: the broker may forget it.
+    fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>>;
+    /// delayd could not take the message now: the broker keeps it and redelivers.
+    fn requeue(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>>;
+}
+
+/// One message taken from a source, to be acknowledged once it is durable.
+pub struct Delivery {
+    pub message: Message,
+    /// The broker says it may have delivered this message before.
+    pub redelivered: bool,
+    pub ack: Box<dyn AckHandle>,
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery")
+            .field("message", &self.message)
+            .field("redelivered", &self.redelivered)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("broker connection lost: {0}")]
+    Connection(String),
+    #[error("source closed")]
+    Closed,
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A stream of deliveries from one route's ingress (queue or topics).
+/// Implementations reconnect on their own; `next` only returns an error when
+/// the source is shut down or cannot recover.
+pub trait Source: Send {
+    fn next(&mut self) -> BoxFuture<'_, Result<Delivery, SourceError>>;
+    /// Stop taking new messages from the broker (backpressure); messages wait there.
+    fn pause(&mut self) -> BoxFuture<'_, Result<(), SourceError>>;
+    /// Resume after [`Source::pause`].
+    fn resume(&mut self) -> BoxFuture<'_, Result<(), SourceError>>;
+}
+
+/// What the broker did with a published message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishOutcome {
+    /// Confirmed and routed to at least one queue (or written to the topic).
+    Delivered,
+    /// Confirmed, but the broker could not route it (AMQP `basic.return`, unknown topic).
+    Unroutable,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// Worth retrying: connection lost, nack, timeout.
+    #[error("transient publish failure: {0}")]
+    Transient(String),
+    /// Retrying will not help (the message is malformed for this broker).
+    #[error("permanent publish failure: {0}")]
+    Permanent(String),
+}
+
+/// Publishes messages to one broker. Safe to share between tasks.
+pub trait Sink: Send + Sync {
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+        target: &'a Target,
+    ) -> BoxFuture<'a, Result<PublishOutcome, SinkError>>;
+}
