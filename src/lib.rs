@@ -5,4 +5,5 @@
 //! - [`engine`]: owns both; schedules, cancels, fires due messages to a sink.
 #![forbid(unsafe_code)]
 
+pub mod wal;
 pub mod wheel;

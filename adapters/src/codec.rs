@@ -106,7 +106,9 @@ fn put_properties(out: &mut Vec<u8>, p: &Properties) {
     put_str_opt(out, &p.reply_to);
     put_str_opt(out, &p.expiration);
     put_str_opt(out, &p.message_id);
-    put_opt(out, p.timestamp, |o, v| o.extend_from_slice(&v.to_le_bytes()));
+    put_opt(out, p.timestamp, |o, v| {
+        o.extend_from_slice(&v.to_le_bytes())
+    });
     put_str_opt(out, &p.kind);
     put_str_opt(out, &p.user_id);
     put_str_opt(out, &p.app_id);
@@ -362,22 +364,24 @@ mod tests {
             proptest::option::of(proptest::collection::vec(any::<u8>(), 0..8)),
             proptest::option::of(any::<i32>()),
         )
-            .prop_map(|(body, headers, message_id, priority, ts, key, part)| Message {
-                body,
-                headers: FieldTable(headers),
-                properties: Properties {
-                    message_id,
-                    priority,
-                    timestamp: ts,
-                    content_type: Some("application/json".into()),
-                    ..Properties::default()
+            .prop_map(
+                |(body, headers, message_id, priority, ts, key, part)| Message {
+                    body,
+                    headers: FieldTable(headers),
+                    properties: Properties {
+                        message_id,
+                        priority,
+                        timestamp: ts,
+                        content_type: Some("application/json".into()),
+                        ..Properties::default()
+                    },
+                    source: "orders.delayed".into(),
+                    routing_key: "order.created".into(),
+                    key,
+                    partition: part,
+                    timestamp_ms: Some(1_700_000_000_000),
                 },
-                source: "orders.delayed".into(),
-                routing_key: "order.created".into(),
-                key,
-                partition: part,
-                timestamp_ms: Some(1_700_000_000_000),
-            })
+            )
     }
 
     proptest! {

@@ -21,7 +21,10 @@ pub enum Value {
     U64(u64),
     F32(f32),
     F64(f64),
-    Decimal { scale: u8, value: u32 },
+    Decimal {
+        scale: u8,
+        value: u32,
+    },
     ShortString(String),
     /// AMQP long strings are byte strings: they need not be UTF-8.
     LongString(Vec<u8>),

@@ -1,0 +1,402 @@
+//! Connections to one RabbitMQ broker: lazily opened, reopened with
+//! exponential back-off, handing out channels.
+//!
+//! delayd opens two connections per broker ([`BrokerConnections`]): one for
+//! consumers and one for publishers. RabbitMQ applies flow control
+//! (`connection.blocked`, credit flow) per connection to publishers; keeping
+//! them apart means a publisher throttled by the broker never stalls the
+//! consumers' acks and deliveries. Each connection carries a client-provided
+//! name (`delayd-consume` / `delayd-publish`) shown in the management UI.
+//!
+//! A [`Broker`] holds at most one live connection. [`Broker::try_channel`]
+//! makes a single attempt: it reuses the connection while it is up, reconnects
+//! when it is down, and refuses at once (without touching the network) while
+//! the back-off delay after a failed attempt has not elapsed, so hundreds of
+//! callers cannot hammer a broker that is down. [`Broker::channel`] waits and
+//! retries until it gets a channel. The back-off starts at 100 ms and doubles
+//! up to 5 s; failures are logged at `warn`.
+//!
+//! lapin's own automatic recovery is not used: after a reconnect every user of
+//! the broker re-creates its channel and re-declares what it needs, so a
+//! delivery tag from a dead channel can never be confused with one of the new
+//! channel.
+
+use std::str::FromStr;
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use lapin::uri::AMQPUri;
+use lapin::{Channel, Connection, ConnectionProperties, ConnectionStatus};
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+/// Errors of the AMQP adapter's connection and topology layer.
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    /// The broker URL does not parse.
+    #[error("invalid AMQP URL: {0}")]
+    InvalidUrl(String),
+    /// Connecting (TCP, TLS or the AMQP handshake) failed.
+    #[error("cannot connect to {endpoint}: {source}")]
+    Connect {
+        endpoint: String,
+        #[source]
+        source: lapin::Error,
+    },
+    /// Connecting did not finish within the connect timeout.
+    #[error("connecting to {endpoint} timed out after {timeout:?}")]
+    ConnectTimeout { endpoint: String, timeout: Duration },
+    /// A previous attempt failed and the back-off delay has not elapsed.
+    #[error("not connected to {endpoint}; next attempt in {retry_in:?}")]
+    BackingOff { endpoint: String, retry_in: Duration },
+    /// Opening a channel (or putting it in the needed mode) failed.
+    #[error("cannot open a channel on {endpoint}: {source}")]
+    Channel {
+        endpoint: String,
+        #[source]
+        source: lapin::Error,
+    },
+    /// Declaring or binding a queue or exchange failed.
+    #[error("{what} failed: {source}")]
+    Topology {
+        what: String,
+        #[source]
+        source: lapin::Error,
+    },
+    /// A name does not fit an AMQP short string.
+    #[error(transparent)]
+    Convert(#[from] super::convert::ConvertError),
+}
+
+/// Exponential back-off: `initial`, doubling, capped at `max`.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    /// Starts at `initial` and doubles up to `max`.
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial,
+            max: max.max(initial),
+            next: initial,
+        }
+    }
+
+    /// The delay to wait now; the following one will be twice as long (capped).
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (self.next * 2).min(self.max);
+        delay
+    }
+
+    /// Back to the initial delay, after a success.
+    pub fn reset(&mut self) {
+        self.next = self.initial;
+    }
+}
+
+impl Default for Backoff {
+    /// 100 ms doubling to 5 s.
+    fn default() -> Self {
+        Self::new(Duration::from_millis(100), Duration::from_secs(5))
+    }
+}
+
+/// Settings of one [`Broker`] connection.
+#[derive(Debug, Clone)]
+pub struct BrokerOptions {
+    /// Client-provided connection name (`connection_name` client property),
+    /// shown in the RabbitMQ management UI and by `rabbitmqctl list_connections`.
+    pub connection_name: String,
+    /// First delay after a failed connection attempt; it doubles on each
+    /// further failure. Default 100 ms.
+    pub backoff_initial: Duration,
+    /// Cap of the delay between connection attempts. Default 5 s.
+    pub backoff_max: Duration,
+    /// Give up a connection attempt (TCP + TLS + AMQP handshake) after this
+    /// long. Default 10 s.
+    pub connect_timeout: Duration,
+}
+
+impl BrokerOptions {
+    /// Default options with the given connection name.
+    pub fn named(connection_name: impl Into<String>) -> Self {
+        Self {
+            connection_name: connection_name.into(),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+struct State {
+    connection: Option<Connection>,
+    backoff: Backoff,
+    /// No new attempt before this instant (set after a failure).
+    next_attempt: Option<Instant>,
+}
+
+/// One lazily (re)connected AMQP connection to a broker.
+pub struct Broker {
+    uri: AMQPUri,
+    /// `host:port/vhost`, for logs (never the credentials).
+    endpoint: String,
+    options: BrokerOptions,
+    state: Mutex<State>,
+    /// Status of the current connection, readable without waiting.
+    status: StdMutex<Option<ConnectionStatus>>,
+}
+
+impl std::fmt::Debug for Broker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Broker")
+            .field("endpoint", &self.endpoint)
+            .field("connection_name", &self.options.connection_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Broker {
+    /// A broker reached at `url` (`amqp://user:pass@host:port/vhost`, or
+    /// `amqps://`). Nothing is connected until a channel is asked for.
+    pub fn new(url: &str, options: BrokerOptions) -> Result<Self, AmqpError> {
+        let uri = AMQPUri::from_str(url).map_err(AmqpError::InvalidUrl)?;
+        let separator = if uri.vhost.starts_with('/') { "" } else { "/" };
+        let endpoint = format!(
+            "{}:{}{separator}{}",
+            uri.authority.host, uri.authority.port, uri.vhost
+        );
+        let backoff = Backoff::new(options.backoff_initial, options.backoff_max);
+        Ok(Self {
+            uri,
+            endpoint,
+            options,
+            state: Mutex::new(State {
+                connection: None,
+                backoff,
+                next_attempt: None,
+            }),
+            status: StdMutex::new(None),
+        })
+    }
+
+    /// `host:port/vhost` of the broker (no credentials), for logs.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The connection name sent to the broker.
+    pub fn connection_name(&self) -> &str {
+        &self.options.connection_name
+    }
+
+    /// Whether the connection is currently open (for readiness checks).
+    pub fn is_connected(&self) -> bool {
+        self.status
+            .lock()
+            .map(|s| s.as_ref().is_some_and(ConnectionStatus::connected))
+            .unwrap_or(false)
+    }
+
+    /// Opens a channel with a single attempt: on the current connection if it
+    /// is up, else on a new one. Refuses with [`AmqpError::BackingOff`] while
+    /// the delay after a failed attempt runs.
+    pub async fn try_channel(&self) -> Result<Channel, AmqpError> {
+        let mut state = self.state.lock().await;
+        if let Some(connection) = &state.connection {
+            if connection.status().connected() {
+                match connection.create_channel().await {
+                    Ok(channel) => return Ok(channel),
+                    Err(error) => {
+                        if connection.status().connected() {
+                            // The connection is fine; channel creation itself failed
+                            // (e.g. channel_max reached).
+                            return Err(AmqpError::Channel {
+                                endpoint: self.endpoint.clone(),
+                                source: error,
+                            });
+                        }
+                        warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                              %error, "AMQP connection lost");
+                    }
+                }
+            } else {
+                warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                      "AMQP connection lost; reconnecting");
+            }
+            state.connection = None;
+        }
+
+        if let Some(at) = state.next_attempt {
+            let now = Instant::now();
+            if now < at {
+                return Err(AmqpError::BackingOff {
+                    endpoint: self.endpoint.clone(),
+                    retry_in: at - now,
+                });
+            }
+        }
+
+        match self.connect().await {
+            Ok(connection) => {
+                let channel = connection.create_channel().await;
+                state.backoff.reset();
+                state.next_attempt = None;
+                if let Ok(mut status) = self.status.lock() {
+                    *status = Some(connection.status().clone());
+                }
+                state.connection = Some(connection);
+                channel.map_err(|source| AmqpError::Channel {
+                    endpoint: self.endpoint.clone(),
+                    source,
+                })
+            }
+            Err(error) => {
+                let delay = state.backoff.next_delay();
+                state.next_attempt = Some(Instant::now() + delay);
+                warn!(name = %self.options.connection_name, %error, retry_in = ?delay,
+                      "AMQP connection attempt failed");
+                Err(error)
+            }
+        }
+    }
+
+    /// Opens a channel, waiting through the back-off and retrying until it
+    /// succeeds. Cancel-safe: dropping the future abandons the attempt.
+    pub async fn channel(&self) -> Channel {
+        loop {
+            match self.try_channel().await {
+                Ok(channel) => return channel,
+                Err(AmqpError::BackingOff { retry_in, .. }) => tokio::time::sleep(retry_in).await,
+                Err(error) => {
+                    // Connection failures already armed the back-off; anything
+                    // else (channel creation on a live connection) waits a beat.
+                    debug!(%error, "retrying channel creation");
+                    let delay = {
+                        let mut state = self.state.lock().await;
+                        match state.next_attempt {
+                            Some(at) => at.saturating_duration_since(Instant::now()),
+                            None => state.backoff.next_delay(),
+                        }
+                    };
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+
+    /// Closes the connection (if any); the next channel request reconnects.
+    pub async fn close(&self) {
+        let mut state = self.state.lock().await;
+        if let Some(connection) = state.connection.take() {
+            if connection.status().connected() {
+                if let Err(error) = connection.close(200, "delayd shutting down".into()).await {
+                    debug!(%error, "closing AMQP connection");
+                }
+            }
+            info!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                  "AMQP connection closed");
+        }
+    }
+
+    async fn connect(&self) -> Result<Connection, AmqpError> {
+        let name = self.options.connection_name.clone();
+        let properties = ConnectionProperties::default().with_connection_name(name.into());
+        let attempt = Connection::connect_uri(self.uri.clone(), properties);
+        match tokio::time::timeout(self.options.connect_timeout, attempt).await {
+            Ok(Ok(connection)) => {
+                info!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                      "AMQP connection open");
+                Ok(connection)
+            }
+            Ok(Err(source)) => Err(AmqpError::Connect {
+                endpoint: self.endpoint.clone(),
+                source,
+            }),
+            Err(_) => Err(AmqpError::ConnectTimeout {
+                endpoint: self.endpoint.clone(),
+                timeout: self.options.connect_timeout,
+            }),
+        }
+    }
+}
+
+/// The two connections delayd keeps to one broker: consumers and publishers
+/// apart, so publisher flow control never blocks consuming and acking.
+#[derive(Debug, Clone)]
+pub struct BrokerConnections {
+    /// Shared by every [`AmqpSource`](super::AmqpSource) of this broker
+    /// (connection name `delayd-consume`).
+    pub consume: Arc<Broker>,
+    /// Shared by the [`AmqpSink`](super::AmqpSink) of this broker
+    /// (connection name `delayd-publish`).
+    pub publish: Arc<Broker>,
+}
+
+impl BrokerConnections {
+    /// Connection name of the consuming connection.
+    pub const CONSUME_NAME: &'static str = "delayd-consume";
+    /// Connection name of the publishing connection.
+    pub const PUBLISH_NAME: &'static str = "delayd-publish";
+
+    /// Both connections to the broker at `url`, with default options. Nothing
+    /// connects until first used.
+    pub fn new(url: &str) -> Result<Self, AmqpError> {
+        Ok(Self {
+            consume: Arc::new(Broker::new(url, BrokerOptions::named(Self::CONSUME_NAME))?),
+            publish: Arc::new(Broker::new(url, BrokerOptions::named(Self::PUBLISH_NAME))?),
+        })
+    }
+
+    /// Whether both connections are open.
+    pub fn is_connected(&self) -> bool {
+        self.consume.is_connected() && self.publish.is_connected()
+    }
+
+    /// Closes both connections.
+    pub async fn close(&self) {
+        self.consume.close().await;
+        self.publish.close().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_cap_and_resets() {
+        let mut b = Backoff::default();
+        let delays: Vec<_> = (0..8).map(|_| b.next_delay().as_millis()).collect();
+        assert_eq!(delays, [100, 200, 400, 800, 1600, 3200, 5000, 5000]);
+        b.reset();
+        assert_eq!(b.next_delay(), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn bad_url_is_refused_and_endpoint_hides_credentials() {
+        assert!(matches!(
+            Broker::new("not a url", BrokerOptions::named("x")),
+            Err(AmqpError::InvalidUrl(_))
+        ));
+        let b = Broker::new("amqp://user:secret@rabbit:5673/%2f", BrokerOptions::named("x")).unwrap();
+        assert_eq!(b.endpoint(), "rabbit:5673/");
+        assert!(!b.is_connected());
+    }
+
+    #[tokio::test]
+    async fn unreachable_broker_backs_off_without_reconnecting() {
+        let mut options = BrokerOptions::named("test");
+        options.backoff_initial = Duration::from_secs(60);
+        // Port 1 on localhost: connection refused at once.
+        let b = Broker::new("amqp://guest:guest@127.0.0.1:1/%2f", options).unwrap();
+        assert!(!matches!(b.try_channel().await, Err(AmqpError::BackingOff { .. }) | Ok(_)));
+        assert!(matches!(b.try_channel().await, Err(AmqpError::BackingOff { .. })));
+    }
+}

@@ -1,0 +1,279 @@
+//! Declaring what delayd needs on a RabbitMQ broker: durable queues (a
+//! route's source queue, `delayd.invalid`, `delayd.unroutable`) and a route's
+//! optional source exchange bound to its queue.
+//!
+//! Declarations run on a short-lived channel of their own, so a refused
+//! declaration (the broker closes the channel on any error) never takes down
+//! a consuming or publishing channel.
+//!
+//! A queue that already exists with other arguments (say a quorum queue, or
+//! one with a length limit) makes RabbitMQ refuse the plain durable
+//! declaration with `PRECONDITION_FAILED`; delayd then only checks that the
+//! queue exists and uses it as it is.
+
+use std::fmt;
+use std::str::FromStr;
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::FieldTable;
+use lapin::{Channel, ErrorKind, ExchangeKind};
+use tracing::{debug, warn};
+
+use super::connection::{AmqpError, Broker};
+use super::convert::short_string;
+
+/// Type of an exchange delayd declares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExchangeType {
+    /// Exact routing-key match.
+    Direct,
+    /// Routing-key patterns (`*`, `#`). The default.
+    #[default]
+    Topic,
+    /// Every bound queue gets every message.
+    Fanout,
+    /// Routing on header values.
+    Headers,
+}
+
+impl ExchangeType {
+    /// The AMQP name (`direct`, `topic`, `fanout`, `headers`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExchangeType::Direct => "direct",
+            ExchangeType::Topic => "topic",
+            ExchangeType::Fanout => "fanout",
+            ExchangeType::Headers => "headers",
+        }
+    }
+
+    /// The binding key DESIGN prescribes for a source exchange: `""` for
+    /// fanout, `#` otherwise (which for a direct exchange matches only the
+    /// routing key `#` literally: set explicit binding keys there).
+    pub fn default_binding_key(self) -> &'static str {
+        match self {
+            ExchangeType::Fanout => "",
+            _ => "#",
+        }
+    }
+
+    fn kind(self) -> ExchangeKind {
+        match self {
+            ExchangeType::Direct => ExchangeKind::Direct,
+            ExchangeType::Topic => ExchangeKind::Topic,
+            ExchangeType::Fanout => ExchangeKind::Fanout,
+            ExchangeType::Headers => ExchangeKind::Headers,
+        }
+    }
+}
+
+impl fmt::Display for ExchangeType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An exchange type name that is not one of the four standard ones.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown exchange type {0:?} (expected direct, topic, fanout or headers)")]
+pub struct UnknownExchangeType(pub String);
+
+impl FromStr for ExchangeType {
+    type Err = UnknownExchangeType;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "direct" => Ok(ExchangeType::Direct),
+            "topic" => Ok(ExchangeType::Topic),
+            "fanout" => Ok(ExchangeType::Fanout),
+            "headers" => Ok(ExchangeType::Headers),
+            _ => Err(UnknownExchangeType(s.to_owned())),
+        }
+    }
+}
+
+/// Whether `error` is the broker closing the channel with `kind`.
+pub(crate) fn is_soft_error(error: &lapin::Error, kind: AMQPSoftError) -> bool {
+    matches!(error.kind(), ErrorKind::ProtocolError(e) if *e.kind() == AMQPErrorKind::Soft(kind))
+}
+
+fn topology_error(what: String) -> impl FnOnce(lapin::Error) -> AmqpError {
+    move |source| AmqpError::Topology { what, source }
+}
+
+async fn open(broker: &Broker, what: &str) -> Result<Channel, AmqpError> {
+    broker.try_channel().await.map_err(|error| {
+        debug!(%error, what, "no channel for declaration");
+        error
+    })
+}
+
+async fn close(channel: Channel) {
+    if channel.status().connected() {
+        if let Err(error) = channel.close(200, "OK".into()).await {
+            debug!(%error, "closing declaration channel");
+        }
+    }
+}
+
+/// Declares a durable queue on `channel`.
+pub async fn declare_queue_on(channel: &Channel, queue: &str) -> Result<(), AmqpError> {
+    channel
+        .queue_declare(
+            short_string(queue, "queue name")?,
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .map(drop)
+        .map_err(topology_error(format!("declaring queue {queue:?}")))
+}
+
+/// Declares a durable exchange of `kind` on `channel`.
+pub async fn declare_exchange_on(
+    channel: &Channel,
+    exchange: &str,
+    kind: ExchangeType,
+) -> Result<(), AmqpError> {
+    let options = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            short_string(exchange, "exchange name")?,
+            kind.kind(),
+            options,
+            FieldTable::default(),
+        )
+        .await
+        .map_err(topology_error(format!("declaring {kind} exchange {exchange:?}")))
+}
+
+/// Binds `queue` to `exchange` with `binding_key` on `channel`.
+pub async fn bind_queue_on(
+    channel: &Channel,
+    queue: &str,
+    exchange: &str,
+    binding_key: &str,
+) -> Result<(), AmqpError> {
+    channel
+        .queue_bind(
+            short_string(queue, "queue name")?,
+            short_string(exchange, "exchange name")?,
+            short_string(binding_key, "binding key")?,
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(topology_error(format!(
+            "binding queue {queue:?} to exchange {exchange:?} with key {binding_key:?}"
+        )))
+}
+
+/// Makes sure the durable queue `queue` exists, on a channel of its own.
+/// A queue that exists with other arguments is accepted as it is.
+pub async fn ensure_queue(broker: &Broker, queue: &str) -> Result<(), AmqpError> {
+    let channel = open(broker, "queue").await?;
+    match declare_queue_on(&channel, queue).await {
+        Ok(()) => {
+            close(channel).await;
+            Ok(())
+        }
+        Err(AmqpError::Topology { source, .. })
+            if is_soft_error(&source, AMQPSoftError::PRECONDITIONFAILED) =>
+        {
+            warn!(queue, error = %source,
+                  "queue exists with other arguments than delayd's; using it as it is");
+            let channel = open(broker, "queue").await?;
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            };
+            let result = channel
+                .queue_declare(short_string(queue, "queue name")?, passive, FieldTable::default())
+                .await
+                .map(drop)
+                .map_err(topology_error(format!("checking queue {queue:?}")));
+            close(channel).await;
+            result
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// Makes sure `queue` exists and, when `exchange` is given, that the durable
+/// exchange of type `kind` exists and is bound to the queue with each of
+/// `binding_keys`.
+pub async fn ensure_bound_queue(
+    broker: &Broker,
+    queue: &str,
+    exchange: Option<(&str, ExchangeType, &[String])>,
+) -> Result<(), AmqpError> {
+    ensure_queue(broker, queue).await?;
+    let Some((exchange, kind, binding_keys)) = exchange else {
+        return Ok(());
+    };
+    let channel = open(broker, "exchange").await?;
+    let result = async {
+        declare_exchange_on(&channel, exchange, kind).await?;
+        for key in binding_keys {
+            bind_queue_on(&channel, queue, exchange, key).await?;
+        }
+        Ok(())
+    }
+    .await;
+    close(channel).await;
+    result
+}
+
+/// Checks that `exchange` exists, without creating it.
+pub async fn exchange_exists(broker: &Broker, exchange: &str) -> Result<bool, AmqpError> {
+    let channel = open(broker, "exchange check").await?;
+    let options = ExchangeDeclareOptions {
+        passive: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    let result = channel
+        .exchange_declare(
+            short_string(exchange, "exchange name")?,
+            ExchangeKind::Direct,
+            options,
+            FieldTable::default(),
+        )
+        .await;
+    match result {
+        Ok(()) => {
+            close(channel).await;
+            Ok(true)
+        }
+        Err(error) if is_soft_error(&error, AMQPSoftError::NOTFOUND) => Ok(false),
+        Err(source) => Err(AmqpError::Topology {
+            what: format!("checking exchange {exchange:?}"),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exchange_types_parse_and_print() {
+        for t in [
+            ExchangeType::Direct,
+            ExchangeType::Topic,
+            ExchangeType::Fanout,
+            ExchangeType::Headers,
+        ] {
+            assert_eq!(t.as_str().parse::<ExchangeType>(), Ok(t));
+            assert_eq!(t.to_string(), t.as_str());
+        }
+        assert_eq!("TOPIC".parse::<ExchangeType>(), Ok(ExchangeType::Topic));
+        assert!("x-delayed-message".parse::<ExchangeType>().is_err());
+        assert_eq!(ExchangeType::Fanout.default_binding_key(), "");
+        assert_eq!(ExchangeType::Topic.default_binding_key(), "#");
+    }
+}

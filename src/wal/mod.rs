@@ -1,0 +1,394 @@
+//! The write-ahead log: delayd's only source of truth.
+//!
+//! # On-disk format
+//!
+//! The log is a directory of segment files named `wal-<first_seq>.log`, where
+//! `first_seq` is the 20-digit, zero-padded sequence number of the segment's
+//! first frame, so names sort in log order. Each segment starts with a 16-byte
+//! header (`b"DELAYDWL"`, format version `u32` LE, 4 reserved zero bytes) and
+//! then holds frames back to back:
+//!
+//! ```text
+//! +---------+---------+------+---------+----------------------+
+//! | len u32 | crc u32 | type | seq u64 | payload (len-9 bytes) |
+//! +---------+---------+------+---------+----------------------+
+//! ```
+//!
+//! All integers are little-endian. `len` counts `type + seq + payload`;
+//! `crc` is CRC32C over `len`, `type`, `seq` and `payload`. `seq` increases by
+//! one per frame across the whole log. Record types:
+//!
+//! - `1 Schedule`: `id u64 | due_ms u64 | route_len u16 | route | message`.
+//!   `id` is the `seq` of the message's first Schedule frame and never changes,
+//!   even when compaction copies the record to a newer segment.
+//! - `2 Done`: `id u64 | segment u64`: the message left delayd (delivered,
+//!   cancelled or dead-lettered); `segment` is the `first_seq` of the segment
+//!   that held its Schedule frame when it was written.
+//!
+//! # Writing
+//!
+//! One writer thread owns the head segment. Appenders send records over a
+//! channel; the writer takes every record that is waiting (a batch), writes
+//! them with one `write`, issues one `fdatasync`, and only then tells each
+//! appender its record is durable (group commit). A segment is sealed when it
+//! passes `segment_bytes`; the new file and the directory are fsynced before
+//! any record in it is acknowledged.
+//!
+//! # Crash rules
+//!
+//! - Only records whose batch was fsynced were acknowledged, so only the last
+//!   segment can end in a torn write. On recovery a bad frame (short, zero
+//!   length, over-long, bad CRC, sequence going backwards) in the last segment
+//!   with no valid frame after it is a torn tail: the file is truncated there
+//!   and fsynced. A zero-filled (preallocated) tail is a torn tail too.
+//! - A bad frame anywhere else is corruption: it is reported with segment and
+//!   offset and counted, then either skipped (delayd resynchronises on the next
+//!   valid frame) or refused (recovery fails), as `on_corruption` says. It
+//!   never panics.
+//! - A write error (for example `ENOSPC`) fails the batch and cuts the file
+//!   back to where the batch began, so no half-written batch sits in front of
+//!   later records. An `fsync` error is fatal: the log stops accepting writes
+//!   and the process must exit. It never retries an `fsync`, because the kernel
+//!   may already have dropped the dirty pages.
+//! - A message is live from its Schedule until a Done with its id. Recovery
+//!   replays frames in order: a later Schedule with the same id (a compaction
+//!   copy) replaces the earlier one; a Done removes it.
+//!
+//! # Space
+//!
+//! A sealed segment can be deleted once it holds no live Schedule and every
+//! segment its Done frames point to is gone (otherwise a deleted Done would let
+//! an older Schedule come back). A sealed segment whose live fraction falls
+//! under a threshold is compacted: its live Schedules, and the Dones still
+//! needed, are appended again at the head, fsynced, and the segment is deleted.
+//! The directory is fsynced after every create and delete.
+
+mod frame;
+mod reader;
+mod recovery;
+mod segments;
+mod writer;
+
+pub use frame::{Record, RecordRef, SCHEDULE_OVERHEAD};
+pub use recovery::{Corruption, RecoveryReport};
+pub use segments::{SegmentInfo, SpaceReport};
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+
+use self::segments::SegmentTable;
+use self::writer::{AppendRequest, Writer};
+
+/// Where a Schedule frame sits: segment ordinal and byte offset of the frame.
+/// Ordinals are assigned in log order at open time and never reused in a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WalPos {
+    pub segment: u32,
+    pub offset: u32,
+}
+
+/// What to do with a corrupt frame in a sealed segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnCorruption {
+    /// Report it, count it, and carry on with the next valid frame.
+    Skip,
+    /// Refuse to open the log.
+    Refuse,
+}
+
+#[derive(Debug, Clone)]
+pub struct WalConfig {
+    pub dir: PathBuf,
+    /// A segment is sealed once it grows past this many bytes.
+    pub segment_bytes: u64,
+    /// Largest frame accepted on append and believed on recovery.
+    pub max_record_bytes: u32,
+    /// A sealed segment with fewer live records than this fraction is compacted.
+    pub compact_below: f64,
+    pub on_corruption: OnCorruption,
+    /// Most bytes written per group commit.
+    pub max_batch_bytes: usize,
+}
+
+impl WalConfig {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            segment_bytes: 64 << 20,
+            max_record_bytes: 16 << 20,
+            compact_below: 0.5,
+            on_corruption: OnCorruption::Skip,
+            max_batch_bytes: 4 << 20,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WalError {
+    #[error("WAL I/O error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no space left for the WAL in {0} (writes resume when space frees up)")]
+    DiskFull(PathBuf),
+    #[error("WAL fsync failed on {path}: {source}; the log is stopped and delayd must exit")]
+    Fatal {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the WAL is stopped after a fatal error")]
+    Stopped,
+    #[error("record of {size} bytes exceeds max_record_bytes ({max})")]
+    TooLarge { size: usize, max: u32 },
+    #[error("corrupt WAL frame in {segment} at offset {offset}: {reason}")]
+    Corrupt {
+        segment: PathBuf,
+        offset: u64,
+        reason: String,
+    },
+    #[error("WAL segment ordinal {0} is gone")]
+    NoSegment(u32),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl WalError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        if source.raw_os_error() == Some(28) {
+            // ENOSPC
+            WalError::DiskFull(path.to_path_buf())
+        } else {
+            WalError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    }
+
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, WalError::Fatal { .. } | WalError::Stopped)
+    }
+}
+
+/// A record made durable by an append.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Appended {
+    /// The message id (for a Schedule) or the frame's own seq (for a Done).
+    pub id: u64,
+    pub pos: WalPos,
+}
+
+/// Handle to the log. Cheap to clone.
+#[derive(Clone)]
+pub struct Wal {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    config: WalConfig,
+    segments: Arc<Mutex<SegmentTable>>,
+    writer: Writer,
+}
+
+impl Wal {
+    /// Open (or create) the log, replaying every frame through `visit` in log
+    /// order, then start the writer on a fresh head segment.
+    pub fn open(
+        config: WalConfig,
+        visit: impl FnMut(RecordRef<'_>, WalPos),
+    ) -> Result<(Wal, RecoveryReport), WalError> {
+        std::fs::create_dir_all(&config.dir).map_err(|e| WalError::io(&config.dir, e))?;
+        let (table, report) = recovery::recover(&config, visit)?;
+        let segments = Arc::new(Mutex::new(table));
+        let writer = Writer::start(config.clone(), segments.clone(), report.next_seq)?;
+        Ok((
+            Wal {
+                shared: Arc::new(Shared {
+                    config,
+                    segments,
+                    writer,
+                }),
+            },
+            report,
+        ))
+    }
+
+    pub fn config(&self) -> &WalConfig {
+        &self.shared.config
+    }
+
+    /// Append a new Schedule. Resolves with its id and position once durable.
+    pub fn append_schedule(
+        &self,
+        due_ms: u64,
+        route: &str,
+        message: Vec<u8>,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        self.check_size(route, &message)?;
+        self.shared
+            .writer
+            .send(AppendRequest::schedule(None, due_ms, route, message))
+    }
+
+    /// Append a compaction copy of an existing Schedule (same id).
+    pub fn append_copy(
+        &self,
+        id: u64,
+        due_ms: u64,
+        route: &str,
+        message: Vec<u8>,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        self.shared
+            .writer
+            .send(AppendRequest::schedule(Some(id), due_ms, route, message))
+    }
+
+    /// Append a Done for the message whose Schedule sits at `pos`, and count
+    /// that Schedule as dead. Durability is not awaited by callers that can
+    /// accept a republish after a crash (the at-least-once window).
+    pub fn append_done(
+        &self,
+        id: u64,
+        pos: WalPos,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        let first_seq = {
+            let mut table = self.shared.segments.lock().expect("segment table poisoned");
+            table.mark_dead(pos.segment);
+            table
+                .first_seq(pos.segment)
+                .ok_or(WalError::NoSegment(pos.segment))?
+        };
+        self.shared.writer.send(AppendRequest::done(id, first_seq))
+    }
+
+    /// Re-append a Done copied out of a segment being compacted.
+    pub(crate) fn append_done_copy(
+        &self,
+        id: u64,
+        schedule_segment_first_seq: u64,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        self.shared
+            .writer
+            .send(AppendRequest::done(id, schedule_segment_first_seq))
+    }
+
+    /// Count a Schedule as dead without writing a Done (its Done already exists).
+    pub fn mark_dead(&self, pos: WalPos) {
+        self.segments().mark_dead(pos.segment);
+    }
+
+    /// Read the Schedule frame at `pos`.
+    pub fn read(&self, pos: WalPos) -> Result<Record, WalError> {
+        let (file, path) = self
+            .segments()
+            .file(pos.segment)
+            .ok_or(WalError::NoSegment(pos.segment))?;
+        reader::read_frame_at(
+            &file,
+            &path,
+            pos.offset as u64,
+            self.shared.config.max_record_bytes,
+        )
+    }
+
+    /// Every frame of a sealed segment with its offset (for compaction and inspection).
+    pub fn scan_segment(&self, segment: u32) -> Result<Vec<(u32, Record)>, WalError> {
+        let (file, path) = self
+            .segments()
+            .file(segment)
+            .ok_or(WalError::NoSegment(segment))?;
+        reader::scan_file(&file, &path, self.shared.config.max_record_bytes)
+    }
+
+    /// Set the live-record counts after recovery (the caller knows liveness).
+    pub fn set_live_counts(&self, live: impl IntoIterator<Item = WalPos>) {
+        let mut table = self.segments();
+        table.clear_live();
+        for pos in live {
+            table.add_live(pos.segment);
+        }
+    }
+
+    /// Delete every sealed segment that no longer holds anything needed.
+    /// Returns how many were deleted.
+    pub fn collect_garbage(&self) -> Result<usize, WalError> {
+        let deletable = self.segments().deletable();
+        let mut deleted = 0;
+        for ordinal in deletable {
+            let removed = self.segments().remove(ordinal);
+            if let Some(path) = removed {
+                std::fs::remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+                deleted += 1;
+            }
+        }
+        if deleted > 0 {
+            segments::sync_dir(&self.shared.config.dir)?;
+        }
+        Ok(deleted)
+    }
+
+    /// The sealed segment most worth compacting, if any is under the threshold.
+    pub fn compaction_candidate(&self) -> Option<u32> {
+        self.segments()
+            .compaction_candidate(self.shared.config.compact_below)
+    }
+
+    /// The first_seq of a segment ordinal (for Done references).
+    pub fn segment_first_seq(&self, segment: u32) -> Option<u64> {
+        self.segments().first_seq(segment)
+    }
+
+    /// Whether the segment with this first_seq still exists.
+    pub fn segment_exists(&self, first_seq: u64) -> bool {
+        self.segments().ordinal_of(first_seq).is_some()
+    }
+
+    /// Drop a segment after compaction moved everything needed out of it.
+    pub fn remove_compacted(&self, segment: u32) -> Result<(), WalError> {
+        if let Some(path) = self.segments().remove(segment) {
+            std::fs::remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+            segments::sync_dir(&self.shared.config.dir)?;
+        }
+        Ok(())
+    }
+
+    pub fn space(&self) -> SpaceReport {
+        self.segments().space()
+    }
+
+    pub fn segment_infos(&self) -> Vec<SegmentInfo> {
+        self.segments().infos()
+    }
+
+    /// True once an fsync failed: the process must exit.
+    pub fn is_stopped(&self) -> bool {
+        self.shared.writer.is_stopped()
+    }
+
+    /// Wait for everything sent so far to be durable, then stop the writer.
+    pub fn close(&self) -> Result<(), WalError> {
+        self.shared.writer.close()
+    }
+
+    fn segments(&self) -> std::sync::MutexGuard<'_, SegmentTable> {
+        self.shared.segments.lock().expect("segment table poisoned")
+    }
+
+    fn check_size(&self, route: &str, message: &[u8]) -> Result<(), WalError> {
+        let size = frame::HEADER_BYTES + SCHEDULE_OVERHEAD + route.len() + message.len();
+        let max = self.shared.config.max_record_bytes;
+        if size > max as usize || route.len() > u16::MAX as usize {
+            return Err(WalError::TooLarge { size, max });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

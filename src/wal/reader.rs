@@ -1,0 +1,145 @@
+//! Reading frames back: single records for firing, whole segments for
+//! recovery, compaction and inspection.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use super::frame::{self, FrameError, Record, RecordRef};
+use super::WalError;
+
+/// Read the frame at `offset` of a segment.
+pub fn read_frame_at(
+    file: &File,
+    path: &Path,
+    offset: u64,
+    max_record_bytes: u32,
+) -> Result<Record, WalError> {
+    let corrupt = |reason: String| WalError::Corrupt {
+        segment: path.to_path_buf(),
+        offset,
+        reason,
+    };
+    let mut header = [0u8; frame::HEADER_BYTES];
+    file.read_exact_at(&mut header, offset)
+        .map_err(|e| WalError::io(path, e))?;
+    let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+    if len < frame::MIN_LEN || len > max_record_bytes {
+        return Err(corrupt(FrameError::BadLength(len).to_string()));
+    }
+    let mut buf = vec![0u8; frame::HEADER_BYTES + len as usize];
+    file.read_exact_at(&mut buf, offset)
+        .map_err(|e| WalError::io(path, e))?;
+    let (record, _) = frame::parse(&buf, max_record_bytes).map_err(|e| corrupt(e.to_string()))?;
+    Ok(record.to_owned())
+}
+
+/// Read a whole segment file into memory.
+pub fn read_all(file: &File, path: &Path) -> Result<Vec<u8>, WalError> {
+    let len = file.metadata().map_err(|e| WalError::io(path, e))?.len();
+    let mut buf = vec![0u8; len as usize];
+    file.read_exact_at(&mut buf, 0)
+        .map_err(|e| WalError::io(path, e))?;
+    Ok(buf)
+}
+
+/// Every valid frame of a segment with its offset; bad frames are logged and
+/// skipped (the segment was already vetted by recovery).
+pub fn scan_file(
+    file: &File,
+    path: &Path,
+    max_record_bytes: u32,
+) -> Result<Vec<(u32, Record)>, WalError> {
+    let buf = read_all(file, path)?;
+    let mut out = Vec::new();
+    for item in Scanner::new(&buf, max_record_bytes) {
+        match item {
+            ScanItem::Frame { offset, record } => out.push((offset as u32, record.to_owned())),
+            ScanItem::Bad { offset, reason, .. } => {
+                tracing::warn!(segment = %path.display(), offset, %reason, "skipping bad WAL frame")
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub enum ScanItem<'a> {
+    Frame {
+        offset: u64,
+        record: RecordRef<'a>,
+    },
+    /// A bad frame at `offset`; scanning resumes at `resumes_at` (the next
+    /// valid frame) or, if `None`, nothing valid follows.
+    Bad {
+        offset: u64,
+        reason: FrameError,
+        resumes_at: Option<u64>,
+    },
+}
+
+/// Walks the frames of a segment buffer, resynchronising after bad ones.
+pub struct Scanner<'a> {
+    buf: &'a [u8],
+    offset: usize,
+    last_seq: u64,
+    max_record_bytes: u32,
+}
+
+impl<'a> Scanner<'a> {
+    /// Scan `buf`, a whole segment including its header.
+    pub fn new(buf: &'a [u8], max_record_bytes: u32) -> Self {
+        Self {
+            buf,
+            offset: (frame::SEGMENT_HEADER_BYTES as usize).min(buf.len()),
+            last_seq: 0,
+            max_record_bytes,
+        }
+    }
+
+    pub fn with_last_seq(mut self, last_seq: u64) -> Self {
+        self.last_seq = last_seq;
+        self
+    }
+
+    pub fn last_seq(&self) -> u64 {
+        self.last_seq
+    }
+
+    fn valid_at(&self, at: usize) -> Result<(RecordRef<'a>, usize), FrameError> {
+        let (record, size) = frame::parse(&self.buf[at..], self.max_record_bytes)?;
+        if record.seq() <= self.last_seq {
+            return Err(FrameError::BadPayload("sequence number went backwards"));
+        }
+        Ok((record, size))
+    }
+}
+
+impl<'a> Iterator for Scanner<'a> {
+    type Item = ScanItem<'a>;
+
+    fn next(&mut self) -> Option<ScanItem<'a>> {
+        if self.offset >= self.buf.len() {
+            return None;
+        }
+        let at = self.offset;
+        match self.valid_at(at) {
+            Ok((record, size)) => {
+                self.last_seq = record.seq();
+                self.offset += size;
+                Some(ScanItem::Frame {
+                    offset: at as u64,
+                    record,
+                })
+            }
+            Err(reason) => {
+                let resumes_at = (at + 1..self.buf.len()).find(|&j| self.valid_at(j).is_ok());
+                self.offset = resumes_at.unwrap_or(self.buf.len());
+                Some(ScanItem::Bad {
+                    offset: at as u64,
+                    reason,
+                    resumes_at: resumes_at.map(|j| j as u64),
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! Opening the log after a clean stop or a crash: replay every segment,
+//! truncate a torn tail, report corruption.
+
+use std::fs::{File, OpenOptions};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::frame::{self, RecordRef};
+use super::reader::{self, ScanItem, Scanner};
+use super::segments::{parse_segment_name, sync_dir, SegmentTable};
+use super::{OnCorruption, WalConfig, WalError, WalPos};
+
+/// A bad frame found during recovery.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Corruption {
+    pub segment: PathBuf,
+    pub offset: u64,
+    pub reason: String,
+    /// Bytes skipped to reach the next valid frame (to the end if none).
+    pub skipped_bytes: u64,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RecoveryReport {
+    pub segments: usize,
+    pub schedules: u64,
+    pub dones: u64,
+    /// Bytes cut from the end of the last segment (a torn or zero-filled tail).
+    pub truncated_bytes: u64,
+    pub corruptions: Vec<Corruption>,
+    /// The seq the next appended frame gets.
+    pub next_seq: u64,
+    pub elapsed: Duration,
+}
+
+pub fn recover(
+    config: &WalConfig,
+    mut visit: impl FnMut(RecordRef<'_>, WalPos),
+) -> Result<(SegmentTable, RecoveryReport), WalError> {
+    let started = Instant::now();
+    let mut report = RecoveryReport::default();
+    let mut table = SegmentTable::default();
+    let files = list_segments(config)?;
+    let mut last_seq = 0u64;
+    let count = files.len();
+    for (index, (first_seq, path)) in files.into_iter().enumerate() {
+        let is_last = index + 1 == count;
+        let file = File::open(&path).map_err(|e| WalError::io(&path, e))?;
+        let buf = reader::read_all(&file, &path)?;
+        if !header_ok(&buf) {
+            if is_last && buf[..buf.len().min(16)].iter().all(|&b| b == 0) {
+                // Created but its header never reached the disk: nothing in it.
+                tracing::warn!(segment = %path.display(), "removing WAL segment with a torn header");
+                std::fs::remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+                sync_dir(&config.dir)?;
+                continue;
+            }
+            let corruption = Corruption {
+                segment: path.clone(),
+                offset: 0,
+                reason: "bad segment header".into(),
+                skipped_bytes: buf.len() as u64,
+            };
+            handle_corruption(config, &mut report, corruption)?;
+            continue;
+        }
+        let ordinal = table.add(first_seq, path.clone(), Arc::new(file), buf.len() as u64);
+        let mut frames = 0u64;
+        let mut cut_at = None;
+        let mut scanner = Scanner::new(&buf, config.max_record_bytes).with_last_seq(last_seq);
+        while let Some(item) = scanner.next() {
+            match item {
+                ScanItem::Frame { offset, record } => {
+                    frames += 1;
+                    let pos = WalPos {
+                        segment: ordinal,
+                        offset: offset as u32,
+                    };
+                    match record {
+                        RecordRef::Schedule { .. } => {
+                            report.schedules += 1;
+                            table.record_schedule(ordinal);
+                        }
+                        RecordRef::Done { segment, .. } => {
+                            report.dones += 1;
+                            table.record_done(ordinal, segment);
+                        }
+                    }
+                    visit(record, pos);
+                }
+                ScanItem::Bad {
+                    offset,
+                    reason,
+                    resumes_at: None,
+                } if is_last => {
+                    tracing::warn!(segment = %path.display(), offset, %reason, "truncating torn WAL tail");
+                    cut_at = Some(offset);
+                }
+                ScanItem::Bad {
+                    offset,
+                    reason,
+                    resumes_at,
+                } => {
+                    let end = resumes_at.unwrap_or(buf.len() as u64);
+                    let corruption = Corruption {
+                        segment: path.clone(),
+                        offset,
+                        reason: reason.to_string(),
+                        skipped_bytes: end - offset,
+                    };
+                    handle_corruption(config, &mut report, corruption)?;
+                }
+            }
+        }
+        last_seq = last_seq.max(scanner.last_seq());
+        if let Some(cut) = cut_at {
+            truncate(&path, cut)?;
+            report.truncated_bytes += buf.len() as u64 - cut;
+            table.set_bytes(ordinal, cut);
+        }
+        if is_last && frames == 0 {
+            // An empty head from the previous run: the new head replaces it.
+            table.remove(ordinal);
+            std::fs::remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+            sync_dir(&config.dir)?;
+            last_seq = last_seq.max(first_seq.saturating_sub(1));
+            continue;
+        }
+        report.segments += 1;
+        last_seq = last_seq.max(first_seq.saturating_sub(1));
+    }
+    table.seal_all();
+    report.next_seq = last_seq + 1;
+    report.elapsed = started.elapsed();
+    Ok((table, report))
+}
+
+fn header_ok(buf: &[u8]) -> bool {
+    buf.len() >= frame::SEGMENT_HEADER_BYTES as usize
+        && &buf[..8] == frame::SEGMENT_MAGIC
+        && buf[8..12] == frame::SEGMENT_VERSION.to_le_bytes()
+}
+
+fn handle_corruption(
+    config: &WalConfig,
+    report: &mut RecoveryReport,
+    corruption: Corruption,
+) -> Result<(), WalError> {
+    tracing::error!(
+        segment = %corruption.segment.display(),
+        offset = corruption.offset,
+        reason = %corruption.reason,
+        skipped_bytes = corruption.skipped_bytes,
+        "corrupt WAL frame"
+    );
+    metrics::counter!("delayd_wal_corrupt_frames_total").increment(1);
+    match config.on_corruption {
+        OnCorruption::Skip => {
+            report.corruptions.push(corruption);
+            Ok(())
+        }
+        OnCorruption::Refuse => Err(WalError::Corrupt {
+            segment: corruption.segment,
+            offset: corruption.offset,
+            reason: format!(
+                "{} (set wal.on_corruption = \"skip\" to start anyway)",
+                corruption.reason
+            ),
+        }),
+    }
+}
+
+fn truncate(path: &PathBuf, len: u64) -> Result<(), WalError> {
+    let file = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(|e| WalError::io(path, e))?;
+    file.set_len(len).map_err(|e| WalError::io(path, e))?;
+    file.sync_all().map_err(|source| WalError::Fatal {
+        path: path.clone(),
+        source,
+    })
+}
+
+fn list_segments(config: &WalConfig) -> Result<Vec<(u64, PathBuf)>, WalError> {
+    let dir = &config.dir;
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| WalError::io(dir, e))? {
+        let entry = entry.map_err(|e| WalError::io(dir, e))?;
+        if let Some(seq) = entry.file_name().to_str().and_then(parse_segment_name) {
+            out.push((seq, entry.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}

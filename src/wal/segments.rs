@@ -1,0 +1,295 @@
+//! The in-memory table of segments: files, live counts and the rules for
+//! deleting and compacting them.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::WalError;
+
+pub fn segment_name(first_seq: u64) -> String {
+    format!("wal-{first_seq:020}.log")
+}
+
+pub fn parse_segment_name(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("wal-")?.strip_suffix(".log")?;
+    if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// fsync a directory so that creates and deletes in it are durable.
+pub fn sync_dir(dir: &Path) -> Result<(), WalError> {
+    let d = File::open(dir).map_err(|e| WalError::io(dir, e))?;
+    d.sync_all().map_err(|source| WalError::Fatal {
+        path: dir.to_path_buf(),
+        source,
+    })
+}
+
+struct Segment {
+    first_seq: u64,
+    path: PathBuf,
+    file: Arc<File>,
+    bytes: u64,
+    schedules: u64,
+    live: u64,
+    /// first_seq of other segments holding Schedules that this one's Dones retire.
+    refs: BTreeSet<u64>,
+    sealed: bool,
+}
+
+/// Public view of a segment, for metrics and `wal inspect`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SegmentInfo {
+    pub first_seq: u64,
+    pub path: PathBuf,
+    pub bytes: u64,
+    pub schedules: u64,
+    pub live: u64,
+    pub sealed: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct SpaceReport {
+    pub segments: usize,
+    pub bytes: u64,
+    /// Estimated bytes of live Schedule records (by each segment's live fraction).
+    pub live_bytes: u64,
+    pub live_records: u64,
+}
+
+#[derive(Default)]
+pub struct SegmentTable {
+    segments: BTreeMap<u32, Segment>,
+    by_first_seq: BTreeMap<u64, u32>,
+    next_ordinal: u32,
+}
+
+impl SegmentTable {
+    pub fn add(&mut self, first_seq: u64, path: PathBuf, file: Arc<File>, bytes: u64) -> u32 {
+        let ordinal = self.next_ordinal;
+        self.next_ordinal += 1;
+        self.by_first_seq.insert(first_seq, ordinal);
+        self.segments.insert(
+            ordinal,
+            Segment {
+                first_seq,
+                path,
+                file,
+                bytes,
+                schedules: 0,
+                live: 0,
+                refs: BTreeSet::new(),
+                sealed: false,
+            },
+        );
+        ordinal
+    }
+
+    pub fn seal(&mut self, ordinal: u32) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            s.sealed = true;
+        }
+    }
+
+    pub fn seal_all(&mut self) {
+        for s in self.segments.values_mut() {
+            s.sealed = true;
+        }
+    }
+
+    pub fn set_bytes(&mut self, ordinal: u32, bytes: u64) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            s.bytes = bytes;
+        }
+    }
+
+    /// A Schedule frame landed in `ordinal` and is live.
+    pub fn record_schedule(&mut self, ordinal: u32) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            s.schedules += 1;
+            s.live += 1;
+        }
+    }
+
+    /// A Done frame landed in `ordinal`, retiring a Schedule in segment `target`.
+    pub fn record_done(&mut self, ordinal: u32, target_first_seq: u64) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            if s.first_seq != target_first_seq {
+                s.refs.insert(target_first_seq);
+            }
+        }
+    }
+
+    pub fn mark_dead(&mut self, ordinal: u32) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            s.live = s.live.saturating_sub(1);
+        }
+    }
+
+    pub fn clear_live(&mut self) {
+        for s in self.segments.values_mut() {
+            s.live = 0;
+        }
+    }
+
+    pub fn add_live(&mut self, ordinal: u32) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            s.live += 1;
+        }
+    }
+
+    pub fn first_seq(&self, ordinal: u32) -> Option<u64> {
+        self.segments.get(&ordinal).map(|s| s.first_seq)
+    }
+
+    pub fn ordinal_of(&self, first_seq: u64) -> Option<u32> {
+        self.by_first_seq.get(&first_seq).copied()
+    }
+
+    pub fn file(&self, ordinal: u32) -> Option<(Arc<File>, PathBuf)> {
+        self.segments
+            .get(&ordinal)
+            .map(|s| (s.file.clone(), s.path.clone()))
+    }
+
+    /// Sealed segments with no live Schedule whose Dones are no longer needed.
+    pub fn deletable(&self) -> Vec<u32> {
+        // Deleting one segment can free another (its refs), so iterate to a fixpoint.
+        let mut gone: BTreeSet<u64> = BTreeSet::new();
+        let mut out = Vec::new();
+        loop {
+            let before = out.len();
+            for (&ordinal, s) in &self.segments {
+                if !s.sealed || s.live > 0 || gone.contains(&s.first_seq) {
+                    continue;
+                }
+                let refs_ok = s
+                    .refs
+                    .iter()
+                    .all(|r| gone.contains(r) || !self.by_first_seq.contains_key(r));
+                if refs_ok {
+                    gone.insert(s.first_seq);
+                    out.push(ordinal);
+                }
+            }
+            if out.len() == before {
+                return out;
+            }
+        }
+    }
+
+    /// The sealed segment with live records whose live fraction is lowest and
+    /// under `threshold`.
+    pub fn compaction_candidate(&self, threshold: f64) -> Option<u32> {
+        self.segments
+            .iter()
+            .filter(|(_, s)| s.sealed && s.live > 0 && s.schedules > 0)
+            .map(|(&o, s)| (o, s.live as f64 / s.schedules as f64))
+            .filter(|&(_, frac)| frac < threshold)
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(o, _)| o)
+    }
+
+    pub fn remove(&mut self, ordinal: u32) -> Option<PathBuf> {
+        let s = self.segments.remove(&ordinal)?;
+        self.by_first_seq.remove(&s.first_seq);
+        Some(s.path)
+    }
+
+    pub fn space(&self) -> SpaceReport {
+        let mut r = SpaceReport {
+            segments: self.segments.len(),
+            ..SpaceReport::default()
+        };
+        for s in self.segments.values() {
+            r.bytes += s.bytes;
+            r.live_records += s.live;
+            if s.schedules > 0 {
+                r.live_bytes += (s.bytes as f64 * s.live as f64 / s.schedules as f64) as u64;
+            }
+        }
+        r
+    }
+
+    pub fn infos(&self) -> Vec<SegmentInfo> {
+        self.segments
+            .values()
+            .map(|s| SegmentInfo {
+                first_seq: s.first_seq,
+                path: s.path.clone(),
+                bytes: s.bytes,
+                schedules: s.schedules,
+                live: s.live,
+                sealed: s.sealed,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table_with(n: u64) -> (SegmentTable, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut t = SegmentTable::default();
+        for i in 0..n {
+            let path = dir.path().join(segment_name(i * 100 + 1));
+            let file = Arc::new(File::create(&path).unwrap());
+            t.add(i * 100 + 1, path, file, 1000);
+        }
+        (t, dir)
+    }
+
+    #[test]
+    fn names_round_trip() {
+        assert_eq!(parse_segment_name(&segment_name(42)), Some(42));
+        assert_eq!(parse_segment_name("wal-42.log"), None);
+        assert_eq!(parse_segment_name("other"), None);
+    }
+
+    #[test]
+    fn dead_segment_waits_for_the_schedules_its_dones_retire() {
+        let (mut t, _dir) = table_with(3);
+        t.seal(0);
+        t.seal(1);
+        t.record_schedule(0); // live message in segment 0
+        t.record_schedule(0);
+        t.mark_dead(0); // one of them done, Done written in segment 1
+        t.record_done(1, 1);
+        assert_eq!(t.deletable(), Vec::<u32>::new());
+        t.mark_dead(0);
+        // Both segments free now: 0 has nothing live, 1's Done target goes too.
+        let mut d = t.deletable();
+        d.sort();
+        assert_eq!(d, vec![0, 1]);
+    }
+
+    #[test]
+    fn head_is_never_deletable() {
+        let (t, _dir) = table_with(1);
+        assert!(t.deletable().is_empty());
+    }
+
+    #[test]
+    fn sparse_segment_is_a_compaction_candidate() {
+        let (mut t, _dir) = table_with(3);
+        t.seal_all();
+        for _ in 0..10 {
+            t.record_schedule(0);
+            t.record_schedule(1);
+        }
+        for _ in 0..9 {
+            t.mark_dead(0);
+        }
+        for _ in 0..4 {
+            t.mark_dead(1);
+        }
+        assert_eq!(t.compaction_candidate(0.5), Some(0));
+        assert_eq!(t.compaction_candidate(0.05), None);
+    }
+}

@@ -1,0 +1,334 @@
+//! The single writer thread: batches appends, one fdatasync per batch.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use tokio::sync::oneshot;
+
+use super::frame;
+use super::segments::{segment_name, sync_dir, SegmentTable};
+use super::{Appended, WalConfig, WalError, WalPos};
+
+type Reply = oneshot::Sender<Result<Appended, WalError>>;
+
+pub enum AppendRequest {
+    Schedule {
+        /// `Some` for a compaction copy, which keeps its id.
+        id: Option<u64>,
+        due_ms: u64,
+        route: String,
+        message: Vec<u8>,
+    },
+    Done {
+        id: u64,
+        segment: u64,
+    },
+}
+
+impl AppendRequest {
+    pub fn schedule(id: Option<u64>, due_ms: u64, route: &str, message: Vec<u8>) -> Self {
+        AppendRequest::Schedule {
+            id,
+            due_ms,
+            route: route.to_owned(),
+            message,
+        }
+    }
+
+    pub fn done(id: u64, segment: u64) -> Self {
+        AppendRequest::Done { id, segment }
+    }
+
+    fn size(&self) -> usize {
+        match self {
+            AppendRequest::Schedule { route, message, .. } => 64 + route.len() + message.len(),
+            AppendRequest::Done { .. } => 40,
+        }
+    }
+}
+
+enum Command {
+    Append(AppendRequest, Reply),
+    /// Everything sent before this is durable when the reply comes.
+    Close(oneshot::Sender<Result<(), WalError>>),
+}
+
+pub struct Writer {
+    tx: Mutex<Option<mpsc::Sender<Command>>>,
+    stopped: Arc<AtomicBool>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Writer {
+    pub fn start(
+        config: WalConfig,
+        segments: Arc<Mutex<SegmentTable>>,
+        next_seq: u64,
+    ) -> Result<Self, WalError> {
+        let stopped = Arc::new(AtomicBool::new(false));
+        let mut state = WriterState {
+            config,
+            segments,
+            file: None,
+            head: 0,
+            head_bytes: 0,
+            next_seq,
+            buf: Vec::with_capacity(1 << 20),
+            stopped: stopped.clone(),
+        };
+        state.rotate()?;
+        let (tx, rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("delayd-wal-writer".into())
+            .spawn(move || state.run(rx))
+            .map_err(|e| WalError::Invalid(format!("cannot start WAL writer thread: {e}")))?;
+        Ok(Self {
+            tx: Mutex::new(Some(tx)),
+            stopped,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    pub fn send(
+        &self,
+        request: AppendRequest,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        if self.is_stopped() {
+            return Err(WalError::Stopped);
+        }
+        let (reply, rx) = oneshot::channel();
+        let guard = self.tx.lock().expect("writer sender poisoned");
+        let tx = guard.as_ref().ok_or(WalError::Stopped)?;
+        tx.send(Command::Append(request, reply))
+            .map_err(|_| WalError::Stopped)?;
+        Ok(rx)
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+
+    pub fn close(&self) -> Result<(), WalError> {
+        let Some(tx) = self.tx.lock().expect("writer sender poisoned").take() else {
+            return Ok(());
+        };
+        let (reply, rx) = oneshot::channel();
+        let sent = tx.send(Command::Close(reply)).is_ok();
+        drop(tx);
+        let result = if sent {
+            rx.blocking_recv().unwrap_or(Err(WalError::Stopped))
+        } else {
+            Err(WalError::Stopped)
+        };
+        if let Some(handle) = self.thread.lock().expect("writer thread poisoned").take() {
+            let _ = handle.join();
+        }
+        result
+    }
+}
+
+struct WriterState {
+    config: WalConfig,
+    segments: Arc<Mutex<SegmentTable>>,
+    file: Option<(File, PathBuf)>,
+    head: u32,
+    head_bytes: u64,
+    next_seq: u64,
+    buf: Vec<u8>,
+    stopped: Arc<AtomicBool>,
+}
+
+/// One record of a batch, waiting for the batch's fsync.
+struct Pending {
+    reply: Reply,
+    appended: Appended,
+    done_target: Option<u64>,
+}
+
+impl WriterState {
+    fn run(mut self, rx: mpsc::Receiver<Command>) {
+        let mut batch: Vec<(AppendRequest, Reply)> = Vec::new();
+        while let Ok(first) = rx.recv() {
+            let mut close = None;
+            let mut bytes = 0;
+            let mut next = Some(first);
+            while let Some(cmd) = next.take() {
+                match cmd {
+                    Command::Append(req, reply) => {
+                        bytes += req.size();
+                        batch.push((req, reply));
+                    }
+                    Command::Close(reply) => close = Some(reply),
+                }
+                if close.is_none() && bytes < self.config.max_batch_bytes {
+                    next = rx.try_recv().ok();
+                }
+            }
+            self.write_batch(&mut batch);
+            if let Some(reply) = close {
+                let result = if self.is_stopped() {
+                    Err(WalError::Stopped)
+                } else {
+                    Ok(())
+                };
+                let _ = reply.send(result);
+                return;
+            }
+        }
+    }
+
+    fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+
+    fn write_batch(&mut self, batch: &mut Vec<(AppendRequest, Reply)>) {
+        if batch.is_empty() {
+            return;
+        }
+        if self.is_stopped() {
+            for (_, reply) in batch.drain(..) {
+                let _ = reply.send(Err(WalError::Stopped));
+            }
+            return;
+        }
+        if self.head_bytes >= self.config.segment_bytes {
+            if let Err(e) = self.rotate() {
+                tracing::error!(error = %e, "cannot start a new WAL segment");
+                fail_all(batch.drain(..).map(|(_, r)| r), &e);
+                return;
+            }
+        }
+        self.buf.clear();
+        let mut pending = Vec::with_capacity(batch.len());
+        for (req, reply) in batch.drain(..) {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            let offset = (self.head_bytes + self.buf.len() as u64) as u32;
+            let pos = WalPos {
+                segment: self.head,
+                offset,
+            };
+            let (id, done_target) = match req {
+                AppendRequest::Schedule {
+                    id,
+                    due_ms,
+                    route,
+                    message,
+                } => {
+                    let id = id.unwrap_or(seq);
+                    frame::put_schedule(&mut self.buf, seq, id, due_ms, &route, &message);
+                    (id, None)
+                }
+                AppendRequest::Done { id, segment } => {
+                    frame::put_done(&mut self.buf, seq, id, segment);
+                    (id, Some(segment))
+                }
+            };
+            pending.push(Pending {
+                reply,
+                appended: Appended { id, pos },
+                done_target,
+            });
+        }
+        match self.flush() {
+            Ok(()) => {
+                {
+                    let mut table = self.segments.lock().expect("segment table poisoned");
+                    table.set_bytes(self.head, self.head_bytes);
+                    for p in &pending {
+                        match p.done_target {
+                            None => table.record_schedule(self.head),
+                            Some(target) => table.record_done(self.head, target),
+                        }
+                    }
+                }
+                for p in pending {
+                    let _ = p.reply.send(Ok(p.appended));
+                }
+            }
+            Err(e) => fail_all(pending.into_iter().map(|p| p.reply), &e),
+        }
+    }
+
+    /// Write the buffer and fdatasync. A write error cuts the file back to the
+    /// start of the batch; an fsync error stops the log for good.
+    fn flush(&mut self) -> Result<(), WalError> {
+        let (file, path) = self.file.as_mut().ok_or(WalError::Stopped)?;
+        if let Err(e) = file.write_all(&self.buf) {
+            let err = WalError::io(path, e);
+            tracing::error!(error = %err, "WAL write failed; batch rejected");
+            if let Err(e) = file.set_len(self.head_bytes).and_then(|_| {
+                use std::io::Seek;
+                file.seek(std::io::SeekFrom::Start(self.head_bytes))
+                    .map(|_| ())
+            }) {
+                tracing::error!(error = %e, path = %path.display(), "cannot cut back a failed WAL write; stopping the log");
+                self.stopped.store(true, Ordering::Release);
+                return Err(WalError::Fatal {
+                    path: path.clone(),
+                    source: e,
+                });
+            }
+            return Err(err);
+        }
+        if let Err(source) = file.sync_data() {
+            tracing::error!(error = %source, path = %path.display(), "WAL fdatasync failed; stopping the log");
+            self.stopped.store(true, Ordering::Release);
+            return Err(WalError::Fatal {
+                path: path.clone(),
+                source,
+            });
+        }
+        metrics::counter!("delayd_wal_fsyncs_total").increment(1);
+        self.head_bytes += self.buf.len() as u64;
+        Ok(())
+    }
+
+    /// Seal the head and start a new segment named after the next seq.
+    fn rotate(&mut self) -> Result<(), WalError> {
+        let path = self.config.dir.join(segment_name(self.next_seq));
+        let mut file = OpenOptions::new()
+            .create_new(true)
+            .append(true)
+            .read(true)
+            .open(&path)
+            .map_err(|e| WalError::io(&path, e))?;
+        let header = frame::segment_header();
+        let written = file.write_all(&header).and_then(|_| file.sync_all());
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&path);
+            return Err(WalError::io(&path, e));
+        }
+        sync_dir(&self.config.dir)?;
+        let reader = File::open(&path).map_err(|e| WalError::io(&path, e))?;
+        let mut table = self.segments.lock().expect("segment table poisoned");
+        if self.file.is_some() {
+            table.seal(self.head);
+        }
+        self.head = table.add(
+            self.next_seq,
+            path.clone(),
+            Arc::new(reader),
+            frame::SEGMENT_HEADER_BYTES,
+        );
+        self.head_bytes = frame::SEGMENT_HEADER_BYTES;
+        self.file = Some((file, path));
+        Ok(())
+    }
+}
+
+fn fail_all(replies: impl Iterator<Item = Reply>, err: &WalError) {
+    for reply in replies {
+        let e = match err {
+            WalError::Fatal { .. } | WalError::Stopped => WalError::Stopped,
+            WalError::DiskFull(p) => WalError::DiskFull(p.clone()),
+            other => WalError::Invalid(other.to_string()),
+        };
+        let _ = reply.send(Err(e));
+    }
+}
