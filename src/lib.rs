@@ -5,5 +5,6 @@
 //! - [`engine`]: owns both; schedules, cancels, fires due messages to a sink.
 #![forbid(unsafe_code)]
 
+pub mod engine;
 pub mod wal;
 pub mod wheel;

@@ -1,0 +1,112 @@
+//! Background space management: delete dead segments, compact sparse ones.
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::wal::{Record, WalPos};
+
+use super::{EngineError, Inner};
+
+pub(crate) async fn run(inner: Arc<Inner>, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(inner.config.gc_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.cancelled() => return,
+        }
+        if let Err(e) = once(&inner).await {
+            tracing::error!(error = %e, "WAL garbage collection failed");
+        }
+    }
+}
+
+/// Delete what is dead, then compact at most one sparse segment.
+pub(crate) async fn once(inner: &Arc<Inner>) -> Result<(), EngineError> {
+    let wal = inner.wal.clone();
+    tokio::task::spawn_blocking(move || wal.collect_garbage())
+        .await
+        .map_err(|_| EngineError::WriterGone)??;
+    if let Some(segment) = inner.wal.compaction_candidate() {
+        compact(inner, segment).await?;
+        let wal = inner.wal.clone();
+        tokio::task::spawn_blocking(move || wal.collect_garbage())
+            .await
+            .map_err(|_| EngineError::WriterGone)??;
+    }
+    Ok(())
+}
+
+/// Copy a segment's live records to the head, repoint the index, delete it.
+async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
+    let wal = inner.wal.clone();
+    let frames = tokio::task::spawn_blocking(move || wal.scan_segment(segment))
+        .await
+        .map_err(|_| EngineError::WriterGone)??;
+    let first_seq = inner
+        .wal
+        .segment_first_seq(segment)
+        .ok_or(crate::wal::WalError::NoSegment(segment))?;
+    let mut copies = Vec::new();
+    let mut done_copies = Vec::new();
+    {
+        // Under the engine lock, so no Done for these ids can slip in between
+        // the liveness check and the copy (see wal's crash rules).
+        let state = inner.state();
+        for (offset, record) in frames {
+            let old = WalPos { segment, offset };
+            match record {
+                Record::Schedule {
+                    id,
+                    due_ms,
+                    route,
+                    message,
+                    ..
+                } => {
+                    if state.locate(id).is_some_and(|(slot, _, _)| slot.pos == old) {
+                        copies.push((id, old, inner.wal.append_copy(id, due_ms, &route, message)?));
+                    }
+                }
+                Record::Done {
+                    id,
+                    segment: target,
+                    ..
+                } => {
+                    if target != first_seq && inner.wal.segment_exists(target) {
+                        done_copies.push(inner.wal.append_done_copy(id, target)?);
+                    }
+                }
+            }
+        }
+    }
+    let moved = copies.len();
+    let mut placed = Vec::with_capacity(copies.len());
+    for (id, old, rx) in copies {
+        let appended = rx.await.map_err(|_| EngineError::WriterGone)??;
+        placed.push((id, old, appended.pos));
+    }
+    for rx in done_copies {
+        rx.await.map_err(|_| EngineError::WriterGone)??;
+    }
+    let mut late_dones = Vec::new();
+    {
+        let mut state = inner.state();
+        for (id, old, new) in placed {
+            let still_here = state.locate(id).is_some_and(|(slot, _, _)| slot.pos == old);
+            if still_here && state.relocate(id, new) {
+                inner.wal.mark_dead(old);
+            } else {
+                // It finished while being copied: retire the copy too.
+                late_dones.push(inner.wal.append_done(id, new)?);
+            }
+        }
+    }
+    for rx in late_dones {
+        rx.await.map_err(|_| EngineError::WriterGone)??;
+    }
+    inner.wal.remove_compacted(segment)?;
+    tracing::info!(segment = first_seq, moved, "compacted WAL segment");
+    metrics::counter!("delayd_wal_compactions_total").increment(1);
+    Ok(())
+}

@@ -1,0 +1,303 @@
+//! The dispatcher: pops due messages, publishes them with a bounded number in
+//! flight, writes Done on success and re-arms with back-off on failure.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use delayd_adapters::BoxFuture;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::wal::{Record, WalPos};
+use crate::wheel::Expired;
+
+use super::state::{InFlight, Slot};
+use super::Inner;
+
+/// A due message, read back from the WAL.
+#[derive(Debug, Clone)]
+pub struct Fired {
+    pub id: u64,
+    pub route: Arc<str>,
+    /// The due time it was scheduled for.
+    pub due_ms: u64,
+    /// When the engine handed it over (wall clock).
+    pub fired_ms: u64,
+    /// The encoded message, as stored.
+    pub message: Vec<u8>,
+    /// 0 on the first try.
+    pub attempt: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// It left delayd (published, or routed to an invalid/unroutable place).
+    Done,
+    /// Try again later, after back-off.
+    Retry(String),
+}
+
+/// Where due messages go. Implemented by the runtime with the broker sinks.
+///
+/// `deliver` is called in fire order (deadline, then arrival). An
+/// implementation that must keep that order on the wire (Kafka per-key order)
+/// enqueues the publish before returning the future.
+pub trait Dispatch: Send + Sync + 'static {
+    fn deliver(&self, fired: Fired) -> BoxFuture<'static, Outcome>;
+}
+
+/// Pops at most this many per lock hold, so producers are not starved.
+const BATCH: usize = 256;
+
+pub(crate) async fn run(
+    inner: Arc<Inner>,
+    dispatch: Arc<dyn Dispatch>,
+    shutdown: CancellationToken,
+    grace: Duration,
+) {
+    let permits = Arc::new(Semaphore::new(inner.config.max_in_flight.max(1)));
+    let mut limiter = RateLimiter::new(inner.config.overdue_rate);
+    let mut batch: Vec<Expired<Slot>> = Vec::with_capacity(BATCH);
+    let mut last_gauges = 0u64;
+    loop {
+        if shutdown.is_cancelled() {
+            break;
+        }
+        // Wait for room before popping, so popped messages never queue up here.
+        let first = tokio::select! {
+            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = shutdown.cancelled() => break,
+        };
+        let now = inner.clock.now_ms();
+        let next = {
+            let mut state = inner.state();
+            let room = permits.available_permits() + 1;
+            pop_due(&mut state, now, room.min(BATCH), &mut batch);
+            for e in &batch {
+                let attempt = state.attempts.get(&e.id).copied().unwrap_or(0);
+                state.in_flight.insert(
+                    e.id,
+                    InFlight {
+                        slot: e.data,
+                        deadline: e.deadline,
+                        attempt,
+                    },
+                );
+            }
+            let next_held = state.held.keys().next().map(|k| k.0);
+            match (state.wheel.next_deadline(), next_held) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        };
+        if now >= last_gauges + 1000 {
+            inner.publish_gauges();
+            last_gauges = now;
+        }
+        if batch.is_empty() {
+            drop(first);
+            let wait = next.map(|d| d.saturating_sub(now)).unwrap_or(60_000);
+            inner
+                .planned_wake
+                .store(next.unwrap_or(u64::MAX), Ordering::Release);
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(wait.max(1))) => {}
+                _ = inner.wake.notified() => {}
+                _ = shutdown.cancelled() => break,
+            }
+            inner.planned_wake.store(0, Ordering::Release);
+            continue;
+        }
+        inner.planned_wake.store(0, Ordering::Release);
+        // Read the batch back in one blocking call, in fire order.
+        let wanted: Vec<(Expired<Slot>, WalPos, Arc<str>, u32)> = {
+            let state = inner.state();
+            batch
+                .drain(..)
+                .map(|e| {
+                    let attempt = state.in_flight.get(&e.id).map(|f| f.attempt).unwrap_or(0);
+                    (e, e.data.pos, state.route_name(e.data.route), attempt)
+                })
+                .collect()
+        };
+        let wal = inner.wal.clone();
+        let positions: Vec<WalPos> = wanted.iter().map(|w| w.1).collect();
+        let records = tokio::task::spawn_blocking(move || {
+            positions
+                .into_iter()
+                .map(|p| wal.read(p))
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default();
+        let mut first = Some(first);
+        let mut records = records.into_iter();
+        for (entry, pos, route, attempt) in wanted {
+            if entry.deadline <= inner.overdue_until {
+                limiter.wait().await;
+            }
+            let permit = match first.take() {
+                Some(p) => p,
+                None => match permits.clone().acquire_owned().await {
+                    Ok(p) => p,
+                    Err(_) => return,
+                },
+            };
+            let fired_ms = inner.clock.now_ms();
+            // `deliver` is called here, in fire order; the publish completes in its own task.
+            let delivery = match records.next() {
+                Some(Ok(Record::Schedule {
+                    due_ms, message, ..
+                })) => {
+                    if attempt == 0 {
+                        let late = fired_ms.saturating_sub(due_ms) as f64 / 1000.0;
+                        metrics::histogram!("delayd_lateness_seconds", "route" => route.to_string())
+                            .record(late);
+                    }
+                    dispatch.deliver(Fired {
+                        id: entry.id,
+                        route: route.clone(),
+                        due_ms,
+                        fired_ms,
+                        message,
+                        attempt,
+                    })
+                }
+                Some(Ok(Record::Done { .. })) => {
+                    failed(format!("WAL position {pos:?} holds a Done"))
+                }
+                Some(Err(e)) => failed(format!("cannot read message from the WAL: {e}")),
+                None => failed("WAL read task failed".to_string()),
+            };
+            tokio::spawn(complete(inner.clone(), entry.id, route, delivery, permit));
+        }
+    }
+    // Let in-flight publishes finish (their Done records get written).
+    let all = inner.config.max_in_flight.max(1) as u32;
+    if tokio::time::timeout(grace, permits.acquire_many(all))
+        .await
+        .is_err()
+    {
+        tracing::warn!("shutdown grace period over with publishes still in flight; they will be retried after restart");
+    }
+    inner.publish_gauges();
+}
+
+/// Move due entries from the wheel (and from the held set) into `out`. An
+/// entry whose deadline is ahead of the wall clock (the clock stepped back
+/// after the wheel advanced) is held until the clock reaches it.
+fn pop_due(state: &mut super::State, now: u64, max: usize, out: &mut Vec<Expired<Slot>>) {
+    while let Some((&(deadline, id), _)) = state.held.iter().next() {
+        if deadline > now || out.len() >= max {
+            break;
+        }
+        if let Some(slot) = state.held.remove(&(deadline, id)) {
+            out.push(Expired {
+                id,
+                deadline,
+                data: slot,
+            });
+        }
+    }
+    let start = out.len();
+    state.wheel.poll_expired(now, max - out.len(), out);
+    let mut i = start;
+    while i < out.len() {
+        if out[i].deadline > now {
+            let e = out.remove(i);
+            state.held.insert((e.deadline, e.id), e.data);
+        } else {
+            i += 1;
+        }
+    }
+}
+
+fn failed(reason: String) -> BoxFuture<'static, Outcome> {
+    Box::pin(async move { Outcome::Retry(reason) })
+}
+
+/// Wait for the publish, then write Done or re-arm with back-off.
+async fn complete(
+    inner: Arc<Inner>,
+    id: u64,
+    route: Arc<str>,
+    delivery: BoxFuture<'static, Outcome>,
+    _permit: OwnedSemaphorePermit,
+) {
+    let outcome = delivery.await;
+    let mut state = inner.state();
+    let Some(flight) = state.in_flight.remove(&id) else {
+        return;
+    };
+    match outcome {
+        Outcome::Done => {
+            state.counts[flight.slot.route as usize] -= 1;
+            state.attempts.remove(&id);
+            // Compaction may have moved the record: `flight.slot.pos` is current.
+            if let Err(e) = inner.wal.append_done(id, flight.slot.pos) {
+                // The message went out; without its Done it is sent again after a restart.
+                tracing::error!(id, error = %e, "cannot write Done record");
+            }
+        }
+        Outcome::Retry(reason) => {
+            let attempt = flight.attempt + 1;
+            let backoff = backoff(&inner.config, attempt);
+            let at = inner.clock.now_ms() + backoff.as_millis() as u64;
+            tracing::warn!(id, route = %route, attempt, retry_in_ms = backoff.as_millis() as u64, %reason, "publish failed; will retry");
+            metrics::counter!("delayd_publish_retries_total", "route" => route.to_string())
+                .increment(1);
+            state.attempts.insert(id, attempt);
+            let _ = state.wheel.insert(id, at, flight.slot);
+            drop(state);
+            if at < inner.planned_wake.load(Ordering::Acquire) {
+                inner.wake.notify_one();
+            }
+        }
+    }
+}
+
+fn backoff(config: &super::EngineConfig, attempt: u32) -> Duration {
+    let factor = 1u32 << attempt.saturating_sub(1).min(20);
+    config
+        .retry_initial
+        .saturating_mul(factor)
+        .min(config.retry_max)
+}
+
+/// Token bucket for messages that were overdue at start-up.
+struct RateLimiter {
+    per_sec: u32,
+    tokens: f64,
+    last: tokio::time::Instant,
+}
+
+impl RateLimiter {
+    fn new(per_sec: u32) -> Self {
+        Self {
+            per_sec,
+            tokens: per_sec as f64 / 10.0,
+            last: tokio::time::Instant::now(),
+        }
+    }
+
+    async fn wait(&mut self) {
+        if self.per_sec == 0 {
+            return;
+        }
+        loop {
+            let now = tokio::time::Instant::now();
+            let burst = (self.per_sec as f64 / 10.0).max(1.0);
+            self.tokens = (self.tokens
+                + now.duration_since(self.last).as_secs_f64() * self.per_sec as f64)
+                .min(burst);
+            self.last = now;
+            if self.tokens >= 1.0 {
+                self.tokens -= 1.0;
+                return;
+            }
+            let need = (1.0 - self.tokens) / self.per_sec as f64;
+            tokio::time::sleep(Duration::from_secs_f64(need)).await;
+        }
+    }
+}

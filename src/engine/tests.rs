@@ -1,0 +1,387 @@
+//! Engine behaviour: order, never early, cancel, retries, restart, clock
+//! steps, compaction, listing and redelivery detection.
+
+use std::collections::HashSet;
+use std::sync::Mutex as StdMutex;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use super::*;
+
+/// Records what it is given; fails the first `fail_first` tries of listed ids.
+struct Collector {
+    tx: mpsc::UnboundedSender<Fired>,
+    failures: StdMutex<std::collections::HashMap<Vec<u8>, u32>>,
+}
+
+impl Dispatch for Collector {
+    fn deliver(&self, fired: Fired) -> BoxFuture<'static, Outcome> {
+        let mut failures = self.failures.lock().unwrap();
+        let outcome = match failures.get_mut(&fired.message) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                Outcome::Retry("test failure".into())
+            }
+            _ => {
+                let _ = self.tx.send(fired);
+                Outcome::Done
+            }
+        };
+        Box::pin(async move { outcome })
+    }
+}
+
+use delayd_adapters::BoxFuture;
+
+struct Running {
+    engine: Engine,
+    rx: mpsc::UnboundedReceiver<Fired>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+    collector: Arc<Collector>,
+}
+
+fn config(dir: &std::path::Path) -> EngineConfig {
+    let mut wal = WalConfig::new(dir);
+    wal.segment_bytes = 8 * 1024;
+    EngineConfig {
+        retry_initial: Duration::from_millis(20),
+        retry_max: Duration::from_millis(100),
+        gc_interval: Duration::from_millis(50),
+        ..EngineConfig::new(wal)
+    }
+}
+
+fn start(config: EngineConfig, clock: Arc<dyn Clock>) -> Running {
+    let (engine, _) = Engine::open(config, clock).unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let collector = Arc::new(Collector {
+        tx,
+        failures: StdMutex::new(Default::default()),
+    });
+    let shutdown = CancellationToken::new();
+    let task = {
+        let engine = engine.clone();
+        let dispatch: Arc<dyn Dispatch> = collector.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { engine.run(dispatch, shutdown, Duration::from_secs(5)).await })
+    };
+    Running {
+        engine,
+        rx,
+        shutdown,
+        task,
+        collector,
+    }
+}
+
+impl Running {
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.task.await.unwrap();
+        self.engine.close().await.unwrap();
+    }
+
+    async fn recv(&mut self) -> Fired {
+        tokio::time::timeout(Duration::from_secs(10), self.rx.recv())
+            .await
+            .expect("no message within 10 s")
+            .expect("dispatcher gone")
+    }
+}
+
+fn now() -> u64 {
+    SystemClock.now_ms()
+}
+
+#[tokio::test]
+async fn fires_in_due_order_and_never_early() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = start(config(dir.path()), Arc::new(SystemClock));
+    let base = now();
+    let mut want = Vec::new();
+    for i in 0..60u64 {
+        let due = base + 50 + (i * 37) % 400;
+        let msg = format!("m{i}").into_bytes();
+        let id = r.engine.schedule("orders", due, msg.clone()).await.unwrap();
+        want.push((due, id, msg));
+    }
+    want.sort();
+    for (due, id, msg) in want {
+        let f = r.recv().await;
+        assert_eq!((f.due_ms, f.id, &f.message), (due, id, &msg));
+        assert!(
+            f.fired_ms >= f.due_ms,
+            "fired {} ms early",
+            f.due_ms - f.fired_ms
+        );
+        assert_eq!(&*f.route, "orders");
+    }
+    assert_eq!(r.engine.pending(), 0);
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn equal_due_times_fire_in_arrival_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = start(config(dir.path()), Arc::new(SystemClock));
+    let due = now() + 150;
+    let mut ids = Vec::new();
+    for i in 0..40u8 {
+        ids.push(r.engine.schedule("r", due, vec![i]).await.unwrap());
+    }
+    for id in ids {
+        assert_eq!(r.recv().await.id, id);
+    }
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn cancelled_message_never_fires() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = start(config(dir.path()), Arc::new(SystemClock));
+    let due = now() + 100;
+    let a = r.engine.schedule("r", due, b"a".to_vec()).await.unwrap();
+    let b = r
+        .engine
+        .schedule("r", due + 1, b"b".to_vec())
+        .await
+        .unwrap();
+    assert!(r.engine.cancel(a).unwrap());
+    assert!(!r.engine.cancel(a).unwrap());
+    assert!(!r.engine.cancel(987_654).unwrap());
+    assert_eq!(r.recv().await.id, b);
+    assert_eq!(r.engine.pending(), 0);
+    r.stop().await;
+    // And it stays cancelled after a restart.
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    assert_eq!(engine.pending(), 0);
+}
+
+#[tokio::test]
+async fn failing_publish_is_retried_without_stalling_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = start(config(dir.path()), Arc::new(SystemClock));
+    r.collector
+        .failures
+        .lock()
+        .unwrap()
+        .insert(b"flaky".to_vec(), 3);
+    let base = now();
+    let flaky = r
+        .engine
+        .schedule("r", base + 50, b"flaky".to_vec())
+        .await
+        .unwrap();
+    let steady = r
+        .engine
+        .schedule("r", base + 60, b"steady".to_vec())
+        .await
+        .unwrap();
+    let first = r.recv().await;
+    assert_eq!(first.id, steady, "a failing message held up the next one");
+    let second = r.recv().await;
+    assert_eq!((second.id, second.attempt), (flaky, 3));
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn restart_recovers_pending_and_fires_overdue_at_a_bounded_rate() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let r = start(config(dir.path()), clock.clone());
+    let mut ids = HashSet::new();
+    for i in 0..40u64 {
+        ids.insert(
+            r.engine
+                .schedule("r", 1_000_100 + i, vec![i as u8; 100])
+                .await
+                .unwrap(),
+        );
+    }
+    let cancelled = r
+        .engine
+        .schedule("r", 1_000_050, b"x".to_vec())
+        .await
+        .unwrap();
+    r.engine.cancel(cancelled).unwrap();
+    r.stop().await;
+
+    // Everything fell due while delayd was down.
+    clock.set(2_000_000);
+    let mut cfg = config(dir.path());
+    cfg.overdue_rate = 100; // burst of 10, then 10 ms apart
+    let started = std::time::Instant::now();
+    let mut r = start(cfg, clock.clone());
+    assert_eq!(r.engine.pending(), 40);
+    let mut got = HashSet::new();
+    for _ in 0..40 {
+        got.insert(r.recv().await.id);
+    }
+    assert_eq!(got, ids);
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "40 overdue messages at 100/s came out in {:?}",
+        started.elapsed()
+    );
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn wall_clock_stepping_back_never_fires_early() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let mut r = start(config(dir.path()), clock.clone());
+    let first = r
+        .engine
+        .schedule("r", 1_000_100, b"1".to_vec())
+        .await
+        .unwrap();
+    clock.set(1_000_500);
+    r.engine.wake();
+    assert_eq!(r.recv().await.id, first); // the wheel has now advanced to 1_000_500
+    clock.set(1_000_200); // the clock steps back 300 ms
+    let held = r
+        .engine
+        .schedule("r", 1_000_300, b"held".to_vec())
+        .await
+        .unwrap();
+    let marker = r
+        .engine
+        .schedule("r", 1_000_200, b"marker".to_vec())
+        .await
+        .unwrap();
+    r.engine.wake();
+    assert_eq!(r.recv().await.id, marker);
+    assert!(
+        r.rx.try_recv().is_err(),
+        "a message fired before its due time"
+    );
+    clock.set(1_000_300);
+    r.engine.wake();
+    let f = r.recv().await;
+    assert_eq!(f.id, held);
+    assert!(f.fired_ms >= 1_000_300);
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn compaction_frees_space_and_keeps_long_delays() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.gc_interval = Duration::from_secs(3600); // compaction only when asked
+    let mut r = start(cfg.clone(), Arc::new(SystemClock));
+    let far = now() + 3_600_000;
+    let mut long = Vec::new();
+    let soon = now() + 20;
+    for i in 0..400u32 {
+        if i % 50 == 0 {
+            long.push(r.engine.schedule("r", far, vec![7; 300]).await.unwrap());
+        } else {
+            r.engine.schedule("r", soon, vec![1; 300]).await.unwrap();
+        }
+    }
+    for _ in 0..392 {
+        r.recv().await;
+    }
+    let before = r.engine.space();
+    // Each sealed segment holds ~1 live record in ~26: all get compacted.
+    for _ in 0..before.segments {
+        r.engine.compact_now().await.unwrap();
+    }
+    let after = r.engine.space();
+    assert!(
+        after.segments < before.segments / 2,
+        "{before:?} -> {after:?}"
+    );
+    assert!(after.bytes < before.bytes / 2, "{before:?} -> {after:?}");
+    for id in &long {
+        let (info, record) = r.engine.read(*id).unwrap().expect("long message lost");
+        assert_eq!(info.due_ms, far);
+        assert!(matches!(record, Record::Schedule { message, .. } if message == vec![7; 300]));
+    }
+    r.stop().await;
+    let (engine, _) = Engine::open(cfg, Arc::new(SystemClock)).unwrap();
+    let mut listed: Vec<u64> = engine
+        .list(&ListQuery {
+            limit: 100,
+            ..Default::default()
+        })
+        .iter()
+        .map(|p| p.id)
+        .collect();
+    listed.sort();
+    assert_eq!(listed, long);
+}
+
+#[tokio::test]
+async fn list_filters_and_paginates() {
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let base = now() + 1_000_000;
+    for i in 0..25u64 {
+        let route = if i % 2 == 0 { "even" } else { "odd" };
+        engine.schedule(route, base + i, vec![]).await.unwrap();
+    }
+    let mut seen = Vec::new();
+    let mut after = None;
+    loop {
+        let page = engine.list(&ListQuery {
+            route: Some("even".into()),
+            after,
+            limit: 4,
+            ..Default::default()
+        });
+        if page.is_empty() {
+            break;
+        }
+        after = page.last().map(|p| (p.due_ms, p.id));
+        seen.extend(page.iter().map(|p| p.due_ms - base));
+    }
+    assert_eq!(seen, (0..25).filter(|i| i % 2 == 0).collect::<Vec<_>>());
+    let window = engine.list(&ListQuery {
+        due_from: Some(base + 5),
+        due_to: Some(base + 7),
+        limit: 100,
+        ..Default::default()
+    });
+    assert_eq!(window.len(), 3);
+    let counts: std::collections::HashMap<String, u64> = engine
+        .counts()
+        .into_iter()
+        .map(|(r, n)| (r.to_string(), n))
+        .collect();
+    assert_eq!(counts["even"], 13);
+    assert_eq!(counts["odd"], 12);
+}
+
+#[tokio::test]
+async fn redelivery_of_an_unacked_message_is_not_stored_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let due = now() + 1_000_000;
+    let msg = b"payload".to_vec();
+    assert!(matches!(
+        engine.store("r", due, msg.clone(), false).await.unwrap(),
+        Stored::New(_)
+    ));
+    // The ack never reached the broker, which redelivers.
+    assert_eq!(
+        engine.store("r", due + 5, msg.clone(), true).await.unwrap(),
+        Stored::Duplicate
+    );
+    assert_eq!(engine.pending(), 1);
+    // Once an ack is confirmed, the same bytes redelivered are a new message.
+    engine.confirm_ack("r", &msg);
+    assert!(matches!(
+        engine.store("r", due, msg.clone(), false).await.unwrap(),
+        Stored::New(_)
+    ));
+    engine.confirm_ack("r", &msg);
+    assert!(matches!(
+        engine.store("r", due, msg, true).await.unwrap(),
+        Stored::New(_)
+    ));
+    assert_eq!(engine.pending(), 3);
+}

@@ -1,0 +1,196 @@
+//! Wheel arithmetic and per-level slot storage.
+//!
+//! A deadline is read as 11 base-64 digits. Level `l` owns digit `l`, i.e. bits
+//! `6l .. 6l+6`; a slot at level `l` spans `64^l` ms.
+
+/// Bits of a deadline consumed per level.
+pub(super) const LEVEL_BITS: u32 = 6;
+/// Slots per level; one bit each in the occupancy bitmap.
+pub(super) const SLOTS: usize = 1 << LEVEL_BITS;
+const SLOT_MASK: u64 = SLOTS as u64 - 1;
+/// 11 levels of 6 bits cover all 64 bits of a deadline (the top level uses 4).
+pub(super) const LEVELS: usize = 11;
+
+/// Marks a cancelled entry left in a slot vector (slab indices never reach it).
+pub(super) const DEAD: u32 = u32::MAX;
+
+/// Slots whose vector grew beyond this give the memory back once drained.
+const RETAIN_CAPACITY: usize = 1024;
+/// Compaction is skipped while fewer tombstones than this accumulated.
+const MIN_DEAD_TO_COMPACT: u32 = 16;
+
+/// Level at which `when` is stored while wheel time is `elapsed` (`when >= elapsed`):
+/// the level owning the most significant digit in which the two differ.
+pub(super) fn level_for(elapsed: u64, when: u64) -> usize {
+    // `| SLOT_MASK` maps "equal" and "differ only in digit 0" to level 0.
+    let masked = (elapsed ^ when) | SLOT_MASK;
+    let significant = 63 - masked.leading_zeros();
+    (significant / LEVEL_BITS) as usize
+}
+
+/// Digit `level` of `when`.
+pub(super) fn slot_for(when: u64, level: usize) -> usize {
+    ((when >> (LEVEL_BITS * level as u32)) & SLOT_MASK) as usize
+}
+
+/// First millisecond of `slot` at `level` inside the level block that contains `elapsed`.
+pub(super) fn slot_start(elapsed: u64, level: usize, slot: usize) -> u64 {
+    let block_shift = LEVEL_BITS * (level as u32 + 1);
+    // The top level's block is the whole u64 range (a shift by >= 64 would overflow).
+    let block = if block_shift >= 64 {
+        0
+    } else {
+        elapsed >> block_shift << block_shift
+    };
+    block | ((slot as u64) << (LEVEL_BITS * level as u32))
+}
+
+/// Entries sharing a slot, in the order they arrived (which is insertion order).
+///
+/// Cancelled entries become `DEAD` tombstones so positions stay stable and cancel is
+/// O(1); the vector is compacted once tombstones outnumber live entries.
+#[derive(Debug, Default)]
+pub(super) struct Slot {
+    /// Slab indices; those before `head` were already popped.
+    items: Vec<u32>,
+    head: u32,
+    /// Tombstones at or after `head`.
+    dead: u32,
+}
+
+impl Slot {
+    pub(super) fn live(&self) -> usize {
+        self.items.len() - self.head as usize - self.dead as usize
+    }
+
+    /// Appends `idx` and returns its position (stored in the node for cancel).
+    pub(super) fn push(&mut self, idx: u32) -> u32 {
+        let pos = self.items.len() as u32;
+        self.items.push(idx);
+        pos
+    }
+
+    pub(super) fn pop_front(&mut self) -> Option<u32> {
+        while let Some(&idx) = self.items.get(self.head as usize) {
+            self.head += 1;
+            if idx != DEAD {
+                return Some(idx);
+            }
+            self.dead -= 1;
+        }
+        None
+    }
+
+    pub(super) fn live_items(&self) -> impl Iterator<Item = u32> + '_ {
+        self.items[self.head as usize..]
+            .iter()
+            .copied()
+            .filter(|&i| i != DEAD)
+    }
+
+    /// Tombstones the entry at `pos`. Returns true if the slot should be compacted.
+    pub(super) fn kill(&mut self, pos: u32) -> bool {
+        debug_assert!(pos >= self.head && self.items[pos as usize] != DEAD);
+        self.items[pos as usize] = DEAD;
+        self.dead += 1;
+        self.dead >= MIN_DEAD_TO_COMPACT && self.dead as usize * 2 >= self.live()
+    }
+
+    /// Drops tombstones and popped items; `moved(idx, new_pos)` reports new positions.
+    pub(super) fn compact(&mut self, mut moved: impl FnMut(u32, u32)) {
+        self.items.drain(..self.head as usize);
+        self.items.retain(|&i| i != DEAD);
+        for (pos, &idx) in self.items.iter().enumerate() {
+            moved(idx, pos as u32);
+        }
+        self.head = 0;
+        self.dead = 0;
+    }
+
+    /// Empties the slot, keeping a small allocation for reuse.
+    pub(super) fn reset(&mut self) {
+        let items = std::mem::take(&mut self.items);
+        self.recycle(items);
+    }
+
+    /// Removes everything, returning the vector and the position of the first unpopped item.
+    pub(super) fn take(&mut self) -> (Vec<u32>, usize) {
+        let head = self.head as usize;
+        self.head = 0;
+        self.dead = 0;
+        (std::mem::take(&mut self.items), head)
+    }
+
+    /// Gives a vector from `take` back to an empty slot so its allocation can be reused.
+    pub(super) fn recycle(&mut self, mut items: Vec<u32>) {
+        debug_assert!(self.items.is_empty());
+        self.head = 0;
+        self.dead = 0;
+        if items.capacity() <= RETAIN_CAPACITY {
+            items.clear();
+            self.items = items;
+        }
+    }
+
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.items.capacity() * std::mem::size_of::<u32>()
+    }
+}
+
+/// One level: 64 slots and a bitmap with bit `s` set iff slot `s` has a live entry.
+#[derive(Debug)]
+pub(super) struct Level {
+    occupied: u64,
+    slots: [Slot; SLOTS],
+}
+
+impl Level {
+    pub(super) fn new() -> Self {
+        Level {
+            occupied: 0,
+            slots: std::array::from_fn(|_| Slot::default()),
+        }
+    }
+
+    pub(super) fn push(&mut self, slot: usize, idx: u32) -> u32 {
+        self.occupied |= 1 << slot;
+        self.slots[slot].push(idx)
+    }
+
+    pub(super) fn slot(&self, slot: usize) -> &Slot {
+        &self.slots[slot]
+    }
+
+    pub(super) fn slot_mut(&mut self, slot: usize) -> &mut Slot {
+        &mut self.slots[slot]
+    }
+
+    /// Call after removing from `slot`: clears it and its bit once nothing live is left.
+    pub(super) fn settle(&mut self, slot: usize) {
+        if self.slots[slot].live() == 0 {
+            self.slots[slot].reset();
+            self.occupied &= !(1 << slot);
+        }
+    }
+
+    /// Removes all entries of `slot` (see [`Slot::take`]).
+    pub(super) fn take(&mut self, slot: usize) -> (Vec<u32>, usize) {
+        self.occupied &= !(1 << slot);
+        self.slots[slot].take()
+    }
+
+    /// First occupied slot at or after the digit of `elapsed` at this level.
+    ///
+    /// Slots before that digit are always empty: entries live in the level block of the
+    /// current time and are cascaded or popped once time reaches their slot.
+    pub(super) fn next_occupied(&self, elapsed: u64, level: usize) -> Option<usize> {
+        let digit = slot_for(elapsed, level);
+        debug_assert_eq!(self.occupied & !(u64::MAX << digit), 0, "slot behind time");
+        let ahead = self.occupied & (u64::MAX << digit);
+        (ahead != 0).then(|| ahead.trailing_zeros() as usize)
+    }
+
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.slots.iter().map(Slot::heap_bytes).sum()
+    }
+}

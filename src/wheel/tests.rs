@@ -1,0 +1,369 @@
+use std::collections::{BTreeMap, HashMap};
+
+use proptest::prelude::*;
+
+use super::level::{level_for, slot_for, slot_start, LEVELS};
+use super::{DuplicateId, Expired, Node, TimingWheel};
+
+/// A 12-byte payload like delayd's WAL position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pos {
+    seg: u32,
+    off: u32,
+    route: u16,
+}
+
+fn pos(n: u64) -> Pos {
+    Pos {
+        seg: n as u32,
+        off: (n >> 32) as u32,
+        route: n as u16,
+    }
+}
+
+fn poll_all(w: &mut TimingWheel<Pos>, now: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    w.poll_expired(now, usize::MAX, &mut out);
+    out.iter().map(|e| (e.deadline, e.id)).collect()
+}
+
+const YEAR: u64 = 365 * 24 * 3600 * 1000;
+
+#[test]
+fn arithmetic() {
+    assert_eq!(level_for(0, 0), 0);
+    assert_eq!(level_for(0, 63), 0);
+    assert_eq!(level_for(0, 64), 1);
+    assert_eq!(level_for(63, 64), 1);
+    assert_eq!(level_for(64, 127), 0);
+    assert_eq!(level_for(0, 4096), 2);
+    assert_eq!(level_for(0, u64::MAX), LEVELS - 1);
+    assert_eq!(slot_for(4096 * 3 + 64 * 5 + 7, 0), 7);
+    assert_eq!(slot_for(4096 * 3 + 64 * 5 + 7, 1), 5);
+    assert_eq!(slot_for(4096 * 3 + 64 * 5 + 7, 2), 3);
+    assert_eq!(slot_for(u64::MAX, LEVELS - 1), 15);
+    assert_eq!(slot_start(4096 + 70, 1, 5), 4096 + 64 * 5);
+    assert_eq!(slot_start(4096 + 70, 0, 9), 4096 + 64 + 9);
+    assert_eq!(slot_start(5, LEVELS - 1, 15), 15 << 60);
+}
+
+#[test]
+fn node_is_32_bytes_with_12_byte_payload() {
+    assert_eq!(std::mem::size_of::<Pos>(), 12);
+    assert_eq!(std::mem::size_of::<Node<Pos>>(), 32);
+}
+
+#[test]
+fn empty_wheel() {
+    let mut w = TimingWheel::<Pos>::new(10);
+    assert!(w.is_empty());
+    assert_eq!(w.next_deadline(), None);
+    assert_eq!(poll_all(&mut w, u64::MAX), vec![]);
+    assert_eq!(w.now(), u64::MAX);
+    assert_eq!(w.cancel(1), None);
+}
+
+#[test]
+fn expires_in_deadline_then_insertion_order() {
+    let mut w = TimingWheel::new(1000);
+    for (id, d) in [
+        (1, 1500),
+        (2, 1001),
+        (3, 1500),
+        (4, 90_000),
+        (5, 1001),
+        (6, 1000),
+    ] {
+        w.insert(id, d, pos(id)).unwrap();
+    }
+    assert_eq!(w.len(), 6);
+    assert_eq!(w.next_deadline(), Some(1000));
+    assert_eq!(poll_all(&mut w, 1000), vec![(1000, 6)]);
+    assert_eq!(w.next_deadline(), Some(1001));
+    assert_eq!(poll_all(&mut w, 1499), vec![(1001, 2), (1001, 5)]);
+    assert_eq!(w.next_deadline(), Some(1500));
+    assert_eq!(
+        poll_all(&mut w, 100_000),
+        vec![(1500, 1), (1500, 3), (90_000, 4)]
+    );
+    assert!(w.is_empty());
+    assert_eq!(w.now(), 100_000);
+}
+
+#[test]
+fn equal_deadlines_inserted_at_different_levels_keep_insertion_order() {
+    let d = 10 * YEAR + 12_345;
+    let mut w = TimingWheel::new(0);
+    w.insert(1, d, pos(1)).unwrap(); // top levels
+    let mut out = Vec::new();
+    // Walk time towards d so later inserts of the same deadline land ever lower.
+    let mut id = 2;
+    for now in [YEAR, 9 * YEAR, d - 300_000, d - 5_000, d - 100, d - 1] {
+        assert_eq!(w.poll_expired(now, usize::MAX, &mut out), 0);
+        w.insert(id, d, pos(id)).unwrap();
+        w.insert(id + 1, d + 1, pos(id + 1)).unwrap();
+        id += 2;
+    }
+    w.insert(100, d, pos(100)).unwrap();
+    assert_eq!(w.next_deadline(), Some(d));
+    let got = poll_all(&mut w, d + 1);
+    let want: Vec<_> = [1, 2, 4, 6, 8, 10, 12, 100]
+        .into_iter()
+        .map(|i| (d, i))
+        .chain([3, 5, 7, 9, 11, 13].into_iter().map(|i| (d + 1, i)))
+        .collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn past_deadlines_come_first_in_order() {
+    let mut w = TimingWheel::new(1_000_000);
+    w.insert(1, 1_000_000, pos(1)).unwrap();
+    w.insert(2, 5, pos(2)).unwrap();
+    w.insert(3, 0, pos(3)).unwrap();
+    w.insert(4, 5, pos(4)).unwrap();
+    w.insert(5, 999_999, pos(5)).unwrap();
+    assert_eq!(w.next_deadline(), Some(0));
+    assert_eq!(
+        poll_all(&mut w, 0), // time does not go back
+        vec![(0, 3), (5, 2), (5, 4), (999_999, 5), (1_000_000, 1)]
+    );
+    assert_eq!(w.now(), 1_000_000);
+}
+
+#[test]
+fn max_leaves_the_rest_first_in_line() {
+    let mut w = TimingWheel::new(0);
+    for id in 0..10 {
+        w.insert(id, 100 + id % 2, pos(id)).unwrap();
+    }
+    let mut out = Vec::new();
+    assert_eq!(w.poll_expired(200, 3, &mut out), 3);
+    assert_eq!(w.poll_expired(200, 0, &mut out), 0);
+    // Same deadline as the leftovers: after them. Earlier deadline: before them.
+    w.insert(50, 100, pos(50)).unwrap();
+    w.insert(51, 99, pos(51)).unwrap();
+    w.insert(52, 150, pos(52)).unwrap();
+    assert_eq!(w.next_deadline(), Some(99));
+    while w.poll_expired(200, 2, &mut out) > 0 {}
+    let ids: Vec<_> = out.iter().map(|e| e.id).collect();
+    assert_eq!(ids, vec![0, 2, 4, 51, 6, 8, 50, 1, 3, 5, 7, 9, 52]);
+}
+
+#[test]
+fn duplicate_cancel_get() {
+    let mut w = TimingWheel::new(0);
+    w.insert(7, 5000, pos(7)).unwrap();
+    assert_eq!(w.insert(7, 1, pos(0)), Err(DuplicateId(7)));
+    assert_eq!(
+        DuplicateId(7).to_string(),
+        "timer id 7 is already scheduled"
+    );
+    let e7 = Expired {
+        id: 7,
+        deadline: 5000,
+        data: pos(7),
+    };
+    assert_eq!(w.get(7), Some(e7));
+    assert!(w.contains(7) && !w.contains(8));
+    w.get_mut(7).unwrap().off = 99;
+    assert_eq!(w.get(7).unwrap().data.off, 99);
+    assert_eq!(w.get_mut(8), None);
+    assert_eq!(w.cancel(7).map(|e| e.id), Some(7));
+    assert_eq!(w.cancel(7), None);
+    assert_eq!(w.next_deadline(), None);
+    w.insert(7, 10, pos(7)).unwrap();
+    assert_eq!(poll_all(&mut w, 10), vec![(10, 7)]);
+    assert_eq!(w.get(7), None);
+}
+
+#[test]
+fn far_future_and_u64_max() {
+    let mut w = TimingWheel::new(0);
+    w.insert(1, u64::MAX, pos(1)).unwrap();
+    w.insert(2, 100 * YEAR, pos(2)).unwrap();
+    w.insert(3, u64::MAX - 1, pos(3)).unwrap();
+    w.insert(4, u64::MAX, pos(4)).unwrap();
+    assert_eq!(w.next_deadline(), Some(100 * YEAR));
+    assert_eq!(poll_all(&mut w, 100 * YEAR - 1), vec![]);
+    assert_eq!(poll_all(&mut w, 100 * YEAR), vec![(100 * YEAR, 2)]);
+    assert_eq!(w.next_deadline(), Some(u64::MAX - 1));
+    assert_eq!(poll_all(&mut w, u64::MAX - 2), vec![]);
+    assert_eq!(
+        poll_all(&mut w, u64::MAX),
+        vec![(u64::MAX - 1, 3), (u64::MAX, 1), (u64::MAX, 4)]
+    );
+    w.insert(5, 3, pos(5)).unwrap();
+    assert_eq!(poll_all(&mut w, u64::MAX), vec![(3, 5)]);
+}
+
+#[test]
+fn many_cancels_compact_slots_and_keep_order() {
+    let mut w = TimingWheel::new(0);
+    for id in 0..1000 {
+        w.insert(id, 500_000 + id % 3, pos(id)).unwrap();
+    }
+    for id in (0..1000).filter(|id| id % 5 != 0) {
+        assert!(w.cancel(id).is_some());
+    }
+    assert_eq!(w.len(), 200);
+    let got = poll_all(&mut w, 600_000);
+    let mut want: Vec<_> = (0..1000)
+        .filter(|id| id % 5 == 0)
+        .map(|id| (500_000 + id % 3, id))
+        .collect();
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn growth_iter_and_reuse() {
+    let mut w = TimingWheel::new(0);
+    for round in 0..3u64 {
+        let base = round * 10_000_000;
+        for id in 0..20_000 {
+            let id = round * 1_000_000 + id;
+            w.insert(id, base + (id * 7919) % 3_600_000, pos(id))
+                .unwrap();
+        }
+        assert_eq!(w.iter().count(), 20_000);
+        assert!(w.iter().all(|e| e.data == pos(e.id)));
+        let got = poll_all(&mut w, base + 3_600_000);
+        assert_eq!(got.len(), 20_000);
+        assert!(got.windows(2).all(|p| p[0] <= p[1]));
+        // Freed nodes are reused: the slab does not grow past the peak.
+        assert!(w.nodes.len() <= 20_000);
+    }
+}
+
+#[test]
+fn long_jumps_with_few_entries_are_fast() {
+    let mut w = TimingWheel::new(0);
+    let mut out = Vec::new();
+    let start = std::time::Instant::now();
+    for i in 0..10_000u64 {
+        w.insert(i, (i + 1) * YEAR, pos(i)).unwrap();
+        w.poll_expired((i + 1) * YEAR, usize::MAX, &mut out);
+    }
+    assert_eq!(out.len(), 10_000);
+    assert!(start.elapsed().as_secs() < 5);
+}
+
+/// Reference model: pending entries ordered by (deadline, insertion sequence).
+#[derive(Default)]
+struct Model {
+    now: u64,
+    seq: u64,
+    order: BTreeMap<(u64, u64), u64>,
+    by_id: HashMap<u64, (u64, u64)>,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Deadline is `now + delta`, saturating; `past` subtracts instead.
+    Insert {
+        id: u64,
+        delta: u64,
+        past: bool,
+    },
+    Cancel {
+        id: u64,
+    },
+    Advance {
+        delta: u64,
+        max: usize,
+    },
+}
+
+fn delta() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        3 => 0..70u64,
+        3 => 0..5_000u64,
+        2 => 0..1_000_000u64,
+        1 => 0..100 * YEAR,
+        1 => any::<u64>(),
+        1 => Just(u64::MAX),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let id = 0..40u64;
+    prop_oneof![
+        6 => (id.clone(), delta(), prop::bool::weighted(0.15))
+            .prop_map(|(id, delta, past)| Op::Insert { id, delta, past }),
+        2 => id.prop_map(|id| Op::Cancel { id }),
+        3 => (delta(), prop_oneof![Just(0usize), Just(1), 1..5usize, Just(usize::MAX)])
+            .prop_map(|(delta, max)| Op::Advance { delta: delta / 4, max }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn matches_model(start in prop_oneof![Just(0u64), any::<u64>(), 0..YEAR], ops in prop::collection::vec(op(), 1..120)) {
+        let mut w = TimingWheel::new(start);
+        let mut m = Model { now: start, ..Model::default() };
+        let mut out = Vec::new();
+        for op in ops {
+            match op {
+                Op::Insert { id, delta, past } => {
+                    let deadline = if past { m.now.saturating_sub(delta) } else { m.now.saturating_add(delta) };
+                    let got = w.insert(id, deadline, pos(id ^ deadline));
+                    if m.by_id.contains_key(&id) {
+                        prop_assert_eq!(got, Err(DuplicateId(id)));
+                    } else {
+                        prop_assert_eq!(got, Ok(()));
+                        m.seq += 1;
+                        m.order.insert((deadline, m.seq), id);
+                        m.by_id.insert(id, (deadline, m.seq));
+                    }
+                }
+                Op::Cancel { id } => {
+                    let want = m.by_id.remove(&id).map(|(deadline, seq)| {
+                        m.order.remove(&(deadline, seq));
+                        Expired { id, deadline, data: pos(id ^ deadline) }
+                    });
+                    prop_assert_eq!(w.cancel(id), want);
+                }
+                Op::Advance { delta, max } => {
+                    m.now = m.now.saturating_add(delta);
+                    out.clear();
+                    let n = w.poll_expired(m.now, max, &mut out);
+                    prop_assert_eq!(n, out.len());
+                    let mut want = Vec::new();
+                    while want.len() < max {
+                        match m.order.first_key_value() {
+                            Some((&(deadline, seq), &id)) if deadline <= m.now => {
+                                m.order.remove(&(deadline, seq));
+                                m.by_id.remove(&id);
+                                want.push(Expired { id, deadline, data: pos(id ^ deadline) });
+                            }
+                            _ => break,
+                        }
+                    }
+                    prop_assert_eq!(&out, &want);
+                    prop_assert_eq!(w.now(), m.now);
+                }
+            }
+            prop_assert_eq!(w.len(), m.order.len());
+            prop_assert_eq!(w.next_deadline(), m.order.keys().next().map(|k| k.0));
+            for id in 0..40u64 {
+                let want = m.by_id.get(&id).map(|&(deadline, _)| deadline);
+                prop_assert_eq!(w.get(id).map(|e| e.deadline), want);
+            }
+        }
+        let mut all: Vec<_> = w.iter().map(|e| e.id).collect();
+        all.sort_unstable();
+        let mut want: Vec<_> = m.by_id.keys().copied().collect();
+        want.sort_unstable();
+        prop_assert_eq!(all, want);
+        // Drain everything: the full remaining order must match too.
+        out.clear();
+        w.poll_expired(u64::MAX, usize::MAX, &mut out);
+        let got: Vec<_> = out.iter().map(|e| e.id).collect();
+        let want: Vec<_> = m.order.values().copied().collect();
+        prop_assert_eq!(got, want);
+        prop_assert!(w.is_empty());
+    }
+}
