@@ -5,6 +5,8 @@
 //! - [`engine`]: owns both; schedules, cancels, fires due messages to a sink.
 #![forbid(unsafe_code)]
 
+pub mod config;
 pub mod engine;
+pub mod route;
 pub mod wal;
 pub mod wheel;

@@ -1,0 +1,292 @@
+//! Configuration: built-in defaults < TOML file < `DELAYD_` environment
+//! (`__` separates nesting levels, e.g. `DELAYD_WAL__DIR=/var/lib/delayd`).
+//!
+//! Errors name the key and where its value came from (file or variable).
+
+mod duration;
+mod validate;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+use crate::wal::OnCorruption;
+
+pub use validate::ConfigError;
+
+/// The whole configuration. Every field has a default except `routes`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub wal: WalSection,
+    pub http: HttpSection,
+    pub engine: EngineSection,
+    pub log: LogSection,
+    pub brokers: BTreeMap<String, BrokerConfig>,
+    pub routes: Vec<RouteConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            wal: WalSection::default(),
+            http: HttpSection::default(),
+            engine: EngineSection::default(),
+            log: LogSection::default(),
+            brokers: BTreeMap::new(),
+            routes: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WalSection {
+    /// Directory of the write-ahead log. Created if missing.
+    pub dir: PathBuf,
+    /// Segment size before a new one is started, bytes.
+    pub segment_bytes: u64,
+    /// Largest message accepted (encoded body + headers), bytes. Larger ones
+    /// go to the route's invalid destination.
+    pub max_message_bytes: u32,
+    /// Compact a sealed segment when its live fraction falls below this.
+    pub compact_below: f64,
+    /// `skip` (report and carry on) or `refuse` (do not start) on corruption.
+    pub on_corruption: OnCorruption,
+}
+
+impl Default for WalSection {
+    fn default() -> Self {
+        Self {
+            dir: PathBuf::from("data/wal"),
+            segment_bytes: 64 << 20,
+            max_message_bytes: 16 << 20,
+            compact_below: 0.5,
+            on_corruption: OnCorruption::Skip,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpSection {
+    /// Admin and metrics listener. Empty string disables it.
+    pub listen: String,
+    /// Bearer token required on `/v1/*` (also `DELAYD_HTTP__TOKEN`).
+    pub token: Option<String>,
+    /// File holding the bearer token (first line).
+    pub token_file: Option<PathBuf>,
+}
+
+impl Default for HttpSection {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9464".into(),
+            token: None,
+            token_file: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSection {
+    /// Most messages being published at once.
+    pub max_in_flight: usize,
+    /// Messages per second for those already overdue at start-up.
+    pub overdue_rate: u32,
+    /// Longest delay accepted; longer ones are invalid. Default 10 years.
+    #[serde(with = "duration")]
+    pub max_delay: Duration,
+    /// First retry after a failed publish, doubling up to `retry_max`.
+    #[serde(with = "duration")]
+    pub retry_initial: Duration,
+    #[serde(with = "duration")]
+    pub retry_max: Duration,
+    /// On SIGTERM, how long to wait for in-flight publishes.
+    #[serde(with = "duration")]
+    pub shutdown_grace: Duration,
+    /// Unacknowledged fingerprints kept to recognise broker redeliveries.
+    pub dedup_window: usize,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        Self {
+            max_in_flight: 1024,
+            overdue_rate: 5000,
+            max_delay: Duration::from_secs(10 * 365 * 24 * 3600),
+            retry_initial: Duration::from_millis(200),
+            retry_max: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(10),
+            dedup_window: 100_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSection {
+    /// `pretty` or `json`.
+    pub format: LogFormat,
+    /// tracing filter, e.g. `info` or `delayd=debug`; `RUST_LOG` wins if set.
+    pub level: String,
+}
+
+impl Default for LogSection {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::Pretty,
+            level: "info".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum BrokerConfig {
+    Amqp {
+        /// amqp://user:pass@host:port/vhost (vhost `/` is `%2f`).
+        url: String,
+    },
+    Kafka {
+        /// Comma-separated host:port list.
+        bootstrap: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Delay from `x-delay` / `x-deliver-at` headers.
+    #[default]
+    Delay,
+    /// Delay from the `expiration` property / `message_ttl` (TTL + DLX emulation).
+    Ttl,
+    /// Retry with back-off and a bounded number of attempts.
+    Retry,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub name: String,
+    #[serde(default)]
+    pub mode: Mode,
+    pub from: FromConfig,
+    pub to: ToConfig,
+    /// Where messages that cannot be scheduled go (default: queue `delayd.invalid`
+    /// on the source broker).
+    #[serde(default)]
+    pub invalid: Option<DestinationConfig>,
+    /// Where unroutable messages go (default: queue `delayd.unroutable` on the
+    /// target broker).
+    #[serde(default)]
+    pub unroutable: Option<DestinationConfig>,
+    /// Honour per-message `x-target-*` headers.
+    #[serde(default)]
+    pub allow_target_override: bool,
+    /// Overrides `engine.max_delay` for this route.
+    #[serde(default, with = "duration::option")]
+    pub max_delay: Option<Duration>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FromConfig {
+    pub broker: String,
+    /// AMQP: the durable queue delayd consumes.
+    #[serde(default)]
+    pub queue: Option<String>,
+    /// AMQP: an exchange delayd declares and binds to `queue` (key `#`, or "" for fanout).
+    #[serde(default)]
+    pub exchange: Option<String>,
+    /// AMQP: type of `exchange`: direct, topic (default), fanout or headers.
+    #[serde(default)]
+    pub exchange_type: Option<String>,
+    /// AMQP: unacknowledged deliveries per consumer (basic.qos).
+    #[serde(default)]
+    pub prefetch: Option<u16>,
+    /// Kafka: topics to consume.
+    #[serde(default)]
+    pub topics: Vec<String>,
+    /// Kafka: consumer group.
+    #[serde(default)]
+    pub group: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ToConfig {
+    pub broker: String,
+    /// AMQP target exchange ("" is the default exchange).
+    #[serde(default)]
+    pub exchange: Option<String>,
+    /// AMQP routing key; the message's own key is kept when unset.
+    #[serde(default)]
+    pub routing_key: Option<String>,
+    /// Kafka target topic.
+    #[serde(default)]
+    pub topic: Option<String>,
+}
+
+/// An invalid/unroutable destination: a queue, an exchange (+ key) or a topic.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct DestinationConfig {
+    /// Broker name; defaults to the source (invalid) or target (unroutable) broker.
+    #[serde(default)]
+    pub broker: Option<String>,
+    #[serde(default)]
+    pub queue: Option<String>,
+    #[serde(default)]
+    pub exchange: Option<String>,
+    #[serde(default)]
+    pub routing_key: Option<String>,
+    #[serde(default)]
+    pub topic: Option<String>,
+}
+
+impl Config {
+    /// Defaults, then `file` (if any), then the `DELAYD_` environment; then
+    /// semantic checks. Errors name the key and the file.
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(ConfigError::Missing(path.to_path_buf()));
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        figment = figment.merge(Env::prefixed("DELAYD_").split("__"));
+        let config: Config = figment
+            .extract()
+            .map_err(|e| ConfigError::from_figment(e, file))?;
+        config.validate(file)?;
+        Ok(config)
+    }
+
+    /// Parse a TOML string (tests and `delayd check` on stdin).
+    pub fn from_toml_str(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = Figment::from(Serialized::defaults(Config::default()))
+            .merge(Toml::string(text))
+            .extract()
+            .map_err(|e| ConfigError::from_figment(e, None))?;
+        config.validate(None)?;
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,278 @@
+//! When is a message due? The ingress header contract:
+//!
+//! - `x-deliver-at`: absolute due time, epoch milliseconds (any integer type
+//!   or a numeric string) or an RFC 3339 timestamp. It wins over `x-delay`.
+//! - `x-delay`: milliseconds relative to arrival, converted as the
+//!   delayed-message-exchange plugin does: every AMQP integer type, numeric
+//!   strings, floats truncated. Missing, 0 or negative: publish at once.
+//!   Unlike the plugin, delays above 2^32-1 ms are honoured up to `max_delay`.
+//!
+//! Anything else (text that is not a number, NaN, a boolean, a table, a delay
+//! beyond `max_delay`) is an [`InvalidDelay`], and the message goes to the
+//! route's invalid destination with the reason.
+
+use std::time::Duration;
+
+use delayd_adapters::{FieldTable, Value};
+
+pub const X_DELAY: &str = "x-delay";
+pub const X_DELIVER_AT: &str = "x-deliver-at";
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidDelay {
+    #[error("{header} header has unusable type {kind}")]
+    Type {
+        header: &'static str,
+        kind: &'static str,
+    },
+    #[error("{header} header {text:?} is not a number{}", if *.header == X_DELIVER_AT { " or RFC 3339 time" } else { "" })]
+    Unparseable { header: &'static str, text: String },
+    #[error("delay of {delay_ms} ms is over the maximum of {max_ms} ms")]
+    TooLong { delay_ms: u128, max_ms: u128 },
+    #[error("{header} header is {text}, not a finite number")]
+    NotFinite { header: &'static str, text: String },
+}
+
+/// A number from a header: whole milliseconds, or a float to truncate.
+enum Number {
+    Int(i128),
+    Float(f64),
+}
+
+fn number(header: &'static str, value: &Value) -> Result<Number, InvalidDelay> {
+    let n = match value {
+        Value::I8(x) => Number::Int(*x as i128),
+        Value::U8(x) => Number::Int(*x as i128),
+        Value::I16(x) => Number::Int(*x as i128),
+        Value::U16(x) => Number::Int(*x as i128),
+        Value::I32(x) => Number::Int(*x as i128),
+        Value::U32(x) => Number::Int(*x as i128),
+        Value::I64(x) => Number::Int(*x as i128),
+        Value::U64(x) => Number::Int(*x as i128),
+        Value::Timestamp(x) => Number::Int(*x as i128),
+        Value::F32(x) => Number::Float(*x as f64),
+        Value::F64(x) => Number::Float(*x),
+        Value::Decimal { scale, value } => Number::Float(*value as f64 / 10f64.powi(*scale as i32)),
+        Value::ShortString(_) | Value::LongString(_) | Value::ByteArray(_) => {
+            let text = value.as_text().ok_or(InvalidDelay::Type {
+                header,
+                kind: "non-UTF-8 bytes",
+            })?;
+            return parse_text(header, text);
+        }
+        Value::Bool(_) => {
+            return Err(InvalidDelay::Type {
+                header,
+                kind: "boolean",
+            })
+        }
+        Value::Array(_) => {
+            return Err(InvalidDelay::Type {
+                header,
+                kind: "array",
+            })
+        }
+        Value::Table(_) => {
+            return Err(InvalidDelay::Type {
+                header,
+                kind: "table",
+            })
+        }
+        Value::Void => {
+            return Err(InvalidDelay::Type {
+                header,
+                kind: "void",
+            })
+        }
+    };
+    Ok(n)
+}
+
+fn parse_text(header: &'static str, text: &str) -> Result<Number, InvalidDelay> {
+    let t = text.trim();
+    if let Ok(i) = t.parse::<i128>() {
+        return Ok(Number::Int(i));
+    }
+    match t.parse::<f64>() {
+        Ok(f) if t.chars().any(|c| c.is_ascii_digit()) => Ok(Number::Float(f)),
+        _ => Err(InvalidDelay::Unparseable {
+            header,
+            text: text.to_owned(),
+        }),
+    }
+}
+
+fn whole_ms(header: &'static str, n: Number) -> Result<i128, InvalidDelay> {
+    match n {
+        Number::Int(i) => Ok(i),
+        Number::Float(f) if f.is_finite() => Ok(f.trunc() as i128),
+        Number::Float(f) => Err(InvalidDelay::NotFinite {
+            header,
+            text: f.to_string(),
+        }),
+    }
+}
+
+/// The whole milliseconds of an `x-delay` value, if it is a usable number.
+pub fn delay_ms(value: &Value) -> Option<i128> {
+    whole_ms(X_DELAY, number(X_DELAY, value).ok()?).ok()
+}
+
+/// The due time (epoch ms) of a message that arrived at `now_ms`.
+pub fn due_from_headers(
+    headers: &FieldTable,
+    now_ms: u64,
+    max_delay: Duration,
+) -> Result<u64, InvalidDelay> {
+    let max_ms = max_delay.as_millis();
+    let check = |delay: i128| -> Result<u64, InvalidDelay> {
+        if delay <= 0 {
+            return Ok(now_ms);
+        }
+        if delay as u128 > max_ms {
+            return Err(InvalidDelay::TooLong {
+                delay_ms: delay as u128,
+                max_ms,
+            });
+        }
+        Ok(now_ms.saturating_add(delay as u64))
+    };
+    if let Some(value) = headers.get(X_DELIVER_AT) {
+        let at = match value.as_text().map(str::trim) {
+            Some(text) if !text.is_empty() && !text.bytes().all(|b| b.is_ascii_digit()) => {
+                match chrono::DateTime::parse_from_rfc3339(text) {
+                    Ok(t) => t.timestamp_millis() as i128,
+                    Err(_) => whole_ms(X_DELIVER_AT, parse_text(X_DELIVER_AT, text)?)?,
+                }
+            }
+            _ => whole_ms(X_DELIVER_AT, number(X_DELIVER_AT, value)?)?,
+        };
+        return check(at - now_ms as i128);
+    }
+    match headers.get(X_DELAY) {
+        None => Ok(now_ms),
+        Some(value) => check(whole_ms(X_DELAY, number(X_DELAY, value)?)?),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_700_000_000_000;
+    const MAX: Duration = Duration::from_secs(10 * 365 * 86400);
+
+    fn due(key: &str, v: Value) -> Result<u64, InvalidDelay> {
+        due_from_headers(&FieldTable(vec![(key.into(), v)]), NOW, MAX)
+    }
+
+    #[test]
+    fn every_integer_type_is_a_delay() {
+        for v in [
+            Value::I8(5),
+            Value::U8(5),
+            Value::I16(5),
+            Value::U16(5),
+            Value::I32(5),
+            Value::U32(5),
+            Value::I64(5),
+            Value::U64(5),
+        ] {
+            assert_eq!(due(X_DELAY, v.clone()), Ok(NOW + 5), "{v:?}");
+        }
+    }
+
+    #[test]
+    fn strings_and_floats_convert_like_the_plugin() {
+        assert_eq!(
+            due(X_DELAY, Value::LongString(b"1500".to_vec())),
+            Ok(NOW + 1500)
+        );
+        assert_eq!(
+            due(X_DELAY, Value::ShortString(" 42 ".into())),
+            Ok(NOW + 42)
+        );
+        assert_eq!(
+            due(X_DELAY, Value::LongString(b"99.9".to_vec())),
+            Ok(NOW + 99)
+        );
+        assert_eq!(due(X_DELAY, Value::F64(1234.99)), Ok(NOW + 1234));
+        assert_eq!(due(X_DELAY, Value::F32(10.5)), Ok(NOW + 10));
+    }
+
+    #[test]
+    fn missing_zero_and_negative_mean_now() {
+        assert_eq!(due_from_headers(&FieldTable::new(), NOW, MAX), Ok(NOW));
+        assert_eq!(due(X_DELAY, Value::I32(0)), Ok(NOW));
+        assert_eq!(due(X_DELAY, Value::I32(-500)), Ok(NOW));
+        assert_eq!(due(X_DELAY, Value::LongString(b"-3".to_vec())), Ok(NOW));
+    }
+
+    #[test]
+    fn delays_beyond_u32_are_honoured_up_to_max() {
+        let big = (u32::MAX as i64) + 1000;
+        assert_eq!(due(X_DELAY, Value::I64(big)), Ok(NOW + big as u64));
+        assert!(matches!(
+            due(X_DELAY, Value::I64(i64::MAX)),
+            Err(InvalidDelay::TooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn garbage_is_invalid_with_a_reason() {
+        let e = due(X_DELAY, Value::LongString(b"soon".to_vec())).unwrap_err();
+        assert!(e.to_string().contains("\"soon\""), "{e}");
+        assert!(matches!(
+            due(X_DELAY, Value::Bool(true)),
+            Err(InvalidDelay::Type { .. })
+        ));
+        assert!(matches!(
+            due(X_DELAY, Value::F64(f64::NAN)),
+            Err(InvalidDelay::NotFinite { .. })
+        ));
+        assert!(matches!(
+            due(X_DELAY, Value::LongString(vec![0xff, 0xfe])),
+            Err(InvalidDelay::Type { .. })
+        ));
+        assert!(due(X_DELAY, Value::LongString(b"".to_vec())).is_err());
+    }
+
+    #[test]
+    fn deliver_at_takes_epoch_ms_and_rfc3339() {
+        assert_eq!(
+            due(X_DELIVER_AT, Value::I64((NOW + 5000) as i64)),
+            Ok(NOW + 5000)
+        );
+        assert_eq!(
+            due(
+                X_DELIVER_AT,
+                Value::LongString(format!("{}", NOW + 7).into_bytes())
+            ),
+            Ok(NOW + 7)
+        );
+        let t = chrono::DateTime::from_timestamp_millis((NOW + 60_000) as i64)
+            .unwrap()
+            .to_rfc3339();
+        assert_eq!(
+            due(X_DELIVER_AT, Value::LongString(t.into_bytes())),
+            Ok(NOW + 60_000)
+        );
+        assert_eq!(
+            due(
+                X_DELIVER_AT,
+                Value::LongString(b"2000-01-01T00:00:00Z".to_vec())
+            ),
+            Ok(NOW)
+        );
+        assert!(due(X_DELIVER_AT, Value::LongString(b"tomorrow".to_vec())).is_err());
+    }
+
+    #[test]
+    fn deliver_at_wins_over_delay() {
+        let h = FieldTable(vec![
+            (X_DELAY.into(), Value::I32(1)),
+            (X_DELIVER_AT.into(), Value::I64((NOW + 100) as i64)),
+        ]);
+        assert_eq!(due_from_headers(&h, NOW, MAX), Ok(NOW + 100));
+    }
+}

@@ -1,0 +1,72 @@
+//! Egress header rewrites: the only changes delayd makes to a message.
+//!
+//! - `x-delay` becomes its negative (as the plugin does, a signed 32-bit int
+//!   when it fits, else 64-bit), so consumers can tell it was delayed.
+//! - `x-delayd-id` is added (the delayd message id, as a long string), so
+//!   consumers can deduplicate the rare republish after a crash.
+//! - `x-delayd-error` is added on messages sent to an invalid/unroutable place.
+
+use delayd_adapters::{Message, Value};
+
+use super::delay::{delay_ms, X_DELAY};
+
+pub const X_DELAYD_ID: &str = "x-delayd-id";
+pub const X_DELAYD_ERROR: &str = "x-delayd-error";
+
+/// Rewrite a due message's headers for republishing.
+pub fn for_delivery(message: &mut Message, id: u64) {
+    if let Some(delay) = message.headers.get(X_DELAY).and_then(delay_ms) {
+        let negative = -(delay.clamp(0, i64::MAX as i128) as i64);
+        let value = i32::try_from(negative)
+            .map(Value::I32)
+            .unwrap_or(Value::I64(negative));
+        message.headers.insert(X_DELAY, value);
+    }
+    message
+        .headers
+        .insert(X_DELAYD_ID, Value::LongString(id.to_string().into_bytes()));
+}
+
+/// Mark a message with why it could not be scheduled or delivered.
+pub fn with_error(message: &mut Message, reason: &str) {
+    message.headers.insert(
+        X_DELAYD_ERROR,
+        Value::LongString(reason.as_bytes().to_vec()),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use delayd_adapters::FieldTable;
+
+    #[test]
+    fn delay_is_negated_in_place_and_id_added() {
+        let mut m = Message {
+            headers: FieldTable(vec![
+                ("a".into(), Value::Bool(true)),
+                (X_DELAY.into(), Value::LongString(b"5000".to_vec())),
+                ("z".into(), Value::I8(1)),
+            ]),
+            ..Message::default()
+        };
+        for_delivery(&mut m, 42);
+        assert_eq!(m.headers.0[1], (X_DELAY.into(), Value::I32(-5000)));
+        assert_eq!(
+            m.headers.get(X_DELAYD_ID),
+            Some(&Value::LongString(b"42".to_vec()))
+        );
+        assert_eq!(m.headers.len(), 4);
+    }
+
+    #[test]
+    fn huge_delay_negates_to_i64_and_no_delay_header_is_left_alone() {
+        let mut m = Message::default();
+        m.headers.insert(X_DELAY, Value::I64(1 << 40));
+        for_delivery(&mut m, 1);
+        assert_eq!(m.headers.get(X_DELAY), Some(&Value::I64(-(1 << 40))));
+        let mut plain = Message::default();
+        for_delivery(&mut plain, 1);
+        assert!(plain.headers.get(X_DELAY).is_none());
+    }
+}
