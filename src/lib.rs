@@ -3,10 +3,19 @@
 //! - [`wal`]: the write-ahead log, the only source of truth.
 //! - [`wheel`]: the hierarchical timing wheel, an index rebuilt from the WAL.
 //! - [`engine`]: owns both; schedules, cancels, fires due messages to a sink.
+//! - [`route`]: delay headers and egress rewrites (pure logic).
+//! - [`config`]: figment defaults < file < environment.
+//! - [`runtime`]: `delayd run`, wiring the above to broker adapters.
+//! - [`admin`]: health, metrics and the `/v1/messages` API.
 #![forbid(unsafe_code)]
 
+pub mod admin;
+pub mod bench;
 pub mod config;
 pub mod engine;
+pub mod inspect;
 pub mod route;
+pub mod runtime;
+pub mod telemetry;
 pub mod wal;
 pub mod wheel;

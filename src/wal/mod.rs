@@ -70,6 +70,7 @@ mod segments;
 mod writer;
 
 pub use frame::{Record, RecordRef, SCHEDULE_OVERHEAD};
+pub use reader::{inspect_segment, FrameSummary, SegmentScan};
 pub use recovery::{Corruption, RecoveryReport};
 pub use segments::{SegmentInfo, SpaceReport};
 

@@ -143,3 +143,86 @@ impl<'a> Iterator for Scanner<'a> {
         }
     }
 }
+
+/// One frame of a segment, summarised for `delayd wal inspect`.
+#[derive(Debug, Clone)]
+pub struct FrameSummary {
+    pub id: u64,
+    pub due_ms: u64,
+    pub size: u32,
+    pub route: String,
+    /// `Some(target segment)` for a Done.
+    pub done: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+pub struct SegmentScan {
+    pub frames: Vec<FrameSummary>,
+    pub corruption: Vec<super::Corruption>,
+    /// Bytes of a torn tail (only in the last segment; cut on next start).
+    pub torn_tail_bytes: u64,
+}
+
+/// Read-only scan of one segment file. In the last segment, a bad frame with
+/// nothing valid after it is a torn tail, not corruption.
+pub fn inspect_segment(path: &Path, max_record_bytes: u32, is_last: bool) -> Result<SegmentScan, WalError> {
+    let file = File::open(path).map_err(|e| WalError::io(path, e))?;
+    let buf = read_all(&file, path)?;
+    let mut scan = SegmentScan::default();
+    let header_ok = buf.len() >= frame::SEGMENT_HEADER_BYTES as usize && &buf[..8] == frame::SEGMENT_MAGIC;
+    if !header_ok {
+        scan.corruption.push(super::Corruption {
+            segment: path.to_path_buf(),
+            offset: 0,
+            reason: "bad segment header".into(),
+            skipped_bytes: buf.len() as u64,
+        });
+        return Ok(scan);
+    }
+    for item in Scanner::new(&buf, max_record_bytes) {
+        match item {
+            ScanItem::Frame { offset, record } => {
+                let next = scan_end(&buf, offset as usize, max_record_bytes);
+                let size = (next - offset as usize) as u32;
+                scan.frames.push(match record {
+                    RecordRef::Schedule { id, due_ms, route, .. } => FrameSummary {
+                        id,
+                        due_ms,
+                        size,
+                        route: route.to_owned(),
+                        done: None,
+                    },
+                    RecordRef::Done { id, segment, .. } => FrameSummary {
+                        id,
+                        due_ms: 0,
+                        size,
+                        route: String::new(),
+                        done: Some(segment),
+                    },
+                });
+            }
+            ScanItem::Bad {
+                offset,
+                resumes_at: None,
+                ..
+            } if is_last => scan.torn_tail_bytes = buf.len() as u64 - offset,
+            ScanItem::Bad {
+                offset,
+                reason,
+                resumes_at,
+            } => scan.corruption.push(super::Corruption {
+                segment: path.to_path_buf(),
+                offset,
+                reason: reason.to_string(),
+                skipped_bytes: resumes_at.unwrap_or(buf.len() as u64) - offset,
+            }),
+        }
+    }
+    Ok(scan)
+}
+
+fn scan_end(buf: &[u8], offset: usize, max_record_bytes: u32) -> usize {
+    frame::parse(&buf[offset..], max_record_bytes)
+        .map(|(_, size)| offset + size)
+        .unwrap_or(offset)
+}

@@ -276,6 +276,7 @@ impl WriterState {
             }
             return Err(err);
         }
+        let started = std::time::Instant::now();
         if let Err(source) = file.sync_data() {
             tracing::error!(error = %source, path = %path.display(), "WAL fdatasync failed; stopping the log");
             self.stopped.store(true, Ordering::Release);
@@ -284,7 +285,9 @@ impl WriterState {
                 source,
             });
         }
+        metrics::histogram!("delayd_wal_fsync_seconds").record(started.elapsed().as_secs_f64());
         metrics::counter!("delayd_wal_fsyncs_total").increment(1);
+        metrics::counter!("delayd_wal_written_bytes_total").increment(self.buf.len() as u64);
         self.head_bytes += self.buf.len() as u64;
         Ok(())
     }

@@ -66,6 +66,10 @@ impl Slot {
     /// Appends `idx` and returns its position (stored in the node for cancel).
     pub(super) fn push(&mut self, idx: u32) -> u32 {
         let pos = self.items.len() as u32;
+        if self.items.len() == self.items.capacity() {
+            // Grow by 1/4 instead of doubling: big slots hold a large share of all entries.
+            self.items.reserve_exact((self.items.capacity() / 4).max(8));
+        }
         self.items.push(idx);
         pos
     }

@@ -313,6 +313,12 @@ impl<T: Copy> TimingWheel<T> {
 
     fn alloc(&mut self, node: Node<T>) -> u32 {
         if self.free == NIL {
+            // Grow by 1/8 rather than doubling: the slab is most of the memory, and
+            // large reallocations are cheap (the allocator remaps pages).
+            if self.nodes.len() == self.nodes.capacity() {
+                self.nodes
+                    .reserve_exact((self.nodes.capacity() / 8).max(16));
+            }
             // The index caps the entry count well below u32::MAX, and the slab never
             // holds more nodes than the peak entry count.
             self.nodes.push(node);

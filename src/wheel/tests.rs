@@ -367,3 +367,43 @@ proptest! {
         prop_assert!(w.is_empty());
     }
 }
+
+#[test]
+fn id_index_handles_patterns_growth_and_saturated_displacements() {
+    use super::index::IdIndex;
+    // `slab[i]` is the id stored at slab index i.
+    let mut slab: Vec<u64> = Vec::new();
+    let mut index = IdIndex::with_capacity(0);
+    let mut rng = 0x1234_5678_9abc_def1u64;
+    let mut ids: Vec<u64> = (0..20_000u64).collect(); // sequential
+    ids.extend((1..20_000u64).map(|i| i << 16)); // strided: same low bits
+    ids.extend((1..20_000u64).map(|i| (i << 40) | 7));
+    ids.extend((0..100_000).map(|_| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng | 1 << 63 // disjoint from the patterns above
+    }));
+    for &id in &ids {
+        index.reserve_one(|i| slab[i as usize]);
+        let Err(vacant) = index.probe(id, |i| slab[i as usize]) else {
+            panic!("duplicate id {id}");
+        };
+        index.fill(vacant, slab.len() as u32);
+        slab.push(id);
+    }
+    assert_eq!(index.len(), ids.len());
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(index.find(id, |i| slab[i as usize]), Some(i as u32));
+    }
+    // Remove every third id; the rest must stay reachable past the shifted cells.
+    for (i, &id) in ids.iter().enumerate().filter(|(i, _)| i % 3 == 0) {
+        assert_eq!(index.remove(id, |i| slab[i as usize]), Some(i as u32));
+        assert_eq!(index.remove(id, |i| slab[i as usize]), None);
+    }
+    for (i, &id) in ids.iter().enumerate() {
+        let want = (i % 3 != 0).then_some(i as u32);
+        assert_eq!(index.find(id, |i| slab[i as usize]), want);
+    }
+    assert_eq!(index.iter().count(), index.len());
+}

@@ -1,0 +1,268 @@
+//! `delayd bench`: a load generator for delayed delivery over AMQP.
+//!
+//! It publishes `--count` messages with `x-delay` spread uniformly over
+//! `[--delay-min, --delay-max]` to `--exchange` at `--rate` per second, and
+//! consumes `--queue`, measuring each message's lateness against the due
+//! time it carries. Any exchange works: delayd's ingress exchange or a plugin
+//! `x-delayed-message` exchange. It reports publish and delivery rates,
+//! lateness p50/p99/max, and the lost, early and duplicate counts.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use delayd_adapters::amqp::topology::ensure_bound_queue;
+use delayd_adapters::amqp::{AmqpSink, AmqpSource, BrokerConnections, ExchangeType, SinkConfig, SourceConfig};
+use delayd_adapters::{FieldTable, Message, Properties, PublishOutcome, Sink, Source, Target, Value};
+use hdrhistogram::Histogram;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::engine::{Clock, SystemClock};
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// AMQP URL of the broker.
+    #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    pub url: String,
+    /// Exchange to publish the delayed messages to.
+    #[arg(long)]
+    pub exchange: String,
+    /// Routing key to publish with.
+    #[arg(long, default_value = "bench")]
+    pub routing_key: String,
+    /// Queue to consume the delivered messages from.
+    #[arg(long)]
+    pub queue: String,
+    /// Declare `--queue` and bind it to this exchange (topic, key `#`) first.
+    #[arg(long)]
+    pub bind_to: Option<String>,
+    /// Messages to publish.
+    #[arg(long, default_value_t = 10_000)]
+    pub count: u64,
+    /// Publish rate, messages per second.
+    #[arg(long, default_value_t = 1000)]
+    pub rate: u64,
+    /// Smallest delay, ms.
+    #[arg(long, default_value_t = 1000)]
+    pub delay_min: u64,
+    /// Largest delay, ms.
+    #[arg(long, default_value_t = 5000)]
+    pub delay_max: u64,
+    /// Body size, bytes.
+    #[arg(long, default_value_t = 256)]
+    pub body_bytes: usize,
+    /// Publishes awaiting a confirm at once.
+    #[arg(long, default_value_t = 256)]
+    pub in_flight: usize,
+    /// Give up waiting this long after the last message fell due.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Hide the progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub published: u64,
+    pub publish_rate: f64,
+    pub received: u64,
+    pub delivery_rate: f64,
+    pub lost: u64,
+    pub early: u64,
+    pub duplicates: u64,
+    pub lateness_p50_ms: u64,
+    pub lateness_p99_ms: u64,
+    pub lateness_max_ms: u64,
+}
+
+const RUN: &str = "x-bench-run";
+const SEQ: &str = "x-bench-seq";
+const DUE: &str = "x-bench-due";
+
+struct Tally {
+    seen: Vec<u64>, // bitset of sequence numbers
+    received: u64,
+    duplicates: u64,
+    early: u64,
+    lateness: Histogram<u64>,
+    first: Option<Instant>,
+    last: Option<Instant>,
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.delay_max >= args.delay_min, "--delay-max must be >= --delay-min");
+    anyhow::ensure!(args.rate > 0 && args.count > 0, "--rate and --count must be positive");
+    let conns = BrokerConnections::new(&args.url)?;
+    if let Some(exchange) = &args.bind_to {
+        ensure_bound_queue(&conns.consume, &args.queue, Some((exchange, ExchangeType::Topic, &["#".to_string()])))
+            .await
+            .with_context(|| format!("binding {} to {exchange}", args.queue))?;
+    }
+    let run_id = format!("{}-{}", std::process::id(), SystemClock.now_ms());
+    let tally = Arc::new(Mutex::new(Tally {
+        seen: vec![0; args.count.div_ceil(64) as usize],
+        received: 0,
+        duplicates: 0,
+        early: 0,
+        lateness: Histogram::new(3)?,
+        first: None,
+        last: None,
+    }));
+
+    let bars = MultiProgress::new();
+    if args.quiet || args.json {
+        bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let style = ProgressStyle::with_template("{prefix:>9} {bar:40} {pos}/{len} {per_sec}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let pub_bar = bars.add(ProgressBar::new(args.count).with_style(style.clone()).with_prefix("published"));
+    let recv_bar = bars.add(ProgressBar::new(args.count).with_style(style).with_prefix("received"));
+
+    // Consumer first, so nothing delivered early is missed.
+    let mut source = AmqpSource::start(conns.consume.clone(), SourceConfig::new(&args.queue))?;
+    let consumer = {
+        let tally = tally.clone();
+        let run_id = run_id.clone();
+        let recv_bar = recv_bar.clone();
+        let count = args.count;
+        tokio::spawn(async move {
+            loop {
+                let Ok(d) = source.next().await else { break };
+                let h = &d.message.headers;
+                let ours = h.get(RUN).and_then(|v| v.as_text()) == Some(run_id.as_str());
+                let _ = d.ack.ack().await;
+                if !ours {
+                    continue;
+                }
+                let now = SystemClock.now_ms();
+                let (Some(Value::I64(seq)), Some(Value::I64(due))) = (h.get(SEQ), h.get(DUE)) else {
+                    continue;
+                };
+                let mut t = tally.lock().expect("tally");
+                let (word, bit) = ((*seq as u64 / 64) as usize, *seq as u64 % 64);
+                if word >= t.seen.len() || t.seen[word] & (1 << bit) != 0 {
+                    t.duplicates += 1;
+                    continue;
+                }
+                t.seen[word] |= 1 << bit;
+                t.received += 1;
+                let at = Instant::now();
+                t.first.get_or_insert(at);
+                t.last = Some(at);
+                if (now as i64) < *due {
+                    t.early += 1;
+                } else {
+                    let late = (now as i64 - *due) as u64;
+                    let _ = t.lateness.record(late);
+                }
+                recv_bar.inc(1);
+                if t.received == count {
+                    break;
+                }
+            }
+        })
+    };
+
+    // Publisher: paced, many confirms in flight.
+    let sink = Arc::new(AmqpSink::new(conns.publish.clone(), SinkConfig { channels: args.in_flight.max(1), ..SinkConfig::default() }));
+    let target = Target {
+        destination: args.exchange.clone(),
+        routing_key: Some(args.routing_key.clone()),
+    };
+    let failures = Arc::new(AtomicU64::new(0));
+    let permits = Arc::new(tokio::sync::Semaphore::new(args.in_flight.max(1)));
+    let started = Instant::now();
+    let spread = args.delay_max - args.delay_min;
+    let mut last_due = 0u64;
+    for seq in 0..args.count {
+        let at = started + Duration::from_secs_f64(seq as f64 / args.rate as f64);
+        tokio::time::sleep_until(at.into()).await;
+        // Spread delays evenly but interleaved (a cheap deterministic shuffle).
+        let delay = args.delay_min + if spread == 0 { 0 } else { (seq.wrapping_mul(2_654_435_761)) % (spread + 1) };
+        let due = SystemClock.now_ms() + delay;
+        last_due = last_due.max(due);
+        let message = bench_message(&run_id, seq, delay, due, args.body_bytes);
+        let permit = permits.clone().acquire_owned().await?;
+        let (sink, target, failures, bar) = (sink.clone(), target.clone(), failures.clone(), pub_bar.clone());
+        tokio::spawn(async move {
+            match sink.publish(&message, &target).await {
+                Ok(PublishOutcome::Delivered) => bar.inc(1),
+                _ => {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            drop(permit);
+        });
+    }
+    let _ = permits.acquire_many(args.in_flight.max(1) as u32).await?;
+    let publish_secs = started.elapsed().as_secs_f64();
+    pub_bar.finish();
+
+    let wait_until = last_due + args.drain_timeout.as_millis() as u64;
+    let remaining = wait_until.saturating_sub(SystemClock.now_ms());
+    let _ = tokio::time::timeout(Duration::from_millis(remaining), consumer).await;
+    recv_bar.finish();
+
+    let published = args.count - failures.load(Ordering::Relaxed);
+    let t = tally.lock().expect("tally");
+    let span = match (t.first, t.last) {
+        (Some(a), Some(b)) if b > a => b.duration_since(a).as_secs_f64(),
+        _ => 0.0,
+    };
+    let report = BenchReport {
+        published,
+        publish_rate: published as f64 / publish_secs.max(1e-9),
+        received: t.received,
+        delivery_rate: if span > 0.0 { t.received as f64 / span } else { 0.0 },
+        lost: published.saturating_sub(t.received),
+        early: t.early,
+        duplicates: t.duplicates,
+        lateness_p50_ms: t.lateness.value_at_quantile(0.5),
+        lateness_p99_ms: t.lateness.value_at_quantile(0.99),
+        lateness_max_ms: t.lateness.max(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "published {} ({:.0} msg/s), received {} ({:.0} msg/s)\nlateness p50 {} ms, p99 {} ms, max {} ms\nlost {}, early {}, duplicates {}",
+            report.published,
+            report.publish_rate,
+            report.received,
+            report.delivery_rate,
+            report.lateness_p50_ms,
+            report.lateness_p99_ms,
+            report.lateness_max_ms,
+            report.lost,
+            report.early,
+            report.duplicates
+        );
+    }
+    conns.close().await;
+    anyhow::ensure!(report.lost == 0 && report.early == 0, "{} lost, {} early", report.lost, report.early);
+    Ok(())
+}
+
+fn bench_message(run_id: &str, seq: u64, delay: u64, due: u64, body_bytes: usize) -> Message {
+    Message {
+        body: vec![b'x'; body_bytes],
+        headers: FieldTable(vec![
+            ("x-delay".into(), Value::I64(delay as i64)),
+            (RUN.into(), Value::LongString(run_id.as_bytes().to_vec())),
+            (SEQ.into(), Value::I64(seq as i64)),
+            (DUE.into(), Value::I64(due as i64)),
+        ]),
+        properties: Properties {
+            delivery_mode: Some(2),
+            ..Properties::default()
+        },
+        ..Message::default()
+    }
+}

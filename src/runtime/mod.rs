@@ -1,0 +1,196 @@
+//! `delayd run`: wire config, engine, brokers, intake and admin together,
+//! and shut down in order on SIGTERM/SIGINT.
+//!
+//! Shutdown: stop consuming (deliveries already taken are stored and acked),
+//! let in-flight publishes finish within `engine.shutdown_grace`, flush and
+//! close the WAL, close broker connections, exit 0. A fatal WAL error stops
+//! the same way but exits non-zero.
+
+mod brokers;
+mod deliver;
+mod ingest;
+
+pub use brokers::Brokers;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::Context;
+use delayd_adapters::amqp::{AmqpSource, ExchangeType, SourceConfig};
+use delayd_adapters::Source;
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::{self, AdminState};
+use crate::config::{BrokerConfig, Config};
+use crate::engine::{Dispatch, Engine, EngineConfig, SystemClock};
+use crate::route::Route;
+use crate::wal::WalConfig;
+
+pub fn engine_config(config: &Config) -> EngineConfig {
+    let mut wal = WalConfig::new(&config.wal.dir);
+    wal.segment_bytes = config.wal.segment_bytes;
+    // Room for the frame and the route name around the largest message.
+    wal.max_record_bytes = config.wal.max_message_bytes.saturating_add(64 * 1024);
+    wal.compact_below = config.wal.compact_below;
+    wal.on_corruption = config.wal.on_corruption;
+    EngineConfig {
+        wal,
+        max_in_flight: config.engine.max_in_flight,
+        overdue_rate: config.engine.overdue_rate,
+        retry_initial: config.engine.retry_initial,
+        retry_max: config.engine.retry_max,
+        dedup_window: config.engine.dedup_window,
+        ..EngineConfig::new(WalConfig::new(&config.wal.dir))
+    }
+}
+
+/// Run until SIGTERM/SIGINT (Ok) or a fatal error (Err).
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let fatal = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+
+    let engine_cfg = engine_config(&config);
+    tracing::info!(dir = %config.wal.dir.display(), "recovering WAL");
+    let (engine, report) = tokio::task::spawn_blocking(move || Engine::open(engine_cfg, Arc::new(SystemClock)))
+        .await?
+        .context("cannot open the WAL")?;
+    tracing::info!(
+        segments = report.segments,
+        pending = engine.pending(),
+        truncated_bytes = report.truncated_bytes,
+        corruptions = report.corruptions.len(),
+        elapsed_ms = report.elapsed.as_millis() as u64,
+        "WAL recovered"
+    );
+
+    let brokers = Brokers::from_config(&config)?;
+    let routes: HashMap<String, Arc<Route>> = config
+        .routes
+        .iter()
+        .map(|r| (r.name.clone(), Arc::new(Route::compile(r, &config))))
+        .collect();
+    let routes = Arc::new(routes);
+
+    let ready = Arc::new(AtomicBool::new(true));
+    let admin_task = if config.http.listen.is_empty() {
+        None
+    } else {
+        let state = AdminState::new(engine.clone(), brokers.clone(), ready.clone(), admin::token(&config.http)?);
+        let listener = tokio::net::TcpListener::bind(&config.http.listen)
+            .await
+            .with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
+        tracing::info!(listen = %config.http.listen, "admin API listening");
+        let stop = shutdown.clone();
+        Some(tokio::spawn(admin::serve(listener, state, stop)))
+    };
+
+    // Due messages out.
+    let dispatch: Arc<dyn Dispatch> = Arc::new(deliver::Deliverer {
+        routes: routes.clone(),
+        brokers: brokers.clone(),
+    });
+    let dispatch_stop = CancellationToken::new();
+    let dispatcher = {
+        let engine = engine.clone();
+        let stop = dispatch_stop.clone();
+        let grace = config.engine.shutdown_grace;
+        tokio::spawn(async move { engine.run(dispatch, stop, grace).await })
+    };
+
+    // Messages in.
+    let intake_stop = CancellationToken::new();
+    let mut intakes = Vec::new();
+    for route_cfg in &config.routes {
+        let route = routes[&route_cfg.name].clone();
+        let source = start_source(&config, &brokers, route_cfg)?;
+        let intake = ingest::Intake {
+            route,
+            engine: engine.clone(),
+            brokers: brokers.clone(),
+            concurrency: route_cfg.from.prefetch.unwrap_or(1000) as usize,
+            fatal: fatal.clone(),
+        };
+        tracing::info!(route = %route_cfg.name, "route started");
+        intakes.push(tokio::spawn(intake.run(source, intake_stop.clone())));
+    }
+
+    let failed = tokio::select! {
+        _ = shutdown.cancelled() => false,
+        _ = fatal.cancelled() => true,
+    };
+    tracing::info!("shutting down: no longer consuming");
+    ready.store(false, Ordering::Release);
+    intake_stop.cancel();
+    for task in intakes {
+        let _ = task.await;
+    }
+    tracing::info!("finishing in-flight publishes");
+    dispatch_stop.cancel();
+    let _ = dispatcher.await;
+    let closed = engine.close().await;
+    shutdown.cancel();
+    if let Some(task) = admin_task {
+        let _ = task.await;
+    }
+    brokers.close().await;
+    if failed {
+        anyhow::bail!("stopped after a fatal WAL error");
+    }
+    closed.context("flushing the WAL")?;
+    tracing::info!("stopped cleanly");
+    Ok(())
+}
+
+fn start_source(
+    config: &Config,
+    brokers: &Brokers,
+    route: &crate::config::RouteConfig,
+) -> anyhow::Result<Box<dyn Source>> {
+    let name = &route.name;
+    match config.broker(&route.from.broker) {
+        Some(BrokerConfig::Amqp { .. }) => {
+            let handle = brokers
+                .get(&route.from.broker)
+                .with_context(|| format!("routes.{name}.from.broker"))?;
+            let queue = route.from.queue.clone().unwrap_or_default();
+            let mut source_cfg = SourceConfig::new(queue);
+            if let Some(exchange) = &route.from.exchange {
+                let kind: ExchangeType = route
+                    .from
+                    .exchange_type
+                    .as_deref()
+                    .unwrap_or("topic")
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("routes.{name}.from.exchange_type: {e}"))?;
+                source_cfg = source_cfg.with_exchange(exchange.clone(), kind);
+            }
+            if let Some(prefetch) = route.from.prefetch {
+                source_cfg.prefetch = prefetch;
+            }
+            let source = AmqpSource::start(handle.connections.consume.clone(), source_cfg)
+                .with_context(|| format!("route {name}: cannot start consuming"))?;
+            Ok(Box::new(source))
+        }
+        Some(BrokerConfig::Kafka { .. }) => anyhow::bail!("route {name}: Kafka sources are not supported by this build yet"),
+        None => anyhow::bail!("route {name}: no broker {:?}", route.from.broker),
+    }
+}
+
+fn spawn_signal_handler(shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                return;
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+        }
+        shutdown.cancel();
+    });
+}
