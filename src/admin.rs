@@ -32,7 +32,12 @@ pub struct AdminState {
 }
 
 impl AdminState {
-    pub fn new(engine: Engine, brokers: Brokers, ready: Arc<AtomicBool>, token: Option<String>) -> Self {
+    pub fn new(
+        engine: Engine,
+        brokers: Brokers,
+        ready: Arc<AtomicBool>,
+        token: Option<String>,
+    ) -> Self {
         Self {
             engine,
             brokers,
@@ -52,7 +57,11 @@ pub fn token(http: &HttpSection) -> anyhow::Result<Option<String>> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| anyhow::anyhow!("http.token_file: cannot read {}: {e}", path.display()))?;
         let t = text.lines().next().unwrap_or("").trim().to_owned();
-        anyhow::ensure!(!t.is_empty(), "http.token_file: {} is empty", path.display());
+        anyhow::ensure!(
+            !t.is_empty(),
+            "http.token_file: {} is empty",
+            path.display()
+        );
         return Ok(Some(t));
     }
     Ok(None)
@@ -117,7 +126,11 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         "brokers": brokers.into_iter().map(|(n, up)| (n, json!(if up { "connected" } else { "disconnected" }))).collect::<serde_json::Map<_, _>>(),
         "pending": state.engine.pending(),
     });
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     (status, Json(body)).into_response()
 }
 
@@ -168,8 +181,11 @@ async fn list(State(state): State<AdminState>, Query(p): Query<ListParams>) -> R
     let engine = state.engine.clone();
     let result = tokio::task::spawn_blocking(move || {
         let page = engine.list(&query);
-        let items: Vec<serde_json::Value> = page.iter().map(|info| summary(&engine, info)).collect();
-        let next = (page.len() == limit).then(|| page.last().map(|l| format!("{}.{}", l.due_ms, l.id))).flatten();
+        let items: Vec<serde_json::Value> =
+            page.iter().map(|info| summary(&engine, info)).collect();
+        let next = (page.len() == limit)
+            .then(|| page.last().map(|l| format!("{}.{}", l.due_ms, l.id)))
+            .flatten();
         json!({ "items": items, "next_cursor": next })
     })
     .await;
@@ -193,15 +209,13 @@ fn summary(engine: &Engine, info: &PendingInfo) -> serde_json::Value {
         "due": rfc3339(info.due_ms),
         "phase": info.phase,
     });
-    if let Ok(record) = engine.wal().read(info.pos) {
-        if let Record::Schedule { message, .. } = record {
-            row["size"] = json!(message.len());
-            if let Ok(m) = delayd_adapters::decode(&message) {
-                row["message_id"] = json!(m.properties.message_id);
-                row["key"] = json!(m.key.as_deref().map(String::from_utf8_lossy));
-                row["routing_key"] = json!(m.routing_key);
-                row["source"] = json!(m.source);
-            }
+    if let Ok(Record::Schedule { message, .. }) = engine.wal().read(info.pos) {
+        row["size"] = json!(message.len());
+        if let Ok(m) = delayd_adapters::decode(&message) {
+            row["message_id"] = json!(m.properties.message_id);
+            row["key"] = json!(m.key.as_deref().map(String::from_utf8_lossy));
+            row["routing_key"] = json!(m.routing_key);
+            row["source"] = json!(m.source);
         }
     }
     row
@@ -213,21 +227,34 @@ struct ShowParams {
     body: bool,
 }
 
-fn parse_id(id: &str) -> Result<u64, Response> {
-    id.parse()
-        .map_err(|_| error(StatusCode::NOT_FOUND, format!("no pending message with id {id:?}")))
+fn parse_id(id: &str) -> Result<u64, Box<Response>> {
+    id.parse().map_err(|_| {
+        Box::new(error(
+            StatusCode::NOT_FOUND,
+            format!("no pending message with id {id:?}"),
+        ))
+    })
 }
 
-async fn show(State(state): State<AdminState>, Path(id): Path<String>, Query(p): Query<ShowParams>) -> Response {
+async fn show(
+    State(state): State<AdminState>,
+    Path(id): Path<String>,
+    Query(p): Query<ShowParams>,
+) -> Response {
     let id = match parse_id(&id) {
         Ok(id) => id,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let engine = state.engine.clone();
     let found = tokio::task::spawn_blocking(move || engine.read(id)).await;
     let (info, record) = match found {
         Ok(Ok(Some(x))) => x,
-        Ok(Ok(None)) => return error(StatusCode::NOT_FOUND, format!("no pending message with id {id}")),
+        Ok(Ok(None)) => {
+            return error(
+                StatusCode::NOT_FOUND,
+                format!("no pending message with id {id}"),
+            )
+        }
         Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
@@ -263,11 +290,14 @@ async fn show(State(state): State<AdminState>, Path(id): Path<String>, Query(p):
 async fn cancel(State(state): State<AdminState>, Path(id): Path<String>) -> Response {
     let id = match parse_id(&id) {
         Ok(id) => id,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     match state.engine.cancel(id) {
         Ok(true) => Json(json!({ "cancelled": id.to_string() })).into_response(),
-        Ok(false) => error(StatusCode::NOT_FOUND, format!("no pending message with id {id}")),
+        Ok(false) => error(
+            StatusCode::NOT_FOUND,
+            format!("no pending message with id {id}"),
+        ),
         Err(EngineError::InFlight(_)) => error(
             StatusCode::CONFLICT,
             format!("message {id} is being published and can no longer be cancelled"),
@@ -287,7 +317,11 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn table_json(t: &FieldTable) -> serde_json::Value {
-    serde_json::Value::Object(t.iter().map(|(k, v)| (k.to_owned(), value_json(v))).collect())
+    serde_json::Value::Object(
+        t.iter()
+            .map(|(k, v)| (k.to_owned(), value_json(v)))
+            .collect(),
+    )
 }
 
 fn value_json(v: &Value) -> serde_json::Value {

@@ -14,8 +14,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use delayd_adapters::amqp::topology::ensure_bound_queue;
-use delayd_adapters::amqp::{AmqpSink, AmqpSource, BrokerConnections, ExchangeType, SinkConfig, SourceConfig};
-use delayd_adapters::{FieldTable, Message, Properties, PublishOutcome, Sink, Source, Target, Value};
+use delayd_adapters::amqp::{
+    AmqpSink, AmqpSource, BrokerConnections, ExchangeType, SinkConfig, SourceConfig,
+};
+use delayd_adapters::{
+    FieldTable, Message, Properties, PublishOutcome, Sink, Source, Target, Value,
+};
 use hdrhistogram::Histogram;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -97,13 +101,23 @@ struct Tally {
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.delay_max >= args.delay_min, "--delay-max must be >= --delay-min");
-    anyhow::ensure!(args.rate > 0 && args.count > 0, "--rate and --count must be positive");
+    anyhow::ensure!(
+        args.delay_max >= args.delay_min,
+        "--delay-max must be >= --delay-min"
+    );
+    anyhow::ensure!(
+        args.rate > 0 && args.count > 0,
+        "--rate and --count must be positive"
+    );
     let conns = BrokerConnections::new(&args.url)?;
     if let Some(exchange) = &args.bind_to {
-        ensure_bound_queue(&conns.consume, &args.queue, Some((exchange, ExchangeType::Topic, &["#".to_string()])))
-            .await
-            .with_context(|| format!("binding {} to {exchange}", args.queue))?;
+        ensure_bound_queue(
+            &conns.consume,
+            &args.queue,
+            Some((exchange, ExchangeType::Topic, &["#".to_string()])),
+        )
+        .await
+        .with_context(|| format!("binding {} to {exchange}", args.queue))?;
     }
     let run_id = format!("{}-{}", std::process::id(), SystemClock.now_ms());
     let tally = Arc::new(Mutex::new(Tally {
@@ -122,8 +136,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let style = ProgressStyle::with_template("{prefix:>9} {bar:40} {pos}/{len} {per_sec}")
         .unwrap_or_else(|_| ProgressStyle::default_bar());
-    let pub_bar = bars.add(ProgressBar::new(args.count).with_style(style.clone()).with_prefix("published"));
-    let recv_bar = bars.add(ProgressBar::new(args.count).with_style(style).with_prefix("received"));
+    let pub_bar = bars.add(
+        ProgressBar::new(args.count)
+            .with_style(style.clone())
+            .with_prefix("published"),
+    );
+    let recv_bar = bars.add(
+        ProgressBar::new(args.count)
+            .with_style(style)
+            .with_prefix("received"),
+    );
 
     // Consumer first, so nothing delivered early is missed.
     let mut source = AmqpSource::start(conns.consume.clone(), SourceConfig::new(&args.queue))?;
@@ -142,7 +164,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     continue;
                 }
                 let now = SystemClock.now_ms();
-                let (Some(Value::I64(seq)), Some(Value::I64(due))) = (h.get(SEQ), h.get(DUE)) else {
+                let (Some(Value::I64(seq)), Some(Value::I64(due))) = (h.get(SEQ), h.get(DUE))
+                else {
                     continue;
                 };
                 let mut t = tally.lock().expect("tally");
@@ -171,7 +194,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
 
     // Publisher: paced, many confirms in flight.
-    let sink = Arc::new(AmqpSink::new(conns.publish.clone(), SinkConfig { channels: args.in_flight.max(1), ..SinkConfig::default() }));
+    let sink = Arc::new(AmqpSink::new(
+        conns.publish.clone(),
+        SinkConfig {
+            channels: args.in_flight.max(1),
+            ..SinkConfig::default()
+        },
+    ));
     let target = Target {
         destination: args.exchange.clone(),
         routing_key: Some(args.routing_key.clone()),
@@ -185,12 +214,22 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let at = started + Duration::from_secs_f64(seq as f64 / args.rate as f64);
         tokio::time::sleep_until(at.into()).await;
         // Spread delays evenly but interleaved (a cheap deterministic shuffle).
-        let delay = args.delay_min + if spread == 0 { 0 } else { (seq.wrapping_mul(2_654_435_761)) % (spread + 1) };
+        let delay = args.delay_min
+            + if spread == 0 {
+                0
+            } else {
+                (seq.wrapping_mul(2_654_435_761)) % (spread + 1)
+            };
         let due = SystemClock.now_ms() + delay;
         last_due = last_due.max(due);
         let message = bench_message(&run_id, seq, delay, due, args.body_bytes);
         let permit = permits.clone().acquire_owned().await?;
-        let (sink, target, failures, bar) = (sink.clone(), target.clone(), failures.clone(), pub_bar.clone());
+        let (sink, target, failures, bar) = (
+            sink.clone(),
+            target.clone(),
+            failures.clone(),
+            pub_bar.clone(),
+        );
         tokio::spawn(async move {
             match sink.publish(&message, &target).await {
                 Ok(PublishOutcome::Delivered) => bar.inc(1),
@@ -211,23 +250,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     recv_bar.finish();
 
     let published = args.count - failures.load(Ordering::Relaxed);
-    let t = tally.lock().expect("tally");
-    let span = match (t.first, t.last) {
-        (Some(a), Some(b)) if b > a => b.duration_since(a).as_secs_f64(),
-        _ => 0.0,
-    };
-    let report = BenchReport {
-        published,
-        publish_rate: published as f64 / publish_secs.max(1e-9),
-        received: t.received,
-        delivery_rate: if span > 0.0 { t.received as f64 / span } else { 0.0 },
-        lost: published.saturating_sub(t.received),
-        early: t.early,
-        duplicates: t.duplicates,
-        lateness_p50_ms: t.lateness.value_at_quantile(0.5),
-        lateness_p99_ms: t.lateness.value_at_quantile(0.99),
-        lateness_max_ms: t.lateness.max(),
-    };
+    let report = summarise(&tally.lock().expect("tally"), published, publish_secs);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -246,8 +269,36 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
     }
     conns.close().await;
-    anyhow::ensure!(report.lost == 0 && report.early == 0, "{} lost, {} early", report.lost, report.early);
+    anyhow::ensure!(
+        report.lost == 0 && report.early == 0,
+        "{} lost, {} early",
+        report.lost,
+        report.early
+    );
     Ok(())
+}
+
+fn summarise(t: &Tally, published: u64, publish_secs: f64) -> BenchReport {
+    let span = match (t.first, t.last) {
+        (Some(a), Some(b)) if b > a => b.duration_since(a).as_secs_f64(),
+        _ => 0.0,
+    };
+    BenchReport {
+        published,
+        publish_rate: published as f64 / publish_secs.max(1e-9),
+        received: t.received,
+        delivery_rate: if span > 0.0 {
+            t.received as f64 / span
+        } else {
+            0.0
+        },
+        lost: published.saturating_sub(t.received),
+        early: t.early,
+        duplicates: t.duplicates,
+        lateness_p50_ms: t.lateness.value_at_quantile(0.5),
+        lateness_p99_ms: t.lateness.value_at_quantile(0.99),
+        lateness_max_ms: t.lateness.max(),
+    }
 }
 
 fn bench_message(run_id: &str, seq: u64, delay: u64, due: u64, body_bytes: usize) -> Message {

@@ -46,7 +46,11 @@ pub fn run(dir: &Path, json: bool) -> anyhow::Result<()> {
         })
         .collect();
     files.sort();
-    let total: u64 = files.iter().filter_map(|f| f.metadata().ok()).map(|m| m.len()).sum();
+    let total: u64 = files
+        .iter()
+        .filter_map(|f| f.metadata().ok())
+        .map(|m| m.len())
+        .sum();
     let bar = if json || total < (64 << 20) {
         ProgressBar::hidden()
     } else {
@@ -61,7 +65,11 @@ pub fn run(dir: &Path, json: bool) -> anyhow::Result<()> {
     let mut scans: Vec<(String, u64, SegmentScan)> = Vec::new();
     let last = files.len().saturating_sub(1);
     for (i, path) in files.iter().enumerate() {
-        bar.set_message(path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+        bar.set_message(
+            path.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        );
         let scan = inspect_segment(path, u32::MAX, i == last)?;
         let bytes = path.metadata().map(|m| m.len()).unwrap_or(0);
         bar.inc(bytes);
@@ -134,21 +142,34 @@ pub fn run(dir: &Path, json: bool) -> anyhow::Result<()> {
 
 fn print_table(r: &Report) {
     println!("WAL {}", r.dir);
-    println!("{:<40} {:>12} {:>10} {:>10} {:>10} {:>12} {:>12}", "segment", "bytes", "schedules", "dones", "live", "live bytes", "dead bytes");
+    println!(
+        "{:<40} {:>12} {:>10} {:>10} {:>10} {:>12} {:>12}",
+        "segment", "bytes", "schedules", "dones", "live", "live bytes", "dead bytes"
+    );
     for s in &r.segments {
-        let name = Path::new(&s.file).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = Path::new(&s.file)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         println!(
             "{:<40} {:>12} {:>10} {:>10} {:>10} {:>12} {:>12}",
             name, s.bytes, s.schedules, s.dones, s.live, s.live_bytes, s.dead_bytes
         );
     }
-    println!("live records: {}  live bytes: {}  dead bytes: {}", r.live_records, r.live_bytes, r.dead_bytes);
+    println!(
+        "live records: {}  live bytes: {}  dead bytes: {}",
+        r.live_records, r.live_bytes, r.dead_bytes
+    );
     let fmt = |ms: Option<u64>| {
         ms.and_then(|m| chrono::DateTime::from_timestamp_millis(m as i64))
             .map(|t| t.to_rfc3339())
             .unwrap_or_else(|| "-".into())
     };
-    println!("oldest due: {}  newest due: {}", fmt(r.oldest_due_ms), fmt(r.newest_due_ms));
+    println!(
+        "oldest due: {}  newest due: {}",
+        fmt(r.oldest_due_ms),
+        fmt(r.newest_due_ms)
+    );
     for (route, n) in &r.routes {
         println!("  route {route}: {n} pending");
     }
@@ -159,6 +180,12 @@ fn print_table(r: &Report) {
         println!("corruption: none");
     }
     for c in &r.corruption {
-        println!("CORRUPT {} at offset {}: {} ({} bytes skipped)", c.segment.display(), c.offset, c.reason, c.skipped_bytes);
+        println!(
+            "CORRUPT {} at offset {}: {} ({} bytes skipped)",
+            c.segment.display(),
+            c.offset,
+            c.reason,
+            c.skipped_bytes
+        );
     }
 }

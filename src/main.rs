@@ -9,7 +9,11 @@ use clap::{Parser, Subcommand};
 use delayd::config::Config;
 
 #[derive(Parser)]
-#[command(name = "delayd", version, about = "Durable per-message delayed delivery for RabbitMQ and Kafka")]
+#[command(
+    name = "delayd",
+    version,
+    about = "Durable per-message delayed delivery for RabbitMQ and Kafka"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -69,7 +73,9 @@ fn main() -> ExitCode {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }
 
 fn run(config: Option<PathBuf>) -> anyhow::Result<()> {
@@ -81,8 +87,14 @@ fn run(config: Option<PathBuf>) -> anyhow::Result<()> {
 
 fn check(path: Option<PathBuf>) -> anyhow::Result<()> {
     let config = Config::load(path.as_deref())?;
-    let file = path.map(|p| p.display().to_string()).unwrap_or_else(|| "defaults".into());
-    println!("{file}: OK ({} brokers, {} routes)", config.brokers.len(), config.routes.len());
+    let file = path
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "defaults".into());
+    println!(
+        "{file}: OK ({} brokers, {} routes)",
+        config.brokers.len(),
+        config.routes.len()
+    );
     for r in &config.routes {
         let from = r
             .from
@@ -90,14 +102,16 @@ fn check(path: Option<PathBuf>) -> anyhow::Result<()> {
             .clone()
             .map(|q| format!("queue {q}"))
             .unwrap_or_else(|| format!("topics {:?}", r.from.topics));
-        let to = r
-            .to
-            .exchange
-            .clone()
-            .map(|e| format!("exchange {e:?}"))
-            .or_else(|| r.to.topic.clone().map(|t| format!("topic {t}")))
-            .unwrap_or_default();
-        println!("  route {} ({:?}): {}/{} -> {}/{}", r.name, r.mode, r.from.broker, from, r.to.broker, to);
+        let to =
+            r.to.exchange
+                .clone()
+                .map(|e| format!("exchange {e:?}"))
+                .or_else(|| r.to.topic.clone().map(|t| format!("topic {t}")))
+                .unwrap_or_default();
+        println!(
+            "  route {} ({:?}): {}/{} -> {}/{}",
+            r.name, r.mode, r.from.broker, from, r.to.broker, to
+        );
     }
     Ok(())
 }

@@ -8,7 +8,9 @@ use crate::config::{LogFormat, LogSection};
 /// Install the global subscriber. `RUST_LOG` (or `DELAYD_LOG__LEVEL`) sets the level.
 pub fn init_logging(log: &LogSection) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&log.level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = match log.format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Pretty => builder.try_init(),
@@ -20,11 +22,15 @@ pub fn init_metrics() -> anyhow::Result<PrometheusHandle> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full("delayd_lateness_seconds".into()),
-            &[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 300.0],
+            &[
+                0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 300.0,
+            ],
         )?
         .set_buckets_for_metric(
             Matcher::Full("delayd_wal_fsync_seconds".into()),
-            &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5],
+            &[
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
+            ],
         )?
         .install_recorder()?;
     let _ = HANDLE.set(handle.clone());

@@ -36,7 +36,7 @@ pub fn encode(message: &Message) -> Vec<u8> {
     out.push(VERSION);
     put_bytes(&mut out, message.source.as_bytes());
     put_bytes(&mut out, message.routing_key.as_bytes());
-    put_opt(&mut out, message.key.as_deref(), |o, k| put_bytes(o, k));
+    put_opt(&mut out, message.key.as_deref(), put_bytes);
     put_opt(&mut out, message.partition, |o, p| {
         o.extend_from_slice(&p.to_le_bytes())
     });

@@ -14,6 +14,11 @@ pub mod traits;
 #[cfg(feature = "amqp")]
 pub mod amqp;
 
+#[cfg(feature = "amqp")]
+pub use amqp::{
+    AmqpError, AmqpSink, AmqpSource, Broker, BrokerConnections, BrokerOptions, ExchangeType,
+    SinkConfig as AmqpSinkConfig, SourceConfig as AmqpSourceConfig,
+};
 pub use codec::{decode, encode, CodecError};
 pub use message::{FieldTable, Message, Properties, Value};
 pub use traits::{

@@ -19,7 +19,7 @@ use crate::wal::OnCorruption;
 pub use validate::ConfigError;
 
 /// The whole configuration. Every field has a default except `routes`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub wal: WalSection,
@@ -28,19 +28,6 @@ pub struct Config {
     pub log: LogSection,
     pub brokers: BTreeMap<String, BrokerConfig>,
     pub routes: Vec<RouteConfig>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            wal: WalSection::default(),
-            http: HttpSection::default(),
-            engine: EngineSection::default(),
-            log: LogSection::default(),
-            brokers: BTreeMap::new(),
-            routes: Vec::new(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

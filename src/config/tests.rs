@@ -82,6 +82,7 @@ fn public_listener_needs_a_token() {
 }
 
 #[test]
+#[allow(clippy::result_large_err)] // figment::Jail's closure signature
 fn environment_overrides_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("d.toml");

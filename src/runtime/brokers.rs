@@ -28,7 +28,10 @@ impl Brokers {
                 BrokerConfig::Amqp { url } => {
                     let connections = BrokerConnections::new(url)
                         .with_context(|| format!("brokers.{name}.url"))?;
-                    let sink = Arc::new(AmqpSink::new(connections.publish.clone(), SinkConfig::default()));
+                    let sink = Arc::new(AmqpSink::new(
+                        connections.publish.clone(),
+                        SinkConfig::default(),
+                    ));
                     by_name.insert(name.clone(), BrokerHandle { connections, sink });
                 }
                 BrokerConfig::Kafka { .. } => {
@@ -45,7 +48,12 @@ impl Brokers {
         self.by_name.get(name)
     }
 
-    pub async fn publish(&self, broker: &str, message: &Message, target: &Target) -> Result<PublishOutcome, SinkError> {
+    pub async fn publish(
+        &self,
+        broker: &str,
+        message: &Message,
+        target: &Target,
+    ) -> Result<PublishOutcome, SinkError> {
         let handle = self
             .get(broker)
             .ok_or_else(|| SinkError::Permanent(format!("no broker named {broker:?}")))?;
@@ -54,7 +62,9 @@ impl Brokers {
 
     /// Declare a queue on a broker (invalid/unroutable destinations).
     pub async fn declare_queue(&self, broker: &str, queue: &str) -> anyhow::Result<()> {
-        let handle = self.get(broker).with_context(|| format!("no broker named {broker:?}"))?;
+        let handle = self
+            .get(broker)
+            .with_context(|| format!("no broker named {broker:?}"))?;
         handle.sink.declare_queue(queue).await?;
         Ok(())
     }

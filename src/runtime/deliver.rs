@@ -32,7 +32,10 @@ impl Dispatch for Deliverer {
                 Err(e) => {
                     // Our own encoding failed to decode: keep the raw bytes visible.
                     let mut raw = Message::with_body(fired.message.clone());
-                    rewrite::with_error(&mut raw, &format!("stored message cannot be decoded: {e}"));
+                    rewrite::with_error(
+                        &mut raw,
+                        &format!("stored message cannot be decoded: {e}"),
+                    );
                     return park(&brokers, &route.unroutable, &raw, &route, "unroutable").await;
                 }
             };
@@ -42,12 +45,16 @@ impl Dispatch for Deliverer {
             let _enter = span.enter();
             match brokers.publish(&route.to.broker, &message, &target).await {
                 Ok(PublishOutcome::Delivered) => {
-                    metrics::counter!("delayd_fired_total", "route" => route.name().to_owned()).increment(1);
+                    metrics::counter!("delayd_fired_total", "route" => route.name().to_owned())
+                        .increment(1);
                     tracing::debug!("delivered");
                     Outcome::Done
                 }
                 Ok(PublishOutcome::Unroutable) => {
-                    let key = target.routing_key.as_deref().unwrap_or(&message.routing_key);
+                    let key = target
+                        .routing_key
+                        .as_deref()
+                        .unwrap_or(&message.routing_key);
                     let reason = format!(
                         "unroutable: exchange {:?} has no queue bound for routing key {key:?}",
                         target.destination
@@ -83,7 +90,8 @@ pub async fn park(
     }
     match brokers.publish(&dest.broker, message, &dest.target).await {
         Ok(PublishOutcome::Delivered) => {
-            metrics::counter!(format!("delayd_{kind}_total"), "route" => route.name().to_owned()).increment(1);
+            metrics::counter!(format!("delayd_{kind}_total"), "route" => route.name().to_owned())
+                .increment(1);
             Outcome::Done
         }
         Ok(PublishOutcome::Unroutable) => Outcome::Retry(format!(

@@ -76,10 +76,15 @@ impl Intake {
             }
         };
         let encoded = delayd_adapters::encode(&message);
-        match self.engine.store(route, due, encoded.clone(), redelivered).await {
+        match self
+            .engine
+            .store(route, due, encoded.clone(), redelivered)
+            .await
+        {
             Ok(stored) => {
                 if let Stored::New(id) = stored {
-                    metrics::counter!("delayd_scheduled_total", "route" => route.to_owned()).increment(1);
+                    metrics::counter!("delayd_scheduled_total", "route" => route.to_owned())
+                        .increment(1);
                     tracing::debug!(route, id, due, "scheduled");
                 }
                 match ack.ack().await {
@@ -89,7 +94,8 @@ impl Intake {
                 }
             }
             Err(EngineError::Wal(WalError::TooLarge { size, max })) => {
-                let reason = format!("message of {size} bytes exceeds wal.max_message_bytes ({max})");
+                let reason =
+                    format!("message of {size} bytes exceeds wal.max_message_bytes ({max})");
                 tracing::warn!(route, %reason, "sending to the invalid destination");
                 rewrite::with_error(&mut message, &reason);
                 self.reject(message, ack).await;
@@ -102,7 +108,8 @@ impl Intake {
             Err(e) => {
                 // Disk full or another passing failure: the broker keeps it.
                 tracing::error!(route, error = %e, "cannot store message; requeueing it");
-                metrics::counter!("delayd_store_failures_total", "route" => route.to_owned()).increment(1);
+                metrics::counter!("delayd_store_failures_total", "route" => route.to_owned())
+                    .increment(1);
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 let _ = ack.requeue().await;
             }
@@ -110,8 +117,20 @@ impl Intake {
     }
 
     /// Publish to the invalid destination; ack only once that is confirmed.
-    async fn reject(&self, message: delayd_adapters::Message, ack: Box<dyn delayd_adapters::AckHandle>) {
-        match park(&self.brokers, &self.route.invalid, &message, &self.route, "invalid").await {
+    async fn reject(
+        &self,
+        message: delayd_adapters::Message,
+        ack: Box<dyn delayd_adapters::AckHandle>,
+    ) {
+        match park(
+            &self.brokers,
+            &self.route.invalid,
+            &message,
+            &self.route,
+            "invalid",
+        )
+        .await
+        {
             Outcome::Done => {
                 if let Err(e) = ack.ack().await {
                     tracing::warn!(route = %self.route.name(), error = %e, "ack of invalid message failed");

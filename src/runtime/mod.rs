@@ -53,9 +53,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
     let engine_cfg = engine_config(&config);
     tracing::info!(dir = %config.wal.dir.display(), "recovering WAL");
-    let (engine, report) = tokio::task::spawn_blocking(move || Engine::open(engine_cfg, Arc::new(SystemClock)))
-        .await?
-        .context("cannot open the WAL")?;
+    let (engine, report) =
+        tokio::task::spawn_blocking(move || Engine::open(engine_cfg, Arc::new(SystemClock)))
+            .await?
+            .context("cannot open the WAL")?;
     tracing::info!(
         segments = report.segments,
         pending = engine.pending(),
@@ -77,7 +78,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let admin_task = if config.http.listen.is_empty() {
         None
     } else {
-        let state = AdminState::new(engine.clone(), brokers.clone(), ready.clone(), admin::token(&config.http)?);
+        let state = AdminState::new(
+            engine.clone(),
+            brokers.clone(),
+            ready.clone(),
+            admin::token(&config.http)?,
+        );
         let listener = tokio::net::TcpListener::bind(&config.http.listen)
             .await
             .with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
@@ -173,20 +179,23 @@ fn start_source(
                 .with_context(|| format!("route {name}: cannot start consuming"))?;
             Ok(Box::new(source))
         }
-        Some(BrokerConfig::Kafka { .. }) => anyhow::bail!("route {name}: Kafka sources are not supported by this build yet"),
+        Some(BrokerConfig::Kafka { .. }) => {
+            anyhow::bail!("route {name}: Kafka sources are not supported by this build yet")
+        }
         None => anyhow::bail!("route {name}: no broker {:?}", route.from.broker),
     }
 }
 
 fn spawn_signal_handler(shutdown: CancellationToken) {
     tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for SIGTERM");
+                    return;
+                }
+            };
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM received"),
             _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),

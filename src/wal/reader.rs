@@ -165,11 +165,16 @@ pub struct SegmentScan {
 
 /// Read-only scan of one segment file. In the last segment, a bad frame with
 /// nothing valid after it is a torn tail, not corruption.
-pub fn inspect_segment(path: &Path, max_record_bytes: u32, is_last: bool) -> Result<SegmentScan, WalError> {
+pub fn inspect_segment(
+    path: &Path,
+    max_record_bytes: u32,
+    is_last: bool,
+) -> Result<SegmentScan, WalError> {
     let file = File::open(path).map_err(|e| WalError::io(path, e))?;
     let buf = read_all(&file, path)?;
     let mut scan = SegmentScan::default();
-    let header_ok = buf.len() >= frame::SEGMENT_HEADER_BYTES as usize && &buf[..8] == frame::SEGMENT_MAGIC;
+    let header_ok =
+        buf.len() >= frame::SEGMENT_HEADER_BYTES as usize && &buf[..8] == frame::SEGMENT_MAGIC;
     if !header_ok {
         scan.corruption.push(super::Corruption {
             segment: path.to_path_buf(),
@@ -185,7 +190,9 @@ pub fn inspect_segment(path: &Path, max_record_bytes: u32, is_last: bool) -> Res
                 let next = scan_end(&buf, offset as usize, max_record_bytes);
                 let size = (next - offset as usize) as u32;
                 scan.frames.push(match record {
-                    RecordRef::Schedule { id, due_ms, route, .. } => FrameSummary {
+                    RecordRef::Schedule {
+                        id, due_ms, route, ..
+                    } => FrameSummary {
                         id,
                         due_ms,
                         size,

@@ -69,7 +69,7 @@ pub fn recover(
         let mut frames = 0u64;
         let mut cut_at = None;
         let mut scanner = Scanner::new(&buf, config.max_record_bytes).with_last_seq(last_seq);
-        while let Some(item) = scanner.next() {
+        for item in scanner.by_ref() {
             match item {
                 ScanItem::Frame { offset, record } => {
                     frames += 1;

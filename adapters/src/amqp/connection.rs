@@ -49,7 +49,10 @@ pub enum AmqpError {
     ConnectTimeout { endpoint: String, timeout: Duration },
     /// A previous attempt failed and the back-off delay has not elapsed.
     #[error("not connected to {endpoint}; next attempt in {retry_in:?}")]
-    BackingOff { endpoint: String, retry_in: Duration },
+    BackingOff {
+        endpoint: String,
+        retry_in: Duration,
+    },
     /// Opening a channel (or putting it in the needed mode) failed.
     #[error("cannot open a channel on {endpoint}: {source}")]
     Channel {
@@ -80,6 +83,8 @@ pub struct Backoff {
 impl Backoff {
     /// Starts at `initial` and doubles up to `max`.
     pub fn new(initial: Duration, max: Duration) -> Self {
+        // A zero delay would never grow: retry in a tight loop.
+        let initial = initial.max(Duration::from_millis(1));
         Self {
             initial,
             max: max.max(initial),
@@ -385,7 +390,11 @@ mod tests {
             Broker::new("not a url", BrokerOptions::named("x")),
             Err(AmqpError::InvalidUrl(_))
         ));
-        let b = Broker::new("amqp://user:secret@rabbit:5673/%2f", BrokerOptions::named("x")).unwrap();
+        let b = Broker::new(
+            "amqp://user:secret@rabbit:5673/%2f",
+            BrokerOptions::named("x"),
+        )
+        .unwrap();
         assert_eq!(b.endpoint(), "rabbit:5673/");
         assert!(!b.is_connected());
     }
@@ -396,7 +405,13 @@ mod tests {
         options.backoff_initial = Duration::from_secs(60);
         // Port 1 on localhost: connection refused at once.
         let b = Broker::new("amqp://guest:guest@127.0.0.1:1/%2f", options).unwrap();
-        assert!(!matches!(b.try_channel().await, Err(AmqpError::BackingOff { .. }) | Ok(_)));
-        assert!(matches!(b.try_channel().await, Err(AmqpError::BackingOff { .. })));
+        assert!(!matches!(
+            b.try_channel().await,
+            Err(AmqpError::BackingOff { .. }) | Ok(_)
+        ));
+        assert!(matches!(
+            b.try_channel().await,
+            Err(AmqpError::BackingOff { .. })
+        ));
     }
 }

@@ -69,7 +69,9 @@ pub fn value_from_amqp(value: &AMQPValue) -> Value {
         },
         AMQPValue::ShortString(s) => Value::ShortString(s.as_str().to_owned()),
         AMQPValue::LongString(s) => Value::LongString(s.as_bytes().to_vec()),
-        AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(value_from_amqp).collect()),
+        AMQPValue::FieldArray(a) => {
+            Value::Array(a.as_slice().iter().map(value_from_amqp).collect())
+        }
         AMQPValue::Timestamp(t) => Value::Timestamp(*t),
         AMQPValue::FieldTable(t) => Value::Table(table_from_amqp(t)),
         AMQPValue::ByteArray(b) => Value::ByteArray(b.as_slice().to_vec()),
@@ -201,7 +203,12 @@ pub fn properties_to_amqp(
 
     let p = properties;
     let mut props = BasicProperties::default();
-    props = set(props, &p.content_type, "content_type", BasicProperties::with_content_type)?;
+    props = set(
+        props,
+        &p.content_type,
+        "content_type",
+        BasicProperties::with_content_type,
+    )?;
     props = set(
         props,
         &p.content_encoding,
@@ -214,17 +221,42 @@ pub fn properties_to_amqp(
     if let Some(priority) = p.priority {
         props = props.with_priority(priority);
     }
-    props = set(props, &p.correlation_id, "correlation_id", BasicProperties::with_correlation_id)?;
-    props = set(props, &p.reply_to, "reply_to", BasicProperties::with_reply_to)?;
-    props = set(props, &p.expiration, "expiration", BasicProperties::with_expiration)?;
-    props = set(props, &p.message_id, "message_id", BasicProperties::with_message_id)?;
+    props = set(
+        props,
+        &p.correlation_id,
+        "correlation_id",
+        BasicProperties::with_correlation_id,
+    )?;
+    props = set(
+        props,
+        &p.reply_to,
+        "reply_to",
+        BasicProperties::with_reply_to,
+    )?;
+    props = set(
+        props,
+        &p.expiration,
+        "expiration",
+        BasicProperties::with_expiration,
+    )?;
+    props = set(
+        props,
+        &p.message_id,
+        "message_id",
+        BasicProperties::with_message_id,
+    )?;
     if let Some(ts) = p.timestamp {
         props = props.with_timestamp(ts);
     }
-    props = set(props, &p.kind, "type", BasicProperties::with_kind)?;
+    props = set(props, &p.kind, "type", BasicProperties::with_type)?;
     props = set(props, &p.user_id, "user_id", BasicProperties::with_user_id)?;
     props = set(props, &p.app_id, "app_id", BasicProperties::with_app_id)?;
-    props = set(props, &p.cluster_id, "cluster_id", BasicProperties::with_cluster_id)?;
+    props = set(
+        props,
+        &p.cluster_id,
+        "cluster_id",
+        BasicProperties::with_cluster_id,
+    )?;
     if !headers.is_empty() {
         props = props.with_headers(table_to_amqp(headers)?);
     }
@@ -266,8 +298,14 @@ mod tests {
                     value: 123_456,
                 },
             ),
-            ("long-utf8".into(), Value::LongString("héllo".as_bytes().to_vec())),
-            ("long-binary".into(), Value::LongString(vec![0xff, 0x00, 0xc3, 0x28])),
+            (
+                "long-utf8".into(),
+                Value::LongString("héllo".as_bytes().to_vec()),
+            ),
+            (
+                "long-binary".into(),
+                Value::LongString(vec![0xff, 0x00, 0xc3, 0x28]),
+            ),
             (
                 "array".into(),
                 Value::Array(vec![
@@ -321,10 +359,22 @@ mod tests {
 
     #[test]
     fn value_types_map_to_the_matching_amqp_types() {
-        assert_eq!(value_to_amqp(&Value::U8(1)).unwrap(), AMQPValue::ShortShortUInt(1));
-        assert_eq!(value_to_amqp(&Value::I16(1)).unwrap(), AMQPValue::ShortInt(1));
-        assert_eq!(value_to_amqp(&Value::U32(1)).unwrap(), AMQPValue::LongUInt(1));
-        assert_eq!(value_to_amqp(&Value::Timestamp(5)).unwrap(), AMQPValue::Timestamp(5));
+        assert_eq!(
+            value_to_amqp(&Value::U8(1)).unwrap(),
+            AMQPValue::ShortShortUInt(1)
+        );
+        assert_eq!(
+            value_to_amqp(&Value::I16(1)).unwrap(),
+            AMQPValue::ShortInt(1)
+        );
+        assert_eq!(
+            value_to_amqp(&Value::U32(1)).unwrap(),
+            AMQPValue::LongUInt(1)
+        );
+        assert_eq!(
+            value_to_amqp(&Value::Timestamp(5)).unwrap(),
+            AMQPValue::Timestamp(5)
+        );
         assert_eq!(
             value_to_amqp(&Value::ByteArray(vec![9])).unwrap(),
             AMQPValue::ByteArray(ByteArray::from(vec![9]))
@@ -352,7 +402,10 @@ mod tests {
 
     #[test]
     fn u64_fits_or_is_refused() {
-        assert_eq!(value_to_amqp(&Value::U64(42)).unwrap(), AMQPValue::LongLongInt(42));
+        assert_eq!(
+            value_to_amqp(&Value::U64(42)).unwrap(),
+            AMQPValue::LongLongInt(42)
+        );
         assert_eq!(
             value_to_amqp(&Value::U64(u64::MAX)),
             Err(ConvertError::U64OutOfRange(u64::MAX))
@@ -363,7 +416,10 @@ mod tests {
     fn long_keys_and_properties_are_refused() {
         let long = "k".repeat(256);
         let table = FieldTable(vec![(long.clone(), Value::Void)]);
-        assert!(matches!(table_to_amqp(&table), Err(ConvertError::TooLong { .. })));
+        assert!(matches!(
+            table_to_amqp(&table),
+            Err(ConvertError::TooLong { .. })
+        ));
         let props = Properties {
             message_id: Some(long),
             ..Properties::default()

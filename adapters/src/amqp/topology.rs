@@ -148,7 +148,9 @@ pub async fn declare_exchange_on(
             FieldTable::default(),
         )
         .await
-        .map_err(topology_error(format!("declaring {kind} exchange {exchange:?}")))
+        .map_err(topology_error(format!(
+            "declaring {kind} exchange {exchange:?}"
+        )))
 }
 
 /// Binds `queue` to `exchange` with `binding_key` on `channel`.
@@ -192,7 +194,11 @@ pub async fn ensure_queue(broker: &Broker, queue: &str) -> Result<(), AmqpError>
                 ..QueueDeclareOptions::default()
             };
             let result = channel
-                .queue_declare(short_string(queue, "queue name")?, passive, FieldTable::default())
+                .queue_declare(
+                    short_string(queue, "queue name")?,
+                    passive,
+                    FieldTable::default(),
+                )
                 .await
                 .map(drop)
                 .map_err(topology_error(format!("checking queue {queue:?}")));

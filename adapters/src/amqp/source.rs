@@ -1,0 +1,499 @@
+//! [`AmqpSource`]: consumes one RabbitMQ queue for one delayd route.
+//!
+//! A background task owns the channel and the lapin consumer and forwards each
+//! delivery, converted to a [`Message`](crate::Message), to
+//! [`Source::next`]. On start and after every reconnect it declares the
+//! route's topology (durable queue, optional exchange bound to it), sets the
+//! prefetch (`basic.qos`) and starts a manual-ack consumer.
+//!
+//! When the connection or channel dies the task reopens a channel (the shared
+//! consume connection reconnects with back-off) and consumes again; `next`
+//! just waits meanwhile. Deliveries handed out from the dead channel can no
+//! longer be settled: their [`AckHandle`] returns
+//! [`SourceError::Connection`], and RabbitMQ redelivers those messages (with
+//! `redelivered = true`) on the new channel.
+//!
+//! [`Source::pause`] cancels the consumer (`basic.cancel`): new messages stay
+//! in the broker, deliveries already received are still returned by `next`
+//! and may be acked. [`Source::resume`] consumes again. Both answer at once
+//! even while the broker is unreachable; the task applies the state when it
+//! reconnects.
+//!
+//! `next` is cancel-safe: it only receives from a queue, so it can sit in a
+//! `select!` with a shutdown signal. Dropping the source stops the task and
+//! closes its channel; unacked deliveries go back to the queue.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_lite::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Acker, Channel, Consumer};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use super::connection::{AmqpError, Backoff, Broker};
+use super::convert::{message_from_delivery, short_string};
+use super::topology::{ensure_bound_queue, ExchangeType};
+use crate::traits::{AckHandle, BoxFuture, Delivery, Source, SourceError};
+
+/// What an [`AmqpSource`] consumes and how.
+#[derive(Debug, Clone)]
+pub struct SourceConfig {
+    /// Queue to consume. Declared durable (no arguments) if it does not
+    /// exist; an existing queue with other arguments is used as it is.
+    pub queue: String,
+    /// Exchange producers publish to (`from.exchange`). When set, delayd
+    /// declares it (durable, of [`exchange_type`](Self::exchange_type)) and
+    /// binds it to [`queue`](Self::queue). When `None` producers publish to
+    /// the queue directly or through their own bindings.
+    pub exchange: Option<String>,
+    /// Type of [`exchange`](Self::exchange). Default `topic`.
+    pub exchange_type: ExchangeType,
+    /// Binding keys of the exchange-to-queue binding. Empty means the default
+    /// of the exchange type: `#` (every routing key on a topic exchange), or
+    /// `""` for fanout. A direct exchange needs explicit keys: `#` there only
+    /// matches the routing key `#`.
+    pub binding_keys: Vec<String>,
+    /// Unacknowledged deliveries the broker may have in flight to delayd
+    /// (`basic.qos` prefetch count, per consumer). 0 means unlimited, which
+    /// defeats backpressure; default 1000.
+    pub prefetch: u16,
+    /// Consumer tags are this prefix, a dot and a counter (visible in the
+    /// management UI). Default `delayd`.
+    pub consumer_tag_prefix: String,
+}
+
+impl SourceConfig {
+    /// Consume `queue` with defaults: no exchange, prefetch 1000, tag prefix `delayd`.
+    pub fn new(queue: impl Into<String>) -> Self {
+        Self {
+            queue: queue.into(),
+            exchange: None,
+            exchange_type: ExchangeType::default(),
+            binding_keys: Vec::new(),
+            prefetch: 1000,
+            consumer_tag_prefix: "delayd".to_owned(),
+        }
+    }
+
+    /// Also declare `exchange` of type `kind` and bind it to the queue.
+    pub fn with_exchange(mut self, exchange: impl Into<String>, kind: ExchangeType) -> Self {
+        self.exchange = Some(exchange.into());
+        self.exchange_type = kind;
+        self
+    }
+
+    fn effective_binding_keys(&self) -> Vec<String> {
+        if self.binding_keys.is_empty() {
+            vec![self.exchange_type.default_binding_key().to_owned()]
+        } else {
+            self.binding_keys.clone()
+        }
+    }
+}
+
+enum Command {
+    Pause(oneshot::Sender<()>),
+    Resume(oneshot::Sender<()>),
+}
+
+/// A [`Source`] reading one RabbitMQ queue. See the module docs.
+pub struct AmqpSource {
+    queue: String,
+    deliveries: mpsc::UnboundedReceiver<Delivery>,
+    commands: mpsc::UnboundedSender<Command>,
+    task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for AmqpSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpSource")
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AmqpSource {
+    /// Starts consuming in the background on `broker` (normally
+    /// [`BrokerConnections::consume`](super::BrokerConnections)). Must be
+    /// called inside a tokio runtime. Returns at once; connection problems are
+    /// retried in the background and logged.
+    pub fn start(broker: Arc<Broker>, config: SourceConfig) -> Result<Self, AmqpError> {
+        // Refuse names AMQP cannot carry now rather than retrying forever.
+        short_string(&config.queue, "queue name")?;
+        if let Some(exchange) = &config.exchange {
+            short_string(exchange, "exchange name")?;
+        }
+        for key in &config.binding_keys {
+            short_string(key, "binding key")?;
+        }
+        short_string(
+            &format!("{}.{}", config.consumer_tag_prefix, u64::MAX),
+            "consumer tag",
+        )?;
+        if config.exchange.is_some()
+            && config.exchange_type == ExchangeType::Direct
+            && config.binding_keys.is_empty()
+        {
+            warn!(queue = %config.queue,
+                  "direct source exchange bound with key \"#\": only messages published with routing key \"#\" will reach delayd");
+        }
+
+        let (deliveries_tx, deliveries) = mpsc::unbounded_channel();
+        let (commands, commands_rx) = mpsc::unbounded_channel();
+        let queue = config.queue.clone();
+        let worker = Worker {
+            broker,
+            config,
+            deliveries: deliveries_tx,
+            commands: commands_rx,
+            paused: false,
+            backoff: Backoff::default(),
+            consumers_started: 0,
+        };
+        let task = tokio::spawn(worker.run());
+        Ok(Self {
+            queue,
+            deliveries,
+            commands,
+            task,
+        })
+    }
+
+    /// The queue this source consumes.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    async fn command(&self, make: fn(oneshot::Sender<()>) -> Command) -> Result<(), SourceError> {
+        let (reply, done) = oneshot::channel();
+        self.commands
+            .send(make(reply))
+            .map_err(|_| SourceError::Closed)?;
+        done.await.map_err(|_| SourceError::Closed)
+    }
+}
+
+impl Drop for AmqpSource {
+    fn drop(&mut self) {
+        // Dropping the task's channel closes it: unacked messages are requeued.
+        self.task.abort();
+    }
+}
+
+impl Source for AmqpSource {
+    fn next(&mut self) -> BoxFuture<'_, Result<Delivery, SourceError>> {
+        Box::pin(async move { self.deliveries.recv().await.ok_or(SourceError::Closed) })
+    }
+
+    fn pause(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {
+        Box::pin(self.command(Command::Pause))
+    }
+
+    fn resume(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {
+        Box::pin(self.command(Command::Resume))
+    }
+}
+
+/// Settles one delivery on the channel it came from.
+struct AmqpAck {
+    acker: Acker,
+}
+
+fn settle_result(result: Result<bool, lapin::Error>, what: &str) -> Result<(), SourceError> {
+    match result {
+        Ok(true) => Ok(()),
+        // lapin refuses to send it: the channel the delivery came on is gone.
+        Ok(false) => Err(SourceError::Connection(format!(
+            "{what} not sent: the delivery's channel is closed; the broker will redeliver it"
+        ))),
+        Err(error) => Err(SourceError::Connection(format!("{what} failed: {error}"))),
+    }
+}
+
+impl AckHandle for AmqpAck {
+    fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
+        Box::pin(async move {
+            let result = self.acker.ack(BasicAckOptions { multiple: false }).await;
+            settle_result(result, "basic.ack")
+        })
+    }
+
+    fn requeue(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
+        Box::pin(async move {
+            let options = BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            };
+            let result = self.acker.nack(options).await;
+            settle_result(result, "basic.nack")
+        })
+    }
+}
+
+/// The background task behind an [`AmqpSource`].
+struct Worker {
+    broker: Arc<Broker>,
+    config: SourceConfig,
+    deliveries: mpsc::UnboundedSender<Delivery>,
+    commands: mpsc::UnboundedReceiver<Command>,
+    paused: bool,
+    /// Back-off between failed session set-ups (declaration refused, ...).
+    backoff: Backoff,
+    consumers_started: u64,
+}
+
+/// Why a session ended.
+enum End {
+    /// The source was dropped: stop.
+    Stop,
+    /// The channel or consumer failed: set up a new session.
+    Reconnect,
+}
+
+impl Worker {
+    async fn run(mut self) {
+        info!(queue = %self.config.queue, "AMQP source starting");
+        let mut delay: Option<Duration> = None;
+        loop {
+            // Set up a session, answering pause/resume meanwhile.
+            let (channel, consumer) = loop {
+                let attempt = async {
+                    if let Some(delay) = delay {
+                        tokio::time::sleep(delay).await;
+                    }
+                    setup(
+                        &self.broker,
+                        &self.config,
+                        self.paused,
+                        &mut self.consumers_started,
+                        &mut self.backoff,
+                    )
+                    .await
+                };
+                tokio::select! {
+                    biased;
+                    () = self.deliveries.closed() => return,
+                    command = self.commands.recv() => match command {
+                        None => return,
+                        Some(Command::Pause(reply)) => { self.paused = true; let _ = reply.send(()); }
+                        Some(Command::Resume(reply)) => { self.paused = false; let _ = reply.send(()); }
+                    },
+                    session = attempt => break session,
+                }
+            };
+            match self.consume(channel, consumer).await {
+                End::Stop => return,
+                End::Reconnect => {
+                    let next = self.backoff.next_delay();
+                    debug!(queue = %self.config.queue, delay = ?next, "re-establishing AMQP consumer");
+                    delay = Some(next);
+                }
+            }
+        }
+    }
+
+    fn forward(&self, mut delivery: lapin::message::Delivery) {
+        let message = message_from_delivery(&mut delivery);
+        let delivery = Delivery {
+            message,
+            redelivered: delivery.redelivered,
+            ack: Box::new(AmqpAck {
+                acker: delivery.acker,
+            }),
+        };
+        // If the source is gone the delivery is dropped unacked: the channel
+        // closes with it and the broker requeues the message.
+        let _ = self.deliveries.send(delivery);
+    }
+
+    /// Runs one session until the channel fails or the source is dropped.
+    async fn consume(&mut self, channel: Channel, mut consumer: Option<Consumer>) -> End {
+        let queue = self.config.queue.clone();
+        loop {
+            tokio::select! {
+                biased;
+                () = self.deliveries.closed() => {
+                    close_channel(&channel).await;
+                    return End::Stop;
+                }
+                command = self.commands.recv() => match command {
+                    None => {
+                        close_channel(&channel).await;
+                        return End::Stop;
+                    }
+                    Some(Command::Pause(reply)) => {
+                        self.paused = true;
+                        let healthy = match consumer.take() {
+                            Some(c) => self.cancel(&channel, c).await,
+                            None => true,
+                        };
+                        info!(queue = %queue, "AMQP source paused");
+                        let _ = reply.send(());
+                        if !healthy {
+                            return End::Reconnect;
+                        }
+                    }
+                    Some(Command::Resume(reply)) => {
+                        self.paused = false;
+                        let _ = reply.send(());
+                        info!(queue = %queue, "AMQP source resumed");
+                        if consumer.is_none() {
+                            match start_consumer(&channel, &self.config, &mut self.consumers_started).await {
+                                Ok(c) => consumer = Some(c),
+                                Err(error) => {
+                                    warn!(queue = %queue, %error, "cannot resume consuming; reconnecting");
+                                    return End::Reconnect;
+                                }
+                            }
+                        }
+                    }
+                },
+                item = next_delivery(&mut consumer) => match item {
+                    Some(Ok(delivery)) => self.forward(delivery),
+                    Some(Err(error)) => {
+                        warn!(queue = %queue, %error, "AMQP consumer failed; reconnecting");
+                        return End::Reconnect;
+                    }
+                    None => {
+                        warn!(queue = %queue, "AMQP consumer cancelled by the broker (queue deleted?); consuming again");
+                        return End::Reconnect;
+                    }
+                },
+            }
+        }
+    }
+
+    /// `basic.cancel`, then hands out the deliveries that arrived before the
+    /// cancel took effect. Returns whether the channel is still usable.
+    async fn cancel(&self, channel: &Channel, mut consumer: Consumer) -> bool {
+        if let Err(error) = channel
+            .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+            .await
+        {
+            warn!(queue = %self.config.queue, %error, "basic.cancel failed");
+            return false;
+        }
+        // The stream ends once lapin has processed the cancel.
+        while let Some(item) = consumer.next().await {
+            match item {
+                Ok(delivery) => self.forward(delivery),
+                Err(error) => {
+                    warn!(queue = %self.config.queue, %error, "AMQP consumer failed while pausing");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The next item of the consumer, or never when there is none (paused).
+async fn next_delivery(
+    consumer: &mut Option<Consumer>,
+) -> Option<Result<lapin::message::Delivery, lapin::Error>> {
+    match consumer {
+        Some(consumer) => consumer.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn close_channel(channel: &Channel) {
+    if channel.status().connected() {
+        if let Err(error) = channel.close(200, "OK".into()).await {
+            debug!(%error, "closing AMQP source channel");
+        }
+    }
+}
+
+/// Declares the topology, opens a channel, sets the prefetch and (unless
+/// paused) starts the consumer; retries with back-off until it works.
+async fn setup(
+    broker: &Broker,
+    config: &SourceConfig,
+    paused: bool,
+    consumers_started: &mut u64,
+    backoff: &mut Backoff,
+) -> (Channel, Option<Consumer>) {
+    loop {
+        match try_setup(broker, config, paused, consumers_started).await {
+            Ok(session) => {
+                info!(queue = %config.queue, paused, "AMQP source consuming");
+                backoff.reset();
+                return session;
+            }
+            Err(AmqpError::BackingOff { retry_in, .. }) => tokio::time::sleep(retry_in).await,
+            Err(error) => {
+                let delay = backoff.next_delay();
+                if matches!(
+                    error,
+                    AmqpError::Connect { .. } | AmqpError::ConnectTimeout { .. }
+                ) {
+                    // The broker connection already logged this at warn.
+                    debug!(queue = %config.queue, %error, retry_in = ?delay, "AMQP source waiting for the connection");
+                } else {
+                    warn!(queue = %config.queue, %error, retry_in = ?delay, "AMQP source set-up failed");
+                }
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+async fn try_setup(
+    broker: &Broker,
+    config: &SourceConfig,
+    paused: bool,
+    consumers_started: &mut u64,
+) -> Result<(Channel, Option<Consumer>), AmqpError> {
+    let keys = config.effective_binding_keys();
+    let exchange = config
+        .exchange
+        .as_deref()
+        .map(|e| (e, config.exchange_type, keys.as_slice()));
+    ensure_bound_queue(broker, &config.queue, exchange).await?;
+    let channel = broker.try_channel().await?;
+    channel
+        .basic_qos(config.prefetch, BasicQosOptions { global: false })
+        .await
+        .map_err(|source| AmqpError::Topology {
+            what: format!("basic.qos prefetch {}", config.prefetch),
+            source,
+        })?;
+    let consumer = if paused {
+        None
+    } else {
+        Some(start_consumer(&channel, config, consumers_started).await?)
+    };
+    Ok((channel, consumer))
+}
+
+async fn start_consumer(
+    channel: &Channel,
+    config: &SourceConfig,
+    consumers_started: &mut u64,
+) -> Result<Consumer, AmqpError> {
+    *consumers_started += 1;
+    let tag = format!("{}.{}", config.consumer_tag_prefix, consumers_started);
+    let options = BasicConsumeOptions {
+        no_ack: false,
+        ..BasicConsumeOptions::default()
+    };
+    channel
+        .basic_consume(
+            short_string(&config.queue, "queue name")?,
+            short_string(&tag, "consumer tag")?,
+            options,
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|source| AmqpError::Topology {
+            what: format!("basic.consume on queue {:?}", config.queue),
+            source,
+        })
+}

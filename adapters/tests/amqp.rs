@@ -1,0 +1,669 @@
+//! Integration tests of the RabbitMQ adapter against a real broker at
+//! 127.0.0.1:5672 (guest/guest; override with `AMQP_URL`). Every test uses
+//! queue and exchange names of its own and deletes them at the end.
+//!
+//! The reconnect test closes every connection of the broker with
+//! `rabbitmqctl close_all_connections`, so it takes a write lock that the
+//! other tests hold for reading: it never cuts into them.
+#![cfg(feature = "amqp")]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use delayd_adapters::amqp::{
+    AmqpSink, AmqpSource, BrokerConnections, ExchangeType, SinkConfig, SourceConfig,
+};
+use delayd_adapters::{Delivery, Message, PublishOutcome, Sink, Source, Target, Value};
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{
+    AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable as AmqpTable, LongString,
+};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use tokio::sync::RwLock;
+
+/// Taken for writing by the test that closes every broker connection.
+static BROKER: RwLock<()> = RwLock::const_new(());
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// A name no other test (or earlier run) uses.
+fn unique(what: &str) -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("delayd-test.{what}.{}.{nanos}.{n}", std::process::id())
+}
+
+/// Adapter logs in the test output (shown for failing tests); `RUST_LOG` filters.
+fn logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "delayd_adapters=debug".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
+/// A plain lapin connection and channel, independent of the adapter.
+async fn plain() -> (Connection, Channel) {
+    let props = ConnectionProperties::default().with_connection_name("delayd-test-plain".into());
+    let conn = Connection::connect(&url(), props).await.expect("connect");
+    let channel = conn.create_channel().await.expect("channel");
+    (conn, channel)
+}
+
+async fn declare_queue(channel: &Channel, queue: &str) {
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions::durable(),
+            AmqpTable::default(),
+        )
+        .await
+        .expect("queue.declare");
+}
+
+async fn declare_exchange(channel: &Channel, exchange: &str, kind: ExchangeKind) {
+    let options = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(exchange.into(), kind, options, AmqpTable::default())
+        .await
+        .expect("exchange.declare");
+}
+
+async fn bind(channel: &Channel, queue: &str, exchange: &str, key: &str) {
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            AmqpTable::default(),
+        )
+        .await
+        .expect("queue.bind");
+}
+
+async fn cleanup(queues: &[&str], exchanges: &[&str]) {
+    let (conn, channel) = plain().await;
+    for queue in queues {
+        channel
+            .queue_delete((*queue).into(), QueueDeleteOptions::default())
+            .await
+            .expect("queue.delete");
+    }
+    for exchange in exchanges {
+        channel
+            .exchange_delete((*exchange).into(), ExchangeDeleteOptions::default())
+            .await
+            .expect("exchange.delete");
+    }
+    conn.close(200, "bye".into()).await.expect("close");
+}
+
+/// (messages, consumers) of a queue.
+async fn queue_counts(queue: &str) -> (u32, u32) {
+    let (conn, channel) = plain().await;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let q = channel
+        .queue_declare(queue.into(), passive, AmqpTable::default())
+        .await
+        .expect("passive queue.declare");
+    conn.close(200, "bye".into()).await.expect("close");
+    (q.message_count(), q.consumer_count())
+}
+
+/// Polls `check` until it holds or the deadline passes.
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn next(source: &mut AmqpSource) -> Delivery {
+    tokio::time::timeout(DEADLINE, source.next())
+        .await
+        .expect("no delivery before the deadline")
+        .expect("source error")
+}
+
+async fn publish_plain(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) {
+    channel
+        .basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions::default(),
+            body,
+            props,
+        )
+        .await
+        .expect("basic.publish");
+}
+
+/// Gets one message from `queue` with plain lapin, polling until there is one.
+async fn get_one(channel: &Channel, queue: &str) -> lapin::message::BasicGetMessage {
+    let start = Instant::now();
+    loop {
+        let got = channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .expect("basic.get");
+        if let Some(message) = got {
+            return message;
+        }
+        assert!(start.elapsed() < DEADLINE, "nothing arrived in {queue}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every AMQP field type RabbitMQ carries, nested ones included.
+fn every_header() -> AmqpTable {
+    let mut inner = BTreeMap::new();
+    inner.insert("inner-long".into(), AMQPValue::LongLongInt(-42));
+    inner.insert(
+        "inner-string".into(),
+        AMQPValue::LongString(LongString::from(&b"nested"[..])),
+    );
+    let mut deeper = BTreeMap::new();
+    deeper.insert("deep".into(), AMQPValue::Boolean(false));
+    inner.insert(
+        "inner-table".into(),
+        AMQPValue::FieldTable(AmqpTable::from(deeper)),
+    );
+    let inner = AmqpTable::from(inner);
+
+    let mut headers = BTreeMap::new();
+    let mut put = |k: &str, v: AMQPValue| {
+        headers.insert(k.into(), v);
+    };
+    put("bool", AMQPValue::Boolean(true));
+    put("i8", AMQPValue::ShortShortInt(-8));
+    put("u8", AMQPValue::ShortShortUInt(250));
+    put("i16", AMQPValue::ShortInt(-16_000));
+    put("u16", AMQPValue::ShortUInt(65_000));
+    put("i32", AMQPValue::LongInt(-2_000_000_000));
+    put("u32", AMQPValue::LongUInt(4_000_000_000));
+    put("i64", AMQPValue::LongLongInt(-9_000_000_000_000));
+    put("f32", AMQPValue::Float(3.25));
+    put("f64", AMQPValue::Double(-1.0e300));
+    put(
+        "decimal",
+        AMQPValue::DecimalValue(DecimalValue {
+            scale: 2,
+            value: 12_345,
+        }),
+    );
+    put(
+        "long-utf8",
+        AMQPValue::LongString(LongString::from("grüße")),
+    );
+    put(
+        "long-binary",
+        AMQPValue::LongString(LongString::from(vec![0xff, 0xfe, 0x00, 0xc3, 0x28])),
+    );
+    put(
+        "array",
+        AMQPValue::FieldArray(FieldArray::from(vec![
+            AMQPValue::LongInt(1),
+            AMQPValue::LongString(LongString::from("two")),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::Void])),
+            AMQPValue::FieldTable(inner.clone()),
+        ])),
+    );
+    put("timestamp", AMQPValue::Timestamp(1_700_000_000));
+    put("table", AMQPValue::FieldTable(inner));
+    put(
+        "bytes",
+        AMQPValue::ByteArray(ByteArray::from(vec![0u8, 1, 2, 0xff])),
+    );
+    put("void", AMQPValue::Void);
+    put("x-delay", AMQPValue::LongInt(5000));
+    AmqpTable::from(headers)
+}
+
+fn every_property() -> BasicProperties {
+    BasicProperties::default()
+        .with_content_type("application/octet-stream".into())
+        .with_content_encoding("identity".into())
+        .with_headers(every_header())
+        .with_delivery_mode(2)
+        .with_priority(5)
+        .with_correlation_id("corr-42".into())
+        .with_reply_to("replies".into())
+        .with_expiration("3600000".into())
+        .with_message_id("msg-42".into())
+        .with_timestamp(1_700_000_123)
+        .with_type("order.created".into())
+        // RabbitMQ checks user_id against the connection's user.
+        .with_user_id("guest".into())
+        .with_app_id("shop".into())
+        .with_cluster_id("cluster-7".into())
+}
+
+#[tokio::test]
+async fn every_type_and_property_survives_consume_and_republish() {
+    logs();
+    let _shared = BROKER.read().await;
+    let queue_in = unique("in");
+    let exchange_in = unique("in-x");
+    let queue_out = unique("out");
+    let exchange_out = unique("out-x");
+
+    let rabbit = BrokerConnections::new(&url()).unwrap();
+    let config = SourceConfig::new(&queue_in).with_exchange(&exchange_in, ExchangeType::Topic);
+    let mut source = AmqpSource::start(rabbit.consume.clone(), config).unwrap();
+    // The source is set up once its consumer is on the queue.
+    eventually("the source's consumer", || async {
+        rabbit.consume.is_connected() && queue_counts(&queue_in).await.1 == 1
+    })
+    .await;
+
+    let (conn, channel) = plain().await;
+    declare_exchange(&channel, &exchange_out, ExchangeKind::Fanout).await;
+    declare_queue(&channel, &queue_out).await;
+    bind(&channel, &queue_out, &exchange_out, "").await;
+
+    let body: Vec<u8> = vec![0x00, 0xff, 0x80, b'h', b'i', 0xc3, 0x28];
+    publish_plain(
+        &channel,
+        &exchange_in,
+        "eu.orders.created",
+        &body,
+        every_property(),
+    )
+    .await;
+
+    let delivery = next(&mut source).await;
+    assert!(!delivery.redelivered);
+    let message = &delivery.message;
+    assert_eq!(message.body, body);
+    assert_eq!(message.source, exchange_in);
+    assert_eq!(message.routing_key, "eu.orders.created");
+    assert_eq!(message.properties.kind.as_deref(), Some("order.created"));
+    assert_eq!(message.properties.user_id.as_deref(), Some("guest"));
+    assert_eq!(message.properties.timestamp, Some(1_700_000_123));
+    assert_eq!(message.headers.get("u8"), Some(&Value::U8(250)));
+    assert_eq!(message.headers.get("u16"), Some(&Value::U16(65_000)));
+    assert_eq!(message.headers.get("u32"), Some(&Value::U32(4_000_000_000)));
+    assert_eq!(message.headers.get("f32"), Some(&Value::F32(3.25)));
+    assert_eq!(
+        message.headers.get("decimal"),
+        Some(&Value::Decimal {
+            scale: 2,
+            value: 12_345
+        })
+    );
+    assert_eq!(
+        message.headers.get("long-binary"),
+        Some(&Value::LongString(vec![0xff, 0xfe, 0x00, 0xc3, 0x28]))
+    );
+    assert_eq!(
+        message.headers.get("timestamp"),
+        Some(&Value::Timestamp(1_700_000_000))
+    );
+    assert_eq!(message.headers.get("void"), Some(&Value::Void));
+    assert!(matches!(message.headers.get("table"), Some(Value::Table(t)) if t.len() == 3));
+    assert_eq!(message.headers.len(), every_header().inner().len());
+
+    // The stored form (WAL codec) keeps all of it too.
+    let stored = delayd_adapters::decode(&delayd_adapters::encode(message)).unwrap();
+    assert_eq!(&stored, message);
+
+    let sink = AmqpSink::new(rabbit.publish.clone(), SinkConfig::default());
+    let outcome = sink
+        .publish(&stored, &Target::exchange(&exchange_out))
+        .await
+        .expect("publish");
+    assert_eq!(outcome, PublishOutcome::Delivered);
+    delivery.ack.ack().await.expect("ack");
+
+    let got = get_one(&channel, &queue_out).await;
+    assert_eq!(got.delivery.data, body);
+    assert_eq!(got.delivery.exchange.as_str(), exchange_out);
+    assert_eq!(got.delivery.routing_key.as_str(), "eu.orders.created");
+    assert_eq!(got.delivery.properties, every_property());
+    assert_eq!(got.delivery.properties.headers(), &Some(every_header()));
+
+    // Acked: nothing left behind in the source queue.
+    eventually("the source queue to drain", || async {
+        queue_counts(&queue_in).await.0 == 0
+    })
+    .await;
+
+    drop(source);
+    rabbit.close().await;
+    conn.close(200, "bye".into()).await.unwrap();
+    cleanup(&[&queue_in, &queue_out], &[&exchange_in, &exchange_out]).await;
+}
+
+#[tokio::test]
+async fn unroutable_messages_are_reported_even_among_concurrent_publishes() {
+    logs();
+    let _shared = BROKER.read().await;
+    let lonely = unique("lonely-x");
+    let routed_exchange = unique("routed-x");
+    let queue = unique("routed");
+
+    let (conn, channel) = plain().await;
+    declare_exchange(&channel, &lonely, ExchangeKind::Topic).await;
+    declare_exchange(&channel, &routed_exchange, ExchangeKind::Direct).await;
+    declare_queue(&channel, &queue).await;
+    bind(&channel, &queue, &routed_exchange, "yes").await;
+
+    let rabbit = BrokerConnections::new(&url()).unwrap();
+    let sink = Arc::new(AmqpSink::new(
+        rabbit.publish.clone(),
+        SinkConfig {
+            channels: 16,
+            ..SinkConfig::default()
+        },
+    ));
+    let message = Message::with_body(b"hello".to_vec());
+
+    // An exchange with no binding, and the default exchange to a missing queue.
+    let outcome = sink.publish(&message, &Target::exchange(&lonely)).await;
+    assert_eq!(outcome.unwrap(), PublishOutcome::Unroutable);
+    let outcome = sink
+        .publish(&message, &Target::queue(unique("missing-queue")))
+        .await;
+    assert_eq!(outcome.unwrap(), PublishOutcome::Unroutable);
+
+    // A missing exchange: the broker closes that publish's channel; only
+    // that publish fails (transiently), the others go on.
+    let outcome = sink
+        .publish(&message, &Target::exchange(unique("missing-x")))
+        .await;
+    match outcome {
+        Err(delayd_adapters::SinkError::Transient(text)) => {
+            assert!(text.contains("NOT_FOUND"), "{text}")
+        }
+        other => panic!("expected a transient error, got {other:?}"),
+    }
+
+    // Many publishes at once, routable and not interleaved: each gets its own outcome.
+    let mut tasks = Vec::new();
+    for i in 0..400u32 {
+        let sink = sink.clone();
+        let routed_exchange = routed_exchange.clone();
+        tasks.push(tokio::spawn(async move {
+            let routable = i % 3 != 0;
+            let mut message = Message::with_body(i.to_be_bytes().to_vec());
+            message.routing_key = if routable { "yes" } else { "no" }.to_owned();
+            let outcome = sink
+                .publish(&message, &Target::exchange(&routed_exchange))
+                .await
+                .expect("publish");
+            (routable, outcome)
+        }));
+    }
+    let mut routed = 0;
+    for task in tasks {
+        let (routable, outcome) = task.await.unwrap();
+        let expected = if routable {
+            routed += 1;
+            PublishOutcome::Delivered
+        } else {
+            PublishOutcome::Unroutable
+        };
+        assert_eq!(outcome, expected);
+    }
+    eventually("every routable message in the queue", || async {
+        queue_counts(&queue).await.0 == routed
+    })
+    .await;
+
+    rabbit.close().await;
+    conn.close(200, "bye".into()).await.unwrap();
+    cleanup(&[&queue], &[&lonely, &routed_exchange]).await;
+}
+
+#[tokio::test]
+async fn declare_queue_creates_durable_queues_and_accepts_existing_ones() {
+    logs();
+    let _shared = BROKER.read().await;
+    let fresh = unique("invalid");
+    let existing = unique("unroutable");
+    let (conn, channel) = plain().await;
+    let mut args = AmqpTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1000));
+    channel
+        .queue_declare(
+            existing.as_str().into(),
+            QueueDeclareOptions::durable(),
+            args,
+        )
+        .await
+        .unwrap();
+
+    let rabbit = BrokerConnections::new(&url()).unwrap();
+    let sink = AmqpSink::new(rabbit.publish.clone(), SinkConfig::default());
+    sink.declare_queue(&fresh).await.expect("declare new queue");
+    sink.declare_queue(&existing)
+        .await
+        .expect("queue with other arguments is accepted");
+    assert_eq!(queue_counts(&fresh).await, (0, 0));
+
+    // The sink still publishes after the refused declaration.
+    let outcome = sink
+        .publish(&Message::with_body("x"), &Target::queue(&fresh))
+        .await;
+    assert_eq!(outcome.unwrap(), PublishOutcome::Delivered);
+
+    rabbit.close().await;
+    conn.close(200, "bye".into()).await.unwrap();
+    cleanup(&[&fresh, &existing], &[]).await;
+}
+
+#[tokio::test]
+async fn pause_stops_deliveries_and_resume_restarts_them() {
+    logs();
+    let _shared = BROKER.read().await;
+    let queue = unique("pause");
+    let exchange = unique("pause-x");
+    let rabbit = BrokerConnections::new(&url()).unwrap();
+    let config = SourceConfig::new(&queue).with_exchange(&exchange, ExchangeType::Fanout);
+    let mut source = AmqpSource::start(rabbit.consume.clone(), config).unwrap();
+    eventually("the source's consumer", || async {
+        rabbit.consume.is_connected() && queue_counts(&queue).await.1 == 1
+    })
+    .await;
+
+    let (conn, channel) = plain().await;
+    publish_plain(
+        &channel,
+        &exchange,
+        "any",
+        b"one",
+        BasicProperties::default(),
+    )
+    .await;
+    let first = next(&mut source).await;
+    assert_eq!(first.message.body, b"one");
+    first.ack.ack().await.unwrap();
+
+    source.pause().await.unwrap();
+    assert_eq!(queue_counts(&queue).await.1, 0, "consumer cancelled");
+    publish_plain(
+        &channel,
+        &exchange,
+        "any",
+        b"two",
+        BasicProperties::default(),
+    )
+    .await;
+    eventually("the message to wait in the queue", || async {
+        queue_counts(&queue).await.0 == 1
+    })
+    .await;
+    // Nothing arrives while paused (a bounded wait for an absence).
+    let while_paused = tokio::time::timeout(Duration::from_millis(500), source.next()).await;
+    assert!(while_paused.is_err(), "delivery while paused");
+    // Pausing twice is harmless.
+    source.pause().await.unwrap();
+
+    source.resume().await.unwrap();
+    let second = next(&mut source).await;
+    assert_eq!(second.message.body, b"two");
+    // Requeue puts it back; it comes again, marked redelivered.
+    second.ack.requeue().await.unwrap();
+    let again = next(&mut source).await;
+    assert_eq!(again.message.body, b"two");
+    assert!(again.redelivered);
+    again.ack.ack().await.unwrap();
+    source.resume().await.unwrap();
+    eventually("the queue to drain", || async {
+        queue_counts(&queue).await == (0, 1)
+    })
+    .await;
+
+    drop(source);
+    rabbit.close().await;
+    conn.close(200, "bye".into()).await.unwrap();
+    cleanup(&[&queue], &[&exchange]).await;
+}
+
+async fn close_all_connections() {
+    let status = tokio::task::spawn_blocking(|| {
+        std::process::Command::new("rabbitmqctl")
+            .args(["close_all_connections", "test"])
+            .status()
+    })
+    .await
+    .unwrap()
+    .expect("run rabbitmqctl");
+    assert!(status.success(), "rabbitmqctl close_all_connections failed");
+}
+
+#[tokio::test]
+async fn source_and_sink_recover_after_the_broker_closes_every_connection() {
+    logs();
+    let _exclusive = BROKER.write().await;
+    let queue = unique("reconnect");
+    let target_queue = unique("reconnect-out");
+    let rabbit = BrokerConnections::new(&url()).unwrap();
+    let mut source = AmqpSource::start(rabbit.consume.clone(), SourceConfig::new(&queue)).unwrap();
+    let sink = Arc::new(AmqpSink::new(rabbit.publish.clone(), SinkConfig::default()));
+    sink.declare_queue(&target_queue).await.unwrap();
+    eventually("the source's consumer", || async {
+        rabbit.consume.is_connected() && queue_counts(&queue).await.1 == 1
+    })
+    .await;
+
+    let (conn, channel) = plain().await;
+    publish_plain(&channel, "", &queue, b"before", BasicProperties::default()).await;
+    let unacked = next(&mut source).await;
+    assert_eq!(unacked.message.body, b"before");
+    let outcome = sink
+        .publish(&Message::with_body("p1"), &Target::queue(&target_queue))
+        .await;
+    assert_eq!(outcome.unwrap(), PublishOutcome::Delivered);
+
+    // Publishes keep running while the connections are closed: each one is
+    // delivered or fails transiently, never anything else.
+    let stop = Arc::new(AtomicBool::new(false));
+    let background = {
+        let sink = sink.clone();
+        let stop = stop.clone();
+        let target = Target::queue(&target_queue);
+        tokio::spawn(async move {
+            let (mut delivered, mut transient) = (0u32, 0u32);
+            while !stop.load(Ordering::Relaxed) {
+                match sink.publish(&Message::with_body("bg"), &target).await {
+                    Ok(PublishOutcome::Delivered) => delivered += 1,
+                    Err(delayd_adapters::SinkError::Transient(_)) => transient += 1,
+                    other => panic!("unexpected publish result {other:?}"),
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            (delivered, transient)
+        })
+    };
+
+    close_all_connections().await;
+
+    // The source keeps going: a message published after the close arrives,
+    // and the one left unacked comes back marked redelivered.
+    let (conn2, channel2) = plain().await;
+    publish_plain(&channel2, "", &queue, b"after", BasicProperties::default()).await;
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let delivery = next(&mut source).await;
+        seen.push((delivery.message.body.clone(), delivery.redelivered));
+        delivery.ack.ack().await.expect("ack on the new channel");
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![(b"after".to_vec(), false), (b"before".to_vec(), true)]
+    );
+    // The old delivery's channel is gone: its ack fails (the broker redelivered it).
+    assert!(unacked.ack.ack().await.is_err());
+
+    // The sink publishes again, possibly after transient errors.
+    let start = Instant::now();
+    let mut transient = 0;
+    loop {
+        match sink
+            .publish(&Message::with_body("p2"), &Target::queue(&target_queue))
+            .await
+        {
+            Ok(outcome) => {
+                assert_eq!(outcome, PublishOutcome::Delivered);
+                break;
+            }
+            Err(delayd_adapters::SinkError::Transient(_)) => transient += 1,
+            Err(error) => panic!("unexpected error {error}"),
+        }
+        assert!(start.elapsed() < DEADLINE, "sink never recovered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (bg_delivered, bg_transient) = background.await.unwrap();
+    eprintln!(
+        "sink recovered after {transient} transient error(s); background publisher: \
+         {bg_delivered} delivered, {bg_transient} transient"
+    );
+    // Every confirmed message is in the queue (transient ones may be too).
+    let expected = 2 + bg_delivered;
+    eventually("every confirmed message in the target queue", || async {
+        queue_counts(&target_queue).await.0 >= expected
+    })
+    .await;
+    assert!(rabbit.is_connected());
+
+    drop(source);
+    rabbit.close().await;
+    drop(conn); // closed by the broker
+    conn2.close(200, "bye".into()).await.unwrap();
+    cleanup(&[&queue, &target_queue], &[]).await;
+}
