@@ -11,6 +11,10 @@ use crate::route::{rewrite, Destination, Route};
 
 use super::brokers::Brokers;
 
+/// Publish attempts against a missing exchange before the message is parked
+/// as unroutable (with the default back-off, about 6 s).
+const MISSING_TARGET_ATTEMPTS: u32 = 6;
+
 pub struct Deliverer {
     pub routes: Arc<HashMap<String, Arc<Route>>>,
     pub brokers: Brokers,
@@ -60,6 +64,16 @@ impl Dispatch for Deliverer {
                         target.destination
                     );
                     tracing::warn!(id = fired.id, %reason, "message unroutable");
+                    rewrite::with_error(&mut message, &reason);
+                    park(&brokers, &route.unroutable, &message, &route, "unroutable").await
+                }
+                Err(SinkError::Transient(e))
+                    if e.contains("NOT_FOUND") && fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS =>
+                {
+                    // The target exchange has been missing for several attempts:
+                    // an unknown target, not a blip during a redeploy.
+                    let reason = format!("unknown target: {e}");
+                    tracing::warn!(id = fired.id, %reason, "target missing; parking the message");
                     rewrite::with_error(&mut message, &reason);
                     park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                 }

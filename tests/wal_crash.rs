@@ -1,0 +1,161 @@
+//! A child process appends to the WAL as fast as it can and is killed with
+//! SIGKILL mid-stream. Every record whose append was acknowledged must
+//! survive, byte for byte, and every acknowledged Done must stay done.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use delayd::wal::{RecordRef, Wal, WalConfig};
+
+const CHILD_ENV: &str = "DELAYD_WAL_CRASH_CHILD";
+
+fn config(dir: &std::path::Path) -> WalConfig {
+    WalConfig {
+        segment_bytes: 256 * 1024, // many segment rotations within one run
+        ..WalConfig::new(dir)
+    }
+}
+
+fn payload(n: u64) -> Vec<u8> {
+    let len = (n * 7919 % 3000) as usize + 1;
+    (0..len).map(|i| (n as usize + i) as u8).collect()
+}
+
+/// Child mode: append forever, printing each acknowledged record.
+fn child(dir: &str) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (wal, _) = Wal::open(config(dir.as_ref()), |_, _| {}).unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        for worker in 0..32u64 {
+            let wal = wal.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                for i in 0.. {
+                    let n = worker * 1_000_000_000 + i;
+                    let appended = wal
+                        .append_schedule(n, "crash", payload(n))
+                        .unwrap()
+                        .await
+                        .unwrap()
+                        .unwrap();
+                    let _ = tx.send(format!("acked {} {n}", appended.id));
+                    if i % 5 == 0 {
+                        // Announced first: a Done may be durable before its ack is printed.
+                        let _ = tx.send(format!("retiring {}", appended.id));
+                        wal.append_done(appended.id, appended.pos)
+                            .unwrap()
+                            .await
+                            .unwrap()
+                            .unwrap();
+                        let _ = tx.send(format!("done {}", appended.id));
+                    }
+                }
+            });
+        }
+        let mut out = std::io::stdout().lock();
+        while let Some(line) = rx.recv().await {
+            writeln!(out, "{line}").unwrap();
+            out.flush().unwrap();
+        }
+    });
+}
+
+#[test]
+fn sigkill_mid_stream_loses_no_acknowledged_record() {
+    if let Ok(dir) = std::env::var(CHILD_ENV) {
+        child(&dir);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut acked: BTreeMap<u64, u64> = BTreeMap::new(); // id -> n
+    let mut done = std::collections::HashSet::new();
+    let mut retiring = std::collections::HashSet::new();
+    for round in 0..3 {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "sigkill_mid_stream_loses_no_acknowledged_record",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let started = Instant::now();
+        let target = 3000 * (round + 1);
+        let mut new_acks = 0;
+        let mut killed = false;
+        // Read until enough acks, kill, then drain what the child printed before dying.
+        while let Some(Ok(line)) = lines.next() {
+            let mut parts = line.split_whitespace();
+            match (parts.next(), parts.next(), parts.next()) {
+                (Some("acked"), Some(id), Some(n)) => {
+                    acked.insert(id.parse().unwrap(), n.parse().unwrap());
+                    new_acks += 1;
+                }
+                (Some("done"), Some(id), None) => {
+                    done.insert(id.parse::<u64>().unwrap());
+                }
+                (Some("retiring"), Some(id), None) => {
+                    retiring.insert(id.parse::<u64>().unwrap());
+                }
+                _ => {}
+            }
+            if !killed && (new_acks >= target || started.elapsed() > Duration::from_secs(60)) {
+                child.kill().unwrap(); // SIGKILL
+                killed = true;
+            }
+        }
+        child.wait().unwrap();
+        assert!(killed, "child exited on its own in round {round}");
+        assert!(new_acks > 0, "child acknowledged nothing in round {round}");
+
+        let mut live = BTreeMap::new();
+        let (wal, report) = Wal::open(config(dir.path()), |rec, _| match rec {
+            RecordRef::Schedule {
+                id,
+                due_ms,
+                message,
+                ..
+            } => {
+                live.insert(id, (due_ms, message.to_vec()));
+            }
+            RecordRef::Done { id, .. } => {
+                live.remove(&id);
+            }
+        })
+        .unwrap();
+        assert!(
+            report.corruptions.is_empty(),
+            "round {round}: {:?}",
+            report.corruptions
+        );
+        for (id, n) in &acked {
+            if done.contains(id) {
+                assert!(
+                    !live.contains_key(id),
+                    "round {round}: Done record {id} lost"
+                );
+                continue;
+            }
+            if retiring.contains(id) && !live.contains_key(id) {
+                continue; // its Done became durable just before the kill
+            }
+            let (due, message) = live
+                .get(id)
+                .unwrap_or_else(|| panic!("round {round}: acknowledged record {id} lost"));
+            assert_eq!(*due, *n);
+            assert_eq!(message, &payload(*n), "round {round}: record {id} changed");
+        }
+        wal.close().unwrap();
+    }
+}
