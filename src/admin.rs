@@ -118,12 +118,12 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 async fn readyz(State(state): State<AdminState>) -> Response {
     let brokers = state.brokers.status();
-    let all_up = brokers.iter().all(|(_, up)| *up);
+    let all_up = brokers.iter().all(|b| b.ready);
     let ready = state.ready.load(Ordering::Acquire) && all_up && !state.engine.wal().is_stopped();
     let body = json!({
         "ready": ready,
         "wal": if state.engine.wal().is_stopped() { "stopped" } else { "recovered" },
-        "brokers": brokers.into_iter().map(|(n, up)| (n, json!(if up { "connected" } else { "disconnected" }))).collect::<serde_json::Map<_, _>>(),
+        "brokers": brokers,
         "pending": state.engine.pending(),
     });
     let status = if ready {

@@ -15,8 +15,14 @@ pub const X_DELAYD_ERROR: &str = "x-delayd-error";
 
 /// Rewrite a due message's headers for republishing.
 pub fn for_delivery(message: &mut Message, id: u64) {
-    if let Some(delay) = message.headers.get(X_DELAY).and_then(delay_ms) {
-        let negative = -(delay.clamp(0, i64::MAX as i128) as i64);
+    // Only a positive delay is negated; 0 or negative stay as they were.
+    if let Some(delay) = message
+        .headers
+        .get(X_DELAY)
+        .and_then(delay_ms)
+        .filter(|d| *d > 0)
+    {
+        let negative = -(delay.min(i64::MAX as i128) as i64);
         let value = i32::try_from(negative)
             .map(Value::I32)
             .unwrap_or(Value::I64(negative));

@@ -18,6 +18,19 @@ pub struct BrokerHandle {
 #[derive(Clone, Default)]
 pub struct Brokers {
     by_name: Arc<HashMap<String, BrokerHandle>>,
+    /// Brokers some route consumes from: their consume connection must be up.
+    sources: Arc<std::collections::HashSet<String>>,
+}
+
+/// Connection state of one broker, for `/readyz`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BrokerStatus {
+    pub name: String,
+    /// Consuming connection (only checked for brokers some route reads from).
+    pub consume: &'static str,
+    /// Publishing connection: opened on first publish, so "idle" is fine.
+    pub publish: &'static str,
+    pub ready: bool,
 }
 
 impl Brokers {
@@ -39,8 +52,14 @@ impl Brokers {
                 }
             }
         }
+        let sources = config
+            .routes
+            .iter()
+            .map(|r| r.from.broker.clone())
+            .collect();
         Ok(Brokers {
             by_name: Arc::new(by_name),
+            sources: Arc::new(sources),
         })
     }
 
@@ -69,14 +88,32 @@ impl Brokers {
         Ok(())
     }
 
-    /// (name, connected) for every broker, for `/readyz`.
-    pub fn status(&self) -> Vec<(String, bool)> {
+    /// Every broker's connection state. A broker is ready when it is not
+    /// consumed from or its consuming connection is open.
+    pub fn status(&self) -> Vec<BrokerStatus> {
         let mut v: Vec<_> = self
             .by_name
             .iter()
-            .map(|(name, h)| (name.clone(), h.connections.is_connected()))
+            .map(|(name, h)| {
+                let consuming = self.sources.contains(name);
+                let consume_up = h.connections.consume.is_connected();
+                BrokerStatus {
+                    name: name.clone(),
+                    consume: match (consuming, consume_up) {
+                        (false, _) => "unused",
+                        (true, true) => "connected",
+                        (true, false) => "disconnected",
+                    },
+                    publish: if h.connections.publish.is_connected() {
+                        "connected"
+                    } else {
+                        "idle"
+                    },
+                    ready: !consuming || consume_up,
+                }
+            })
             .collect();
-        v.sort();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
         v
     }
 

@@ -367,6 +367,11 @@ impl Wal {
         self.segments().infos()
     }
 
+    /// Group commits (fdatasyncs) done since the log was opened.
+    pub fn fsyncs(&self) -> u64 {
+        self.shared.writer.fsyncs()
+    }
+
     /// True once an fsync failed: the process must exit.
     pub fn is_stopped(&self) -> bool {
         self.shared.writer.is_stopped()

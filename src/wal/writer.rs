@@ -3,7 +3,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -61,6 +61,7 @@ enum Command {
 pub struct Writer {
     tx: Mutex<Option<mpsc::Sender<Command>>>,
     stopped: Arc<AtomicBool>,
+    fsyncs: Arc<AtomicU64>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -71,7 +72,9 @@ impl Writer {
         next_seq: u64,
     ) -> Result<Self, WalError> {
         let stopped = Arc::new(AtomicBool::new(false));
+        let fsyncs = Arc::new(AtomicU64::new(0));
         let mut state = WriterState {
+            fsyncs: fsyncs.clone(),
             config,
             segments,
             file: None,
@@ -90,6 +93,7 @@ impl Writer {
         Ok(Self {
             tx: Mutex::new(Some(tx)),
             stopped,
+            fsyncs,
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -113,6 +117,11 @@ impl Writer {
         self.stopped.load(Ordering::Acquire)
     }
 
+    /// Group commits (fdatasyncs) done so far.
+    pub fn fsyncs(&self) -> u64 {
+        self.fsyncs.load(Ordering::Relaxed)
+    }
+
     pub fn close(&self) -> Result<(), WalError> {
         let Some(tx) = self.tx.lock().expect("writer sender poisoned").take() else {
             return Ok(());
@@ -133,6 +142,7 @@ impl Writer {
 }
 
 struct WriterState {
+    fsyncs: Arc<AtomicU64>,
     config: WalConfig,
     segments: Arc<Mutex<SegmentTable>>,
     file: Option<(File, PathBuf)>,
@@ -285,6 +295,7 @@ impl WriterState {
                 source,
             });
         }
+        self.fsyncs.fetch_add(1, Ordering::Relaxed);
         metrics::histogram!("delayd_wal_fsync_seconds").record(started.elapsed().as_secs_f64());
         metrics::counter!("delayd_wal_fsyncs_total").increment(1);
         metrics::counter!("delayd_wal_written_bytes_total").increment(self.buf.len() as u64);

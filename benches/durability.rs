@@ -1,0 +1,154 @@
+//! Core durability benchmarks (criterion):
+//! - WAL schedules/s with 1 KiB messages and group-commit fdatasync,
+//! - recovery time (WAL replay + wheel rebuild) for 1M pending,
+//! and, printed once, recovery time and RSS per pending message for
+//! `DELAYD_BENCH_BIG` pending (default 10M; set 0 to skip).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use delayd::engine::{Engine, EngineConfig, SystemClock};
+use delayd::wal::{Wal, WalConfig};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Append `n` records of `size` bytes from `writers` concurrent appenders.
+async fn append(wal: &Wal, n: u64, size: usize, writers: u64) {
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let wal = wal.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut pending = Vec::with_capacity(64);
+            let mut i = w;
+            while i < n {
+                pending.push(
+                    wal.append_schedule(4_000_000_000_000 + i, "bench", vec![7u8; size])
+                        .unwrap(),
+                );
+                i += writers;
+                if pending.len() == 64 {
+                    for rx in pending.drain(..) {
+                        rx.await.unwrap().unwrap();
+                    }
+                }
+            }
+            for rx in pending {
+                rx.await.unwrap().unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+fn wal_append(c: &mut Criterion) {
+    let rt = runtime();
+    let mut group = c.benchmark_group("wal_append_1KiB");
+    group.throughput(Throughput::Elements(1));
+    group.sample_size(10);
+    group.measurement_time(Duration::from_secs(15));
+    let dir = tempfile::tempdir_in(".").unwrap();
+    let (wal, _) = Wal::open(WalConfig::new(dir.path()), |_, _| {}).unwrap();
+    let mut total = (0u64, 0u64, Duration::ZERO);
+    group.bench_function("group_commit", |b| {
+        b.iter_custom(|iters| {
+            let fsyncs = wal.fsyncs();
+            let started = Instant::now();
+            rt.block_on(append(&wal, iters, 1024, 16));
+            let took = started.elapsed();
+            total.0 += iters;
+            total.1 += wal.fsyncs() - fsyncs;
+            total.2 += took;
+            took
+        })
+    });
+    group.finish();
+    let secs = total.2.as_secs_f64();
+    eprintln!(
+        "wal_append_1KiB: {:.0} schedules/s, {:.0} fdatasync/s, {:.0} records per group commit",
+        total.0 as f64 / secs,
+        total.1 as f64 / secs,
+        total.0 as f64 / total.1.max(1) as f64
+    );
+    wal.close().unwrap();
+}
+
+/// A WAL directory holding `n` pending 100-byte messages.
+fn prepared_wal(n: u64) -> tempfile::TempDir {
+    let rt = runtime();
+    let dir = tempfile::tempdir_in(".").unwrap();
+    let (wal, _) = Wal::open(WalConfig::new(dir.path()), |_, _| {}).unwrap();
+    rt.block_on(append(&wal, n, 100, 64));
+    wal.close().unwrap();
+    dir
+}
+
+fn open_engine(dir: &std::path::Path) -> Engine {
+    let config = EngineConfig::new(WalConfig::new(dir));
+    let (engine, _) = Engine::open(config, Arc::new(SystemClock)).unwrap();
+    engine
+}
+
+fn recovery(c: &mut Criterion) {
+    let dir = prepared_wal(1_000_000);
+    let mut group = c.benchmark_group("recovery");
+    group.sample_size(10);
+    group.bench_function("1M_pending", |b| {
+        b.iter(|| {
+            let engine = open_engine(dir.path());
+            assert_eq!(engine.pending(), 1_000_000);
+            engine.wal().close().unwrap();
+        })
+    });
+    group.finish();
+}
+
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+fn big(_: &mut Criterion) {
+    let n: u64 = std::env::var("DELAYD_BENCH_BIG")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000_000);
+    if n == 0 {
+        return;
+    }
+    let started = Instant::now();
+    let dir = prepared_wal(n);
+    eprintln!(
+        "prepared {n} pending in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let before = rss_bytes();
+    let started = Instant::now();
+    let engine = open_engine(dir.path());
+    let took = started.elapsed();
+    let after = rss_bytes();
+    assert_eq!(engine.pending(), n);
+    eprintln!(
+        "recovery of {n} pending: {:.2} s; RSS {:.1} MiB -> {:.1} MiB = {:.1} bytes per pending message",
+        took.as_secs_f64(),
+        before as f64 / (1 << 20) as f64,
+        after as f64 / (1 << 20) as f64,
+        (after - before) as f64 / n as f64
+    );
+    engine.wal().close().unwrap();
+}
+
+criterion_group!(benches, wal_append, recovery, big);
+criterion_main!(benches);

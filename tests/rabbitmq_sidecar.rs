@@ -1,0 +1,818 @@
+//! End-to-end tests of `delayd run` as a RabbitMQ sidecar, against the real
+//! broker at 127.0.0.1:5672 (guest/guest; override with `AMQP_URL`).
+//!
+//! Each test starts the delayd binary as a child process with a route of its
+//! own (see `common`), publishes to the route's source exchange with a plain
+//! lapin client and reads the target exchange through a queue bound to it.
+//! "Never early" is checked in whole wall-clock milliseconds: a message
+//! published at `sent_ms` with an `x-delay` of `d` must not be received before
+//! `sent_ms + d` (delayd measures the delay from its own, later, arrival time).
+//!
+//! Run with `cargo test --test rabbitmq_sidecar -- --test-threads=2`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{
+    assert_confirmed, delayd_command, now_ms, wait_for, Cleanup, Client, Delayd, DelaydOptions,
+    Names, Received, DEADLINE, INVALID_QUEUE, UNROUTABLE_QUEUE,
+};
+use lapin::types::{
+    AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString, ShortString,
+};
+use lapin::BasicProperties;
+
+/// Routing key of every test message; delayd must keep it.
+const ROUTING_KEY: &str = "order.created.eu";
+
+fn table(entries: Vec<(&str, AMQPValue)>) -> FieldTable {
+    let mut t = FieldTable::default();
+    for (key, value) in entries {
+        t.insert(ShortString::from(key), value);
+    }
+    t
+}
+
+fn long_string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// Headers of `props` without `key`.
+fn headers_without(props: &BasicProperties, key: &str) -> FieldTable {
+    let mut t = FieldTable::default();
+    if let Some(headers) = props.headers() {
+        for (k, v) in headers {
+            if k.as_str() != key {
+                t.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    t
+}
+
+/// Asserts `x-delayd-id` is a long string of decimal digits, and returns it.
+fn assert_delayd_id(received: &Received) -> u64 {
+    let id = received
+        .header_text("x-delayd-id")
+        .unwrap_or_else(|| panic!("no long-string x-delayd-id in {:?}", received.properties()));
+    id.parse()
+        .unwrap_or_else(|e| panic!("x-delayd-id {id:?} is not a number: {e}"))
+}
+
+/// A test's route with its target queue declared, and delayd consuming.
+struct Setup {
+    names: Names,
+    // Dropped in reverse order: delayd stops before the names are deleted.
+    _cleanup: Cleanup,
+    delayd: Delayd,
+    client: Client,
+}
+
+async fn setup(test: &str, opts: DelaydOptions) -> Setup {
+    let names = Names::new(test);
+    let cleanup = names.cleanup();
+    let client = Client::connect(&format!("delayd-it-{test}")).await;
+    client
+        .declare_target(&names.to_exchange, &names.target_queue)
+        .await;
+    let delayd = Delayd::start(&names, opts).await;
+    Setup {
+        names,
+        _cleanup: cleanup,
+        delayd,
+        client,
+    }
+}
+
+// ----------------------------------------------------------------- 1. delays
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_x_delay_type_arrives_after_its_delay() {
+    let s = setup("types", DelaydOptions::default()).await;
+    // (case, x-delay header, whole ms delayd must wait)
+    let cases: Vec<(&str, Option<AMQPValue>, u64)> = vec![
+        ("short-short-int", Some(AMQPValue::ShortShortInt(120)), 120),
+        (
+            "short-short-uint",
+            Some(AMQPValue::ShortShortUInt(250)),
+            250,
+        ),
+        ("short-int", Some(AMQPValue::ShortInt(700)), 700),
+        ("short-uint", Some(AMQPValue::ShortUInt(800)), 800),
+        ("long-int", Some(AMQPValue::LongInt(900)), 900),
+        ("long-uint", Some(AMQPValue::LongUInt(1000)), 1000),
+        ("long-long-int", Some(AMQPValue::LongLongInt(1100)), 1100),
+        ("float", Some(AMQPValue::Float(1200.75)), 1200),
+        ("double", Some(AMQPValue::Double(1300.9)), 1300),
+        ("numeric-string", Some(long_string("300")), 300),
+        ("float-string", Some(long_string("250.9")), 250),
+        ("absent", None, 0),
+        ("zero", Some(AMQPValue::LongInt(0)), 0),
+        ("negative", Some(AMQPValue::LongInt(-500)), 0),
+    ];
+
+    let mut sent_ms = BTreeMap::new();
+    for (case, delay, _) in &cases {
+        let headers = match delay {
+            Some(v) => table(vec![("x-delay", v.clone())]),
+            None => FieldTable::default(),
+        };
+        let props = BasicProperties::default()
+            .with_message_id((*case).into())
+            .with_headers(headers);
+        sent_ms.insert(*case, now_ms());
+        s.client
+            .publish(&s.names.from_exchange, ROUTING_KEY, case.as_bytes(), props)
+            .await;
+    }
+
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
+    let mut arrived: BTreeMap<String, Received> = BTreeMap::new();
+    while arrived.len() < cases.len() {
+        let received = receiver
+            .next(Instant::now() + DEADLINE)
+            .await
+            .unwrap_or_else(|| {
+                panic!(
+                    "only {:?} of {} messages arrived within {DEADLINE:?}",
+                    arrived.keys().collect::<Vec<_>>(),
+                    cases.len()
+                )
+            });
+        let id = received
+            .message_id()
+            .expect("every test message has a message_id")
+            .to_owned();
+        assert!(
+            !arrived.contains_key(&id),
+            "{id} arrived twice (no restart happened)"
+        );
+        arrived.insert(id, received);
+    }
+
+    for (case, delay, wait_ms) in &cases {
+        let received = &arrived[*case];
+        let due = sent_ms[case] + wait_ms;
+        assert!(
+            received.at_ms >= due,
+            "{case}: received at {} ms, {} ms before its due time {due}",
+            received.at_ms,
+            due - received.at_ms
+        );
+        assert_eq!(received.delivery.data, case.as_bytes(), "{case}: body");
+        assert_eq!(
+            received.delivery.routing_key.as_str(),
+            ROUTING_KEY,
+            "{case}: routing key"
+        );
+        assert_delayd_id(received);
+        let egress_delay = received.header("x-delay");
+        match delay {
+            None => assert_eq!(egress_delay, None, "{case}: x-delay must stay absent"),
+            Some(_) if *wait_ms > 0 => assert_eq!(
+                egress_delay,
+                Some(&AMQPValue::LongInt(-(*wait_ms as i32))),
+                "{case}: x-delay must be negated"
+            ),
+            Some(_) => assert!(egress_delay.is_some(), "{case}: x-delay kept"),
+        }
+    }
+    receiver.close().await;
+    s.client.close().await;
+}
+
+// ------------------------------------------------------ 2. byte-equal egress
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_properties_and_headers_arrive_byte_equal() {
+    let s = setup("byte-equal", DelaydOptions::default()).await;
+    const DELAY: i32 = 400;
+    let nested_table = table(vec![
+        ("inner-int", AMQPValue::LongInt(-7)),
+        ("inner-string", long_string("ünïcödé")),
+        (
+            "inner-table",
+            AMQPValue::FieldTable(table(vec![("deep", AMQPValue::Boolean(false))])),
+        ),
+    ]);
+    let headers = table(vec![
+        ("bool", AMQPValue::Boolean(true)),
+        ("i8", AMQPValue::ShortShortInt(-128)),
+        ("u8", AMQPValue::ShortShortUInt(255)),
+        ("i16", AMQPValue::ShortInt(-32768)),
+        ("u16", AMQPValue::ShortUInt(65535)),
+        ("i32", AMQPValue::LongInt(i32::MIN)),
+        ("u32", AMQPValue::LongUInt(u32::MAX)),
+        ("i64", AMQPValue::LongLongInt(i64::MIN)),
+        ("f32", AMQPValue::Float(-1.5e-3)),
+        ("f64", AMQPValue::Double(std::f64::consts::PI)),
+        (
+            "decimal",
+            AMQPValue::DecimalValue(DecimalValue {
+                scale: 3,
+                value: 1_234_567,
+            }),
+        ),
+        ("utf8", long_string("héllo, wörld")),
+        (
+            "non-utf8",
+            AMQPValue::LongString(LongString::from(vec![0xff, 0xfe, 0x00, 0x80, b'a'])),
+        ),
+        ("empty", long_string("")),
+        (
+            "array",
+            AMQPValue::FieldArray(FieldArray::from(vec![
+                AMQPValue::LongInt(1),
+                long_string("two"),
+                AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::Boolean(true)])),
+                AMQPValue::FieldTable(table(vec![("k", AMQPValue::Double(0.25))])),
+                AMQPValue::Void,
+            ])),
+        ),
+        ("table", AMQPValue::FieldTable(nested_table)),
+        ("timestamp", AMQPValue::Timestamp(1_700_000_000)),
+        (
+            "bytes",
+            AMQPValue::ByteArray(ByteArray::from(vec![0u8, 1, 2, 254, 255])),
+        ),
+        ("void", AMQPValue::Void),
+        ("x-delay", AMQPValue::LongInt(DELAY)),
+    ]);
+    let sent = BasicProperties::default()
+        .with_content_type("application/octet-stream".into())
+        .with_content_encoding("identity".into())
+        .with_headers(headers.clone())
+        .with_delivery_mode(2)
+        .with_priority(7)
+        .with_correlation_id("corr-42".into())
+        .with_reply_to("replies.here".into())
+        .with_message_id("byte-equal-1".into())
+        .with_timestamp(1_700_000_123)
+        .with_type("order.created".into())
+        .with_user_id("guest".into())
+        .with_app_id("delayd-it".into())
+        .with_cluster_id("cluster-x".into());
+    let body: Vec<u8> = (0..=255u8).chain((0..=255u8).rev()).collect();
+
+    let sent_ms = now_ms();
+    s.client
+        .publish(&s.names.from_exchange, ROUTING_KEY, &body, sent.clone())
+        .await;
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
+    let received = receiver.expect("the delayed message").await;
+
+    assert!(
+        received.at_ms >= sent_ms + DELAY as u64,
+        "received {} ms early",
+        sent_ms + DELAY as u64 - received.at_ms
+    );
+    assert_eq!(received.delivery.data, body, "body must be byte-equal");
+    assert_eq!(received.delivery.routing_key.as_str(), ROUTING_KEY);
+    assert_eq!(
+        received.delivery.exchange.as_str(),
+        s.names.to_exchange,
+        "republished to to.exchange"
+    );
+    assert_delayd_id(&received);
+
+    let mut expected_headers = headers;
+    expected_headers.insert("x-delay".into(), AMQPValue::LongInt(-DELAY));
+    let expected = sent.with_headers(expected_headers);
+    let actual = received
+        .properties()
+        .clone()
+        .with_headers(headers_without(received.properties(), "x-delayd-id"));
+    assert_eq!(
+        actual, expected,
+        "properties and headers (x-delay negated, x-delayd-id aside)"
+    );
+    receiver.close().await;
+    s.client.close().await;
+}
+
+// ----------------------------------------------------------- 3. bad delays
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_delay_goes_to_invalid_queue_with_reason() {
+    let s = setup("invalid", DelaydOptions::default()).await;
+    let suffix = common::unique_suffix();
+    let text_id = format!("invalid-text.{suffix}");
+    let bool_id = format!("invalid-bool.{suffix}");
+    let cases = [
+        (text_id.as_str(), long_string("soon"), "\"soon\""),
+        (bool_id.as_str(), AMQPValue::Boolean(true), "boolean"),
+    ];
+    for (id, delay, _) in &cases {
+        let props = BasicProperties::default()
+            .with_message_id((*id).into())
+            .with_content_type("text/plain".into())
+            .with_headers(table(vec![
+                ("x-delay", delay.clone()),
+                ("keep", long_string("me")),
+            ]));
+        s.client
+            .publish(&s.names.from_exchange, ROUTING_KEY, id.as_bytes(), props)
+            .await;
+    }
+
+    // delayd declares the queue when it parks the first invalid message.
+    wait_for("the invalid queue to exist", DEADLINE, || async {
+        s.client.queue_counts(INVALID_QUEUE).await
+    })
+    .await;
+    let mut receiver = s.client.consume(INVALID_QUEUE).await;
+    let found = receiver
+        .collect_by_message_id(&[text_id.as_str(), bool_id.as_str()])
+        .await;
+    receiver.close().await;
+
+    for (id, delay, reason_mentions) in &cases {
+        let received = found
+            .iter()
+            .find(|r| r.message_id() == Some(*id))
+            .expect("collected above");
+        let error = received
+            .header_text("x-delayd-error")
+            .unwrap_or_else(|| panic!("{id}: no x-delayd-error in {:?}", received.properties()));
+        assert!(
+            error.contains("x-delay") && error.contains(reason_mentions),
+            "{id}: x-delayd-error {error:?} should name x-delay and {reason_mentions}"
+        );
+        assert_eq!(
+            received.delivery.data,
+            id.as_bytes(),
+            "{id}: body unchanged"
+        );
+        assert_eq!(
+            received.header("x-delay"),
+            Some(delay),
+            "{id}: x-delay kept"
+        );
+        assert_eq!(
+            received.header_text("keep").as_deref(),
+            Some("me"),
+            "{id}: other headers kept"
+        );
+        assert_eq!(
+            received
+                .properties()
+                .content_type()
+                .as_ref()
+                .map(ShortString::as_str),
+            Some("text/plain"),
+            "{id}: properties kept"
+        );
+    }
+    // Nothing reached the target.
+    assert_eq!(
+        s.client.queue_counts(&s.names.target_queue).await,
+        Some((0, 0)),
+        "an invalid message reached the target queue"
+    );
+    s.client.close().await;
+}
+
+// -------------------------------------------------------------- 4. unroutable
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_goes_to_unroutable_queue() {
+    let names = Names::new("unroutable");
+    let _cleanup = names.cleanup();
+    let client = Client::connect("delayd-it-unroutable").await;
+    // The target exchange exists, but no queue is bound to it.
+    client.declare_exchange(&names.to_exchange).await;
+    let _delayd = Delayd::start(&names, DelaydOptions::default()).await;
+
+    let id = format!("unroutable.{}", common::unique_suffix());
+    let props = BasicProperties::default()
+        .with_message_id(id.as_str().into())
+        .with_headers(table(vec![("x-delay", AMQPValue::LongInt(200))]));
+    client
+        .publish(&names.from_exchange, ROUTING_KEY, b"nobody listens", props)
+        .await;
+
+    wait_for("the unroutable queue to exist", DEADLINE, || async {
+        client.queue_counts(UNROUTABLE_QUEUE).await
+    })
+    .await;
+    let mut receiver = client.consume(UNROUTABLE_QUEUE).await;
+    let found = receiver.collect_by_message_id(&[id.as_str()]).await;
+    receiver.close().await;
+    let received = &found[0];
+    let error = received
+        .header_text("x-delayd-error")
+        .unwrap_or_else(|| panic!("no x-delayd-error in {:?}", received.properties()));
+    assert!(
+        error.contains("unroutable") && error.contains(&names.to_exchange),
+        "x-delayd-error {error:?} should say unroutable and name {}",
+        names.to_exchange
+    );
+    assert_eq!(received.delivery.data, b"nobody listens", "body unchanged");
+    client.close().await;
+}
+
+// ------------------------------------------------------------ load helpers
+
+/// The `x-delay` of load message `seq`: 1 to 4 s, spread over the range.
+fn load_delay_ms(seq: usize) -> u64 {
+    1000 + (seq as u64 * 7919) % 3001
+}
+
+/// How a load publisher paces itself.
+struct Load {
+    exchange: String,
+    total: usize,
+    /// Messages per tick.
+    batch: usize,
+    interval: Duration,
+    /// Published (and confirmed) so far.
+    published: Arc<AtomicUsize>,
+    /// While `hold` is set, publishing pauses once `hold_at` messages are
+    /// out, so a disruption is sure to happen mid-stream.
+    hold_at: usize,
+    hold: Arc<AtomicBool>,
+}
+
+/// Publishes `total` messages (header `seq`, x-delay [`load_delay_ms`]) at
+/// a steady rate, in batches of `batch` every `interval`, waiting for each
+/// batch's confirms. Returns each message's send time (ms).
+fn spawn_publisher(load: Load) -> tokio::task::JoinHandle<Vec<u64>> {
+    let Load {
+        exchange,
+        total,
+        batch,
+        interval,
+        published,
+        hold_at,
+        hold,
+    } = load;
+    tokio::spawn(async move {
+        let client = Client::connect("delayd-it-load-publisher").await;
+        let mut sent_ms = Vec::with_capacity(total);
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        while sent_ms.len() < total {
+            if sent_ms.len() >= hold_at {
+                wait_for("the test to release the publisher", DEADLINE, || async {
+                    (!hold.load(Ordering::Acquire)).then_some(())
+                })
+                .await;
+            }
+            ticks.tick().await;
+            let mut confirms = Vec::with_capacity(batch);
+            for seq in sent_ms.len()..(sent_ms.len() + batch).min(total) {
+                let props = BasicProperties::default()
+                    .with_message_id(seq.to_string().into())
+                    .with_delivery_mode(2)
+                    .with_headers(table(vec![
+                        ("seq", AMQPValue::LongLongInt(seq as i64)),
+                        ("x-delay", AMQPValue::LongInt(load_delay_ms(seq) as i32)),
+                    ]));
+                sent_ms.push(now_ms());
+                let body = format!("load message {seq}");
+                confirms.push(
+                    client
+                        .publish_unconfirmed(&exchange, ROUTING_KEY, body.as_bytes(), props)
+                        .await,
+                );
+            }
+            for confirm in confirms {
+                assert_confirmed(confirm).await;
+            }
+            published.store(sent_ms.len(), Ordering::Release);
+        }
+        client.close().await;
+        sent_ms
+    })
+}
+
+/// Arrivals of load messages: first receive time and copies, by seq.
+struct Arrivals {
+    first_ms: Vec<Option<u64>>,
+    copies: Vec<u32>,
+}
+
+/// Reads `queue` until every one of `total` seqs arrived or `deadline`.
+fn spawn_collector(
+    queue: String,
+    total: usize,
+    deadline: Instant,
+    received: Arc<AtomicUsize>,
+) -> tokio::task::JoinHandle<Arrivals> {
+    tokio::spawn(async move {
+        let client = Client::connect("delayd-it-load-consumer").await;
+        let mut receiver = client.consume(&queue).await;
+        let mut arrivals = Arrivals {
+            first_ms: vec![None; total],
+            copies: vec![0; total],
+        };
+        let mut distinct = 0;
+        while distinct < total {
+            let Some(message) = receiver.next(deadline).await else {
+                break;
+            };
+            let seq = match message.header("seq") {
+                Some(AMQPValue::LongLongInt(seq)) => *seq as usize,
+                other => panic!("load message without an i64 seq header: {other:?}"),
+            };
+            assert!(seq < total, "unknown seq {seq}");
+            arrivals.copies[seq] += 1;
+            if arrivals.first_ms[seq].is_none() {
+                arrivals.first_ms[seq] = Some(message.at_ms);
+                distinct += 1;
+                received.store(distinct, Ordering::Release);
+            }
+        }
+        receiver.close().await;
+        client.close().await;
+        arrivals
+    })
+}
+
+/// Asserts every message arrived, none before its due time; returns the
+/// number of duplicate copies.
+fn check_arrivals(sent_ms: &[u64], arrivals: &Arrivals) -> u32 {
+    let missing: Vec<usize> = (0..sent_ms.len())
+        .filter(|&seq| arrivals.first_ms[seq].is_none())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {} messages never arrived, e.g. seq {:?}",
+        missing.len(),
+        sent_ms.len(),
+        &missing[..missing.len().min(20)]
+    );
+    let early: Vec<(usize, u64)> = (0..sent_ms.len())
+        .filter_map(|seq| {
+            let due = sent_ms[seq] + load_delay_ms(seq);
+            let at = arrivals.first_ms[seq].expect("checked above");
+            (at < due).then(|| (seq, due - at))
+        })
+        .collect();
+    assert!(
+        early.is_empty(),
+        "{} messages arrived early, (seq, ms early): {:?}",
+        early.len(),
+        &early[..early.len().min(20)]
+    );
+    arrivals.copies.iter().map(|&c| c.saturating_sub(1)).sum()
+}
+
+// ------------------------------------------------------------- 5. SIGKILL
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_under_load_loses_nothing_acked() {
+    const TOTAL: usize = 3000;
+    const KILL_AFTER: usize = 1000;
+    // Publishing goes on while delayd is down and restarting, up to here.
+    const HOLD_AT: usize = 1500;
+    let mut s = setup("sigkill", DelaydOptions::default()).await;
+    let published = Arc::new(AtomicUsize::new(0));
+    let received = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    // 500 messages/s: 6 s of publishing.
+    let hold = Arc::new(AtomicBool::new(true));
+    let publisher = spawn_publisher(Load {
+        exchange: s.names.from_exchange.clone(),
+        total: TOTAL,
+        batch: 50,
+        interval: Duration::from_millis(100),
+        published: published.clone(),
+        hold_at: HOLD_AT,
+        hold: hold.clone(),
+    });
+    let collector = spawn_collector(
+        s.names.target_queue.clone(),
+        TOTAL,
+        start + Duration::from_secs(45),
+        received.clone(),
+    );
+
+    wait_for("1000 messages published", DEADLINE, || async {
+        (published.load(Ordering::Acquire) >= KILL_AFTER).then_some(())
+    })
+    .await;
+    let stored_before_kill = s.delayd.pending();
+    let killed_at = published.load(Ordering::Acquire);
+    s.delayd.kill_9();
+    s.delayd.restart().await;
+    hold.store(false, Ordering::Release);
+
+    let sent_ms = publisher.await.expect("publisher task");
+    let arrivals = collector.await.expect("collector task");
+    let duplicates = check_arrivals(&sent_ms, &arrivals);
+    println!(
+        "sigkill: {TOTAL} messages, SIGKILL after {killed_at} published \
+         ({stored_before_kill} pending in delayd), {duplicates} duplicates, {:?}",
+        start.elapsed()
+    );
+    s.client.close().await;
+}
+
+// ------------------------------------------------- 6. connection close
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_close_mid_stream_reconnects_without_loss() {
+    const TOTAL: usize = 2000;
+    const CLOSE_AFTER: usize = 700;
+    // Publishing goes on while the connections are closed, up to here.
+    const HOLD_AT: usize = 1200;
+    let s = setup("reconnect", DelaydOptions::default()).await;
+    let published = Arc::new(AtomicUsize::new(0));
+    let received = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    // 400 messages/s: 5 s of publishing.
+    let hold = Arc::new(AtomicBool::new(true));
+    let publisher = spawn_publisher(Load {
+        exchange: s.names.from_exchange.clone(),
+        total: TOTAL,
+        batch: 40,
+        interval: Duration::from_millis(100),
+        published: published.clone(),
+        hold_at: HOLD_AT,
+        hold: hold.clone(),
+    });
+    let collector = spawn_collector(
+        s.names.target_queue.clone(),
+        TOTAL,
+        start + Duration::from_secs(45),
+        received.clone(),
+    );
+
+    // Close once delayd both consumes and publishes (so both connections exist).
+    wait_for(
+        "delayd to publish its first due message",
+        DEADLINE,
+        || async {
+            (received.load(Ordering::Acquire) > 0
+                && published.load(Ordering::Acquire) >= CLOSE_AFTER)
+                .then_some(())
+        },
+    )
+    .await;
+    let closed_at = published.load(Ordering::Acquire);
+    let closed = s.delayd.close_broker_connections();
+    hold.store(false, Ordering::Release);
+    assert_eq!(
+        closed, 2,
+        "expected delayd's consume and publish connections to be closed"
+    );
+
+    let sent_ms = publisher.await.expect("publisher task");
+    let arrivals = collector.await.expect("collector task");
+    let duplicates = check_arrivals(&sent_ms, &arrivals);
+    println!(
+        "reconnect: {TOTAL} messages, {closed} connections closed after {closed_at} published, \
+         {duplicates} duplicates, {:?}",
+        start.elapsed()
+    );
+    s.client.close().await;
+}
+
+// --------------------------------------------------------------- 7. SIGTERM
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_exits_zero_and_keeps_pending() {
+    const COUNT: usize = 20;
+    const DELAY_MS: u64 = 10_000;
+    let opts = DelaydOptions {
+        shutdown_grace: "5s".into(),
+        ..DelaydOptions::default()
+    };
+    let mut s = setup("sigterm", opts).await;
+    let mut sent_ms = Vec::new();
+    for i in 0..COUNT {
+        let props = BasicProperties::default()
+            .with_message_id(i.to_string().into())
+            .with_headers(table(vec![(
+                "x-delay",
+                AMQPValue::LongInt(DELAY_MS as i32),
+            )]));
+        sent_ms.push(now_ms());
+        s.client
+            .publish(&s.names.from_exchange, ROUTING_KEY, b"pending", props)
+            .await;
+    }
+    wait_for("delayd to store every message", DEADLINE, || async {
+        (s.delayd.pending() == COUNT as u64).then_some(())
+    })
+    .await;
+
+    let status = s.delayd.sigterm_and_wait(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(0), "SIGTERM must exit 0, got {status}");
+    assert_eq!(
+        s.client.queue_counts(&s.names.from_queue).await,
+        Some((0, 0)),
+        "every message was acked (stored), and delayd stopped consuming"
+    );
+
+    s.delayd.restart().await;
+    assert_eq!(
+        s.delayd.pending(),
+        COUNT as u64,
+        "the restarted delayd recovers every pending message from its WAL"
+    );
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
+    let mut arrived = BTreeMap::new();
+    while arrived.len() < COUNT {
+        let received = receiver
+            .next(Instant::now() + DEADLINE)
+            .await
+            .unwrap_or_else(|| panic!("only {} of {COUNT} arrived", arrived.len()));
+        let i: usize = received
+            .message_id()
+            .and_then(|id| id.parse().ok())
+            .expect("numeric message_id");
+        let due = sent_ms[i] + DELAY_MS;
+        assert!(
+            received.at_ms >= due,
+            "message {i} arrived {} ms early",
+            due - received.at_ms
+        );
+        *arrived.entry(i).or_insert(0) += 1;
+    }
+    receiver.close().await;
+    s.client.close().await;
+}
+
+// ----------------------------------------------------------- 8. delayd check
+
+#[test]
+fn check_command_reports_key_and_file() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let write = |name: &str, to_broker: &str| {
+        let path = dir.path().join(name);
+        let text = format!(
+            r#"[wal]
+dir = "data/wal"
+
+[brokers.rabbit]
+kind = "amqp"
+url = "amqp://guest:guest@127.0.0.1:5672/%2f"
+
+[[routes]]
+name = "orders"
+from = {{ broker = "rabbit", queue = "delayd.orders", exchange = "orders.delayed" }}
+to = {{ broker = "{to_broker}", exchange = "orders" }}
+"#
+        );
+        std::fs::write(&path, text).expect("write config");
+        path
+    };
+
+    let good = write("good.toml", "rabbit");
+    let output = delayd_command(&[
+        OsStr::new("check"),
+        OsStr::new("--config"),
+        good.as_os_str(),
+    ]);
+    assert!(
+        output.status.success(),
+        "a valid config must pass: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    let bad = write("bad.toml", "nowhere");
+    let output = delayd_command(&[OsStr::new("check"), OsStr::new("--config"), bad.as_os_str()]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "an unknown to.broker must fail the check; stderr: {stderr}"
+    );
+    assert!(
+        stderr.contains("routes[0].to.broker"),
+        "stderr should name the key routes[0].to.broker: {stderr}"
+    );
+    assert!(
+        stderr.contains(&bad.display().to_string()),
+        "stderr should name the file {}: {stderr}",
+        bad.display()
+    );
+    assert!(
+        stderr.contains("nowhere"),
+        "stderr should name the unknown broker: {stderr}"
+    );
+}
+
+// ------------------------------------------------------------- 9. /readyz
+
+/// `/readyz` should answer 200 once the WAL is recovered and delayd is
+/// connected and consuming, whether or not anything fell due yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_is_ready_before_the_first_publish() {
+    let s = setup("readyz", DelaydOptions::default()).await;
+    let body = wait_for("/readyz to answer 200", Duration::from_secs(10), || async {
+        match s.delayd.http_get("/readyz") {
+            Ok((200, body)) => Some(body),
+            _ => None,
+        }
+    })
+    .await;
+    assert!(body.contains("\"ready\":true"), "{body}");
+    s.client.close().await;
+}
