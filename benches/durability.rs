@@ -1,7 +1,8 @@
 //! Core durability benchmarks (criterion):
 //! - WAL schedules/s with 1 KiB messages and group-commit fdatasync,
-//! - recovery time (WAL replay + wheel rebuild) for 1M pending,
-//! and, printed once, recovery time and RSS per pending message for
+//! - recovery time (WAL replay + wheel rebuild) for 1M pending.
+//!
+//! And, printed once,, recovery time and RSS per pending message for
 //! `DELAYD_BENCH_BIG` pending (default 10M; set 0 to skip).
 
 use std::sync::Arc;
