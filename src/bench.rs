@@ -197,7 +197,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let sink = Arc::new(AmqpSink::new(
         conns.publish.clone(),
         SinkConfig {
-            channels: args.in_flight.max(1),
+            batch: args.in_flight.max(1),
             ..SinkConfig::default()
         },
     ));

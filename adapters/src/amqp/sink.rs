@@ -10,31 +10,35 @@
 //! header name over 255 bytes, a `u64` header above `i64::MAX`) is
 //! [`SinkError::Permanent`].
 //!
-//! # Why a pool of channels, one publish in flight on each
+//! # Batches on a few channels, returns matched by content
 //!
-//! RabbitMQ does not say which publish a `basic.return` belongs to: it sends
-//! the return just before the confirm, and under load it coalesces confirms
-//! (`basic.ack` with `multiple`). lapin hands each return to one of the
-//! confirms of such a batch, which need not be the returned message's own.
-//! Treating a returned message as delivered would lose it, so the sink never
-//! lets two publishes share a channel at once: it keeps a pool of up to
-//! [`SinkConfig::channels`] confirm-mode channels and a publish borrows one
-//! for the round trip. Throughput comes from the number of channels (many
-//! publishes in flight) rather than from pipelining on one channel.
+//! Confirms are cheap for the broker only when they are pipelined: many
+//! publishes on one channel, acknowledged with `basic.ack multiple`. But
+//! RabbitMQ does not say which publish a `basic.return` belongs to, and lapin
+//! hands each return to one of the confirms of a coalesced ack, not
+//! necessarily the returned message's own. So the sink works in batches: a
+//! worker per channel takes up to [`SinkConfig::batch`] queued publishes,
+//! sends them back to back, and waits for every confirm of the batch. A
+//! return always precedes its message's ack, so once the batch is confirmed
+//! every return for it has arrived, attached to some confirm of the batch.
+//! Each returned message is then matched to its publish by content (exchange,
+//! routing key, properties, body). A return that matches nothing exactly marks
+//! every publish of the batch with the same exchange and routing key as
+//! unroutable: a possible duplicate in the unroutable queue, never a loss.
 //!
 //! Channels are opened lazily on the shared publish connection. A channel
-//! that fails (or whose publish was abandoned mid-flight) is dropped, which
-//! closes it; the next publish that borrows its place opens a fresh one,
-//! reconnecting if needed. While the broker is down such publishes fail fast
-//! with [`SinkError::Transient`] (the connection's back-off keeps them from
-//! hammering the broker) and the caller retries.
+//! that fails is dropped and its batch reported [`SinkError::Transient`]; the
+//! next batch opens a fresh one, reconnecting if needed.
 
-use std::sync::{Arc, Mutex};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{Channel, Confirmation};
-use tokio::sync::Semaphore;
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, Confirmation};
+use tokio::sync::{oneshot, Notify};
 use tracing::{debug, warn};
 
 use super::connection::{AmqpError, Broker};
@@ -46,23 +50,43 @@ use crate::traits::{BoxFuture, PublishOutcome, Sink, SinkError, Target};
 /// How an [`AmqpSink`] publishes.
 #[derive(Debug, Clone)]
 pub struct SinkConfig {
-    /// Publishes in flight at once, each on its own confirm-mode channel
-    /// (see the module docs). Further publishes wait for a free channel.
-    /// Default 128; at least 1.
+    /// Confirm-mode channels, each with one batch in flight. Default 4; at least 1.
     pub channels: usize,
-    /// How long a publish waits for the broker's confirm before it reports
-    /// [`SinkError::Transient`] (the message may then arrive twice, which
-    /// delayd's at-least-once contract allows). Default 30 s.
+    /// Most publishes sent back to back on a channel before waiting for
+    /// their confirms. Default 256; at least 1.
+    pub batch: usize,
+    /// How long a batch waits for the broker's confirms before its
+    /// publishes report [`SinkError::Transient`] (they may then arrive twice,
+    /// which delayd's at-least-once contract allows). Default 30 s.
     pub confirm_timeout: Duration,
 }
 
 impl Default for SinkConfig {
     fn default() -> Self {
         Self {
-            channels: 128,
+            channels: 4,
+            batch: 256,
             confirm_timeout: Duration::from_secs(30),
         }
     }
+}
+
+type Reply = oneshot::Sender<Result<PublishOutcome, SinkError>>;
+
+/// One queued publish.
+struct Job {
+    exchange: ShortString,
+    routing_key: ShortString,
+    properties: BasicProperties,
+    body: Vec<u8>,
+    reply: Reply,
+}
+
+/// Publishes waiting for a channel worker.
+#[derive(Default)]
+struct Queue {
+    jobs: Mutex<VecDeque<Job>>,
+    ready: Arc<Notify>,
 }
 
 /// A [`Sink`] publishing to one RabbitMQ broker. Share it between tasks
@@ -70,10 +94,9 @@ impl Default for SinkConfig {
 pub struct AmqpSink {
     broker: Arc<Broker>,
     config: SinkConfig,
-    /// One permit per pooled channel.
-    permits: Semaphore,
-    /// Idle slots: an open channel, or `None` for one still to be opened.
-    idle: Mutex<Vec<Option<Channel>>>,
+    queue: Arc<Queue>,
+    /// Workers are spawned on the first publish (inside the caller's runtime).
+    workers: OnceLock<()>,
 }
 
 impl std::fmt::Debug for AmqpSink {
@@ -94,12 +117,16 @@ impl AmqpSink {
     /// [`BrokerConnections::publish`](super::BrokerConnections)). Connects
     /// lazily on the first publish.
     pub fn new(broker: Arc<Broker>, config: SinkConfig) -> Self {
-        let channels = config.channels.max(1);
+        let config = SinkConfig {
+            channels: config.channels.max(1),
+            batch: config.batch.max(1),
+            ..config
+        };
         Self {
             broker,
-            permits: Semaphore::new(channels),
-            idle: Mutex::new((0..channels).map(|_| None).collect()),
-            config: SinkConfig { channels, ..config },
+            config,
+            queue: Arc::new(Queue::default()),
+            workers: OnceLock::new(),
         }
     }
 
@@ -128,81 +155,97 @@ impl AmqpSink {
             .unwrap_or(&message.routing_key);
         let routing_key = short_string(routing_key, "routing key").map_err(permanent)?;
         let properties = message_properties(message).map_err(permanent)?;
-
-        let _permit = self
-            .permits
-            .acquire()
+        self.start_workers();
+        let (reply, outcome) = oneshot::channel();
+        {
+            let mut jobs = self.queue.jobs.lock().unwrap_or_else(|e| e.into_inner());
+            jobs.push_back(Job {
+                exchange,
+                routing_key,
+                properties,
+                body: message.body.clone(),
+                reply,
+            });
+        }
+        self.queue.ready.notify_one();
+        outcome
             .await
-            .map_err(|_| SinkError::Transient("sink closed".to_owned()))?;
-        let mut slot = Slot {
-            sink: self,
-            channel: self.take_idle(),
-            in_flight: false,
-        };
-        let channel = match slot.channel.take() {
-            Some(channel) if channel.status().connected() => channel,
-            _ => self.open_channel().await?,
-        };
-        let channel = slot.channel.insert(channel);
+            .map_err(|_| SinkError::Transient("sink worker stopped".to_owned()))?
+    }
 
-        let options = BasicPublishOptions {
-            mandatory: true,
-            immediate: false,
-        };
-        slot.in_flight = true;
-        let confirm = channel
-            .basic_publish(exchange, routing_key, options, &message.body, properties)
-            .await
-            .map_err(|error| self.failed(&mut slot, "basic.publish", &error))?;
-        let confirmation = match tokio::time::timeout(self.config.confirm_timeout, confirm).await {
-            Ok(Ok(confirmation)) => confirmation,
-            Ok(Err(error)) => return Err(self.failed(&mut slot, "publisher confirm", &error)),
-            Err(_) => {
-                // A late confirm or return could be taken for the next
-                // publish's: give this channel up.
-                warn!(target = %target.destination, timeout = ?self.config.confirm_timeout,
-                      "no publisher confirm in time; dropping the channel");
-                slot.channel = None;
-                return Err(SinkError::Transient(format!(
-                    "no publisher confirm within {:?}",
-                    self.config.confirm_timeout
-                )));
+    fn start_workers(&self) {
+        self.workers.get_or_init(|| {
+            for _ in 0..self.config.channels {
+                let worker = Worker {
+                    broker: self.broker.clone(),
+                    queue: Arc::downgrade(&self.queue),
+                    ready: self.queue.ready.clone(),
+                    config: self.config.clone(),
+                    channel: None,
+                };
+                tokio::spawn(worker.run());
             }
-        };
-        slot.in_flight = false;
-        match confirmation {
-            Confirmation::Ack(None) => Ok(PublishOutcome::Delivered),
-            Confirmation::Ack(Some(returned)) => {
-                debug!(exchange = %target.destination, routing_key = %returned.delivery.routing_key,
-                       reply_code = returned.reply_code, reply_text = %returned.reply_text,
-                       "message returned as unroutable");
-                Ok(PublishOutcome::Unroutable)
-            }
-            Confirmation::Nack(_) => Err(SinkError::Transient(
-                "broker nacked the message (basic.nack)".to_owned(),
-            )),
-            Confirmation::NotRequested => {
-                slot.channel = None;
-                Err(SinkError::Transient(
-                    "channel was not in confirm mode".to_owned(),
-                ))
-            }
+        });
+    }
+}
+
+impl Drop for AmqpSink {
+    fn drop(&mut self) {
+        // Wake the workers so they notice the queue is gone and stop.
+        for _ in 0..self.config.channels {
+            self.queue.ready.notify_one();
+        }
+    }
+}
+
+/// Owns one confirm-mode channel and publishes batches on it.
+struct Worker {
+    broker: Arc<Broker>,
+    queue: std::sync::Weak<Queue>,
+    ready: Arc<Notify>,
+    config: SinkConfig,
+    channel: Option<Channel>,
+}
+
+impl Worker {
+    async fn run(mut self) {
+        loop {
+            let Some(batch) = self.next_batch().await else {
+                return;
+            };
+            self.publish_batch(batch).await;
         }
     }
 
-    fn take_idle(&self) -> Option<Channel> {
-        // A permit guarantees an idle slot; a poisoned lock only means another
-        // publish panicked while pushing, the list itself is intact.
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        idle.pop().flatten()
+    /// Wait for queued publishes and take up to `batch` of them. `None` once
+    /// the sink is dropped.
+    async fn next_batch(&self) -> Option<Vec<Job>> {
+        loop {
+            let notified = self.ready.notified();
+            let queue = self.queue.upgrade()?;
+            {
+                let mut jobs = queue.jobs.lock().unwrap_or_else(|e| e.into_inner());
+                if !jobs.is_empty() {
+                    let n = jobs.len().min(self.config.batch);
+                    let batch: Vec<Job> = jobs.drain(..n).collect();
+                    if !jobs.is_empty() {
+                        queue.ready.notify_one(); // more work for another worker
+                    }
+                    return Some(batch);
+                }
+            }
+            drop(queue);
+            notified.await;
+        }
     }
 
-    fn put_idle(&self, channel: Option<Channel>) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        idle.push(channel);
-    }
-
-    async fn open_channel(&self) -> Result<Channel, SinkError> {
+    async fn channel(&mut self) -> Result<Channel, SinkError> {
+        if let Some(channel) = &self.channel {
+            if channel.status().connected() {
+                return Ok(channel.clone());
+            }
+        }
+        self.channel = None;
         let channel = self
             .broker
             .try_channel()
@@ -213,11 +256,130 @@ impl AmqpSink {
             .await
             .map_err(|error| SinkError::Transient(format!("confirm.select failed: {error}")))?;
         debug!(endpoint = %self.broker.endpoint(), "publisher channel open");
+        self.channel = Some(channel.clone());
         Ok(channel)
     }
 
-    /// The channel failed under a publish: drop it and report a transient error.
-    fn failed(&self, slot: &mut Slot<'_>, what: &str, error: &lapin::Error) -> SinkError {
+    /// Publish a batch. If the channel fails under it (for example the broker
+    /// closes it because one message's exchange does not exist), publish its
+    /// messages again one by one, so only the culprit keeps failing.
+    async fn publish_batch(&mut self, batch: Vec<Job>) {
+        match self.try_batch(batch).await {
+            Ok(()) => {}
+            Err((batch, _)) if batch.len() > 1 => {
+                for job in batch {
+                    if let Err((single, why)) = self.try_batch(vec![job]).await {
+                        fail(single, &why);
+                    }
+                }
+            }
+            Err((batch, why)) => fail(batch, &why),
+        }
+    }
+
+    async fn try_batch(&mut self, batch: Vec<Job>) -> Result<(), (Vec<Job>, String)> {
+        let channel = match self.channel().await {
+            Ok(c) => c,
+            Err(e) => {
+                fail(batch, &e.to_string());
+                return Ok(());
+            }
+        };
+        let options = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        // Send everything first (pipelined), then collect the confirms.
+        let mut confirms = Vec::with_capacity(batch.len());
+        for job in &batch {
+            let sent = channel
+                .basic_publish(
+                    job.exchange.clone(),
+                    job.routing_key.clone(),
+                    options,
+                    &job.body,
+                    job.properties.clone(),
+                )
+                .await;
+            match sent {
+                Ok(confirm) => confirms.push(confirm),
+                Err(error) => {
+                    self.channel_failed("basic.publish", &error);
+                    // Published ones may or may not land: all retry (at-least-once).
+                    return Err((batch, format!("basic.publish failed: {error}")));
+                }
+            }
+        }
+        let waited = tokio::time::timeout(self.config.confirm_timeout, async {
+            let mut results = Vec::with_capacity(confirms.len());
+            for confirm in confirms {
+                results.push(confirm.await);
+            }
+            results
+        })
+        .await;
+        let results = match waited {
+            Ok(results) => results,
+            Err(_) => {
+                warn!(timeout = ?self.config.confirm_timeout, "no publisher confirms in time; dropping the channel");
+                self.channel = None;
+                let why = format!(
+                    "no publisher confirm within {:?}",
+                    self.config.confirm_timeout
+                );
+                fail(batch, &why);
+                return Ok(());
+            }
+        };
+        let failure = results.iter().find_map(|r| r.as_ref().err()).map(|error| {
+            self.channel_failed("publisher confirm", error);
+            format!("publisher confirm failed: {error}")
+        });
+        // Every return of this batch is attached to one of its confirms.
+        let failed: Vec<bool> = results.iter().map(|r| r.is_err()).collect();
+        let mut returned: Vec<BasicReturnMessage> = Vec::new();
+        let mut outcomes: Vec<Result<PublishOutcome, SinkError>> = Vec::with_capacity(batch.len());
+        for result in results {
+            outcomes.push(match result {
+                Ok(Confirmation::Ack(ret)) => {
+                    returned.extend(ret);
+                    Ok(PublishOutcome::Delivered)
+                }
+                Ok(Confirmation::Nack(ret)) => {
+                    returned.extend(ret);
+                    Err(SinkError::Transient(
+                        "broker nacked the message (basic.nack)".to_owned(),
+                    ))
+                }
+                Ok(Confirmation::NotRequested) => {
+                    self.channel = None;
+                    Err(SinkError::Transient(
+                        "channel was not in confirm mode".to_owned(),
+                    ))
+                }
+                Err(error) => Err(SinkError::Transient(format!(
+                    "publisher confirm failed: {error}"
+                ))),
+            });
+        }
+        mark_returned(&batch, &returned, &mut outcomes);
+        // Confirmed ones are settled; those whose confirm was lost with the
+        // channel go back to the caller to be tried again.
+        let mut unsettled = Vec::new();
+        for ((job, outcome), result_failed) in batch.into_iter().zip(outcomes).zip(failed) {
+            if result_failed {
+                unsettled.push(job);
+            } else {
+                let _ = job.reply.send(outcome);
+            }
+        }
+        match failure {
+            Some(why) if !unsettled.is_empty() => Err((unsettled, why)),
+            _ => Ok(()),
+        }
+    }
+
+    fn channel_failed(&mut self, what: &str, error: &lapin::Error) {
         if self.broker.is_connected() {
             // The broker closed this channel (e.g. the exchange does not exist).
             warn!(endpoint = %self.broker.endpoint(), %error, "{what} failed; reopening the channel");
@@ -225,28 +387,52 @@ impl AmqpSink {
             // Connection loss: logged once by the broker connection, not per publish.
             debug!(endpoint = %self.broker.endpoint(), %error, "{what} failed; connection down");
         }
-        slot.channel = None;
-        slot.in_flight = false;
-        SinkError::Transient(format!("{what} failed: {error}"))
+        self.channel = None;
     }
 }
 
-/// A borrowed pool slot; goes back to the pool when dropped. A channel whose
-/// publish is still unconfirmed (the future was dropped) is not reused.
-struct Slot<'a> {
-    sink: &'a AmqpSink,
-    channel: Option<Channel>,
-    in_flight: bool,
+fn fail(batch: Vec<Job>, why: &str) {
+    for job in batch {
+        let _ = job.reply.send(Err(SinkError::Transient(why.to_owned())));
+    }
 }
 
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        let channel = if self.in_flight {
-            None
-        } else {
-            self.channel.take()
-        };
-        self.sink.put_idle(channel);
+/// Turn the confirmed publishes that came back as `basic.return` into
+/// [`PublishOutcome::Unroutable`], matching returns to publishes by content.
+fn mark_returned(
+    batch: &[Job],
+    returned: &[BasicReturnMessage],
+    outcomes: &mut [Result<PublishOutcome, SinkError>],
+) {
+    let mut taken = vec![false; batch.len()];
+    for ret in returned {
+        let d = &ret.delivery;
+        let same_route = |job: &Job| job.exchange == d.exchange && job.routing_key == d.routing_key;
+        let exact = (0..batch.len()).find(|&i| {
+            let job = &batch[i];
+            !taken[i] && same_route(job) && job.body == d.data && job.properties == d.properties
+        });
+        debug!(exchange = %d.exchange, routing_key = %d.routing_key,
+               reply_code = ret.reply_code, reply_text = %ret.reply_text,
+               "message returned as unroutable");
+        match exact {
+            Some(i) => {
+                taken[i] = true;
+                if outcomes[i].is_ok() {
+                    outcomes[i] = Ok(PublishOutcome::Unroutable);
+                }
+            }
+            None => {
+                // Cannot tell which: every candidate is treated as returned.
+                warn!(exchange = %d.exchange, routing_key = %d.routing_key,
+                      "returned message matches no publish exactly; marking every publish on that route unroutable");
+                for (i, job) in batch.iter().enumerate() {
+                    if same_route(job) && outcomes[i].is_ok() {
+                        outcomes[i] = Ok(PublishOutcome::Unroutable);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -284,9 +470,8 @@ mod tests {
                 "{outcome:?}"
             );
         }
-        // Every slot went back to the pool.
-        assert_eq!(sink.permits.available_permits(), sink.config.channels);
-        assert_eq!(sink.idle.lock().unwrap().len(), sink.config.channels);
+        // Nothing is left queued.
+        assert!(sink.queue.jobs.lock().unwrap().is_empty());
     }
 
     #[tokio::test]
