@@ -347,13 +347,7 @@ impl Engine {
 
     /// Pending messages per route, O(routes).
     pub fn counts(&self) -> Vec<(Arc<str>, u64)> {
-        let state = self.state();
-        state
-            .routes
-            .iter()
-            .cloned()
-            .zip(state.counts.iter().copied())
-            .collect()
+        self.state().counts_by_route()
     }
 
     pub fn pending(&self) -> u64 {
@@ -411,15 +405,7 @@ impl Inner {
     }
 
     fn publish_gauges(&self) {
-        let counts: Vec<(Arc<str>, u64)> = {
-            let state = self.state();
-            state
-                .routes
-                .iter()
-                .cloned()
-                .zip(state.counts.iter().copied())
-                .collect()
-        };
+        let counts = self.state().counts_by_route();
         let mut total = 0;
         for (route, n) in counts {
             total += n;

@@ -85,6 +85,10 @@ impl State {
             .unwrap_or_else(|| Arc::from("?"))
     }
 
+    pub fn counts_by_route(&self) -> Vec<(Arc<str>, u64)> {
+        self.routes.iter().cloned().zip(self.counts.iter().copied()).collect()
+    }
+
     pub fn pending(&self) -> u64 {
         self.counts.iter().sum()
     }
