@@ -1,32 +1,78 @@
 //! The id → slab index map: open addressing with linear probing over `u32` cells.
 //!
 //! Ids are not stored here; a candidate is confirmed by reading its id from the slab
-//! (the `ids` callbacks). With a table of `2^bits` cells, a cell holds
-//! `fingerprint | displacement | slab index`:
+//! (the `ids` callbacks). The table has `size` cells, a multiple of 16 (not necessarily a
+//! power of two, so `with_capacity` can size it closely), stored as 64-byte aligned cache
+//! lines. With `2^bits >= size`, a cell holds `fingerprint | displacement | slab index`:
 //!
 //! - the low `bits` bits are the slab index. This needs every slab index below
-//!   `2^bits - 1`; it holds because the table never shrinks, stays at most 3/4 full, and
-//!   the slab never holds more nodes than the peak number of entries;
+//!   `2^bits - 1`; it holds because the table never shrinks, stays at most 13/16 full, and
+//!   the slab holds fewer than 8/7 times the peak number of entries;
 //! - up to 5 bits hold the distance from the entry's home cell, saturating. A lookup only
 //!   reads ids of cells with the right distance (and fingerprint), and deletion can shift
 //!   later cells back (no tombstones) mostly without reading their ids from the slab;
 //! - the remaining high bits are a fingerprint from the id's hash.
 //!
-//! Ids that differ only in their low 4 bits share a hashed block of 16 home cells, so
-//! sequential ids (the usual case) are inserted into the same cache line.
+//! Ids that differ only in their low 3 bits share a hashed line of 16 cells, with their
+//! homes on every other cell, so sequential ids (the usual case) are inserted into the
+//! same cache line while leaving room in it for the runs of other lines' ids.
 
 /// An unused cell. Never a valid cell: slab indices stay below `2^bits - 1`.
 const EMPTY: u32 = u32::MAX;
 const MIN_BITS: u32 = 4;
 /// Caps the index at 2^31 cells (about 1.6 billion entries).
 const MAX_BITS: u32 = 31;
-/// Log2 of the number of home cells shared by ids equal but for their low bits.
-const BLOCK_BITS: u32 = 4;
+/// Log2 of the number of ids, equal but for their low bits, that share a line of homes.
+const BLOCK_BITS: u32 = 3;
 const MAX_DISP_BITS: u32 = 5;
+
+/// Cells per cache line.
+const LINE: usize = 16;
+/// Cells per line for each id of a block: a block's homes are every other cell of a line.
+const SPREAD: usize = LINE >> BLOCK_BITS;
+
+#[derive(Debug, Clone, Copy)]
+#[repr(align(64))]
+struct Line([u32; LINE]);
+
+/// The cells, stored as aligned cache lines and indexed by cell number.
+#[derive(Debug)]
+struct Cells(Vec<Line>);
+
+impl Cells {
+    fn new(cells: usize) -> Self {
+        Cells(vec![Line([EMPTY; LINE]); cells / LINE])
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &u32> + '_ {
+        self.0.iter().flat_map(|line| line.0.iter())
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.0.capacity() * std::mem::size_of::<Line>()
+    }
+}
+
+impl std::ops::Index<usize> for Cells {
+    type Output = u32;
+
+    fn index(&self, cell: usize) -> &u32 {
+        &self.0[cell / LINE].0[cell % LINE]
+    }
+}
+
+impl std::ops::IndexMut<usize> for Cells {
+    fn index_mut(&mut self, cell: usize) -> &mut u32 {
+        &mut self.0[cell / LINE].0[cell % LINE]
+    }
+}
 
 #[derive(Debug)]
 pub(super) struct IdIndex {
-    cells: Vec<u32>,
+    cells: Cells,
+    /// Number of cells: a multiple of `LINE`, at most `2^bits`.
+    size: usize,
+    /// Width of the slab index field.
     bits: u32,
     len: usize,
 }
@@ -37,6 +83,7 @@ pub(super) struct Vacant {
     tag: u32,
 }
 
+#[inline]
 fn hash(id: u64) -> u64 {
     // Folded 64×64→128 multiply: cheap, and mixes all input bits into both halves.
     let m = u128::from((id >> BLOCK_BITS) ^ 0x243F_6A88_85A3_08D3) * 0x9E37_79B9_7F4A_7C15;
@@ -44,55 +91,82 @@ fn hash(id: u64) -> u64 {
 }
 
 impl IdIndex {
+    /// A table `entries` fill to 3/4; it grows only past 13/16, so an entry count that
+    /// hovers around `entries` does not double it.
     pub(super) fn with_capacity(entries: usize) -> Self {
-        let mut bits = MIN_BITS;
-        while bits < MAX_BITS && Self::max_len(bits) < entries {
-            bits += 1;
-        }
+        let lines = (entries.saturating_mul(4) / 3).div_ceil(LINE);
+        Self::with_size((lines * LINE).clamp(1 << MIN_BITS, 1 << MAX_BITS))
+    }
+
+    fn with_size(size: usize) -> Self {
         IdIndex {
-            cells: vec![EMPTY; 1 << bits],
-            bits,
+            cells: Cells::new(size),
+            size,
+            bits: size.next_power_of_two().trailing_zeros(),
             len: 0,
         }
     }
 
-    /// Load limit of 3/4 for a table of `2^bits` cells.
-    fn max_len(bits: u32) -> usize {
-        (1usize << bits) / 4 * 3
+    /// Load limit of 13/16 for a table of `size` cells.
+    fn max_len(size: usize) -> usize {
+        size / 16 * 13
     }
 
     pub(super) fn len(&self) -> usize {
         self.len
     }
 
-    fn mask(&self) -> usize {
-        (1 << self.bits) - 1
-    }
-
+    #[inline]
     fn idx_mask(&self) -> u32 {
-        self.mask() as u32
+        ((1u64 << self.bits) - 1) as u32
     }
 
+    /// The cell after `cell`, wrapping around.
+    #[inline]
+    fn next(&self, cell: usize) -> usize {
+        if cell + 1 == self.size {
+            0
+        } else {
+            cell + 1
+        }
+    }
+
+    /// How many cells `to` is after `from`, wrapping around.
+    #[inline]
+    fn dist(&self, from: usize, to: usize) -> usize {
+        if to >= from {
+            to - from
+        } else {
+            to + self.size - from
+        }
+    }
+
+    #[inline]
     fn disp_bits(&self) -> u32 {
         (32 - self.bits).min(MAX_DISP_BITS)
     }
 
     /// Saturation value of the displacement field.
+    #[inline]
     fn disp_sat(&self) -> u32 {
         (1 << self.disp_bits()) - 1
     }
 
     /// Cell bits above the slab index and displacement.
+    #[inline]
     fn fp_mask(&self) -> u32 {
         !(self.idx_mask() | (self.disp_sat() << self.bits))
     }
 
+    #[inline]
     fn home(&self, id: u64, hash: u64) -> usize {
-        let block = (hash >> (64 - self.bits)) as usize & !((1 << BLOCK_BITS) - 1);
-        block | (id as usize & ((1 << BLOCK_BITS) - 1))
+        // Multiply-shift maps the hash onto the lines without a power-of-two size.
+        let line = ((u128::from(hash) * (self.size / LINE) as u128) >> 64) as usize;
+        line * LINE + (id as usize & ((1 << BLOCK_BITS) - 1)) * SPREAD
     }
 
     /// The tag bits of a cell `disp` cells after the home of an id with `hash`.
+    #[inline]
     fn tag(&self, hash: u64, disp: usize) -> u32 {
         let disp = (disp as u32).min(self.disp_sat());
         (hash as u32 & self.fp_mask()) | (disp << self.bits)
@@ -101,7 +175,7 @@ impl IdIndex {
     /// Finds the cell holding `id`, or where to put it.
     fn locate(&self, id: u64, ids: impl Fn(u32) -> u64) -> Result<usize, Vacant> {
         let h = hash(id);
-        let (mask, idx_mask) = (self.mask(), self.idx_mask());
+        let idx_mask = self.idx_mask();
         let mut cell = self.home(id, h);
         for disp in 0.. {
             let c = self.cells[cell];
@@ -112,7 +186,7 @@ impl IdIndex {
             if c & !idx_mask == tag && ids(c & idx_mask) == id {
                 return Ok(cell);
             }
-            cell = (cell + 1) & mask;
+            cell = self.next(cell);
         }
         unreachable!("the table always has an empty cell")
     }
@@ -127,6 +201,23 @@ impl IdIndex {
         self.probe(id, ids).ok()
     }
 
+    /// Whether `id` is the first of the ids that share a line of home cells.
+    pub(super) fn starts_block(&self, id: u64) -> bool {
+        id.trailing_zeros() >= BLOCK_BITS
+    }
+
+    /// How many consecutive ids share a line of home cells.
+    pub(super) fn block_len(&self) -> u64 {
+        1 << BLOCK_BITS
+    }
+
+    /// Reads the cache line of `id`'s home cells and the next one (where its run may
+    /// continue), only to bring them in ahead of use.
+    pub(super) fn peek_home(&self, id: u64) -> u32 {
+        let home = self.home(id, hash(id));
+        self.cells[home] ^ self.cells[self.next(home | (LINE - 1))]
+    }
+
     /// Stores slab index `idx` at a cell returned by `probe` (no growth in between).
     pub(super) fn fill(&mut self, vacant: Vacant, idx: u32) {
         debug_assert!(idx < self.idx_mask());
@@ -139,38 +230,38 @@ impl IdIndex {
     /// # Panics
     /// Beyond 2^31 cells, like `Vec` on capacity overflow.
     pub(super) fn reserve_one(&mut self, ids: impl Fn(u32) -> u64) {
-        if self.len < Self::max_len(self.bits) {
+        if self.len < Self::max_len(self.size) {
             return;
         }
-        assert!(self.bits < MAX_BITS, "timing wheel capacity overflow");
+        assert!(self.size < 1 << MAX_BITS, "timing wheel capacity overflow");
         let old_mask = self.idx_mask();
-        let old = std::mem::replace(&mut self.cells, vec![EMPTY; 1 << (self.bits + 1)]);
-        self.bits += 1;
-        let mask = self.mask();
-        for c in old.into_iter().filter(|&c| c != EMPTY) {
+        let grown = Self::with_size((self.size * 2).min(1 << MAX_BITS));
+        let old = std::mem::replace(self, grown).cells;
+        for &c in old.iter().filter(|&&c| c != EMPTY) {
             let idx = c & old_mask;
             let id = ids(idx);
             let h = hash(id);
             let mut cell = self.home(id, h);
             let mut disp = 0;
             while self.cells[cell] != EMPTY {
-                cell = (cell + 1) & mask;
+                cell = self.next(cell);
                 disp += 1;
             }
             self.cells[cell] = self.tag(h, disp) | idx;
+            self.len += 1;
         }
     }
 
     /// Removes `id`, returning its slab index.
     pub(super) fn remove(&mut self, id: u64, ids: impl Fn(u32) -> u64) -> Option<u32> {
         let mut hole = self.locate(id, &ids).ok()?;
-        let (mask, idx_mask, sat) = (self.mask(), self.idx_mask(), self.disp_sat());
+        let (idx_mask, sat) = (self.idx_mask(), self.disp_sat());
         let idx = self.cells[hole] & idx_mask;
         // Backward-shift deletion: pull back each later cell of the run whose probe
         // path passes through the hole, so lookups never stop early at a false EMPTY.
         let mut cell = hole;
         loop {
-            cell = (cell + 1) & mask;
+            cell = self.next(cell);
             let c = self.cells[cell];
             if c == EMPTY {
                 break;
@@ -179,9 +270,9 @@ impl IdIndex {
             if disp == sat as usize {
                 // Saturated: the true distance needs the id.
                 let id = ids(c & idx_mask);
-                disp = cell.wrapping_sub(self.home(id, hash(id))) & mask;
+                disp = self.dist(self.home(id, hash(id)), cell);
             }
-            let gap = cell.wrapping_sub(hole) & mask;
+            let gap = self.dist(hole, cell);
             if disp >= gap {
                 let disp = ((disp - gap) as u32).min(sat);
                 self.cells[hole] = (c & !(sat << self.bits)) | (disp << self.bits);
@@ -195,7 +286,7 @@ impl IdIndex {
 
     /// Slab indices of all entries, in table order.
     pub(super) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        let mask = self.mask() as u32;
+        let mask = self.idx_mask();
         self.cells
             .iter()
             .filter(|&&c| c != EMPTY)
@@ -203,7 +294,7 @@ impl IdIndex {
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        self.cells.capacity() * std::mem::size_of::<u32>()
+        self.cells.heap_bytes()
     }
 }
 

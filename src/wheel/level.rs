@@ -11,9 +11,6 @@ const SLOT_MASK: u64 = SLOTS as u64 - 1;
 /// 11 levels of 6 bits cover all 64 bits of a deadline (the top level uses 4).
 pub(super) const LEVELS: usize = 11;
 
-/// Marks a cancelled entry left in a slot vector (slab indices never reach it).
-pub(super) const DEAD: u32 = u32::MAX;
-
 /// Slots whose vector grew beyond this give the memory back once drained.
 const RETAIN_CAPACITY: usize = 1024;
 /// Compaction is skipped while fewer tombstones than this accumulated.
@@ -45,16 +42,28 @@ pub(super) fn slot_start(elapsed: u64, level: usize, slot: usize) -> u64 {
     block | ((slot as u64) << (LEVEL_BITS * level as u32))
 }
 
+/// One slot entry: a slab index and the low 32 bits of its deadline.
+///
+/// Carrying the deadline bits lets a cascade re-store entries without reading the slab:
+/// below level 6 every deadline bit that can differ from the slot start is in `lo`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Item {
+    pub(super) idx: u32,
+    pub(super) lo: u32,
+}
+
 /// Entries sharing a slot, in the order they arrived (which is insertion order).
 ///
-/// Cancelled entries become `DEAD` tombstones so positions stay stable and cancel is
-/// O(1); the vector is compacted once tombstones outnumber live entries.
+/// A cancelled entry stays in place (the wheel marks its node, so no position is kept
+/// per entry) and only the count of such entries is kept here; they are dropped when
+/// met by `pop_front`, a cascade, or a compaction once they outnumber live entries.
+/// `swept(idx)` callbacks report whether `idx` was cancelled, freeing its node if so.
 #[derive(Debug, Default)]
 pub(super) struct Slot {
-    /// Slab indices; those before `head` were already popped.
-    items: Vec<u32>,
+    /// Entries; those before `head` were already popped.
+    items: Vec<Item>,
     head: u32,
-    /// Tombstones at or after `head`.
+    /// Cancelled entries at or after `head`.
     dead: u32,
 }
 
@@ -63,62 +72,69 @@ impl Slot {
         self.items.len() - self.head as usize - self.dead as usize
     }
 
-    /// Appends `idx` and returns its position (stored in the node for cancel).
-    pub(super) fn push(&mut self, idx: u32) -> u32 {
-        let pos = self.items.len() as u32;
+    /// Appends slab index `idx` with deadline `deadline`.
+    pub(super) fn push(&mut self, idx: u32, deadline: u64) {
         if self.items.len() == self.items.capacity() {
-            // Grow by 1/4 instead of doubling: big slots hold a large share of all entries.
-            self.items.reserve_exact((self.items.capacity() / 4).max(8));
+            // Grow by 1/4, or 1/8 once large, instead of doubling: big slots hold a large
+            // share of all entries.
+            let cap = self.items.capacity();
+            let step = if cap >= 4096 { cap / 8 } else { cap / 4 };
+            self.items.reserve_exact(step.max(8));
         }
-        self.items.push(idx);
-        pos
+        self.items.push(Item {
+            idx,
+            lo: deadline as u32,
+        });
     }
 
-    pub(super) fn pop_front(&mut self) -> Option<u32> {
-        while let Some(&idx) = self.items.get(self.head as usize) {
+    /// Next live entry, dropping cancelled ones on the way.
+    pub(super) fn pop_front(&mut self, mut swept: impl FnMut(u32) -> bool) -> Option<u32> {
+        while let Some(&item) = self.items.get(self.head as usize) {
             self.head += 1;
-            if idx != DEAD {
-                return Some(idx);
+            if !swept(item.idx) {
+                return Some(item.idx);
             }
             self.dead -= 1;
         }
         None
     }
 
-    pub(super) fn live_items(&self) -> impl Iterator<Item = u32> + '_ {
-        self.items[self.head as usize..]
-            .iter()
-            .copied()
-            .filter(|&i| i != DEAD)
+    /// Entries not yet popped, cancelled ones included.
+    pub(super) fn items(&self) -> &[Item] {
+        &self.items[self.head as usize..]
     }
 
-    /// Tombstones the entry at `pos`. Returns true if the slot should be compacted.
-    pub(super) fn kill(&mut self, pos: u32) -> bool {
-        debug_assert!(pos >= self.head && self.items[pos as usize] != DEAD);
-        self.items[pos as usize] = DEAD;
+    /// Counts one more cancelled entry. Returns true if the slot should be compacted.
+    pub(super) fn kill(&mut self) -> bool {
         self.dead += 1;
+        debug_assert!(self.dead as usize + self.head as usize <= self.items.len());
         self.dead >= MIN_DEAD_TO_COMPACT && self.dead as usize * 2 >= self.live()
     }
 
-    /// Drops tombstones and popped items; `moved(idx, new_pos)` reports new positions.
-    pub(super) fn compact(&mut self, mut moved: impl FnMut(u32, u32)) {
+    /// Drops popped and cancelled entries.
+    pub(super) fn compact(&mut self, mut swept: impl FnMut(u32) -> bool) {
+        if self.dead == 0 && self.head == 0 {
+            return;
+        }
         self.items.drain(..self.head as usize);
-        self.items.retain(|&i| i != DEAD);
-        for (pos, &idx) in self.items.iter().enumerate() {
-            moved(idx, pos as u32);
+        if self.dead > 0 {
+            self.items.retain(|item| !swept(item.idx));
         }
         self.head = 0;
         self.dead = 0;
     }
 
-    /// Empties the slot, keeping a small allocation for reuse.
-    pub(super) fn reset(&mut self) {
+    /// Empties a slot with no live entries left, keeping a small allocation for reuse.
+    pub(super) fn reset(&mut self, swept: impl FnMut(u32) -> bool) {
+        debug_assert_eq!(self.live(), 0);
+        self.compact(swept);
         let items = std::mem::take(&mut self.items);
         self.recycle(items);
     }
 
     /// Removes everything, returning the vector and the position of the first unpopped item.
-    pub(super) fn take(&mut self) -> (Vec<u32>, usize) {
+    /// Cancelled entries are left for the caller to sweep.
+    pub(super) fn take(&mut self) -> (Vec<Item>, usize) {
         let head = self.head as usize;
         self.head = 0;
         self.dead = 0;
@@ -126,7 +142,7 @@ impl Slot {
     }
 
     /// Gives a vector from `take` back to an empty slot so its allocation can be reused.
-    pub(super) fn recycle(&mut self, mut items: Vec<u32>) {
+    pub(super) fn recycle(&mut self, mut items: Vec<Item>) {
         debug_assert!(self.items.is_empty());
         self.head = 0;
         self.dead = 0;
@@ -137,7 +153,7 @@ impl Slot {
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        self.items.capacity() * std::mem::size_of::<u32>()
+        self.items.capacity() * std::mem::size_of::<Item>()
     }
 }
 
@@ -156,9 +172,9 @@ impl Level {
         }
     }
 
-    pub(super) fn push(&mut self, slot: usize, idx: u32) -> u32 {
+    pub(super) fn push(&mut self, slot: usize, idx: u32, deadline: u64) {
         self.occupied |= 1 << slot;
-        self.slots[slot].push(idx)
+        self.slots[slot].push(idx, deadline);
     }
 
     pub(super) fn slot(&self, slot: usize) -> &Slot {
@@ -170,15 +186,15 @@ impl Level {
     }
 
     /// Call after removing from `slot`: clears it and its bit once nothing live is left.
-    pub(super) fn settle(&mut self, slot: usize) {
+    pub(super) fn settle(&mut self, slot: usize, swept: impl FnMut(u32) -> bool) {
         if self.slots[slot].live() == 0 {
-            self.slots[slot].reset();
+            self.slots[slot].reset(swept);
             self.occupied &= !(1 << slot);
         }
     }
 
     /// Removes all entries of `slot` (see [`Slot::take`]).
-    pub(super) fn take(&mut self, slot: usize) -> (Vec<u32>, usize) {
+    pub(super) fn take(&mut self, slot: usize) -> (Vec<Item>, usize) {
         self.occupied &= !(1 << slot);
         self.slots[slot].take()
     }
@@ -196,5 +212,9 @@ impl Level {
 
     pub(super) fn heap_bytes(&self) -> usize {
         self.slots.iter().map(Slot::heap_bytes).sum()
+    }
+
+    pub(super) fn slots_mut(&mut self) -> &mut [Slot; SLOTS] {
+        &mut self.slots
     }
 }

@@ -407,3 +407,54 @@ fn id_index_handles_patterns_growth_and_saturated_displacements() {
     }
     assert_eq!(index.iter().count(), index.len());
 }
+
+#[test]
+fn cancelled_nodes_are_swept_and_reused() {
+    // Far-future entries cancelled one by one stay in their slots until swept; the slab
+    // must still stay close to the peak number of pending entries.
+    let mut w = TimingWheel::new(0);
+    for id in 0..100 {
+        w.insert(id, 10 * YEAR + id, pos(id)).unwrap();
+    }
+    for round in 0..200u64 {
+        for k in 0..50 {
+            let id = 1_000 + round * 50 + k;
+            w.insert(id, 20 * YEAR + id % 7, pos(id)).unwrap();
+        }
+        for k in 0..50 {
+            let id = 1_000 + round * 50 + k;
+            assert_eq!(w.cancel(id).map(|e| e.id), Some(id));
+        }
+        assert_eq!(w.len(), 100);
+        assert!(w.nodes.len() <= 150 * 8 / 7 + 1, "slab {}", w.nodes.len());
+    }
+    assert_eq!(w.next_deadline(), Some(10 * YEAR));
+    let got = poll_all(&mut w, u64::MAX);
+    let want: Vec<_> = (0..100).map(|id| (10 * YEAR + id, id)).collect();
+    assert_eq!(got, want);
+    assert!(w.is_empty());
+}
+
+#[test]
+fn cascades_reconstruct_deadlines_across_32_bit_boundaries() {
+    // Deadlines whose low 32 bits wrap between insertion and expiry.
+    let base = (1u64 << 32) - 5_000;
+    let mut w = TimingWheel::new(base);
+    let deadlines = [
+        base + 4_999,
+        base + 5_000,
+        base + 5_001,
+        base + 70_000,
+        3 << 32,
+    ];
+    for (id, &d) in deadlines.iter().enumerate() {
+        w.insert(id as u64, d, pos(id as u64)).unwrap();
+    }
+    let got = poll_all(&mut w, 3 << 32);
+    let want: Vec<_> = deadlines
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| (d, i as u64))
+        .collect();
+    assert_eq!(got, want);
+}
