@@ -64,6 +64,9 @@ pub struct BenchArgs {
     /// Give up waiting this long after the last message fell due.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
+    /// Only publish (e.g. to fill delayd with pending messages); no consumer.
+    #[arg(long)]
+    pub publish_only: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -244,6 +247,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let publish_secs = started.elapsed().as_secs_f64();
     pub_bar.finish();
 
+    if args.publish_only {
+        consumer.abort();
+        let published = args.count - failures.load(Ordering::Relaxed);
+        println!("published {published} ({:.0} msg/s)", published as f64 / publish_secs.max(1e-9));
+        conns.close().await;
+        return Ok(());
+    }
     let wait_until = last_due + args.drain_timeout.as_millis() as u64;
     let remaining = wait_until.saturating_sub(SystemClock.now_ms());
     let _ = tokio::time::timeout(Duration::from_millis(remaining), consumer).await;
