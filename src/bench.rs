@@ -250,7 +250,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.publish_only {
         consumer.abort();
         let published = args.count - failures.load(Ordering::Relaxed);
-        println!("published {published} ({:.0} msg/s)", published as f64 / publish_secs.max(1e-9));
+        println!(
+            "published {published} ({:.0} msg/s)",
+            published as f64 / publish_secs.max(1e-9)
+        );
         conns.close().await;
         return Ok(());
     }

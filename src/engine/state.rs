@@ -86,7 +86,11 @@ impl State {
     }
 
     pub fn counts_by_route(&self) -> Vec<(Arc<str>, u64)> {
-        self.routes.iter().cloned().zip(self.counts.iter().copied()).collect()
+        self.routes
+            .iter()
+            .cloned()
+            .zip(self.counts.iter().copied())
+            .collect()
     }
 
     pub fn pending(&self) -> u64 {
