@@ -23,7 +23,8 @@
 //! `select!` with a shutdown signal. Dropping the source stops the task and
 //! closes its channel; unacked deliveries go back to the queue.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_lite::StreamExt;
@@ -155,6 +156,7 @@ impl AmqpSource {
             paused: false,
             backoff: Backoff::default(),
             consumers_started: 0,
+            acks: Arc::default(),
         };
         let task = tokio::spawn(worker.run());
         Ok(Self {
@@ -203,6 +205,54 @@ impl Source for AmqpSource {
 /// Settles one delivery on the channel it came from.
 struct AmqpAck {
     acker: Acker,
+    tag: u64,
+    acks: Arc<Mutex<AckCoalescer>>,
+}
+
+type AckWaiter = oneshot::Sender<Result<(), SourceError>>;
+
+/// Turns many single acks into few `basic.ack multiple=true`.
+///
+/// Delivery tags on a channel count up from 1. A delivery settled out of
+/// order waits here until every earlier one is settled too; then one
+/// `multiple` ack covers the whole contiguous run, and each waiting `ack()`
+/// completes. A requeued delivery is nacked at once on its own and counts as
+/// settled, so it never holds the run back. One coalescer per channel session.
+#[derive(Default)]
+struct AckCoalescer {
+    /// Every tag up to this one is settled.
+    frontier: u64,
+    /// Settled tags beyond the frontier: the acker (None if nacked) and who waits.
+    settled: BTreeMap<u64, (Option<Acker>, Option<AckWaiter>)>,
+    /// Acker of the highest acked tag behind the frontier, not yet sent.
+    ready: Option<Acker>,
+    /// Waiters covered by `ready`.
+    waiting: Vec<AckWaiter>,
+    /// A task is about to send `ready`: others just wait for it.
+    flushing: bool,
+}
+
+impl AckCoalescer {
+    /// Record a settled tag and move the frontier. Returns true when the
+    /// caller must flush (nobody else is about to).
+    fn settle(&mut self, tag: u64, acker: Option<Acker>, waiter: Option<AckWaiter>) -> bool {
+        self.settled.insert(tag, (acker, waiter));
+        while let Some((acker, waiter)) = self.settled.remove(&(self.frontier + 1)) {
+            self.frontier += 1;
+            if acker.is_some() {
+                self.ready = acker;
+            }
+            self.waiting.extend(waiter);
+        }
+        let must_flush = !self.flushing && (self.ready.is_some() || !self.waiting.is_empty());
+        self.flushing |= must_flush;
+        must_flush
+    }
+
+    fn take(&mut self) -> (Option<Acker>, Vec<AckWaiter>) {
+        self.flushing = false;
+        (self.ready.take(), std::mem::take(&mut self.waiting))
+    }
 }
 
 fn settle_result(result: Result<bool, lapin::Error>, what: &str) -> Result<(), SourceError> {
@@ -216,11 +266,45 @@ fn settle_result(result: Result<bool, lapin::Error>, what: &str) -> Result<(), S
     }
 }
 
+/// Let the other deliveries settled in this wake-up join, then send one
+/// `multiple` ack for all of them and tell the waiters how it went.
+async fn flush_acks(acks: &Mutex<AckCoalescer>) {
+    tokio::task::yield_now().await;
+    let (acker, waiters) = acks.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let result = match acker {
+        Some(acker) => settle_result(
+            acker.ack(BasicAckOptions { multiple: true }).await,
+            "basic.ack",
+        ),
+        None => Ok(()),
+    };
+    for waiter in waiters {
+        let _ = waiter.send(match &result {
+            Ok(()) => Ok(()),
+            Err(e) => Err(SourceError::Connection(e.to_string())),
+        });
+    }
+}
+
 impl AckHandle for AmqpAck {
+    /// Completes once a (possibly `multiple`) ack covering this delivery was sent.
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
         Box::pin(async move {
-            let result = self.acker.ack(BasicAckOptions { multiple: false }).await;
-            settle_result(result, "basic.ack")
+            let (waiter, done) = oneshot::channel();
+            let must_flush = self.acks.lock().unwrap_or_else(|e| e.into_inner()).settle(
+                self.tag,
+                Some(self.acker),
+                Some(waiter),
+            );
+            if must_flush {
+                flush_acks(&self.acks).await;
+            }
+            // The sender is dropped unanswered only if the session ended first.
+            done.await.unwrap_or_else(|_| {
+                Err(SourceError::Connection(
+                    "basic.ack not sent: the delivery's channel is closed; the broker will redeliver it".into(),
+                ))
+            })
         })
     }
 
@@ -230,8 +314,16 @@ impl AckHandle for AmqpAck {
                 multiple: false,
                 requeue: true,
             };
-            let result = self.acker.nack(options).await;
-            settle_result(result, "basic.nack")
+            let result = settle_result(self.acker.nack(options).await, "basic.nack");
+            let must_flush = self
+                .acks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .settle(self.tag, None, None);
+            if must_flush {
+                flush_acks(&self.acks).await;
+            }
+            result
         })
     }
 }
@@ -246,6 +338,8 @@ struct Worker {
     /// Back-off between failed session set-ups (declaration refused, ...).
     backoff: Backoff,
     consumers_started: u64,
+    /// Ack coalescing for the current channel session.
+    acks: Arc<Mutex<AckCoalescer>>,
 }
 
 /// Why a session ended.
@@ -287,6 +381,13 @@ impl Worker {
                     session = attempt => break session,
                 }
             };
+            // New channel, new delivery tags. Acks still waiting on the old
+            // channel fail (the broker redelivers those messages).
+            let old = std::mem::take(&mut self.acks);
+            old.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .settled
+                .clear();
             match self.consume(channel, consumer).await {
                 End::Stop => return,
                 End::Reconnect => {
@@ -305,6 +406,8 @@ impl Worker {
             redelivered: delivery.redelivered,
             ack: Box::new(AmqpAck {
                 acker: delivery.acker,
+                tag: delivery.delivery_tag,
+                acks: self.acks.clone(),
             }),
         };
         // If the source is gone the delivery is dropped unacked: the channel
@@ -496,4 +599,27 @@ async fn start_consumer(
             what: format!("basic.consume on queue {:?}", config.queue),
             source,
         })
+}
+
+#[cfg(test)]
+mod coalescer_tests {
+    use super::*;
+
+    #[test]
+    fn out_of_order_settles_release_waiters_only_when_contiguous() {
+        let mut c = AckCoalescer::default();
+        let (w3, _r3) = oneshot::channel();
+        assert!(
+            !c.settle(3, None, Some(w3)),
+            "tag 3 released before 1 and 2"
+        );
+        let (w1, _r1) = oneshot::channel();
+        assert!(c.settle(1, None, Some(w1)), "first settler flushes");
+        assert_eq!(c.frontier, 1);
+        assert!(!c.settle(2, None, None), "a flush is already due");
+        assert_eq!(c.frontier, 3);
+        let (_, waiters) = c.take();
+        assert_eq!(waiters.len(), 2, "one flush covers tags 1 and 3");
+        assert!(c.settled.is_empty());
+    }
 }
