@@ -685,3 +685,59 @@ async fn source_and_sink_recover_after_the_broker_closes_every_connection() {
     conn2.close(200, "bye".into()).await.unwrap();
     cleanup(&[&queue, &target_queue], &[]).await;
 }
+
+/// Acks settled concurrently and out of order are coalesced into `multiple`
+/// acks without ever naming an unknown delivery tag (which would close the
+/// channel and make the broker redeliver everything unacked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_order_acks_settle_everything_exactly_once() {
+    logs();
+    let _shared = BROKER.read().await;
+    let queue = unique("acks");
+    let exchange = unique("acks-x");
+    let rabbit = BrokerConnections::new(&url()).unwrap();
+    let config = SourceConfig::new(&queue).with_exchange(&exchange, ExchangeType::Fanout);
+    let mut source = AmqpSource::start(rabbit.consume.clone(), config).unwrap();
+    eventually("the source's consumer", || async {
+        rabbit.consume.is_connected() && queue_counts(&queue).await.1 == 1
+    })
+    .await;
+    let (conn, channel) = plain().await;
+    const N: u32 = 2000;
+    for i in 0..N {
+        publish_plain(
+            &channel,
+            &exchange,
+            "",
+            &i.to_be_bytes(),
+            BasicProperties::default(),
+        )
+        .await;
+    }
+    let mut tasks = Vec::new();
+    for i in 0..N {
+        let d = next(&mut source).await;
+        assert!(
+            !d.redelivered,
+            "message {i} redelivered: an ack closed the channel"
+        );
+        // Settle in a scrambled order, some after a short pause.
+        let wait = Duration::from_micros(u64::from(i.wrapping_mul(2_654_435_761) % 3000));
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            d.ack.ack().await
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap().expect("ack");
+    }
+    eventually(
+        "an empty queue with its consumer still attached",
+        || async { queue_counts(&queue).await == (0, 1) },
+    )
+    .await;
+    conn.close(200, "bye".into()).await.expect("close");
+    drop(source);
+    rabbit.close().await;
+    cleanup(&[&queue], &[&exchange]).await;
+}

@@ -249,9 +249,14 @@ impl AckCoalescer {
         must_flush
     }
 
-    fn take(&mut self) -> (Option<Acker>, Vec<AckWaiter>) {
-        self.flushing = false;
-        (self.ready.take(), std::mem::take(&mut self.waiting))
+    /// What the flusher sends next; when nothing is left it stops being the
+    /// flusher (under the same lock, so no settle is left without one).
+    fn take(&mut self) -> Option<(Option<Acker>, Vec<AckWaiter>)> {
+        if self.ready.is_none() && self.waiting.is_empty() {
+            self.flushing = false;
+            return None;
+        }
+        Some((self.ready.take(), std::mem::take(&mut self.waiting)))
     }
 }
 
@@ -266,23 +271,31 @@ fn settle_result(result: Result<bool, lapin::Error>, what: &str) -> Result<(), S
     }
 }
 
-/// Let the other deliveries settled in this wake-up join, then send one
-/// `multiple` ack for all of them and tell the waiters how it went.
+/// The single flusher of a channel: let the other deliveries settled in this
+/// wake-up join, send one `multiple` ack for all of them, tell the waiters,
+/// and repeat while more became ready. Only one flusher at a time, so
+/// `multiple` acks go out in increasing tag order (an older one sent after a
+/// newer one would name an unknown tag and close the channel).
 async fn flush_acks(acks: &Mutex<AckCoalescer>) {
     tokio::task::yield_now().await;
-    let (acker, waiters) = acks.lock().unwrap_or_else(|e| e.into_inner()).take();
-    let result = match acker {
-        Some(acker) => settle_result(
-            acker.ack(BasicAckOptions { multiple: true }).await,
-            "basic.ack",
-        ),
-        None => Ok(()),
-    };
-    for waiter in waiters {
-        let _ = waiter.send(match &result {
-            Ok(()) => Ok(()),
-            Err(e) => Err(SourceError::Connection(e.to_string())),
-        });
+    loop {
+        let next = acks.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some((acker, waiters)) = next else {
+            return;
+        };
+        let result = match acker {
+            Some(acker) => settle_result(
+                acker.ack(BasicAckOptions { multiple: true }).await,
+                "basic.ack",
+            ),
+            None => Ok(()),
+        };
+        for waiter in waiters {
+            let _ = waiter.send(match &result {
+                Ok(()) => Ok(()),
+                Err(e) => Err(SourceError::Connection(e.to_string())),
+            });
+        }
     }
 }
 
@@ -618,8 +631,10 @@ mod coalescer_tests {
         assert_eq!(c.frontier, 1);
         assert!(!c.settle(2, None, None), "a flush is already due");
         assert_eq!(c.frontier, 3);
-        let (_, waiters) = c.take();
+        let (_, waiters) = c.take().expect("work to flush");
         assert_eq!(waiters.len(), 2, "one flush covers tags 1 and 3");
         assert!(c.settled.is_empty());
+        assert!(c.take().is_none());
+        assert!(!c.flushing, "the flusher steps down when done");
     }
 }
