@@ -256,7 +256,8 @@ impl Config {
             }
             figment = figment.merge(Toml::file_exact(path));
         }
-        figment = figment.merge(Env::prefixed("DELAYD_").split("__"));
+        // DELAYD_CONFIG names the file (the CLI reads it), it is not a key.
+        figment = figment.merge(Env::prefixed("DELAYD_").ignore(&["config"]).split("__"));
         let config: Config = figment
             .extract()
             .map_err(|e| ConfigError::from_figment(e, file))?;

@@ -89,6 +89,7 @@ fn environment_overrides_file() {
     std::fs::write(&path, GOOD).unwrap();
     figment::Jail::expect_with(|jail| {
         jail.set_env("DELAYD_WAL__DIR", "/var/lib/delayd");
+        jail.set_env("DELAYD_CONFIG", "/etc/delayd.toml"); // the CLI's, not a key
         let c = Config::load(Some(&path)).map_err(|e| e.to_string())?;
         assert_eq!(c.wal.dir, PathBuf::from("/var/lib/delayd"));
         Ok(())
