@@ -377,6 +377,44 @@ async fn invalid_delay_goes_to_invalid_queue_with_reason() {
     s.client.close().await;
 }
 
+/// A message over `wal.max_message_bytes` is not stored: it goes to the
+/// invalid queue, unchanged, with the reason, and is not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_message_goes_to_invalid_queue() {
+    let opts = DelaydOptions {
+        max_message_bytes: 4096,
+        ..DelaydOptions::default()
+    };
+    let s = setup("oversized", opts).await;
+    let id = format!("oversized.{}", common::unique_suffix());
+    let body: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    let props = BasicProperties::default()
+        .with_message_id(id.as_str().into())
+        .with_headers(table(vec![("x-delay", AMQPValue::LongInt(100))]));
+    s.client
+        .publish(&s.names.from_exchange, ROUTING_KEY, &body, props)
+        .await;
+    wait_for("the invalid queue to exist", DEADLINE, || async {
+        s.client.queue_counts(INVALID_QUEUE).await
+    })
+    .await;
+    let mut receiver = s.client.consume(INVALID_QUEUE).await;
+    let found = receiver.collect_by_message_id(&[id.as_str()]).await;
+    receiver.close().await;
+    let received = &found[0];
+    let error = received
+        .header_text("x-delayd-error")
+        .expect("x-delayd-error on the oversized message");
+    assert!(error.contains("max_message_bytes"), "{error}");
+    assert_eq!(received.delivery.data, body, "body unchanged");
+    assert_eq!(
+        s.client.queue_counts(&s.names.target_queue).await,
+        Some((0, 0)),
+        "the oversized message reached the target"
+    );
+    s.client.close().await;
+}
+
 // -------------------------------------------------------------- 4. unroutable
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -563,6 +601,73 @@ fn check_arrivals(sent_ms: &[u64], arrivals: &Arrivals) -> u32 {
     arrivals.copies.iter().map(|&c| c.saturating_sub(1)).sum()
 }
 
+/// A load run: a paced publisher plus a collector on the target queue.
+struct LoadRun {
+    total: usize,
+    start: Instant,
+    published: Arc<AtomicUsize>,
+    received: Arc<AtomicUsize>,
+    hold: Arc<AtomicBool>,
+    publisher: tokio::task::JoinHandle<Vec<u64>>,
+    collector: tokio::task::JoinHandle<Arrivals>,
+}
+
+impl LoadRun {
+    /// Publish `total` messages, `batch` every 100 ms, pausing at `hold_at`
+    /// until [`LoadRun::release`].
+    fn start(s: &Setup, total: usize, batch: usize, hold_at: usize) -> LoadRun {
+        let start = Instant::now();
+        let published = Arc::new(AtomicUsize::new(0));
+        let received = Arc::new(AtomicUsize::new(0));
+        let hold = Arc::new(AtomicBool::new(true));
+        let publisher = spawn_publisher(Load {
+            exchange: s.names.from_exchange.clone(),
+            total,
+            batch,
+            interval: Duration::from_millis(100),
+            published: published.clone(),
+            hold_at,
+            hold: hold.clone(),
+        });
+        let collector = spawn_collector(
+            s.names.target_queue.clone(),
+            total,
+            start + Duration::from_secs(45),
+            received.clone(),
+        );
+        LoadRun {
+            total,
+            start,
+            published,
+            received,
+            hold,
+            publisher,
+            collector,
+        }
+    }
+
+    fn published(&self) -> usize {
+        self.published.load(Ordering::Acquire)
+    }
+
+    fn received(&self) -> usize {
+        self.received.load(Ordering::Acquire)
+    }
+
+    /// Let the publisher go past `hold_at`.
+    fn release(&self) {
+        self.hold.store(false, Ordering::Release);
+    }
+
+    /// Wait for every message; assert none lost or early. Returns duplicates.
+    async fn finish(self) -> u32 {
+        let sent_ms = self.publisher.await.expect("publisher task");
+        let arrivals = self.collector.await.expect("collector task");
+        assert_eq!(sent_ms.len(), self.total);
+        check_arrivals(&sent_ms, &arrivals)
+    }
+}
+
 // ------------------------------------------------------------- 5. SIGKILL
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -572,40 +677,20 @@ async fn sigkill_under_load_loses_nothing_acked() {
     // Publishing goes on while delayd is down and restarting, up to here.
     const HOLD_AT: usize = 1500;
     let mut s = setup("sigkill", DelaydOptions::default()).await;
-    let published = Arc::new(AtomicUsize::new(0));
-    let received = Arc::new(AtomicUsize::new(0));
-    let start = Instant::now();
     // 500 messages/s: 6 s of publishing.
-    let hold = Arc::new(AtomicBool::new(true));
-    let publisher = spawn_publisher(Load {
-        exchange: s.names.from_exchange.clone(),
-        total: TOTAL,
-        batch: 50,
-        interval: Duration::from_millis(100),
-        published: published.clone(),
-        hold_at: HOLD_AT,
-        hold: hold.clone(),
-    });
-    let collector = spawn_collector(
-        s.names.target_queue.clone(),
-        TOTAL,
-        start + Duration::from_secs(45),
-        received.clone(),
-    );
-
+    let load = LoadRun::start(&s, TOTAL, 50, HOLD_AT);
     wait_for("1000 messages published", DEADLINE, || async {
-        (published.load(Ordering::Acquire) >= KILL_AFTER).then_some(())
+        (load.published() >= KILL_AFTER).then_some(())
     })
     .await;
     let stored_before_kill = s.delayd.pending();
-    let killed_at = published.load(Ordering::Acquire);
+    let killed_at = load.published();
     s.delayd.kill_9();
     s.delayd.restart().await;
-    hold.store(false, Ordering::Release);
+    load.release();
 
-    let sent_ms = publisher.await.expect("publisher task");
-    let arrivals = collector.await.expect("collector task");
-    let duplicates = check_arrivals(&sent_ms, &arrivals);
+    let start = load.start;
+    let duplicates = load.finish().await;
     println!(
         "sigkill: {TOTAL} messages, SIGKILL after {killed_at} published \
          ({stored_before_kill} pending in delayd), {duplicates} duplicates, {:?}",
@@ -623,49 +708,26 @@ async fn connection_close_mid_stream_reconnects_without_loss() {
     // Publishing goes on while the connections are closed, up to here.
     const HOLD_AT: usize = 1200;
     let s = setup("reconnect", DelaydOptions::default()).await;
-    let published = Arc::new(AtomicUsize::new(0));
-    let received = Arc::new(AtomicUsize::new(0));
-    let start = Instant::now();
     // 400 messages/s: 5 s of publishing.
-    let hold = Arc::new(AtomicBool::new(true));
-    let publisher = spawn_publisher(Load {
-        exchange: s.names.from_exchange.clone(),
-        total: TOTAL,
-        batch: 40,
-        interval: Duration::from_millis(100),
-        published: published.clone(),
-        hold_at: HOLD_AT,
-        hold: hold.clone(),
-    });
-    let collector = spawn_collector(
-        s.names.target_queue.clone(),
-        TOTAL,
-        start + Duration::from_secs(45),
-        received.clone(),
-    );
+    let load = LoadRun::start(&s, TOTAL, 40, HOLD_AT);
 
     // Close once delayd both consumes and publishes (so both connections exist).
     wait_for(
         "delayd to publish its first due message",
         DEADLINE,
-        || async {
-            (received.load(Ordering::Acquire) > 0
-                && published.load(Ordering::Acquire) >= CLOSE_AFTER)
-                .then_some(())
-        },
+        || async { (load.received() > 0 && load.published() >= CLOSE_AFTER).then_some(()) },
     )
     .await;
-    let closed_at = published.load(Ordering::Acquire);
+    let closed_at = load.published();
     let closed = s.delayd.close_broker_connections();
-    hold.store(false, Ordering::Release);
+    load.release();
     assert_eq!(
         closed, 2,
         "expected delayd's consume and publish connections to be closed"
     );
 
-    let sent_ms = publisher.await.expect("publisher task");
-    let arrivals = collector.await.expect("collector task");
-    let duplicates = check_arrivals(&sent_ms, &arrivals);
+    let start = load.start;
+    let duplicates = load.finish().await;
     println!(
         "reconnect: {TOTAL} messages, {closed} connections closed after {closed_at} published, \
          {duplicates} duplicates, {:?}",

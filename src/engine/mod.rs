@@ -211,10 +211,25 @@ impl Engine {
         due_ms: u64,
         message: Vec<u8>,
     ) -> Result<u64, EngineError> {
-        match self.store(route, due_ms, message, false).await? {
-            Stored::New(id) => Ok(id),
-            Stored::Duplicate => unreachable!("dedup is only checked for redeliveries"),
+        let route_id = self
+            .state()
+            .intern(route)
+            .ok_or(EngineError::TooManyRoutes)?;
+        let appended = self
+            .inner
+            .wal
+            .append_schedule(due_ms, route, message)?
+            .await
+            .map_err(|_| EngineError::WriterGone)??;
+        let slot = Slot {
+            pos: appended.pos,
+            route: route_id,
+        };
+        self.state().arm(appended.id, due_ms, slot);
+        if due_ms < self.inner.planned_wake.load(Ordering::Acquire) {
+            self.inner.wake.notify_one();
         }
+        Ok(appended.id)
     }
 
     /// Store a consumed delivery. A `redelivered` one that matches a stored,
@@ -233,32 +248,10 @@ impl Engine {
                 .increment(1);
             return Ok(Stored::Duplicate);
         }
-        let route_id = self
-            .state()
-            .intern(route)
-            .ok_or(EngineError::TooManyRoutes)?;
-        let appended = self
-            .inner
-            .wal
-            .append_schedule(due_ms, route, message)?
-            .await
-            .map_err(|_| EngineError::WriterGone)??;
-        {
-            let mut state = self.state();
-            state.arm(
-                appended.id,
-                due_ms,
-                Slot {
-                    pos: appended.pos,
-                    route: route_id,
-                },
-            );
-            state.unconfirmed.add(fp);
-        }
-        if due_ms < self.inner.planned_wake.load(Ordering::Acquire) {
-            self.inner.wake.notify_one();
-        }
-        Ok(Stored::New(appended.id))
+        let id = self.schedule(route, due_ms, message).await?;
+        // Until the source ack is confirmed, a redelivery of it is a duplicate.
+        self.state().unconfirmed.add(fp);
+        Ok(Stored::New(id))
     }
 
     /// The source ack for this message reached the broker.

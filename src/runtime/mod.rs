@@ -30,18 +30,16 @@ use crate::wal::WalConfig;
 pub fn engine_config(config: &Config) -> EngineConfig {
     let mut wal = WalConfig::new(&config.wal.dir);
     wal.segment_bytes = config.wal.segment_bytes;
-    // Room for the frame and the route name around the largest message.
-    wal.max_record_bytes = config.wal.max_message_bytes.saturating_add(64 * 1024);
+    wal.max_message_bytes = config.wal.max_message_bytes;
     wal.compact_below = config.wal.compact_below;
     wal.on_corruption = config.wal.on_corruption;
     EngineConfig {
-        wal,
         max_in_flight: config.engine.max_in_flight,
         overdue_rate: config.engine.overdue_rate,
         retry_initial: config.engine.retry_initial,
         retry_max: config.engine.retry_max,
         dedup_window: config.engine.dedup_window,
-        ..EngineConfig::new(WalConfig::new(&config.wal.dir))
+        ..EngineConfig::new(wal)
     }
 }
 

@@ -124,7 +124,7 @@ pub enum FrameError {
     Short,
     /// `len == 0`: a zero-filled (preallocated or never written) region.
     Zero,
-    /// `len` below the minimum or above `max_record_bytes`.
+    /// `len` below the minimum or above `max_len`.
     BadLength(u32),
     BadCrc,
     BadType(u8),
@@ -146,7 +146,7 @@ impl std::fmt::Display for FrameError {
 
 /// Parse the frame at the start of `buf`. Returns the record and the frame's
 /// total size in bytes.
-pub fn parse(buf: &[u8], max_record_bytes: u32) -> Result<(RecordRef<'_>, usize), FrameError> {
+pub fn parse(buf: &[u8], max_len: u32) -> Result<(RecordRef<'_>, usize), FrameError> {
     if buf.len() < HEADER_BYTES {
         return Err(if buf.iter().all(|&b| b == 0) {
             FrameError::Zero
@@ -158,7 +158,7 @@ pub fn parse(buf: &[u8], max_record_bytes: u32) -> Result<(RecordRef<'_>, usize)
     if len == 0 {
         return Err(FrameError::Zero);
     }
-    if len < MIN_LEN || len > max_record_bytes {
+    if len < MIN_LEN || len > max_len {
         return Err(FrameError::BadLength(len));
     }
     let total = HEADER_BYTES + len as usize;

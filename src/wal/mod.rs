@@ -105,8 +105,8 @@ pub struct WalConfig {
     pub dir: PathBuf,
     /// A segment is sealed once it grows past this many bytes.
     pub segment_bytes: u64,
-    /// Largest frame accepted on append and believed on recovery.
-    pub max_record_bytes: u32,
+    /// Largest encoded message accepted on append.
+    pub max_message_bytes: u32,
     /// A sealed segment with fewer live records than this fraction is compacted.
     pub compact_below: f64,
     pub on_corruption: OnCorruption,
@@ -115,11 +115,19 @@ pub struct WalConfig {
 }
 
 impl WalConfig {
+    /// Largest frame `len` a reader believes: a Schedule with the largest
+    /// message and the longest route name.
+    pub fn max_frame_len(&self) -> u32 {
+        (frame::MIN_LEN as usize + SCHEDULE_OVERHEAD + u16::MAX as usize)
+            .saturating_add(self.max_message_bytes as usize)
+            .min(u32::MAX as usize) as u32
+    }
+
     pub fn new(dir: impl Into<PathBuf>) -> Self {
         Self {
             dir: dir.into(),
             segment_bytes: 64 << 20,
-            max_record_bytes: 16 << 20,
+            max_message_bytes: 16 << 20,
             compact_below: 0.5,
             on_corruption: OnCorruption::Skip,
             max_batch_bytes: 4 << 20,
@@ -145,7 +153,7 @@ pub enum WalError {
     },
     #[error("the WAL is stopped after a fatal error")]
     Stopped,
-    #[error("record of {size} bytes exceeds max_record_bytes ({max})")]
+    #[error("message of {size} bytes exceeds the maximum of {max} bytes")]
     TooLarge { size: usize, max: u32 },
     #[error("corrupt WAL frame in {segment} at offset {offset}: {reason}")]
     Corrupt {
@@ -294,7 +302,7 @@ impl Wal {
             &file,
             &path,
             pos.offset as u64,
-            self.shared.config.max_record_bytes,
+            self.shared.config.max_frame_len(),
         )
     }
 
@@ -304,7 +312,7 @@ impl Wal {
             .segments()
             .file(segment)
             .ok_or(WalError::NoSegment(segment))?;
-        reader::scan_file(&file, &path, self.shared.config.max_record_bytes)
+        reader::scan_file(&file, &path, self.shared.config.max_frame_len())
     }
 
     /// Set the live-record counts after recovery (the caller knows liveness).
@@ -387,10 +395,18 @@ impl Wal {
     }
 
     fn check_size(&self, route: &str, message: &[u8]) -> Result<(), WalError> {
-        let size = frame::HEADER_BYTES + SCHEDULE_OVERHEAD + route.len() + message.len();
-        let max = self.shared.config.max_record_bytes;
-        if size > max as usize || route.len() > u16::MAX as usize {
-            return Err(WalError::TooLarge { size, max });
+        let max = self.shared.config.max_message_bytes;
+        if message.len() > max as usize {
+            return Err(WalError::TooLarge {
+                size: message.len(),
+                max,
+            });
+        }
+        if route.len() > u16::MAX as usize {
+            return Err(WalError::Invalid(format!(
+                "route name of {} bytes is longer than 65535",
+                route.len()
+            )));
         }
         Ok(())
     }

@@ -13,7 +13,7 @@ pub fn read_frame_at(
     file: &File,
     path: &Path,
     offset: u64,
-    max_record_bytes: u32,
+    max_len: u32,
 ) -> Result<Record, WalError> {
     let corrupt = |reason: String| WalError::Corrupt {
         segment: path.to_path_buf(),
@@ -24,13 +24,13 @@ pub fn read_frame_at(
     file.read_exact_at(&mut header, offset)
         .map_err(|e| WalError::io(path, e))?;
     let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
-    if len < frame::MIN_LEN || len > max_record_bytes {
+    if len < frame::MIN_LEN || len > max_len {
         return Err(corrupt(FrameError::BadLength(len).to_string()));
     }
     let mut buf = vec![0u8; frame::HEADER_BYTES + len as usize];
     file.read_exact_at(&mut buf, offset)
         .map_err(|e| WalError::io(path, e))?;
-    let (record, _) = frame::parse(&buf, max_record_bytes).map_err(|e| corrupt(e.to_string()))?;
+    let (record, _) = frame::parse(&buf, max_len).map_err(|e| corrupt(e.to_string()))?;
     Ok(record.to_owned())
 }
 
@@ -45,14 +45,10 @@ pub fn read_all(file: &File, path: &Path) -> Result<Vec<u8>, WalError> {
 
 /// Every valid frame of a segment with its offset; bad frames are logged and
 /// skipped (the segment was already vetted by recovery).
-pub fn scan_file(
-    file: &File,
-    path: &Path,
-    max_record_bytes: u32,
-) -> Result<Vec<(u32, Record)>, WalError> {
+pub fn scan_file(file: &File, path: &Path, max_len: u32) -> Result<Vec<(u32, Record)>, WalError> {
     let buf = read_all(file, path)?;
     let mut out = Vec::new();
-    for item in Scanner::new(&buf, max_record_bytes) {
+    for item in Scanner::new(&buf, max_len) {
         match item {
             ScanItem::Frame { offset, record } => out.push((offset as u32, record.to_owned())),
             ScanItem::Bad { offset, reason, .. } => {
@@ -82,17 +78,17 @@ pub struct Scanner<'a> {
     buf: &'a [u8],
     offset: usize,
     last_seq: u64,
-    max_record_bytes: u32,
+    max_len: u32,
 }
 
 impl<'a> Scanner<'a> {
     /// Scan `buf`, a whole segment including its header.
-    pub fn new(buf: &'a [u8], max_record_bytes: u32) -> Self {
+    pub fn new(buf: &'a [u8], max_len: u32) -> Self {
         Self {
             buf,
             offset: (frame::SEGMENT_HEADER_BYTES as usize).min(buf.len()),
             last_seq: 0,
-            max_record_bytes,
+            max_len,
         }
     }
 
@@ -106,7 +102,7 @@ impl<'a> Scanner<'a> {
     }
 
     fn valid_at(&self, at: usize) -> Result<(RecordRef<'a>, usize), FrameError> {
-        let (record, size) = frame::parse(&self.buf[at..], self.max_record_bytes)?;
+        let (record, size) = frame::parse(&self.buf[at..], self.max_len)?;
         if record.seq() <= self.last_seq {
             return Err(FrameError::BadPayload("sequence number went backwards"));
         }
@@ -165,11 +161,7 @@ pub struct SegmentScan {
 
 /// Read-only scan of one segment file. In the last segment, a bad frame with
 /// nothing valid after it is a torn tail, not corruption.
-pub fn inspect_segment(
-    path: &Path,
-    max_record_bytes: u32,
-    is_last: bool,
-) -> Result<SegmentScan, WalError> {
+pub fn inspect_segment(path: &Path, max_len: u32, is_last: bool) -> Result<SegmentScan, WalError> {
     let file = File::open(path).map_err(|e| WalError::io(path, e))?;
     let buf = read_all(&file, path)?;
     let mut scan = SegmentScan::default();
@@ -184,10 +176,10 @@ pub fn inspect_segment(
         });
         return Ok(scan);
     }
-    for item in Scanner::new(&buf, max_record_bytes) {
+    for item in Scanner::new(&buf, max_len) {
         match item {
             ScanItem::Frame { offset, record } => {
-                let next = scan_end(&buf, offset as usize, max_record_bytes);
+                let next = scan_end(&buf, offset as usize, max_len);
                 let size = (next - offset as usize) as u32;
                 scan.frames.push(match record {
                     RecordRef::Schedule {
@@ -228,8 +220,8 @@ pub fn inspect_segment(
     Ok(scan)
 }
 
-fn scan_end(buf: &[u8], offset: usize, max_record_bytes: u32) -> usize {
-    frame::parse(&buf[offset..], max_record_bytes)
+fn scan_end(buf: &[u8], offset: usize, max_len: u32) -> usize {
+    frame::parse(&buf[offset..], max_len)
         .map(|(_, size)| offset + size)
         .unwrap_or(offset)
 }

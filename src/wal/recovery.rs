@@ -68,7 +68,7 @@ pub fn recover(
         let ordinal = table.add(first_seq, path.clone(), Arc::new(file), buf.len() as u64);
         let mut frames = 0u64;
         let mut cut_at = None;
-        let mut scanner = Scanner::new(&buf, config.max_record_bytes).with_last_seq(last_seq);
+        let mut scanner = Scanner::new(&buf, config.max_frame_len()).with_last_seq(last_seq);
         for item in scanner.by_ref() {
             match item {
                 ScanItem::Frame { offset, record } => {

@@ -114,7 +114,7 @@ fn torn_tail_at_every_byte_offset_keeps_every_complete_frame() {
     let full = std::fs::read(&seg).unwrap();
     // Offsets where each frame ends, from a clean scan.
     let mut frame_ends = Vec::new();
-    for item in reader::Scanner::new(&full, cfg.max_record_bytes) {
+    for item in reader::Scanner::new(&full, cfg.max_frame_len()) {
         if let reader::ScanItem::Frame { offset, record } = item {
             let size = match record {
                 RecordRef::Schedule { route, message, .. } => {
@@ -296,7 +296,7 @@ fn fully_done_segments_are_deleted() {
 fn oversized_record_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = WalConfig {
-        max_record_bytes: 1024,
+        max_message_bytes: 1024,
         ..config(dir.path())
     };
     let (wal, _, _) = open_live(cfg).unwrap();

@@ -197,6 +197,8 @@ pub struct DelaydOptions {
     pub shutdown_grace: String,
     /// `from.prefetch` of the route.
     pub prefetch: u16,
+    /// `wal.max_message_bytes`.
+    pub max_message_bytes: u32,
 }
 
 impl Default for DelaydOptions {
@@ -204,6 +206,7 @@ impl Default for DelaydOptions {
         Self {
             shutdown_grace: "10s".into(),
             prefetch: 1000,
+            max_message_bytes: 16 << 20,
         }
     }
 }
@@ -236,6 +239,7 @@ pub fn config_toml(
     format!(
         r#"[wal]
 dir = {wal_dir}
+max_message_bytes = {max_message_bytes}
 
 [http]
 listen = "{http}"
@@ -264,6 +268,7 @@ to = {{ broker = "rabbit", exchange = {to} }}
         queue = toml_string(&names.from_queue),
         exchange = toml_string(&names.from_exchange),
         prefetch = opts.prefetch,
+        max_message_bytes = opts.max_message_bytes,
         to = toml_string(&names.to_exchange),
     )
 }
