@@ -192,10 +192,6 @@ impl Engine {
         Ok((engine, report))
     }
 
-    pub fn config(&self) -> &EngineConfig {
-        &self.inner.config
-    }
-
     pub fn wal(&self) -> &Wal {
         &self.inner.wal
     }

@@ -72,7 +72,7 @@ mod writer;
 pub use frame::{Record, RecordRef, SCHEDULE_OVERHEAD};
 pub use reader::{inspect_segment, FrameSummary, SegmentScan};
 pub use recovery::{Corruption, RecoveryReport};
-pub use segments::{SegmentInfo, SpaceReport};
+pub use segments::SpaceReport;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -228,10 +228,6 @@ impl Wal {
         ))
     }
 
-    pub fn config(&self) -> &WalConfig {
-        &self.shared.config
-    }
-
     /// Append a new Schedule. Resolves with its id and position once durable.
     pub fn append_schedule(
         &self,
@@ -369,10 +365,6 @@ impl Wal {
 
     pub fn space(&self) -> SpaceReport {
         self.segments().space()
-    }
-
-    pub fn segment_infos(&self) -> Vec<SegmentInfo> {
-        self.segments().infos()
     }
 
     /// Group commits (fdatasyncs) done since the log was opened.

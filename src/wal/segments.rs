@@ -41,17 +41,6 @@ struct Segment {
     sealed: bool,
 }
 
-/// Public view of a segment, for metrics and `wal inspect`.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct SegmentInfo {
-    pub first_seq: u64,
-    pub path: PathBuf,
-    pub bytes: u64,
-    pub schedules: u64,
-    pub live: u64,
-    pub sealed: bool,
-}
-
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct SpaceReport {
     pub segments: usize,
@@ -213,20 +202,6 @@ impl SegmentTable {
             }
         }
         r
-    }
-
-    pub fn infos(&self) -> Vec<SegmentInfo> {
-        self.segments
-            .values()
-            .map(|s| SegmentInfo {
-                first_seq: s.first_seq,
-                path: s.path.clone(),
-                bytes: s.bytes,
-                schedules: s.schedules,
-                live: s.live,
-                sealed: s.sealed,
-            })
-            .collect()
     }
 }
 
