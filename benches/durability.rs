@@ -2,8 +2,11 @@
 //! - WAL schedules/s with 1 KiB messages and group-commit fdatasync,
 //! - recovery time (WAL replay + wheel rebuild) for 1M pending.
 //!
-//! And, printed once,, recovery time and RSS per pending message for
-//! `DELAYD_BENCH_BIG` pending (default 10M; set 0 to skip).
+//! And, printed once, recovery time and RSS per pending message for
+//! `DELAYD_BENCH_BIG` pending (default 10M; set 0 to skip). With
+//! `DELAYD_BENCH_KEYED=1` those messages are encoded messages that each carry
+//! a distinct AMQP `message_id`, so every one is also in the key index
+//! (cancel by message_id); otherwise they have no key.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,6 +24,20 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Append `n` records of `size` bytes from `writers` concurrent appenders.
 async fn append(wal: &Wal, n: u64, size: usize, writers: u64) {
+    append_with(wal, n, writers, move |_| vec![7u8; size]).await
+}
+
+/// A 100-byte-body encoded message with `message_id` `order-<i>`.
+fn keyed_message(i: u64) -> Vec<u8> {
+    let mut m = delayd_adapters::Message::with_body(vec![7u8; 100]);
+    m.properties.message_id = Some(format!("order-{i}"));
+    delayd_adapters::encode(&m)
+}
+
+async fn append_with<F>(wal: &Wal, n: u64, writers: u64, message: F)
+where
+    F: Fn(u64) -> Vec<u8> + Copy + Send + 'static,
+{
     let mut tasks = Vec::new();
     for w in 0..writers {
         let wal = wal.clone();
@@ -29,7 +46,7 @@ async fn append(wal: &Wal, n: u64, size: usize, writers: u64) {
             let mut i = w;
             while i < n {
                 pending.push(
-                    wal.append_schedule(4_000_000_000_000 + i, "bench", vec![7u8; size])
+                    wal.append_schedule(4_000_000_000_000 + i, "bench", message(i))
                         .unwrap(),
                 );
                 i += writers;
@@ -81,12 +98,17 @@ fn wal_append(c: &mut Criterion) {
     wal.close().unwrap();
 }
 
-/// A WAL directory holding `n` pending 100-byte messages.
-fn prepared_wal(n: u64) -> tempfile::TempDir {
+/// A WAL directory holding `n` pending 100-byte messages (with a
+/// `message_id` each when `keyed`).
+fn prepared_wal(n: u64, keyed: bool) -> tempfile::TempDir {
     let rt = runtime();
     let dir = tempfile::tempdir_in(".").unwrap();
     let (wal, _) = Wal::open(WalConfig::new(dir.path()), |_, _| {}).unwrap();
-    rt.block_on(append(&wal, n, 100, 64));
+    if keyed {
+        rt.block_on(append_with(&wal, n, 64, keyed_message));
+    } else {
+        rt.block_on(append(&wal, n, 100, 64));
+    }
     wal.close().unwrap();
     dir
 }
@@ -98,7 +120,7 @@ fn open_engine(dir: &std::path::Path) -> Engine {
 }
 
 fn recovery(c: &mut Criterion) {
-    let dir = prepared_wal(1_000_000);
+    let dir = prepared_wal(1_000_000, false);
     let mut group = c.benchmark_group("recovery");
     group.sample_size(10);
     group.bench_function("1M_pending", |b| {
@@ -129,10 +151,11 @@ fn big(_: &mut Criterion) {
     if n == 0 {
         return;
     }
+    let keyed = std::env::var("DELAYD_BENCH_KEYED").is_ok_and(|v| v == "1");
     let started = Instant::now();
-    let dir = prepared_wal(n);
+    let dir = prepared_wal(n, keyed);
     eprintln!(
-        "prepared {n} pending in {:.1} s",
+        "prepared {n} pending (keyed: {keyed}) in {:.1} s",
         started.elapsed().as_secs_f64()
     );
     let before = rss_bytes();

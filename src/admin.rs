@@ -1,10 +1,12 @@
 //! Admin HTTP: `/healthz`, `/readyz`, `/metrics`, and the `/v1/messages` API
-//! (list, get, cancel). Bound to loopback by default; `/v1` can require a
-//! bearer token.
+//! (list, get, cancel by id or by key). Bound to loopback by default; `/v1`
+//! can require a bearer token. Every error is JSON: `{"error": "..."}`.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
@@ -19,7 +21,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::HttpSection;
 use crate::engine::{Engine, EngineError, ListQuery, PendingInfo};
-use crate::runtime::Brokers;
+use crate::route::Route;
+use crate::runtime::{Backpressure, Brokers};
 use crate::wal::Record;
 
 #[derive(Clone)]
@@ -29,6 +32,8 @@ pub struct AdminState {
     ready: Arc<AtomicBool>,
     token: Option<Arc<str>>,
     metrics: Option<PrometheusHandle>,
+    pressure: Option<Arc<Backpressure>>,
+    routes: Option<Arc<HashMap<String, Arc<Route>>>>,
 }
 
 impl AdminState {
@@ -44,7 +49,21 @@ impl AdminState {
             ready,
             token: token.map(Arc::from),
             metrics: crate::telemetry::metrics_handle(),
+            pressure: None,
+            routes: None,
         }
+    }
+
+    /// Show the backpressure state in `/readyz`.
+    pub fn with_backpressure(mut self, pressure: Arc<Backpressure>) -> Self {
+        self.pressure = Some(pressure);
+        self
+    }
+
+    /// Show each message's target in listings.
+    pub fn with_routes(mut self, routes: Arc<HashMap<String, Arc<Route>>>) -> Self {
+        self.routes = Some(routes);
+        self
     }
 }
 
@@ -69,7 +88,7 @@ pub fn token(http: &HttpSection) -> anyhow::Result<Option<String>> {
 
 pub fn router(state: AdminState) -> Router {
     let api = Router::new()
-        .route("/v1/messages", get(list))
+        .route("/v1/messages", get(list).delete(cancel_by_key))
         .route("/v1/messages/{id}", get(show).delete(cancel))
         .route("/v1/counts", get(counts))
         .layer(middleware::from_fn_with_state(state.clone(), require_token));
@@ -79,6 +98,9 @@ pub fn router(state: AdminState) -> Router {
         .route("/metrics", get(metrics))
         .merge(api)
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such endpoint") })
+        .method_not_allowed_fallback(|| async {
+            error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed here")
+        })
         .with_state(state)
 }
 
@@ -120,11 +142,23 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     let brokers = state.brokers.status();
     let all_up = brokers.iter().all(|b| b.ready);
     let ready = state.ready.load(Ordering::Acquire) && all_up && !state.engine.wal().is_stopped();
+    // Backpressure does not make delayd unready: it is healthy and its
+    // consumers wait on purpose; sending it no traffic would not help.
+    let paused = state
+        .pressure
+        .as_ref()
+        .map(|p| p.paused())
+        .unwrap_or_default();
+    let (max_pending, max_disk) = state.engine.limits();
     let body = json!({
         "ready": ready,
         "wal": if state.engine.wal().is_stopped() { "stopped" } else { "recovered" },
         "brokers": brokers,
         "pending": state.engine.pending(),
+        "wal_bytes": state.engine.space().bytes,
+        "backpressure": !paused.is_empty(),
+        "paused_routes": paused,
+        "limits": { "max_pending": max_pending, "max_disk": max_disk },
     });
     let status = if ready {
         StatusCode::OK
@@ -162,9 +196,69 @@ struct ListParams {
     due_to: Option<u64>,
     cursor: Option<String>,
     limit: Option<usize>,
+    message_id: Option<String>,
+    key: Option<String>,
+    key_hex: Option<String>,
 }
 
-async fn list(State(state): State<AdminState>, Query(p): Query<ListParams>) -> Response {
+/// A lookup key: `message_id` (AMQP), `key` (Kafka, UTF-8) or `key_hex`.
+/// (Inlined in each query struct: `serde(flatten)` breaks numbers in query strings.)
+struct KeyParams {
+    message_id: Option<String>,
+    key: Option<String>,
+    key_hex: Option<String>,
+}
+
+impl KeyParams {
+    fn bytes(&self) -> Result<Option<Vec<u8>>, Box<Response>> {
+        let given = [&self.message_id, &self.key, &self.key_hex]
+            .iter()
+            .filter(|k| k.is_some())
+            .count();
+        if given > 1 {
+            return Err(Box::new(error(
+                StatusCode::BAD_REQUEST,
+                "give only one of message_id, key, key_hex",
+            )));
+        }
+        if let Some(hex) = &self.key_hex {
+            return unhex(hex).map(Some).ok_or_else(|| {
+                Box::new(error(StatusCode::BAD_REQUEST, "key_hex is not hexadecimal"))
+            });
+        }
+        Ok(self
+            .message_id
+            .as_ref()
+            .or(self.key.as_ref())
+            .map(|k| k.as_bytes().to_vec()))
+    }
+}
+
+/// A malformed query string, answered as JSON.
+fn bad_query(e: QueryRejection) -> Response {
+    error(StatusCode::BAD_REQUEST, e.body_text())
+}
+
+async fn list(
+    State(state): State<AdminState>,
+    query: Result<Query<ListParams>, QueryRejection>,
+) -> Response {
+    let p = match query {
+        Ok(Query(p)) => p,
+        Err(e) => return bad_query(e),
+    };
+    let key = KeyParams {
+        message_id: p.message_id,
+        key: p.key,
+        key_hex: p.key_hex,
+    };
+    let key = match key.bytes() {
+        Ok(k) => k,
+        Err(r) => return *r,
+    };
+    if let Some(key) = key {
+        return list_by_key(&state, p.route, key).await;
+    }
     let after = match p.cursor.as_deref().map(parse_cursor) {
         Some(Some(c)) => Some(c),
         Some(None) => return error(StatusCode::BAD_REQUEST, "malformed cursor"),
@@ -179,10 +273,13 @@ async fn list(State(state): State<AdminState>, Query(p): Query<ListParams>) -> R
         limit,
     };
     let engine = state.engine.clone();
+    let routes = state.routes.clone();
     let result = tokio::task::spawn_blocking(move || {
         let page = engine.list(&query);
-        let items: Vec<serde_json::Value> =
-            page.iter().map(|info| summary(&engine, info)).collect();
+        let items: Vec<serde_json::Value> = page
+            .iter()
+            .map(|info| summary(&engine, routes.as_deref(), info))
+            .collect();
         let next = (page.len() == limit)
             .then(|| page.last().map(|l| format!("{}.{}", l.due_ms, l.id)))
             .flatten();
@@ -195,13 +292,45 @@ async fn list(State(state): State<AdminState>, Query(p): Query<ListParams>) -> R
     }
 }
 
+/// `GET /v1/messages?route=R&message_id=X`: the pending messages with that key.
+async fn list_by_key(state: &AdminState, route: Option<String>, key: Vec<u8>) -> Response {
+    let Some(route) = route else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "a lookup by message_id or key needs route",
+        );
+    };
+    let engine = state.engine.clone();
+    let routes = state.routes.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        let ids = engine.find_by_key(&route, &key)?;
+        let mut items = Vec::new();
+        for id in ids {
+            if let Some((info, _)) = engine.read(id)? {
+                items.push(summary(&engine, routes.as_deref(), &info));
+            }
+        }
+        Ok::<_, EngineError>(json!({ "items": items, "next_cursor": null }))
+    })
+    .await;
+    match result {
+        Ok(Ok(body)) => Json(body).into_response(),
+        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
 fn parse_cursor(s: &str) -> Option<(u64, u64)> {
     let (due, id) = s.split_once('.')?;
     Some((due.parse().ok()?, id.parse().ok()?))
 }
 
 /// One list row: metadata read from the stored record.
-fn summary(engine: &Engine, info: &PendingInfo) -> serde_json::Value {
+fn summary(
+    engine: &Engine,
+    routes: Option<&HashMap<String, Arc<Route>>>,
+    info: &PendingInfo,
+) -> serde_json::Value {
     let mut row = json!({
         "id": info.id.to_string(),
         "route": info.route,
@@ -216,6 +345,14 @@ fn summary(engine: &Engine, info: &PendingInfo) -> serde_json::Value {
             row["key"] = json!(m.key.as_deref().map(String::from_utf8_lossy));
             row["routing_key"] = json!(m.routing_key);
             row["source"] = json!(m.source);
+            if let Some(route) = routes.and_then(|r| r.get(&*info.route)) {
+                let target = route.target_for(&m);
+                row["target"] = json!({
+                    "broker": route.to.broker,
+                    "destination": target.destination,
+                    "routing_key": target.routing_key.unwrap_or(m.routing_key),
+                });
+            }
         }
     }
     row
@@ -239,8 +376,12 @@ fn parse_id(id: &str) -> Result<u64, Box<Response>> {
 async fn show(
     State(state): State<AdminState>,
     Path(id): Path<String>,
-    Query(p): Query<ShowParams>,
+    query: Result<Query<ShowParams>, QueryRejection>,
 ) -> Response {
+    let p = match query {
+        Ok(Query(p)) => p,
+        Err(e) => return bad_query(e),
+    };
     let id = match parse_id(&id) {
         Ok(id) => id,
         Err(r) => return *r,
@@ -258,7 +399,7 @@ async fn show(
         Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
-    let mut out = summary(&state.engine, &info);
+    let mut out = summary(&state.engine, state.routes.as_deref(), &info);
     if let Record::Schedule { message, .. } = record {
         if let Ok(m) = delayd_adapters::decode(&message) {
             out["headers"] = table_json(&m.headers);
@@ -292,7 +433,8 @@ async fn cancel(State(state): State<AdminState>, Path(id): Path<String>) -> Resp
         Ok(id) => id,
         Err(r) => return *r,
     };
-    match state.engine.cancel(id) {
+    let engine = state.engine.clone();
+    match engine.cancel(id).await {
         Ok(true) => Json(json!({ "cancelled": id.to_string() })).into_response(),
         Ok(false) => error(
             StatusCode::NOT_FOUND,
@@ -304,6 +446,73 @@ async fn cancel(State(state): State<AdminState>, Path(id): Path<String>) -> Resp
         ),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
+}
+
+#[derive(Debug, Deserialize)]
+struct CancelByKeyParams {
+    route: Option<String>,
+    message_id: Option<String>,
+    key: Option<String>,
+    key_hex: Option<String>,
+}
+
+/// `DELETE /v1/messages?route=R&message_id=X` (or `key=K`, `key_hex=HEX`):
+/// cancel every pending message on R with that key. 404 when none matches.
+async fn cancel_by_key(
+    State(state): State<AdminState>,
+    query: Result<Query<CancelByKeyParams>, QueryRejection>,
+) -> Response {
+    let p = match query {
+        Ok(Query(p)) => p,
+        Err(e) => return bad_query(e),
+    };
+    let key = KeyParams {
+        message_id: p.message_id,
+        key: p.key,
+        key_hex: p.key_hex,
+    };
+    let key = match key.bytes() {
+        Ok(Some(k)) => k,
+        Ok(None) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "give message_id, key or key_hex (and route), or DELETE /v1/messages/{id}",
+            )
+        }
+        Err(r) => return *r,
+    };
+    let Some(route) = p.route else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "a cancel by message_id or key needs route",
+        );
+    };
+    let shown = String::from_utf8_lossy(&key).into_owned();
+    match state.engine.cancel_by_key(&route, &key).await {
+        Ok(ids) if ids.is_empty() => error(
+            StatusCode::NOT_FOUND,
+            format!("no pending message with key {shown:?} on route {route:?}"),
+        ),
+        Ok(ids) => {
+            let ids: Vec<String> = ids.iter().map(u64::to_string).collect();
+            Json(json!({ "cancelled": ids })).into_response()
+        }
+        Err(EngineError::InFlight(id)) => error(
+            StatusCode::CONFLICT,
+            format!("message {id} is being published and can no longer be cancelled"),
+        ),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 fn rfc3339(ms: u64) -> String {

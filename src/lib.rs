@@ -6,14 +6,17 @@
 //! - [`route`]: delay headers and egress rewrites (pure logic).
 //! - [`config`]: figment defaults < file < environment.
 //! - [`runtime`]: `delayd run`, wiring the above to broker adapters.
-//! - [`admin`]: health, metrics and the `/v1/messages` API.
+//! - [`admin`]: health, metrics and the `/v1/messages` API; [`messages`]
+//!   and [`client`]: the same API from the command line.
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod bench;
+pub mod client;
 pub mod config;
 pub mod engine;
 pub mod inspect;
+pub mod messages;
 pub mod route;
 pub mod runtime;
 pub mod telemetry;

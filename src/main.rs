@@ -39,6 +39,8 @@ enum Command {
     },
     /// Load generator: publish delayed messages and measure their arrival.
     Bench(delayd::bench::BenchArgs),
+    /// List, show and cancel pending messages through the admin API.
+    Messages(delayd::messages::MessagesArgs),
 }
 
 #[derive(Subcommand)]
@@ -62,6 +64,7 @@ fn main() -> ExitCode {
             command: WalCommand::Inspect { dir, json },
         } => delayd::inspect::run(&dir, json),
         Command::Bench(args) => runtime().and_then(|rt| rt.block_on(delayd::bench::run(args))),
+        Command::Messages(args) => delayd::messages::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

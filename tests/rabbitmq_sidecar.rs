@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_confirmed, delayd_command, now_ms, wait_for, Cleanup, Client, Delayd, DelaydOptions,
-    Names, Received, DEADLINE, INVALID_QUEUE, UNROUTABLE_QUEUE,
+    assert_confirmed, delayd_command, now_ms, wait_for, Client, Delayd, DelaydOptions, Names,
+    Received, Setup, DEADLINE, INVALID_QUEUE, UNROUTABLE_QUEUE,
 };
 use lapin::types::{
     AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString, ShortString,
@@ -65,28 +65,8 @@ fn assert_delayd_id(received: &Received) -> u64 {
 }
 
 /// A test's route with its target queue declared, and delayd consuming.
-struct Setup {
-    names: Names,
-    // Dropped in reverse order: delayd stops before the names are deleted.
-    _cleanup: Cleanup,
-    delayd: Delayd,
-    client: Client,
-}
-
 async fn setup(test: &str, opts: DelaydOptions) -> Setup {
-    let names = Names::new(test);
-    let cleanup = names.cleanup();
-    let client = Client::connect(&format!("delayd-it-{test}")).await;
-    client
-        .declare_target(&names.to_exchange, &names.target_queue)
-        .await;
-    let delayd = Delayd::start(&names, opts).await;
-    Setup {
-        names,
-        _cleanup: cleanup,
-        delayd,
-        client,
-    }
+    Setup::start(Names::new(test), &[], opts).await
 }
 
 // ----------------------------------------------------------------- 1. delays

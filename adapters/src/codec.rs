@@ -4,14 +4,17 @@
 //!
 //! Layout (all integers little-endian, `bytes` = u32 length + bytes,
 //! `opt` = one byte 0/1 then the value):
-//! `version:u8=1 | source:bytes | routing_key:bytes | key:opt bytes |
+//! `version:u8=2 | flags:u8 | source:bytes | routing_key:bytes | key:opt bytes |
 //!  partition:opt i32 | timestamp_ms:opt i64 | 13 properties (opt each) |
 //!  headers:table | body:bytes`, where a table is `count:u32` then
 //! `name:bytes, value` pairs and a value is a one-byte tag then its data.
+//! Flags: bit 0 = the Kafka value is null. Version 1 (no flags byte) is still
+//! read, so a WAL written by an older delayd recovers.
 
 use crate::message::{FieldTable, Message, Properties, Value};
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+const FLAG_NULL_VALUE: u8 = 1;
 /// Nesting deeper than this is refused rather than risking the stack.
 const MAX_DEPTH: usize = 64;
 
@@ -34,6 +37,11 @@ pub enum CodecError {
 pub fn encode(message: &Message) -> Vec<u8> {
     let mut out = Vec::with_capacity(message.body.len() + 128);
     out.push(VERSION);
+    out.push(if message.null_value {
+        FLAG_NULL_VALUE
+    } else {
+        0
+    });
     put_bytes(&mut out, message.source.as_bytes());
     put_bytes(&mut out, message.routing_key.as_bytes());
     put_opt(&mut out, message.key.as_deref(), put_bytes);
@@ -52,9 +60,11 @@ pub fn encode(message: &Message) -> Vec<u8> {
 pub fn decode(bytes: &[u8]) -> Result<Message, CodecError> {
     let mut r = Reader { buf: bytes };
     let version = r.u8()?;
-    if version != VERSION {
-        return Err(CodecError::Version(version));
-    }
+    let flags = match version {
+        1 => 0,
+        VERSION => r.u8()?,
+        other => return Err(CodecError::Version(other)),
+    };
     let source = r.string()?;
     let routing_key = r.string()?;
     let key = r.opt(|r| r.bytes().map(<[u8]>::to_vec))?;
@@ -75,7 +85,40 @@ pub fn decode(bytes: &[u8]) -> Result<Message, CodecError> {
         key,
         partition,
         timestamp_ms,
+        null_value: flags & FLAG_NULL_VALUE != 0,
     })
+}
+
+/// The message's lookup key straight from its encoding, without decoding the
+/// rest: the Kafka record key when it has one, else the AMQP `message_id`
+/// property. `None` when it has neither (or the bytes are malformed). The
+/// engine indexes pending messages by it so they can be cancelled by key.
+pub fn lookup_key(bytes: &[u8]) -> Option<&[u8]> {
+    let mut r = Reader { buf: bytes };
+    match r.u8().ok()? {
+        1 => {}
+        VERSION => {
+            r.u8().ok()?; // flags
+        }
+        _ => return None,
+    }
+    r.bytes().ok()?; // source
+    r.bytes().ok()?; // routing key
+    if let Some(key) = r.opt(|r| r.bytes()).ok()? {
+        return Some(key);
+    }
+    r.opt(|r| r.take(4)).ok()?; // partition
+    r.opt(|r| r.take(8)).ok()?; // timestamp
+    for _ in 0..2 {
+        r.opt(|r| r.bytes()).ok()?; // content type, content encoding
+    }
+    for _ in 0..2 {
+        r.opt(|r| r.take(1)).ok()?; // delivery mode, priority
+    }
+    for _ in 0..3 {
+        r.opt(|r| r.bytes()).ok()?; // correlation id, reply to, expiration
+    }
+    r.opt(|r| r.bytes()).ok()?
 }
 
 fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
@@ -363,9 +406,10 @@ mod tests {
             proptest::option::of(any::<u64>()),
             proptest::option::of(proptest::collection::vec(any::<u8>(), 0..8)),
             proptest::option::of(any::<i32>()),
+            any::<bool>(),
         )
             .prop_map(
-                |(body, headers, message_id, priority, ts, key, part)| Message {
+                |(body, headers, message_id, priority, ts, key, part, null_value)| Message {
                     body,
                     headers: FieldTable(headers),
                     properties: Properties {
@@ -380,6 +424,7 @@ mod tests {
                     key,
                     partition: part,
                     timestamp_ms: Some(1_700_000_000_000),
+                    null_value,
                 },
             )
     }
@@ -403,7 +448,37 @@ mod tests {
         #[test]
         fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = decode(&bytes);
+            let _ = lookup_key(&bytes);
         }
+
+        #[test]
+        fn lookup_key_matches_the_decoded_message(m in message_strategy(), reply_to in proptest::option::of(".{0,6}")) {
+            let m = Message { properties: Properties { reply_to, ..m.properties.clone() }, ..m };
+            let bytes = encode(&m);
+            prop_assert_eq!(lookup_key(&bytes), m.lookup_key());
+        }
+    }
+
+    #[test]
+    fn version_1_without_flags_still_decodes() {
+        let m = Message {
+            key: Some(b"k".to_vec()),
+            ..Message::with_body(&b"old"[..])
+        };
+        let mut v1 = encode(&m);
+        v1.remove(1); // the flags byte
+        v1[0] = 1;
+        assert_eq!(decode(&v1).unwrap(), m);
+    }
+
+    #[test]
+    fn null_value_round_trips() {
+        let m = Message {
+            null_value: true,
+            key: Some(b"order-1".to_vec()),
+            ..Message::default()
+        };
+        assert!(decode(&encode(&m)).unwrap().null_value);
     }
 
     #[test]

@@ -14,12 +14,15 @@ pub mod traits;
 #[cfg(feature = "amqp")]
 pub mod amqp;
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
+
 #[cfg(feature = "amqp")]
 pub use amqp::{
     AmqpError, AmqpSink, AmqpSource, Broker, BrokerConnections, BrokerOptions, ExchangeType,
     SinkConfig as AmqpSinkConfig, SourceConfig as AmqpSourceConfig,
 };
-pub use codec::{decode, encode, CodecError};
+pub use codec::{decode, encode, lookup_key, CodecError};
 pub use message::{FieldTable, Message, Properties, Value};
 pub use traits::{
     AckHandle, BoxFuture, Delivery, PublishOutcome, Sink, SinkError, Source, SourceError, Target,

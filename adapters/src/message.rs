@@ -121,9 +121,20 @@ pub struct Message {
     pub partition: Option<i32>,
     /// Kafka record timestamp, epoch ms.
     pub timestamp_ms: Option<i64>,
+    /// Kafka: the record's value is null (a tombstone), not merely empty.
+    /// `body` is then empty.
+    pub null_value: bool,
 }
 
 impl Message {
+    /// What the message can be cancelled by: the Kafka key when set, else the
+    /// AMQP `message_id` (see [`crate::codec::lookup_key`]).
+    pub fn lookup_key(&self) -> Option<&[u8]> {
+        self.key
+            .as_deref()
+            .or(self.properties.message_id.as_deref().map(str::as_bytes))
+    }
+
     /// A message with just a body, for tests and the load generator.
     pub fn with_body(body: impl Into<Vec<u8>>) -> Self {
         Self {

@@ -78,6 +78,11 @@ pub trait Source: Send {
     fn pause(&mut self) -> BoxFuture<'_, Result<(), SourceError>>;
     /// Resume after [`Source::pause`].
     fn resume(&mut self) -> BoxFuture<'_, Result<(), SourceError>>;
+    /// Stop for good once every delivery handed out has been settled:
+    /// commit what can be committed and leave the broker cleanly.
+    fn close(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async {})
+    }
 }
 
 /// What the broker did with a published message.
@@ -97,6 +102,10 @@ pub enum SinkError {
     /// Retrying will not help (the message is malformed for this broker).
     #[error("permanent publish failure: {0}")]
     Permanent(String),
+    /// The target (exchange, topic) does not exist. It may appear soon (a
+    /// deploy in progress), so the core retries a few times before parking.
+    #[error("unknown target: {0}")]
+    UnknownTarget(String),
 }
 
 /// Publishes messages to one broker. Safe to share between tasks.

@@ -46,3 +46,24 @@ pub mod option {
         }
     }
 }
+
+/// A list of durations, e.g. `["10s", "1m", 600000]`.
+pub mod vec {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(d: &[Duration], s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut seq = s.serialize_seq(Some(d.len()))?;
+        for item in d {
+            seq.serialize_element(&humantime::format_duration(*item).to_string())?;
+        }
+        seq.end()
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Duration>, D::Error> {
+        Vec::<Raw>::deserialize(d)?
+            .into_iter()
+            .map(|raw| parse(raw).map_err(de::Error::custom))
+            .collect()
+    }
+}

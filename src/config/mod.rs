@@ -99,6 +99,11 @@ pub struct EngineSection {
     pub shutdown_grace: Duration,
     /// Unacknowledged fingerprints kept to recognise broker redeliveries.
     pub dedup_window: usize,
+    /// Backpressure: at this many pending messages delayd stops consuming
+    /// (messages wait in the broker) and resumes below 90%. 0 = no limit.
+    pub max_pending: u64,
+    /// Backpressure: the same for WAL bytes on disk. 0 = no limit.
+    pub max_disk: u64,
 }
 
 impl Default for EngineSection {
@@ -111,6 +116,8 @@ impl Default for EngineSection {
             retry_max: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(10),
             dedup_window: 100_000,
+            max_pending: 0,
+            max_disk: 0,
         }
     }
 }
@@ -150,6 +157,10 @@ pub enum BrokerConfig {
     Kafka {
         /// Comma-separated host:port list.
         bootstrap: String,
+        /// Extra librdkafka properties (`security.protocol`, `sasl.*`,
+        /// `session.timeout.ms`, ...), for both consumer and producer.
+        #[serde(default)]
+        properties: BTreeMap<String, String>,
     },
 }
 
@@ -184,9 +195,69 @@ pub struct RouteConfig {
     /// Honour per-message `x-target-*` headers.
     #[serde(default)]
     pub allow_target_override: bool,
+    /// Kafka: a record with key K and a null value cancels the pending
+    /// message with key K on this route (instead of being delayed itself).
+    #[serde(default)]
+    pub cancel_on_tombstone: bool,
     /// Overrides `engine.max_delay` for this route.
     #[serde(default, with = "duration::option")]
     pub max_delay: Option<Duration>,
+    /// `ttl` mode: the queue's TTL, like `x-message-ttl`. With a per-message
+    /// `expiration` too, the lower wins.
+    #[serde(default, with = "duration::option")]
+    pub message_ttl: Option<Duration>,
+    /// `ttl` mode: the queue name written in `x-death` (default `from.queue`),
+    /// so consumers that count deaths of their old wait queue keep working.
+    #[serde(default)]
+    pub dead_letter_queue: Option<String>,
+    /// `retry` mode: back-off, attempt counting and parking.
+    #[serde(default)]
+    pub retry: Option<RetryConfig>,
+    /// `retry` mode: where a message goes after `retry.max_attempts`
+    /// (default: durable queue `delayd.parked` on the source broker).
+    #[serde(default)]
+    pub park: Option<DestinationConfig>,
+}
+
+/// `[routes.retry]`: how long to wait before each retry and when to give up.
+/// Set either `delays` or `backoff`.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    /// Delay before retry 1, 2, ...; the last one repeats.
+    #[serde(default, with = "duration::vec")]
+    pub delays: Vec<Duration>,
+    /// Exponential back-off instead of a list.
+    #[serde(default)]
+    pub backoff: Option<BackoffConfig>,
+    /// Processing attempts in all, the first included. Default: the number
+    /// of `delays` + 1; required with `backoff`.
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+    /// The work queue whose `x-death` count (reason `rejected`) counts failed
+    /// attempts. Default: any queue's rejections. `x-delayd-attempt` is used
+    /// as well (RabbitMQ 4.x ignores client-set `x-death`).
+    #[serde(default)]
+    pub work_queue: Option<String>,
+}
+
+/// Exponential back-off: `initial * multiplier^(retry-1)`, at most `max`,
+/// then spread by up to `jitter` (a fraction, 0.1 = ±10%).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackoffConfig {
+    #[serde(with = "duration")]
+    pub initial: Duration,
+    #[serde(default = "default_multiplier")]
+    pub multiplier: f64,
+    #[serde(with = "duration")]
+    pub max: Duration,
+    #[serde(default)]
+    pub jitter: f64,
+}
+
+fn default_multiplier() -> f64 {
+    2.0
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -226,6 +297,9 @@ pub struct ToConfig {
     /// Kafka target topic.
     #[serde(default)]
     pub topic: Option<String>,
+    /// Kafka: keep the record's original timestamp instead of the fire time.
+    #[serde(default)]
+    pub keep_timestamp: bool,
 }
 
 /// An invalid/unroutable destination: a queue, an exchange (+ key) or a topic.

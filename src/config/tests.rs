@@ -95,3 +95,124 @@ fn environment_overrides_file() {
         Ok(())
     });
 }
+
+#[test]
+fn backpressure_limits_parse_and_max_disk_below_two_segments_is_refused() {
+    let c = Config::from_toml_str(&format!(
+        "[engine]\nmax_pending = 5\nmax_disk = 1073741824\n{GOOD}"
+    ))
+    .unwrap();
+    assert_eq!((c.engine.max_pending, c.engine.max_disk), (5, 1 << 30));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("delayd.toml");
+    std::fs::write(&path, format!("[engine]\nmax_disk = 1000\n{GOOD}")).unwrap();
+    let e = Config::load(Some(&path)).unwrap_err().to_string();
+    assert!(e.contains("engine.max_disk"), "{e}");
+    assert!(e.contains("delayd.toml"), "{e}");
+}
+
+const TTL: &str = r#"
+[brokers.rabbit]
+kind = "amqp"
+url = "amqp://guest:guest@127.0.0.1:5672/%2f"
+
+[[routes]]
+name = "wait"
+mode = "ttl"
+from = { broker = "rabbit", queue = "orders.wait" }
+to = { broker = "rabbit", exchange = "orders" }
+"#;
+
+#[test]
+fn ttl_and_retry_routes_parse() {
+    let c = Config::from_toml_str(&format!(
+        "{TTL}message_ttl = \"30s\"\ndead_letter_queue = \"orders.wait.old\"\n"
+    ))
+    .unwrap();
+    assert_eq!(c.routes[0].mode, Mode::Ttl);
+    assert_eq!(c.routes[0].message_ttl, Some(Duration::from_secs(30)));
+    let c = Config::from_toml_str(&format!(
+        "{}park = {{ queue = \"orders.parked\" }}\n[routes.retry]\ndelays = [\"10s\", \"1m\", 600000]\nmax_attempts = 3\nwork_queue = \"orders.work\"\n",
+        TTL.replace("\"ttl\"", "\"retry\"")
+    ))
+    .unwrap();
+    let retry = c.routes[0].retry.as_ref().unwrap();
+    assert_eq!(
+        retry.delays,
+        [10, 60, 600].map(Duration::from_secs).to_vec()
+    );
+    assert_eq!(retry.max_attempts, Some(3));
+    Config::from_toml_str(&format!(
+        "{}[routes.retry]\nbackoff = {{ initial = \"1s\", multiplier = 3.0, max = \"10m\", jitter = 0.1 }}\nmax_attempts = 5\n",
+        TTL.replace("\"ttl\"", "\"retry\"")
+    ))
+    .unwrap();
+}
+
+#[test]
+fn mode_keys_are_checked_with_their_names() {
+    let bad = |extra: &str, key: &str| {
+        let text = format!("{TTL}{extra}");
+        let e = Config::from_toml_str(&text).unwrap_err().to_string();
+        assert!(e.contains(key), "{key}: {e}");
+    };
+    let retry = TTL.replace("\"ttl\"", "\"retry\"");
+    let bad_retry = |extra: &str, key: &str| {
+        let e = Config::from_toml_str(&format!("{retry}{extra}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key), "{key}: {e}");
+    };
+    bad("park = { queue = \"p\" }\n", "routes[0].park");
+    bad("[routes.retry]\ndelays = [\"1s\"]\n", "routes[0].retry");
+    bad("message_ttl = \"soon\"\n", "message_ttl");
+    bad_retry("", "routes[0].retry");
+    bad_retry("message_ttl = \"1s\"\n", "routes[0].message_ttl");
+    bad_retry(
+        "[routes.retry]\nmax_attempts = 3\n",
+        "routes[0].retry.delays",
+    );
+    bad_retry(
+        "[routes.retry]\ndelays = [\"1s\"]\nbackoff = { initial = \"1s\", max = \"1m\" }\n",
+        "routes[0].retry.delays",
+    );
+    bad_retry(
+        "[routes.retry]\nbackoff = { initial = \"1s\", max = \"1m\" }\n",
+        "routes[0].retry.max_attempts",
+    );
+    bad_retry(
+        "[routes.retry]\nbackoff = { initial = \"1s\", max = \"1m\", jitter = 2.0 }\nmax_attempts = 2\n",
+        "routes[0].retry.backoff.jitter",
+    );
+    bad_retry(
+        "[routes.retry]\nbackoff = { initial = \"1m\", max = \"1s\" }\nmax_attempts = 2\n",
+        "routes[0].retry.backoff.max",
+    );
+    bad_retry(
+        "[routes.retry]\ndelays = [\"1s\"]\nmax_attempts = 0\n",
+        "routes[0].retry.max_attempts",
+    );
+    bad_retry(
+        "park = { queue = \"p\", exchange = \"x\" }\n[routes.retry]\ndelays = [\"1s\"]\n",
+        "routes[0].park",
+    );
+}
+
+#[test]
+fn shipped_config_and_examples_are_valid() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let mut files = vec![root.join("delayd.toml")];
+    for entry in std::fs::read_dir(root.join("examples")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            files.push(path);
+        }
+    }
+    assert!(files.len() >= 4, "{files:?}");
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        if let Err(e) = Config::from_toml_str(&text) {
+            panic!("{}: {e}", file.display());
+        }
+    }
+}

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use super::{BrokerConfig, Config, DestinationConfig, Mode};
+use super::{BrokerConfig, Config, DestinationConfig, Mode, RouteConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -79,6 +79,17 @@ impl Config {
                 "must be at least 1".into(),
             ));
         }
+        if self.engine.max_disk > 0 && self.engine.max_disk < 2 * self.wal.segment_bytes {
+            return Err(err(
+                "engine.max_disk".into(),
+                format!(
+                    "{} bytes is less than two WAL segments (2 x wal.segment_bytes = {}); \
+                     the head segment is always on disk, so delayd could never resume",
+                    self.engine.max_disk,
+                    2 * self.wal.segment_bytes
+                ),
+            ));
+        }
         if !self.http.listen.is_empty() {
             let addr: SocketAddr = self.http.listen.parse().map_err(|e| {
                 err(
@@ -109,14 +120,8 @@ impl Config {
                         format!("{url:?} is not an amqp:// URL"),
                     ));
                 }
-                BrokerConfig::Kafka { bootstrap } if bootstrap.trim().is_empty() => {
+                BrokerConfig::Kafka { bootstrap, .. } if bootstrap.trim().is_empty() => {
                     return Err(err(format!("brokers.{name}.bootstrap"), "is empty".into()));
-                }
-                BrokerConfig::Kafka { .. } => {
-                    return Err(err(
-                        format!("brokers.{name}.kind"),
-                        "Kafka brokers are not supported by this build yet".into(),
-                    ));
                 }
                 _ => {}
             }
@@ -133,12 +138,8 @@ impl Config {
                     format!("route name {:?} is used twice", route.name),
                 ));
             }
-            if route.mode != Mode::Delay {
-                return Err(err(
-                    key("mode"),
-                    format!("mode {:?} is not supported yet; use \"delay\"", route.mode),
-                ));
-            }
+            self.check_mode(route)
+                .map_err(|(field, m)| err(key(field), m))?;
             let from = self.broker(&route.from.broker).ok_or_else(|| {
                 err(
                     key("from.broker"),
@@ -170,20 +171,56 @@ impl Config {
                     return Err(err(key("from.prefetch"), "must be at least 1".into()));
                 }
             }
-            if let BrokerConfig::Amqp { .. } = to {
-                if route.to.exchange.is_none() {
+            if route.mode != Mode::Delay && matches!(from, BrokerConfig::Kafka { .. }) {
+                return Err(err(
+                    key("mode"),
+                    "ttl and retry modes work on RabbitMQ messages; a Kafka route uses mode = \"delay\"".into(),
+                ));
+            }
+            if let BrokerConfig::Kafka { .. } = from {
+                if route.from.topics.is_empty() || route.from.topics.iter().any(|t| t.is_empty()) {
+                    return Err(err(
+                        key("from.topics"),
+                        "a Kafka route needs the topics delayd consumes".into(),
+                    ));
+                }
+                if route.from.group.as_deref().is_none_or(str::is_empty) {
+                    return Err(err(
+                        key("from.group"),
+                        "a Kafka route needs a consumer group".into(),
+                    ));
+                }
+                if route.from.prefetch == Some(0) {
+                    return Err(err(key("from.prefetch"), "must be at least 1".into()));
+                }
+            } else if route.cancel_on_tombstone {
+                return Err(err(
+                    key("cancel_on_tombstone"),
+                    "tombstones (null values) only exist on Kafka sources".into(),
+                ));
+            }
+            match to {
+                BrokerConfig::Amqp { .. } if route.to.exchange.is_none() => {
                     return Err(err(
                         key("to.exchange"),
                         "an AMQP target needs an exchange (\"\" for the default exchange)".into(),
                     ));
                 }
+                BrokerConfig::Kafka { .. }
+                    if route.to.topic.as_deref().is_none_or(str::is_empty) =>
+                {
+                    return Err(err(key("to.topic"), "a Kafka target needs a topic".into()));
+                }
+                _ => {}
             }
-            for (field, dest) in [
-                ("invalid", &route.invalid),
-                ("unroutable", &route.unroutable),
+            for (field, dest, default_broker) in [
+                ("invalid", &route.invalid, &route.from.broker),
+                ("unroutable", &route.unroutable, &route.to.broker),
+                ("park", &route.park, &route.from.broker),
             ] {
                 if let Some(d) = dest {
-                    self.check_destination(d).map_err(|m| err(key(field), m))?;
+                    self.check_destination(d, default_broker)
+                        .map_err(|m| err(key(field), m))?;
                 }
             }
         }
@@ -194,15 +231,120 @@ impl Config {
         self.brokers.get(name)
     }
 
-    fn check_destination(&self, d: &DestinationConfig) -> Result<(), String> {
-        if let Some(b) = &d.broker {
-            if self.broker(b).is_none() {
-                return Err(format!("no broker named {b:?} under [brokers]"));
+    /// Keys that belong to one mode, and the retry policy's sanity.
+    /// Errors are (key under the route, message).
+    fn check_mode(&self, route: &RouteConfig) -> Result<(), (&'static str, String)> {
+        let only = |mode: &str| format!("is only used with mode = \"{mode}\"");
+        if route.mode != Mode::Ttl {
+            if route.message_ttl.is_some() {
+                return Err(("message_ttl", only("ttl")));
+            }
+            if route.dead_letter_queue.is_some() {
+                return Err(("dead_letter_queue", only("ttl")));
             }
         }
-        let set = [d.queue.is_some(), d.exchange.is_some(), d.topic.is_some()];
-        if set.iter().filter(|&&x| x).count() != 1 {
-            return Err("set exactly one of queue, exchange or topic".into());
+        if route.mode != Mode::Retry {
+            if route.retry.is_some() {
+                return Err(("retry", only("retry")));
+            }
+            if route.park.is_some() {
+                return Err(("park", only("retry")));
+            }
+        }
+        let max_delay = route.max_delay.unwrap_or(self.engine.max_delay);
+        if let Some(ttl) = route.message_ttl {
+            if ttl > max_delay {
+                return Err((
+                    "message_ttl",
+                    format!("{ttl:?} is over max_delay ({max_delay:?})"),
+                ));
+            }
+        }
+        if route.mode != Mode::Retry {
+            return Ok(());
+        }
+        let Some(retry) = &route.retry else {
+            return Err((
+                "retry",
+                "mode = \"retry\" needs [routes.retry] with delays = [...] or backoff = { ... }"
+                    .into(),
+            ));
+        };
+        match (&retry.backoff, retry.delays.is_empty()) {
+            (Some(_), false) => {
+                return Err((
+                    "retry.delays",
+                    "set either retry.delays or retry.backoff, not both".into(),
+                ))
+            }
+            (None, true) => {
+                return Err((
+                    "retry.delays",
+                    "set a non-empty retry.delays list or retry.backoff".into(),
+                ))
+            }
+            (None, false) => {
+                if let Some(d) = retry.delays.iter().find(|d| **d > max_delay) {
+                    return Err((
+                        "retry.delays",
+                        format!("{d:?} is over max_delay ({max_delay:?})"),
+                    ));
+                }
+            }
+            (Some(b), true) => {
+                if b.initial.is_zero() {
+                    return Err(("retry.backoff.initial", "must be above 0".into()));
+                }
+                if !(b.multiplier.is_finite() && b.multiplier >= 1.0) {
+                    return Err(("retry.backoff.multiplier", "must be at least 1".into()));
+                }
+                if b.max < b.initial || b.max > max_delay {
+                    return Err((
+                        "retry.backoff.max",
+                        format!("must be between backoff.initial and max_delay ({max_delay:?})"),
+                    ));
+                }
+                if !(0.0..=1.0).contains(&b.jitter) {
+                    return Err(("retry.backoff.jitter", "must be between 0 and 1".into()));
+                }
+                if retry.max_attempts.is_none() {
+                    return Err((
+                        "retry.max_attempts",
+                        "is required with retry.backoff".into(),
+                    ));
+                }
+            }
+        }
+        if retry.max_attempts == Some(0) {
+            return Err(("retry.max_attempts", "must be at least 1".into()));
+        }
+        Ok(())
+    }
+
+    fn check_destination(&self, d: &DestinationConfig, default_broker: &str) -> Result<(), String> {
+        let name = d.broker.as_deref().unwrap_or(default_broker);
+        let Some(broker) = self.broker(name) else {
+            return Err(format!("no broker named {name:?} under [brokers]"));
+        };
+        match broker {
+            BrokerConfig::Kafka { .. } => {
+                if d.topic.as_deref().is_none_or(str::is_empty)
+                    || d.queue.is_some()
+                    || d.exchange.is_some()
+                {
+                    return Err(format!(
+                        "broker {name:?} is Kafka: set `topic` (not queue or exchange)"
+                    ));
+                }
+            }
+            BrokerConfig::Amqp { .. } => {
+                let set = [d.queue.is_some(), d.exchange.is_some()];
+                if d.topic.is_some() || set.iter().filter(|&&x| x).count() != 1 {
+                    return Err(format!(
+                        "broker {name:?} is AMQP: set exactly one of `queue` or `exchange`"
+                    ));
+                }
+            }
         }
         Ok(())
     }

@@ -19,6 +19,16 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: CancellationToken) {
         if let Err(e) = once(&inner).await {
             tracing::error!(error = %e, "WAL garbage collection failed");
         }
+        sweep_keys(&inner);
+    }
+}
+
+/// Rebuild the key index without stale entries once they could make up
+/// half of it, so its size stays proportional to what is pending.
+fn sweep_keys(inner: &Inner) {
+    let mut state = inner.state();
+    if state.keys.len() as u64 > 2 * state.pending() + 1024 {
+        state.sweep_keys();
     }
 }
 

@@ -146,10 +146,13 @@ pub(crate) async fn run(
             };
             let fired_ms = inner.clock.now_ms();
             // `deliver` is called here, in fire order; the publish completes in its own task.
+            let mut key = None;
             let delivery = match records.next() {
                 Some(Ok(Record::Schedule {
                     due_ms, message, ..
                 })) => {
+                    key = delayd_adapters::lookup_key(&message)
+                        .map(|k| super::key_hash(entry.data.route, k));
                     if attempt == 0 {
                         let late = fired_ms.saturating_sub(due_ms) as f64 / 1000.0;
                         metrics::histogram!("delayd_lateness_seconds", "route" => route.to_string())
@@ -170,7 +173,16 @@ pub(crate) async fn run(
                 Some(Err(e)) => failed(format!("cannot read message from the WAL: {e}")),
                 None => failed("WAL read task failed".to_string()),
             };
-            tokio::spawn(complete(inner.clone(), entry.id, route, delivery, permit));
+            tokio::spawn(complete(
+                inner.clone(),
+                Settle {
+                    id: entry.id,
+                    route,
+                    key,
+                },
+                delivery,
+                permit,
+            ));
         }
     }
     // Let in-flight publishes finish (their Done records get written).
@@ -211,20 +223,31 @@ fn pop_due(state: &mut super::State, now: u64, max: usize, out: &mut Vec<Expired
             i += 1;
         }
     }
+    // Messages due in the same millisecond go out in id (= WAL append =
+    // consumption) order, whatever order their appends completed in.
+    out.sort_by_key(|e| (e.deadline, e.id));
 }
 
 fn failed(reason: String) -> BoxFuture<'static, Outcome> {
     Box::pin(async move { Outcome::Retry(reason) })
 }
 
+/// A message being published: what `complete` needs to settle it.
+struct Settle {
+    id: u64,
+    route: Arc<str>,
+    /// Its key-index hash, to unindex it once it left.
+    key: Option<u64>,
+}
+
 /// Wait for the publish, then write Done or re-arm with back-off.
 async fn complete(
     inner: Arc<Inner>,
-    id: u64,
-    route: Arc<str>,
+    settle: Settle,
     delivery: BoxFuture<'static, Outcome>,
     _permit: OwnedSemaphorePermit,
 ) {
+    let Settle { id, route, key } = settle;
     let outcome = delivery.await;
     let mut state = inner.state();
     let Some(flight) = state.in_flight.remove(&id) else {
@@ -234,6 +257,9 @@ async fn complete(
         Outcome::Done => {
             state.counts[flight.slot.route as usize] -= 1;
             state.attempts.remove(&id);
+            if let Some(hash) = key {
+                state.keys.remove(hash, id);
+            }
             // Compaction may have moved the record: `flight.slot.pos` is current.
             if let Err(e) = inner.wal.append_done(id, flight.slot.pos) {
                 // The message went out; without its Done it is sent again after a restart.

@@ -14,26 +14,37 @@ mod clock;
 mod compact;
 mod dedup;
 mod dispatch;
+mod keys;
+mod pressure;
 mod state;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use dedup::fingerprint;
 pub use dispatch::{Dispatch, Fired, Outcome};
+pub use keys::key_hash;
+pub use pressure::{Admission, Pressure};
 pub use state::Phase;
 
 use std::collections::BinaryHeap;
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::wal::{
-    Record, RecordRef, RecoveryReport, SpaceReport, Wal, WalConfig, WalError, WalPos,
+    Appended, Record, RecordRef, RecoveryReport, SpaceReport, Wal, WalConfig, WalError, WalPos,
 };
 
 use self::state::{Slot, State};
+
+/// Resolves once a queued WAL append is durable.
+type AppendReceiver = oneshot::Receiver<Result<Appended, WalError>>;
+
+/// A Schedule queued for the WAL: route id, key-index hash, durability.
+type Queued = (u16, Option<u64>, AppendReceiver);
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -49,6 +60,10 @@ pub struct EngineConfig {
     pub dedup_window: usize,
     /// How often dead segments are deleted and sparse ones compacted.
     pub gc_interval: Duration,
+    /// Backpressure: most pending messages (0 = no limit). See [`Engine::admit`].
+    pub max_pending: u64,
+    /// Backpressure: most WAL bytes on disk (0 = no limit).
+    pub max_disk: u64,
 }
 
 impl EngineConfig {
@@ -61,6 +76,8 @@ impl EngineConfig {
             retry_max: Duration::from_secs(30),
             dedup_window: 100_000,
             gc_interval: Duration::from_secs(1),
+            max_pending: 0,
+            max_disk: 0,
         }
     }
 }
@@ -159,6 +176,9 @@ impl Engine {
                         route: route_id,
                     },
                 );
+                if let Some(key) = delayd_adapters::lookup_key(message) {
+                    state.keys.insert(key_hash(route_id, key), id);
+                }
                 if config.dedup_window > 0 {
                     if recent.len() == config.dedup_window {
                         recent.pop_front();
@@ -176,6 +196,8 @@ impl Engine {
         for fp in recent {
             state.unconfirmed.add(fp);
         }
+        // Done records removed messages without naming their key.
+        state.sweep_keys();
         wal.set_live_counts(state.wheel.iter().map(|e| e.data.pos));
         let engine = Engine {
             inner: Arc::new(Inner {
@@ -201,53 +223,81 @@ impl Engine {
     }
 
     /// Store a message durably and arm it. Returns its id.
-    pub async fn schedule(
+    ///
+    /// The record is queued for the WAL before this returns, so calls made in
+    /// order get increasing ids; messages due at the same millisecond fire in
+    /// id order.
+    pub fn schedule(
         &self,
         route: &str,
         due_ms: u64,
         message: Vec<u8>,
-    ) -> Result<u64, EngineError> {
+    ) -> impl Future<Output = Result<u64, EngineError>> + Send + 'static {
+        let queued = self.queue_schedule(route, due_ms, message);
+        let engine = self.clone();
+        async move {
+            let (route_id, key, appended) = queued?;
+            let appended = appended.await.map_err(|_| EngineError::WriterGone)??;
+            let slot = Slot {
+                pos: appended.pos,
+                route: route_id,
+            };
+            {
+                let mut state = engine.state();
+                state.arm(appended.id, due_ms, slot);
+                if let Some(hash) = key {
+                    state.keys.insert(hash, appended.id);
+                }
+            }
+            if due_ms < engine.inner.planned_wake.load(Ordering::Acquire) {
+                engine.inner.wake.notify_one();
+            }
+            Ok(appended.id)
+        }
+    }
+
+    fn queue_schedule(
+        &self,
+        route: &str,
+        due_ms: u64,
+        message: Vec<u8>,
+    ) -> Result<Queued, EngineError> {
         let route_id = self
             .state()
             .intern(route)
             .ok_or(EngineError::TooManyRoutes)?;
-        let appended = self
-            .inner
-            .wal
-            .append_schedule(due_ms, route, message)?
-            .await
-            .map_err(|_| EngineError::WriterGone)??;
-        let slot = Slot {
-            pos: appended.pos,
-            route: route_id,
-        };
-        self.state().arm(appended.id, due_ms, slot);
-        if due_ms < self.inner.planned_wake.load(Ordering::Acquire) {
-            self.inner.wake.notify_one();
-        }
-        Ok(appended.id)
+        let key = delayd_adapters::lookup_key(&message).map(|k| key_hash(route_id, k));
+        let appended = self.inner.wal.append_schedule(due_ms, route, message)?;
+        Ok((route_id, key, appended))
     }
 
     /// Store a consumed delivery. A `redelivered` one that matches a stored,
     /// unconfirmed message is reported as a duplicate and not stored again.
-    /// Call [`Engine::confirm_ack`] once the source ack succeeded.
-    pub async fn store(
+    /// Call [`Engine::confirm_ack`] once the source ack succeeded. Like
+    /// [`Engine::schedule`], the record is queued before this returns.
+    pub fn store(
         &self,
         route: &str,
         due_ms: u64,
         message: Vec<u8>,
         redelivered: bool,
-    ) -> Result<Stored, EngineError> {
+    ) -> impl Future<Output = Result<Stored, EngineError>> + Send + 'static {
         let fp = fingerprint(route, &message);
-        if redelivered && self.state().unconfirmed.take(fp) {
-            metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route.to_owned())
-                .increment(1);
-            return Ok(Stored::Duplicate);
+        let duplicate = redelivered && self.state().unconfirmed.take(fp);
+        let route = route.to_owned();
+        let scheduled = (!duplicate).then(|| self.schedule(&route, due_ms, message));
+        let engine = self.clone();
+        async move {
+            let Some(scheduled) = scheduled else {
+                metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route)
+                    .increment(1);
+                return Ok(Stored::Duplicate);
+            };
+            let id = scheduled.await?;
+            // Until the source ack is confirmed, a redelivery of it is a duplicate.
+            engine.state().unconfirmed.add(fp);
+            Ok(Stored::New(id))
         }
-        let id = self.schedule(route, due_ms, message).await?;
-        // Until the source ack is confirmed, a redelivery of it is a duplicate.
-        self.state().unconfirmed.add(fp);
-        Ok(Stored::New(id))
     }
 
     /// The source ack for this message reached the broker.
@@ -258,19 +308,111 @@ impl Engine {
     }
 
     /// Cancel a pending message: it never fires. `Ok(false)` if unknown.
-    pub fn cancel(&self, id: u64) -> Result<bool, EngineError> {
+    /// Resolves once its Done record is durable, so a crash right after
+    /// cannot bring it back.
+    pub async fn cancel(&self, id: u64) -> Result<bool, EngineError> {
+        let engine = self.clone();
+        // Reads the stored record (key index): blocking file I/O.
+        let queued = tokio::task::spawn_blocking(move || engine.cancel_queued(id))
+            .await
+            .map_err(|_| EngineError::WriterGone)??;
+        let Some(done) = queued else {
+            return Ok(false);
+        };
+        done.await.map_err(|_| EngineError::WriterGone)??;
+        Ok(true)
+    }
+
+    fn cancel_queued(&self, id: u64) -> Result<Option<AppendReceiver>, EngineError> {
+        // The key hash comes from the stored record, read outside the lock.
+        let hash = self.key_hash_of(id);
         let mut state = self.state();
         if state.in_flight.contains_key(&id) {
             return Err(EngineError::InFlight(id));
         }
         let Some(entry) = state.disarm(id) else {
-            return Ok(false);
+            return Ok(None);
         };
+        if let Some(hash) = hash {
+            state.keys.remove(hash, id);
+        }
         // Written under the lock so it is ordered before any compaction copy.
-        self.inner.wal.append_done(id, entry.data.pos)?;
+        let done = self.inner.wal.append_done(id, entry.data.pos)?;
         metrics::counter!("delayd_cancelled_total", "route" => state.route_name(entry.data.route).to_string())
             .increment(1);
-        Ok(true)
+        Ok(Some(done))
+    }
+
+    /// Pending messages on `route` whose lookup key (Kafka key, else AMQP
+    /// `message_id`) is `key`, verified against their stored records.
+    pub fn find_by_key(&self, route: &str, key: &[u8]) -> Result<Vec<u64>, EngineError> {
+        let candidates = {
+            let state = self.state();
+            let Some(route_id) = state.route_id(route) else {
+                return Ok(Vec::new());
+            };
+            state.keys.ids(key_hash(route_id, key))
+        };
+        let mut found = Vec::new();
+        for id in candidates {
+            if let Some((info, Record::Schedule { message, .. })) = self.read(id)? {
+                if &*info.route == route && delayd_adapters::lookup_key(&message) == Some(key) {
+                    found.push(id);
+                }
+            }
+        }
+        found.sort_unstable();
+        Ok(found)
+    }
+
+    /// Cancel every pending message on `route` with lookup key `key` (AMQP
+    /// `message_id`, or Kafka key: a tombstone cancels this way). Returns the
+    /// ids cancelled, once their Done records are durable; none is not an
+    /// error. If every match is already being published, that is
+    /// [`EngineError::InFlight`].
+    pub async fn cancel_by_key(&self, route: &str, key: &[u8]) -> Result<Vec<u64>, EngineError> {
+        let engine = self.clone();
+        let (route, key) = (route.to_owned(), key.to_vec());
+        let queued = tokio::task::spawn_blocking(move || {
+            let mut queued = Vec::new();
+            let mut in_flight = None;
+            for id in engine.find_by_key(&route, &key)? {
+                match engine.cancel_queued(id) {
+                    Ok(Some(done)) => queued.push((id, done)),
+                    Ok(None) => {}
+                    Err(EngineError::InFlight(id)) => in_flight = Some(id),
+                    Err(e) => return Err(e),
+                }
+            }
+            match in_flight {
+                Some(id) if queued.is_empty() => Err(EngineError::InFlight(id)),
+                _ => Ok(queued),
+            }
+        })
+        .await
+        .map_err(|_| EngineError::WriterGone)??;
+        let mut cancelled = Vec::with_capacity(queued.len());
+        for (id, done) in queued {
+            done.await.map_err(|_| EngineError::WriterGone)??;
+            cancelled.push(id);
+        }
+        Ok(cancelled)
+    }
+
+    /// The key-index hash of a pending message, from its stored record.
+    fn key_hash_of(&self, id: u64) -> Option<u64> {
+        let (route, pos) = {
+            let state = self.state();
+            let (slot, _, _) = state.locate(id)?;
+            (slot.route, slot.pos)
+        };
+        match self.inner.wal.read(pos) {
+            Ok(Record::Schedule { message, .. }) => {
+                delayd_adapters::lookup_key(&message).map(|k| key_hash(route, k))
+            }
+            // Moved by compaction meanwhile: the sweep removes the entry later.
+            _ => None,
+        }
     }
 
     /// The stored record of a pending message: (route, due, encoded message).

@@ -8,6 +8,7 @@ use crate::wal::WalPos;
 use crate::wheel::{Expired, TimingWheel};
 
 use super::dedup::Unconfirmed;
+use super::keys::KeyIndex;
 
 /// What the wheel keeps per pending message besides its id and deadline:
 /// 12 bytes, so a pending message costs a small constant whatever its size.
@@ -45,6 +46,10 @@ pub struct State {
     pub routes: Vec<Arc<str>>,
     route_index: HashMap<Arc<str>, u16>,
     pub unconfirmed: Unconfirmed,
+    /// Pending messages by lookup key (message_id / Kafka key).
+    pub keys: KeyIndex,
+    /// Deliveries admitted under the backpressure limits and being stored.
+    pub reserved: u64,
 }
 
 impl State {
@@ -58,6 +63,8 @@ impl State {
             routes: Vec::new(),
             route_index: HashMap::new(),
             unconfirmed: Unconfirmed::new(dedup_window),
+            keys: KeyIndex::default(),
+            reserved: 0,
         }
     }
 
@@ -135,6 +142,20 @@ impl State {
             .iter()
             .find(|((_, held_id), _)| *held_id == id)
             .map(|(&(deadline, _), &slot)| (slot, deadline, Phase::Waiting))
+    }
+
+    /// Whether `id` is pending (waiting, held back or being published).
+    pub fn is_pending(&self, id: u64) -> bool {
+        self.wheel.get(id).is_some()
+            || self.in_flight.contains_key(&id)
+            || self.held.keys().any(|&(_, held_id)| held_id == id)
+    }
+
+    /// Drop key-index entries of messages that are no longer pending.
+    pub fn sweep_keys(&mut self) {
+        let mut keys = std::mem::take(&mut self.keys);
+        keys.retain(|id| self.is_pending(id));
+        self.keys = keys;
     }
 
     /// Point a message at a new WAL position (after compaction copied it).

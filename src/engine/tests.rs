@@ -148,9 +148,9 @@ async fn cancelled_message_never_fires() {
         .schedule("r", due + 1, b"b".to_vec())
         .await
         .unwrap();
-    assert!(r.engine.cancel(a).unwrap());
-    assert!(!r.engine.cancel(a).unwrap());
-    assert!(!r.engine.cancel(987_654).unwrap());
+    assert!(r.engine.cancel(a).await.unwrap());
+    assert!(!r.engine.cancel(a).await.unwrap());
+    assert!(!r.engine.cancel(987_654).await.unwrap());
     assert_eq!(r.recv().await.id, b);
     assert_eq!(r.engine.pending(), 0);
     r.stop().await;
@@ -205,7 +205,7 @@ async fn restart_recovers_pending_and_fires_overdue_at_a_bounded_rate() {
         .schedule("r", 1_000_050, b"x".to_vec())
         .await
         .unwrap();
-    r.engine.cancel(cancelled).unwrap();
+    r.engine.cancel(cancelled).await.unwrap();
     r.stop().await;
 
     // Everything fell due while delayd was down.
@@ -384,4 +384,157 @@ async fn redelivery_of_an_unacked_message_is_not_stored_twice() {
         Stored::New(_)
     ));
     assert_eq!(engine.pending(), 3);
+}
+
+fn keyed(message_id: Option<&str>, kafka_key: Option<&[u8]>, body: &str) -> Vec<u8> {
+    let mut m = delayd_adapters::Message::with_body(body.as_bytes().to_vec());
+    m.properties.message_id = message_id.map(str::to_owned);
+    m.key = kafka_key.map(<[u8]>::to_vec);
+    delayd_adapters::encode(&m)
+}
+
+#[tokio::test]
+async fn cancel_by_key_cancels_only_that_key_on_that_route() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = start(config(dir.path()), Arc::new(SystemClock));
+    let due = now() + 300;
+    let a1 = r
+        .engine
+        .schedule("a", due, keyed(Some("order-1"), None, "1"))
+        .await
+        .unwrap();
+    let a1_again = r
+        .engine
+        .schedule("a", due, keyed(Some("order-1"), None, "1b"))
+        .await
+        .unwrap();
+    let a2 = r
+        .engine
+        .schedule("a", due, keyed(Some("order-2"), None, "2"))
+        .await
+        .unwrap();
+    let b1 = r
+        .engine
+        .schedule("b", due, keyed(Some("order-1"), None, "b1"))
+        .await
+        .unwrap();
+    // The Kafka key wins over message_id.
+    let k = r
+        .engine
+        .schedule("a", due, keyed(Some("ignored"), Some(b"\x00k"), "k"))
+        .await
+        .unwrap();
+    let plain = r
+        .engine
+        .schedule("a", due, keyed(None, None, "p"))
+        .await
+        .unwrap();
+
+    assert_eq!(
+        r.engine.find_by_key("a", b"order-1").unwrap(),
+        vec![a1, a1_again]
+    );
+    let mut cancelled = r.engine.cancel_by_key("a", b"order-1").await.unwrap();
+    cancelled.sort();
+    assert_eq!(cancelled, vec![a1, a1_again]);
+    assert!(r
+        .engine
+        .cancel_by_key("a", b"order-1")
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(r
+        .engine
+        .cancel_by_key("a", b"ignored")
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        r.engine.cancel_by_key("a", b"\x00k").await.unwrap(),
+        vec![k]
+    );
+    assert!(r
+        .engine
+        .cancel_by_key("nope", b"order-2")
+        .await
+        .unwrap()
+        .is_empty());
+
+    let mut fired = HashSet::new();
+    for _ in 0..3 {
+        fired.insert(r.recv().await.id);
+    }
+    assert_eq!(fired, HashSet::from([a2, b1, plain]));
+    r.stop().await;
+    // Delivered and cancelled messages left the index; a restart rebuilds it.
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    assert_eq!(engine.state().keys.len(), 0);
+}
+
+#[tokio::test]
+async fn key_index_is_rebuilt_on_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = start(config(dir.path()), Arc::new(SystemClock));
+    let due = now() + 3_600_000;
+    let a = r
+        .engine
+        .schedule("a", due, keyed(Some("x"), None, "1"))
+        .await
+        .unwrap();
+    let b = r
+        .engine
+        .schedule("a", due, keyed(Some("y"), None, "2"))
+        .await
+        .unwrap();
+    assert!(r.engine.cancel(b).await.unwrap());
+    r.stop().await;
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    assert_eq!(engine.state().keys.len(), 1);
+    assert_eq!(engine.cancel_by_key("a", b"x").await.unwrap(), vec![a]);
+    assert_eq!(engine.pending(), 0);
+    engine.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn admission_never_lets_pending_pass_max_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.max_pending = 10;
+    let r = start(cfg, Arc::new(SystemClock));
+    let due = now() + 3_600_000;
+    // Concurrent stores: admissions count against the limit while in progress.
+    let mut tasks = Vec::new();
+    for i in 0..30u8 {
+        let engine = r.engine.clone();
+        tasks.push(tokio::spawn(async move {
+            let Ok(admission) = engine.admit() else {
+                return false;
+            };
+            engine.schedule("r", due, vec![i]).await.unwrap();
+            drop(admission);
+            true
+        }));
+    }
+    let mut stored = 0;
+    for t in tasks {
+        stored += t.await.unwrap() as u64;
+    }
+    assert_eq!(stored, 10);
+    assert_eq!(r.engine.pending(), 10);
+    assert_eq!(r.engine.pressure(), Some(Pressure::MaxPending));
+    assert!(!r.engine.relieved());
+    // Relieved only under the low-water mark (10 - 1 = 9).
+    let ids: Vec<u64> = r
+        .engine
+        .list(&ListQuery {
+            limit: 10,
+            ..Default::default()
+        })
+        .iter()
+        .map(|p| p.id)
+        .collect();
+    r.engine.cancel(ids[0]).await.unwrap();
+    assert_eq!(r.engine.pressure(), None);
+    assert!(r.engine.relieved());
+    r.stop().await;
 }

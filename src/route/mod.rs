@@ -1,41 +1,86 @@
 //! Routes: where a message comes from, when it is due, where it goes.
 //! Compiled once from the config; pure logic, no broker I/O.
 
+pub mod bridge;
 pub mod delay;
+pub mod retry;
 pub mod rewrite;
+pub mod ttl;
 
 use std::time::Duration;
 
-use delayd_adapters::{Message, Target};
+use delayd_adapters::{Message, Target, Value};
 
-use crate::config::{Config, DestinationConfig, RouteConfig};
+use crate::config::{BrokerConfig, Config, DestinationConfig, Mode, RouteConfig};
 
 pub use delay::InvalidDelay;
+pub use ttl::InvalidTtl;
 
 pub const DEFAULT_INVALID_QUEUE: &str = "delayd.invalid";
 pub const DEFAULT_UNROUTABLE_QUEUE: &str = "delayd.unroutable";
+pub const DEFAULT_PARK_QUEUE: &str = "delayd.parked";
+
+/// Why a message cannot be scheduled: it goes to the invalid destination.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unschedulable {
+    #[error(transparent)]
+    Delay(#[from] InvalidDelay),
+    #[error(transparent)]
+    Ttl(#[from] InvalidTtl),
+}
+
+/// What intake does with a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// Store it, due at this epoch ms.
+    Due(u64),
+    /// Retry mode, out of attempts: send it to the park destination now.
+    Park,
+}
 
 /// Per-message target headers, honoured when the route allows overrides.
 pub const X_TARGET_EXCHANGE: &str = "x-target-exchange";
 pub const X_TARGET_ROUTING_KEY: &str = "x-target-routing-key";
 pub const X_TARGET_TOPIC: &str = "x-target-topic";
 
+/// Which protocol a broker speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerKind {
+    Amqp,
+    Kafka,
+}
+
+impl BrokerKind {
+    fn of(config: &Config, broker: &str) -> BrokerKind {
+        match config.broker(broker) {
+            Some(BrokerConfig::Kafka { .. }) => BrokerKind::Kafka,
+            _ => BrokerKind::Amqp,
+        }
+    }
+}
+
 /// A destination on a named broker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Destination {
     pub broker: String,
     pub target: Target,
-    /// A queue to declare before publishing there (invalid/unroutable queues).
+    /// A queue to declare (AMQP) or topic to create (Kafka) before publishing
+    /// there (the default invalid/unroutable destinations).
     pub declare_queue: Option<String>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Route {
     pub config: RouteConfig,
+    pub from_kind: BrokerKind,
+    pub to_kind: BrokerKind,
     pub max_delay: Duration,
     pub to: Destination,
     pub invalid: Destination,
     pub unroutable: Destination,
+    /// Where retry mode parks a message after its last attempt.
+    pub park: Destination,
+    pub retry: Option<retry::Policy>,
 }
 
 impl Route {
@@ -54,21 +99,33 @@ impl Route {
             declare_queue: None,
         };
         let invalid = destination(
+            config,
             route.invalid.as_ref(),
             &route.from.broker,
             DEFAULT_INVALID_QUEUE,
         );
         let unroutable = destination(
+            config,
             route.unroutable.as_ref(),
             &route.to.broker,
             DEFAULT_UNROUTABLE_QUEUE,
         );
+        let park = destination(
+            config,
+            route.park.as_ref(),
+            &route.from.broker,
+            DEFAULT_PARK_QUEUE,
+        );
         Route {
             config: route.clone(),
+            from_kind: BrokerKind::of(config, &route.from.broker),
+            to_kind: BrokerKind::of(config, &route.to.broker),
             max_delay: route.max_delay.unwrap_or(config.engine.max_delay),
             to,
             invalid,
             unroutable,
+            park,
+            retry: route.retry.as_ref().map(retry::Policy::from_config),
         }
     }
 
@@ -76,9 +133,88 @@ impl Route {
         &self.config.name
     }
 
-    /// When the message is due, from its headers.
-    pub fn due(&self, message: &Message, now_ms: u64) -> Result<u64, InvalidDelay> {
-        delay::due_from_headers(&message.headers, now_ms, self.max_delay)
+    /// When the message is due, by the route's mode. Retry mode may instead
+    /// park it, and writes the new attempt number (and the park reason and
+    /// count) on the message.
+    pub fn plan(&self, message: &mut Message, now_ms: u64) -> Result<Plan, Unschedulable> {
+        match self.config.mode {
+            Mode::Delay => Ok(Plan::Due(delay::due_from_headers(
+                &message.headers,
+                now_ms,
+                self.max_delay,
+            )?)),
+            Mode::Ttl => Ok(Plan::Due(ttl::due(
+                message.properties.expiration.as_deref(),
+                self.config.message_ttl,
+                now_ms,
+                self.max_delay,
+            )?)),
+            Mode::Retry => {
+                // Validation guarantees a policy; without one, park at once.
+                let fallback;
+                let policy = match &self.retry {
+                    Some(policy) => policy,
+                    None => {
+                        fallback = retry::Policy {
+                            backoff: retry::Backoff::List(Vec::new()),
+                            max_attempts: 1,
+                            work_queue: None,
+                        };
+                        &fallback
+                    }
+                };
+                Ok(
+                    match policy.decide(&message.headers, retry::random_unit()) {
+                        retry::Decision::Retry { delay, attempt } => {
+                            message
+                                .headers
+                                .insert(retry::X_DELAYD_ATTEMPT, Value::I64(attempt as i64));
+                            Plan::Due(now_ms.saturating_add(delay.as_millis() as u64))
+                        }
+                        retry::Decision::Park { attempts } => {
+                            let reason = format!(
+                            "gave up after {attempts} failed attempts (retry.max_attempts = {})",
+                            policy.max_attempts
+                        );
+                            message.headers.insert(
+                                retry::X_DELAYD_PARK_REASON,
+                                Value::LongString(reason.into_bytes()),
+                            );
+                            message
+                                .headers
+                                .insert(retry::X_DELAYD_ATTEMPTS, Value::I64(attempts as i64));
+                            Plan::Park
+                        }
+                    },
+                )
+            }
+        }
+    }
+
+    /// Rewrite a due message for republishing, by the route's mode.
+    pub fn for_delivery(&self, message: &mut Message, id: u64, now_ms: u64) {
+        match self.config.mode {
+            Mode::Delay => rewrite::for_delivery(message, id),
+            Mode::Ttl => {
+                let queue = self
+                    .config
+                    .dead_letter_queue
+                    .as_deref()
+                    .or(self.config.from.queue.as_deref())
+                    .unwrap_or_default();
+                ttl::dead_letter(
+                    message,
+                    ttl::Death {
+                        queue,
+                        reason: ttl::EXPIRED,
+                        time_s: now_ms / 1000,
+                        replaces_routing_key: self.to.target.routing_key.is_some(),
+                    },
+                );
+                rewrite::add_id(message, id);
+            }
+            Mode::Retry => rewrite::add_id(message, id),
+        }
     }
 
     /// The target for a due message: the route's, or the message's own
@@ -104,15 +240,22 @@ impl Route {
     }
 }
 
+/// A parking destination. The default is a queue (AMQP) or a topic (Kafka)
+/// named `default_queue`, which delayd declares or creates.
 fn destination(
+    all: &Config,
     config: Option<&DestinationConfig>,
     default_broker: &str,
     default_queue: &str,
 ) -> Destination {
     let Some(d) = config else {
+        let target = match BrokerKind::of(all, default_broker) {
+            BrokerKind::Amqp => Target::queue(default_queue),
+            BrokerKind::Kafka => Target::exchange(default_queue),
+        };
         return Destination {
             broker: default_broker.to_owned(),
-            target: Target::queue(default_queue),
+            target,
             declare_queue: Some(default_queue.to_owned()),
         };
     };
@@ -127,6 +270,11 @@ fn destination(
             declare_queue: Some(queue.clone()),
         };
     }
+    // A Kafka parking topic is created when missing, like the default one.
+    let declare_queue = match BrokerKind::of(all, &broker) {
+        BrokerKind::Kafka => d.topic.clone(),
+        BrokerKind::Amqp => None,
+    };
     Destination {
         broker,
         target: Target {
@@ -137,7 +285,7 @@ fn destination(
                 .unwrap_or_default(),
             routing_key: d.routing_key.clone(),
         },
-        declare_queue: None,
+        declare_queue,
     }
 }
 
@@ -169,6 +317,45 @@ to = {{ broker = "rabbit", exchange = "out" }}
         assert_eq!(r.invalid.target, Target::queue("delayd.invalid"));
         assert_eq!(r.unroutable.target, Target::queue("delayd.unroutable"));
         assert_eq!(r.to.target, Target::exchange("out"));
+    }
+
+    #[test]
+    fn ttl_route_plans_from_expiration_and_dead_letters_with_its_queue() {
+        let r = route("mode = \"ttl\"\nmessage_ttl = \"2s\"");
+        let mut m = Message::with_body("x");
+        m.properties.expiration = Some("500".into());
+        assert_eq!(r.plan(&mut m, 1000), Ok(Plan::Due(1500)));
+        r.for_delivery(&mut m, 7, 5_000_000);
+        assert_eq!(m.properties.expiration, None);
+        assert_eq!(
+            m.headers
+                .get(ttl::X_LAST_DEATH_QUEUE)
+                .and_then(Value::as_text),
+            Some("q")
+        );
+        assert!(m.headers.get(rewrite::X_DELAYD_ID).is_some());
+        let mut bad = Message::with_body("x");
+        bad.properties.expiration = Some("soon".into());
+        assert!(matches!(
+            r.plan(&mut bad, 0),
+            Err(Unschedulable::Ttl(InvalidTtl::Expiration(_)))
+        ));
+    }
+
+    #[test]
+    fn retry_route_marks_the_attempt_or_parks() {
+        let r = route("mode = \"retry\"\n[routes.retry]\ndelays = [\"1s\"]\nmax_attempts = 2");
+        assert_eq!(r.park.target, Target::queue(DEFAULT_PARK_QUEUE));
+        let mut m = Message::with_body("x");
+        assert_eq!(r.plan(&mut m, 0), Ok(Plan::Due(1000)));
+        assert_eq!(m.headers.get(retry::X_DELAYD_ATTEMPT), Some(&Value::I64(2)));
+        // Attempt 2 failed too: out of attempts.
+        assert_eq!(r.plan(&mut m, 0), Ok(Plan::Park));
+        assert_eq!(
+            m.headers.get(retry::X_DELAYD_ATTEMPTS),
+            Some(&Value::I64(2))
+        );
+        assert!(m.headers.get(retry::X_DELAYD_PARK_REASON).is_some());
     }
 
     #[test]

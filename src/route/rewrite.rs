@@ -1,4 +1,5 @@
-//! Egress header rewrites: the only changes delayd makes to a message.
+//! Egress header rewrites: the only changes delayd makes to a message in
+//! `delay` mode (`ttl` mode dead-letters it instead, see [`super::ttl`]).
 //!
 //! - `x-delay` becomes its negative (as the plugin does, a signed 32-bit int
 //!   when it fits, else 64-bit), so consumers can tell it was delayed.
@@ -28,6 +29,11 @@ pub fn for_delivery(message: &mut Message, id: u64) {
             .unwrap_or(Value::I64(negative));
         message.headers.insert(X_DELAY, value);
     }
+    add_id(message, id);
+}
+
+/// Add `x-delayd-id`, for consumers to deduplicate.
+pub fn add_id(message: &mut Message, id: u64) {
     message
         .headers
         .insert(X_DELAYD_ID, Value::LongString(id.to_string().into_bytes()));

@@ -1,17 +1,24 @@
 //! The broker connections and sinks of a running delayd, by broker name.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use anyhow::Context;
 use delayd_adapters::amqp::{AmqpSink, BrokerConnections, SinkConfig};
-use delayd_adapters::{Message, PublishOutcome, Sink, SinkError, Target};
+use delayd_adapters::kafka::{KafkaClientConfig, KafkaSink};
+use delayd_adapters::{BoxFuture, Message, PublishOutcome, Sink, SinkError, Target};
 
 use crate::config::{BrokerConfig, Config};
 
-pub struct BrokerHandle {
-    pub connections: BrokerConnections,
-    pub sink: Arc<AmqpSink>,
+pub enum BrokerHandle {
+    Amqp {
+        connections: BrokerConnections,
+        sink: Arc<AmqpSink>,
+    },
+    Kafka {
+        client: KafkaClientConfig,
+        sink: KafkaSink,
+    },
 }
 
 /// Every configured broker, connected lazily (and reconnected) by the adapters.
@@ -19,7 +26,7 @@ pub struct BrokerHandle {
 pub struct Brokers {
     by_name: Arc<HashMap<String, BrokerHandle>>,
     /// Brokers some route consumes from: their consume connection must be up.
-    sources: Arc<std::collections::HashSet<String>>,
+    sources: Arc<HashSet<String>>,
 }
 
 /// Connection state of one broker, for `/readyz`.
@@ -37,7 +44,7 @@ impl Brokers {
     pub fn from_config(config: &Config) -> anyhow::Result<Brokers> {
         let mut by_name = HashMap::new();
         for (name, broker) in &config.brokers {
-            match broker {
+            let handle = match broker {
                 BrokerConfig::Amqp { url } => {
                     let connections = BrokerConnections::new(url)
                         .with_context(|| format!("brokers.{name}.url"))?;
@@ -45,12 +52,22 @@ impl Brokers {
                         connections.publish.clone(),
                         SinkConfig::default(),
                     ));
-                    by_name.insert(name.clone(), BrokerHandle { connections, sink });
+                    BrokerHandle::Amqp { connections, sink }
                 }
-                BrokerConfig::Kafka { .. } => {
-                    anyhow::bail!("brokers.{name}: Kafka is not supported by this build yet")
+                BrokerConfig::Kafka {
+                    bootstrap,
+                    properties,
+                } => {
+                    let client = KafkaClientConfig {
+                        bootstrap: bootstrap.clone(),
+                        properties: properties.clone(),
+                    };
+                    let sink = KafkaSink::new(&client)
+                        .with_context(|| format!("brokers.{name}: cannot create the producer"))?;
+                    BrokerHandle::Kafka { client, sink }
                 }
-            }
+            };
+            by_name.insert(name.clone(), handle);
         }
         let sources = config
             .routes
@@ -67,49 +84,80 @@ impl Brokers {
         self.by_name.get(name)
     }
 
-    pub async fn publish(
+    /// Start publishing now and return what the broker did with it. A Kafka
+    /// record is queued before this returns, so calls made in order reach a
+    /// partition in order.
+    pub fn publish(
         &self,
         broker: &str,
-        message: &Message,
-        target: &Target,
-    ) -> Result<PublishOutcome, SinkError> {
-        let handle = self
-            .get(broker)
-            .ok_or_else(|| SinkError::Permanent(format!("no broker named {broker:?}")))?;
-        handle.sink.publish(message, target).await
+        message: Message,
+        target: Target,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        match self.get(broker) {
+            Some(BrokerHandle::Kafka { sink, .. }) => sink.enqueue(&message, &target),
+            Some(BrokerHandle::Amqp { sink, .. }) => {
+                let sink = sink.clone();
+                Box::pin(async move { sink.publish(&message, &target).await })
+            }
+            None => {
+                let e = SinkError::Permanent(format!("no broker named {broker:?}"));
+                Box::pin(async move { Err(e) })
+            }
+        }
     }
 
-    /// Declare a queue on a broker (invalid/unroutable destinations).
+    /// Make sure a parking destination exists: declare the queue (AMQP) or
+    /// create the topic (Kafka).
     pub async fn declare_queue(&self, broker: &str, queue: &str) -> anyhow::Result<()> {
-        let handle = self
-            .get(broker)
-            .with_context(|| format!("no broker named {broker:?}"))?;
-        handle.sink.declare_queue(queue).await?;
+        match self.get(broker) {
+            Some(BrokerHandle::Amqp { sink, .. }) => sink.declare_queue(queue).await?,
+            Some(BrokerHandle::Kafka { sink, .. }) => sink.ensure_topic(queue).await?,
+            None => anyhow::bail!("no broker named {broker:?}"),
+        }
         Ok(())
     }
 
+    /// Look up a Kafka target topic ahead of the first publish (AMQP: no-op).
+    pub async fn check_target(&self, broker: &str, target: &Target) -> Result<bool, SinkError> {
+        match self.get(broker) {
+            Some(BrokerHandle::Kafka { sink, .. }) => sink.topic_exists(&target.destination).await,
+            _ => Ok(true),
+        }
+    }
+
     /// Every broker's connection state. A broker is ready when it is not
-    /// consumed from or its consuming connection is open.
+    /// consumed from or its consuming connection is open. Kafka clients
+    /// manage their connections inside librdkafka and report no state here.
     pub fn status(&self) -> Vec<BrokerStatus> {
         let mut v: Vec<_> = self
             .by_name
             .iter()
             .map(|(name, h)| {
                 let consuming = self.sources.contains(name);
-                let consume_up = h.connections.consume.is_connected();
-                BrokerStatus {
-                    name: name.clone(),
-                    consume: match (consuming, consume_up) {
-                        (false, _) => "unused",
-                        (true, true) => "connected",
-                        (true, false) => "disconnected",
+                match h {
+                    BrokerHandle::Amqp { connections, .. } => {
+                        let consume_up = connections.consume.is_connected();
+                        BrokerStatus {
+                            name: name.clone(),
+                            consume: match (consuming, consume_up) {
+                                (false, _) => "unused",
+                                (true, true) => "connected",
+                                (true, false) => "disconnected",
+                            },
+                            publish: if connections.publish.is_connected() {
+                                "connected"
+                            } else {
+                                "idle"
+                            },
+                            ready: !consuming || consume_up,
+                        }
+                    }
+                    BrokerHandle::Kafka { .. } => BrokerStatus {
+                        name: name.clone(),
+                        consume: if consuming { "managed" } else { "unused" },
+                        publish: "managed",
+                        ready: true,
                     },
-                    publish: if h.connections.publish.is_connected() {
-                        "connected"
-                    } else {
-                        "idle"
-                    },
-                    ready: !consuming || consume_up,
                 }
             })
             .collect();
@@ -119,7 +167,16 @@ impl Brokers {
 
     pub async fn close(&self) {
         for handle in self.by_name.values() {
-            handle.connections.close().await;
+            match handle {
+                BrokerHandle::Amqp { connections, .. } => connections.close().await,
+                BrokerHandle::Kafka { sink, .. } => {
+                    let sink = sink.clone();
+                    let _ = tokio::task::spawn_blocking(move || {
+                        sink.flush(std::time::Duration::from_secs(5))
+                    })
+                    .await;
+                }
+            }
         }
     }
 }

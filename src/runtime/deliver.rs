@@ -5,14 +5,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use delayd_adapters::{BoxFuture, Message, PublishOutcome, SinkError};
+use tracing::Instrument;
 
 use crate::engine::{Dispatch, Fired, Outcome};
-use crate::route::{rewrite, Destination, Route};
+use crate::route::{bridge, rewrite, BrokerKind, Destination, Route};
 
 use super::brokers::Brokers;
 
-/// Publish attempts against a missing exchange before the message is parked
-/// as unroutable (with the default back-off, about 6 s).
+/// Publish attempts against a missing exchange or topic before the message
+/// is parked as unroutable (with the default back-off, about 6 s).
 const MISSING_TARGET_ATTEMPTS: u32 = 6;
 
 pub struct Deliverer {
@@ -21,72 +22,110 @@ pub struct Deliverer {
 }
 
 impl Dispatch for Deliverer {
+    /// Decodes and starts the publish before returning, so Kafka records
+    /// reach their partition in fire order (per-key order for equal due times).
     fn deliver(&self, fired: Fired) -> BoxFuture<'static, Outcome> {
-        let route = self.routes.get(&*fired.route).cloned();
         let brokers = self.brokers.clone();
-        Box::pin(async move {
-            let Some(route) = route else {
-                return Outcome::Retry(format!(
-                    "route {:?} is no longer in the config; the message waits until it is back",
-                    fired.route
-                ));
-            };
-            let mut message = match delayd_adapters::decode(&fired.message) {
-                Ok(m) => m,
-                Err(e) => {
-                    // Our own encoding failed to decode: keep the raw bytes visible.
-                    let mut raw = Message::with_body(fired.message.clone());
-                    rewrite::with_error(
-                        &mut raw,
-                        &format!("stored message cannot be decoded: {e}"),
-                    );
-                    return park(&brokers, &route.unroutable, &raw, &route, "unroutable").await;
-                }
-            };
-            rewrite::for_delivery(&mut message, fired.id);
-            let target = route.target_for(&message);
-            let span = tracing::debug_span!("deliver", id = fired.id, route = %route.name());
-            let _enter = span.enter();
-            match brokers.publish(&route.to.broker, &message, &target).await {
-                Ok(PublishOutcome::Delivered) => {
-                    metrics::counter!("delayd_fired_total", "route" => route.name().to_owned())
-                        .increment(1);
-                    tracing::debug!("delivered");
-                    Outcome::Done
-                }
-                Ok(PublishOutcome::Unroutable) => {
-                    let key = target
-                        .routing_key
-                        .as_deref()
-                        .unwrap_or(&message.routing_key);
-                    let reason = format!(
-                        "unroutable: exchange {:?} has no queue bound for routing key {key:?}",
-                        target.destination
-                    );
-                    tracing::warn!(id = fired.id, %reason, "message unroutable");
-                    rewrite::with_error(&mut message, &reason);
-                    park(&brokers, &route.unroutable, &message, &route, "unroutable").await
-                }
-                Err(SinkError::Transient(e))
-                    if e.contains("NOT_FOUND") && fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS =>
-                {
-                    // The target exchange has been missing for several attempts:
-                    // an unknown target, not a blip during a redeploy.
-                    let reason = format!("unknown target: {e}");
-                    tracing::warn!(id = fired.id, %reason, "target missing; parking the message");
-                    rewrite::with_error(&mut message, &reason);
-                    park(&brokers, &route.unroutable, &message, &route, "unroutable").await
-                }
-                Err(SinkError::Transient(e)) => Outcome::Retry(e),
-                Err(SinkError::Permanent(e)) => {
-                    let reason = format!("cannot publish: {e}");
-                    tracing::warn!(id = fired.id, %reason, "message cannot be published");
-                    rewrite::with_error(&mut message, &reason);
-                    park(&brokers, &route.unroutable, &message, &route, "unroutable").await
+        let Some(route) = self.routes.get(&*fired.route).cloned() else {
+            let reason = format!(
+                "route {:?} is no longer in the config; the message waits until it is back",
+                fired.route
+            );
+            return Box::pin(async move { Outcome::Retry(reason) });
+        };
+        let mut message = match delayd_adapters::decode(&fired.message) {
+            Ok(m) => m,
+            Err(e) => {
+                // Our own encoding failed to decode: keep the raw bytes visible.
+                let mut raw = Message::with_body(fired.message.clone());
+                rewrite::with_error(&mut raw, &format!("stored message cannot be decoded: {e}"));
+                return Box::pin(async move {
+                    park(&brokers, &route.unroutable, &raw, &route, "unroutable").await
+                });
+            }
+        };
+        let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
+        route.for_delivery(&mut message, fired.id, now_ms);
+        prepare_for_target(&route, &mut message);
+        let target = route.target_for(&message);
+        let publish = brokers.publish(&route.to.broker, message.clone(), target.clone());
+        let span = tracing::debug_span!("deliver", id = fired.id, route = %route.name());
+        Box::pin(
+            async move {
+                match publish.await {
+                    Ok(PublishOutcome::Delivered) => {
+                        metrics::counter!("delayd_fired_total", "route" => route.name().to_owned())
+                            .increment(1);
+                        tracing::debug!("delivered");
+                        Outcome::Done
+                    }
+                    Ok(PublishOutcome::Unroutable) => {
+                        let key = target
+                            .routing_key
+                            .as_deref()
+                            .unwrap_or(&message.routing_key);
+                        let reason = format!(
+                            "unroutable: exchange {:?} has no queue bound for routing key {key:?}",
+                            target.destination
+                        );
+                        tracing::warn!(id = fired.id, %reason, "message unroutable");
+                        rewrite::with_error(&mut message, &reason);
+                        park(&brokers, &route.unroutable, &message, &route, "unroutable").await
+                    }
+                    Err(SinkError::UnknownTarget(e))
+                        if fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS =>
+                    {
+                        park_unknown(&brokers, &route, &mut message, fired.id, &e).await
+                    }
+                    Err(SinkError::Transient(e))
+                        if e.contains("NOT_FOUND")
+                            && fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS =>
+                    {
+                        park_unknown(&brokers, &route, &mut message, fired.id, &e).await
+                    }
+                    Err(SinkError::UnknownTarget(e)) => {
+                        Outcome::Retry(format!("unknown target: {e}"))
+                    }
+                    Err(SinkError::Transient(e)) => Outcome::Retry(e),
+                    Err(SinkError::Permanent(e)) => {
+                        let reason = format!("cannot publish: {e}");
+                        tracing::warn!(id = fired.id, %reason, "message cannot be published");
+                        rewrite::with_error(&mut message, &reason);
+                        park(&brokers, &route.unroutable, &message, &route, "unroutable").await
+                    }
                 }
             }
-        })
+            .instrument(span),
+        )
     }
+}
+
+/// Cross-broker mapping and the Kafka timestamp rule.
+fn prepare_for_target(route: &Route, message: &mut Message) {
+    match (route.from_kind, route.to_kind) {
+        (BrokerKind::Amqp, BrokerKind::Kafka) => bridge::amqp_to_kafka(message),
+        (BrokerKind::Kafka, BrokerKind::Amqp) => bridge::kafka_to_amqp(message),
+        _ => {}
+    }
+    if route.to_kind == BrokerKind::Kafka && !route.config.to.keep_timestamp {
+        // The record is stamped with the time it is published (fire time).
+        message.timestamp_ms = None;
+    }
+}
+
+/// The target has been missing for several attempts: an unknown target, not
+/// a blip during a redeploy.
+async fn park_unknown(
+    brokers: &Brokers,
+    route: &Route,
+    message: &mut Message,
+    id: u64,
+    error: &str,
+) -> Outcome {
+    let reason = format!("unknown target: {error}");
+    tracing::warn!(id, %reason, "target missing; parking the message");
+    rewrite::with_error(message, &reason);
+    park(brokers, &route.unroutable, message, route, "unroutable").await
 }
 
 /// Publish to an invalid/unroutable destination, counting it.
@@ -102,7 +141,10 @@ pub async fn park(
             return Outcome::Retry(format!("cannot declare {kind} queue {queue:?}: {e:#}"));
         }
     }
-    match brokers.publish(&dest.broker, message, &dest.target).await {
+    match brokers
+        .publish(&dest.broker, message.clone(), dest.target.clone())
+        .await
+    {
         Ok(PublishOutcome::Delivered) => {
             metrics::counter!(format!("delayd_{kind}_total"), "route" => route.name().to_owned())
                 .increment(1);

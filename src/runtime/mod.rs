@@ -6,11 +6,13 @@
 //! close the WAL, close broker connections, exit 0. A fatal WAL error stops
 //! the same way but exits non-zero.
 
+mod backpressure;
 mod brokers;
 mod deliver;
 mod ingest;
 
-pub use brokers::Brokers;
+pub use backpressure::Backpressure;
+pub use brokers::{BrokerHandle, Brokers};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,11 +20,12 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use delayd_adapters::amqp::{AmqpSource, ExchangeType, SourceConfig};
+use delayd_adapters::kafka::{KafkaSource, KafkaSourceConfig};
 use delayd_adapters::Source;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminState};
-use crate::config::{BrokerConfig, Config};
+use crate::config::Config;
 use crate::engine::{Dispatch, Engine, EngineConfig, SystemClock};
 use crate::route::Route;
 use crate::wal::WalConfig;
@@ -39,6 +42,8 @@ pub fn engine_config(config: &Config) -> EngineConfig {
         retry_initial: config.engine.retry_initial,
         retry_max: config.engine.retry_max,
         dedup_window: config.engine.dedup_window,
+        max_pending: config.engine.max_pending,
+        max_disk: config.engine.max_disk,
         ..EngineConfig::new(wal)
     }
 }
@@ -73,6 +78,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let routes = Arc::new(routes);
 
     let ready = Arc::new(AtomicBool::new(true));
+    let pressure = Arc::new(Backpressure::default());
     let admin_task = if config.http.listen.is_empty() {
         None
     } else {
@@ -81,7 +87,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             brokers.clone(),
             ready.clone(),
             admin::token(&config.http)?,
-        );
+        )
+        .with_backpressure(pressure.clone())
+        .with_routes(routes.clone());
         let listener = tokio::net::TcpListener::bind(&config.http.listen)
             .await
             .with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
@@ -89,6 +97,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let stop = shutdown.clone();
         Some(tokio::spawn(admin::serve(listener, state, stop)))
     };
+
+    check_kafka_targets(&brokers, &routes).await;
 
     // Due messages out.
     let dispatch: Arc<dyn Dispatch> = Arc::new(deliver::Deliverer {
@@ -108,13 +118,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut intakes = Vec::new();
     for route_cfg in &config.routes {
         let route = routes[&route_cfg.name].clone();
-        let source = start_source(&config, &brokers, route_cfg)?;
+        let source = start_source(&brokers, route_cfg)?;
         let intake = ingest::Intake {
             route,
             engine: engine.clone(),
             brokers: brokers.clone(),
             concurrency: route_cfg.from.prefetch.unwrap_or(1000) as usize,
             fatal: fatal.clone(),
+            pressure: pressure.clone(),
         };
         tracing::info!(route = %route_cfg.name, "route started");
         intakes.push(tokio::spawn(intake.run(source, intake_stop.clone())));
@@ -148,16 +159,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 }
 
 fn start_source(
-    config: &Config,
     brokers: &Brokers,
     route: &crate::config::RouteConfig,
 ) -> anyhow::Result<Box<dyn Source>> {
     let name = &route.name;
-    match config.broker(&route.from.broker) {
-        Some(BrokerConfig::Amqp { .. }) => {
-            let handle = brokers
-                .get(&route.from.broker)
-                .with_context(|| format!("routes.{name}.from.broker"))?;
+    match brokers.get(&route.from.broker) {
+        Some(BrokerHandle::Amqp { connections, .. }) => {
             let queue = route.from.queue.clone().unwrap_or_default();
             let mut source_cfg = SourceConfig::new(queue);
             if let Some(exchange) = &route.from.exchange {
@@ -173,14 +180,46 @@ fn start_source(
             if let Some(prefetch) = route.from.prefetch {
                 source_cfg.prefetch = prefetch;
             }
-            let source = AmqpSource::start(handle.connections.consume.clone(), source_cfg)
+            let source = AmqpSource::start(connections.consume.clone(), source_cfg)
                 .with_context(|| format!("route {name}: cannot start consuming"))?;
             Ok(Box::new(source))
         }
-        Some(BrokerConfig::Kafka { .. }) => {
-            anyhow::bail!("route {name}: Kafka sources are not supported by this build yet")
+        Some(BrokerHandle::Kafka { client, .. }) => {
+            let group = route.from.group.clone().unwrap_or_default();
+            let mut source_cfg = KafkaSourceConfig::new(route.from.topics.clone(), group);
+            if let Some(prefetch) = route.from.prefetch {
+                source_cfg.capacity = prefetch as usize;
+            }
+            let source = KafkaSource::start(client, source_cfg)
+                .with_context(|| format!("route {name}: cannot start consuming"))?;
+            Ok(Box::new(source))
         }
         None => anyhow::bail!("route {name}: no broker {:?}", route.from.broker),
+    }
+}
+
+/// Look the routes' Kafka target topics up before the first publish, so a
+/// missing one is reported now and the first records keep their order.
+async fn check_kafka_targets(brokers: &Brokers, routes: &HashMap<String, Arc<Route>>) {
+    for route in routes.values() {
+        if route.to_kind != crate::route::BrokerKind::Kafka {
+            continue;
+        }
+        let check = brokers.check_target(&route.to.broker, &route.to.target);
+        match tokio::time::timeout(std::time::Duration::from_secs(10), check).await {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => tracing::warn!(
+                route = %route.name(),
+                topic = %route.to.target.destination,
+                "the target topic does not exist; due messages wait, then go to the unroutable topic"
+            ),
+            Ok(Err(e)) => {
+                tracing::warn!(route = %route.name(), error = %e, "cannot look up the target topic")
+            }
+            Err(_) => {
+                tracing::warn!(route = %route.name(), "looking up the target topic timed out")
+            }
+        }
     }
 }
 

@@ -11,6 +11,8 @@
 //! Nothing sleeps blindly: every wait polls a condition until a deadline.
 #![allow(dead_code)]
 
+pub mod kafka;
+
 use std::collections::HashSet;
 use std::fs::File;
 use std::future::Future;
@@ -24,9 +26,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures_lite::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{
@@ -188,6 +190,37 @@ impl Drop for Cleanup {
     }
 }
 
+/// One test's names, a client, and a running delayd routing between them.
+pub struct Setup {
+    pub names: Names,
+    // Dropped in reverse order: delayd stops before the names are deleted.
+    pub _cleanup: Cleanup,
+    pub delayd: Delayd,
+    pub client: Client,
+}
+
+impl Setup {
+    /// Declares the target exchange and queue (plus `extra_queues`, cleaned
+    /// up too), then starts delayd with `opts`.
+    pub async fn start(names: Names, extra_queues: &[&str], opts: DelaydOptions) -> Setup {
+        let mut cleanup = names.cleanup();
+        cleanup
+            .queues
+            .extend(extra_queues.iter().map(|q| q.to_string()));
+        let client = Client::connect(&format!("delayd-it-{}", names.route)).await;
+        client
+            .declare_target(&names.to_exchange, &names.target_queue)
+            .await;
+        let delayd = Delayd::start(&names, opts).await;
+        Setup {
+            names,
+            _cleanup: cleanup,
+            delayd,
+            client,
+        }
+    }
+}
+
 // ------------------------------------------------------------------ delayd
 
 /// How to configure one delayd instance.
@@ -199,6 +232,17 @@ pub struct DelaydOptions {
     pub prefetch: u16,
     /// `wal.max_message_bytes`.
     pub max_message_bytes: u32,
+    /// `engine.max_pending` (0 = no limit).
+    pub max_pending: u64,
+    /// `http.token`, if any.
+    pub token: Option<String>,
+    /// The route's `mode`: delay, ttl or retry.
+    pub mode: String,
+    /// `to.routing_key` of the route (kept from the message when `None`).
+    pub to_routing_key: Option<String>,
+    /// TOML lines appended to the route after `to` (route keys first, then
+    /// sub-tables such as `[routes.retry]`).
+    pub route_extra: String,
 }
 
 impl Default for DelaydOptions {
@@ -207,12 +251,17 @@ impl Default for DelaydOptions {
             shutdown_grace: "10s".into(),
             prefetch: 1000,
             max_message_bytes: 16 << 20,
+            max_pending: 0,
+            token: None,
+            mode: "delay".into(),
+            to_routing_key: None,
+            route_extra: String::new(),
         }
     }
 }
 
 /// TOML string literal (basic string, escaped).
-fn toml_string(s: &str) -> String {
+pub fn toml_string(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
     out.push('"');
     for c in s.chars() {
@@ -243,9 +292,10 @@ max_message_bytes = {max_message_bytes}
 
 [http]
 listen = "{http}"
-
+{token}
 [engine]
 shutdown_grace = {grace}
+max_pending = {max_pending}
 
 [log]
 format = "pretty"
@@ -257,10 +307,18 @@ url = {url}
 
 [[routes]]
 name = {route}
-mode = "delay"
+mode = {mode}
 from = {{ broker = "rabbit", queue = {queue}, exchange = {exchange}, exchange_type = "topic", prefetch = {prefetch} }}
-to = {{ broker = "rabbit", exchange = {to} }}
+to = {{ broker = "rabbit", exchange = {to}{to_key} }}
+{extra}
 "#,
+        mode = toml_string(&opts.mode),
+        to_key = opts
+            .to_routing_key
+            .as_deref()
+            .map(|k| format!(", routing_key = {}", toml_string(k)))
+            .unwrap_or_default(),
+        extra = opts.route_extra,
         wal_dir = toml_string(wal_dir),
         grace = toml_string(&opts.shutdown_grace),
         url = toml_string(&amqp_url()),
@@ -270,6 +328,12 @@ to = {{ broker = "rabbit", exchange = {to} }}
         prefetch = opts.prefetch,
         max_message_bytes = opts.max_message_bytes,
         to = toml_string(&names.to_exchange),
+        max_pending = opts.max_pending,
+        token = opts
+            .token
+            .as_deref()
+            .map(|t| format!("token = {}\n", toml_string(t)))
+            .unwrap_or_default(),
     )
 }
 
@@ -289,21 +353,39 @@ impl Delayd {
     /// Writes the config, starts delayd and waits until it consumes
     /// `names.from_queue` (so the source exchange and binding exist).
     pub async fn start(names: &Names, opts: DelaydOptions) -> Delayd {
+        Delayd::start_consuming(
+            |wal, http| config_toml(names, wal, http, &opts),
+            &names.from_queue,
+        )
+        .await
+    }
+
+    /// Starts delayd with the config `config(wal_dir, http_addr)` and waits
+    /// for `/healthz` only (routes with no AMQP queue to watch, e.g. Kafka).
+    pub async fn start_with(config: impl Fn(&Path, SocketAddr) -> String) -> Delayd {
+        Delayd::start_consuming(config, "").await
+    }
+
+    /// Like [`Delayd::start_with`], then waits until delayd consumes
+    /// `from_queue` (unless it is empty).
+    pub async fn start_consuming(
+        config: impl Fn(&Path, SocketAddr) -> String,
+        from_queue: &str,
+    ) -> Delayd {
         let dir = tempfile::Builder::new()
             .prefix("delayd-it.")
             .tempdir()
             .expect("cannot create a temporary directory");
         let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let config = dir.path().join("delayd.toml");
+        let config_path = dir.path().join("delayd.toml");
         let wal_dir = dir.path().join("wal");
-        std::fs::write(&config, config_toml(names, &wal_dir, http, &opts))
-            .expect("cannot write delayd.toml");
+        std::fs::write(&config_path, config(&wal_dir, http)).expect("cannot write delayd.toml");
         let mut delayd = Delayd {
             log: dir.path().join("delayd.log"),
             dir,
-            config,
+            config: config_path,
             http,
-            from_queue: names.from_queue.clone(),
+            from_queue: from_queue.to_owned(),
             child: None,
             starts: 0,
         };
@@ -388,6 +470,9 @@ impl Delayd {
             );
             tokio::time::sleep(POLL).await;
         }
+        if self.from_queue.is_empty() {
+            return;
+        }
         let client = Client::connect("delayd-it-ready").await;
         loop {
             self.assert_running("starting to consume");
@@ -448,6 +533,27 @@ impl Delayd {
     /// A blocking HTTP/1.1 GET of the admin API: (status, body).
     pub fn http_get(&self, path: &str) -> std::io::Result<(u16, String)> {
         http_get(self.http, path)
+    }
+
+    /// The admin API's address.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http
+    }
+
+    /// `method path` on the admin API with an optional bearer token; panics
+    /// unless the answer is JSON. Returns (status, JSON body).
+    pub fn api(&self, method: &str, path: &str, token: Option<&str>) -> (u16, serde_json::Value) {
+        let (status, body) = http_request(self.http, method, path, token)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        let json = serde_json::from_str(&body).unwrap_or_else(|e| {
+            panic!("{method} {path} answered {status} with non-JSON {body:?}: {e}")
+        });
+        (status, json)
+    }
+
+    /// The `/readyz` JSON (answered with 200 or 503 alike).
+    pub fn readyz(&self) -> serde_json::Value {
+        self.api("GET", "/readyz", None).1
     }
 
     /// `pending` of `/readyz` (answered with 200 or 503 alike).
@@ -594,13 +700,27 @@ fn amqp_client_ports(pid: u32) -> HashSet<u16> {
 
 /// A blocking HTTP/1.1 GET: (status, body). Enough for the admin API.
 pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    http_request(addr, "GET", path, None)
+}
+
+/// A blocking HTTP/1.1 request with an optional bearer token: (status, body).
+/// The admin API sends fixed-length bodies, so reading to the end is enough.
+pub fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+) -> std::io::Result<(u16, String)> {
     let timeout = Duration::from_secs(2);
     let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
     )?;
     let mut response = Vec::new();
     stream.read_to_end(&mut response)?;
@@ -691,6 +811,31 @@ impl Client {
                 queue.into(),
                 exchange.into(),
                 "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("queue.bind {queue} to {exchange}: {e}"));
+    }
+
+    /// Declares `queue` (non-durable) with `arguments`, e.g. a dead-letter
+    /// exchange, and binds it to `exchange` with `key`.
+    pub async fn declare_bound_queue(
+        &self,
+        queue: &str,
+        arguments: FieldTable,
+        exchange: &str,
+        key: &str,
+    ) {
+        self.channel
+            .queue_declare(queue.into(), QueueDeclareOptions::default(), arguments)
+            .await
+            .unwrap_or_else(|e| panic!("queue.declare {queue}: {e}"));
+        self.channel
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                key.into(),
                 QueueBindOptions::default(),
                 FieldTable::default(),
             )
@@ -887,6 +1032,26 @@ impl Receiver {
     pub async fn close(self) {
         let _ = self.channel.close(200, "bye".into()).await;
     }
+}
+
+/// `basic.reject` with `requeue=false`: the broker dead-letters it.
+pub async fn reject(received: &Received) {
+    received
+        .delivery
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .expect("basic.reject");
+}
+
+/// The major version of the RabbitMQ server, from `rabbitmqctl version`
+/// (`None` when it cannot be run, e.g. a remote broker).
+pub fn rabbitmq_major() -> Option<u32> {
+    let out = Command::new("rabbitmqctl").arg("version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .rev()
+        .find_map(|l| l.trim().split('.').next()?.parse().ok())
 }
 
 pub async fn ack(received: &Received) {

@@ -133,6 +133,7 @@ pub fn message_from_delivery(delivery: &mut lapin::message::Delivery) -> Message
         key: None,
         partition: None,
         timestamp_ms: None,
+        null_value: false,
     }
 }
 

@@ -1,0 +1,76 @@
+//! Kafka adapter (via rdkafka / librdkafka).
+//!
+//! One job per file:
+//!
+//! * [`convert`]: Kafka record ⇄ [`Message`](crate::Message): key, value,
+//!   headers (bytes), partition, timestamp; typed values written as text.
+//! * [`offsets`]: which offsets may be committed, in order per partition,
+//!   only once every earlier record is durable in delayd.
+//! * [`source`]: [`KafkaSource`], a [`Source`](crate::Source) consuming a
+//!   consumer group's topics on a poll thread of its own; commits on revoke.
+//! * [`sink`]: [`KafkaSink`], an idempotent `acks=all` producer that keeps
+//!   the call order on the wire and places keyed records with Java's murmur2.
+//! * [`murmur2`]: Java-compatible murmur2 partitioning, to check placement.
+
+pub mod convert;
+pub mod murmur2;
+pub mod offsets;
+pub mod sink;
+pub mod source;
+
+use std::collections::BTreeMap;
+
+use rdkafka::ClientConfig;
+
+pub use rdkafka::error::KafkaError;
+pub use sink::KafkaSink;
+pub use source::{KafkaSource, KafkaSourceConfig};
+
+/// How to reach one Kafka cluster.
+#[derive(Debug, Clone, Default)]
+pub struct KafkaClientConfig {
+    /// Comma-separated `host:port` list (`bootstrap.servers`).
+    pub bootstrap: String,
+    /// Extra librdkafka properties (`security.protocol`, `sasl.*`,
+    /// `session.timeout.ms`, ...). They override delayd's defaults, except
+    /// the few its guarantees rest on.
+    pub properties: BTreeMap<String, String>,
+}
+
+impl KafkaClientConfig {
+    pub fn new(bootstrap: impl Into<String>) -> Self {
+        Self {
+            bootstrap: bootstrap.into(),
+            properties: BTreeMap::new(),
+        }
+    }
+
+    /// `defaults`, then the user's properties, then `required`.
+    fn client_config(&self, defaults: &[(&str, &str)], required: &[(&str, &str)]) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.bootstrap);
+        for (k, v) in defaults {
+            c.set(*k, *v);
+        }
+        for (k, v) in &self.properties {
+            c.set(k, v);
+        }
+        for (k, v) in required {
+            c.set(*k, *v);
+        }
+        c
+    }
+}
+
+/// librdkafka's log lines, into tracing.
+fn log_to_tracing(level: rdkafka::config::RDKafkaLogLevel, facility: &str, message: &str) {
+    use rdkafka::config::RDKafkaLogLevel as L;
+    match level {
+        L::Emerg | L::Alert | L::Critical | L::Error => {
+            tracing::error!(target: "librdkafka", facility, "{message}")
+        }
+        L::Warning => tracing::warn!(target: "librdkafka", facility, "{message}"),
+        L::Notice | L::Info => tracing::info!(target: "librdkafka", facility, "{message}"),
+        L::Debug => tracing::debug!(target: "librdkafka", facility, "{message}"),
+    }
+}

@@ -1,0 +1,237 @@
+//! `delayd messages list|get|cancel`: the admin API from the command line.
+//!
+//! The address comes from `--http`, else `http.listen` of `--config` (or the
+//! built-in default 127.0.0.1:9464); the token from `--token` /
+//! `DELAYD_HTTP__TOKEN`, else `http.token` / `http.token_file` of the config.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use serde_json::Value;
+
+use crate::client::{encode_query_value, Client};
+use crate::config::Config;
+
+#[derive(Debug, Args)]
+pub struct MessagesArgs {
+    /// Admin API address (host:port). Default: http.listen of the config.
+    #[arg(long, global = true)]
+    pub http: Option<String>,
+    /// Bearer token for the admin API.
+    #[arg(
+        long,
+        global = true,
+        env = "DELAYD_HTTP__TOKEN",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+    /// Config file to take http.listen and the token from.
+    #[arg(short, long, global = true, env = "DELAYD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print the API's JSON instead of a table.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: MessagesCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum MessagesCommand {
+    /// List pending messages by due time, one page at a time.
+    List {
+        #[arg(long)]
+        route: Option<String>,
+        /// Only messages due at or after this (epoch ms).
+        #[arg(long)]
+        due_from: Option<u64>,
+        /// Only messages due at or before this (epoch ms).
+        #[arg(long)]
+        due_to: Option<u64>,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// `next_cursor` of the previous page.
+        #[arg(long)]
+        cursor: Option<String>,
+        /// Only the messages with this AMQP message_id (needs --route).
+        #[arg(long)]
+        message_id: Option<String>,
+        /// Only the messages with this Kafka key (needs --route).
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Show one pending message: metadata, properties and headers.
+    Get {
+        id: String,
+        /// Include the body.
+        #[arg(long)]
+        body: bool,
+    },
+    /// Cancel a pending message by id, or by message_id / key on a route.
+    Cancel {
+        /// The delayd id (as listed, or the x-delayd-id it would carry).
+        #[arg(required_unless_present_any = ["message_id", "key"])]
+        id: Option<String>,
+        /// Cancel the messages with this AMQP message_id on --route.
+        #[arg(long, requires = "route", conflicts_with = "id")]
+        message_id: Option<String>,
+        /// Cancel the messages with this Kafka key on --route.
+        #[arg(long, requires = "route", conflicts_with_all = ["id", "message_id"])]
+        key: Option<String>,
+        /// The route of --message-id / --key.
+        #[arg(long)]
+        route: Option<String>,
+    },
+}
+
+pub fn run(args: MessagesArgs) -> anyhow::Result<()> {
+    let client = client(&args)?;
+    let (method, path) = request(&args.command);
+    let response = client.request(method, &path)?;
+    let body: Value = serde_json::from_slice(&response.body).with_context(|| {
+        format!(
+            "admin API answered {} with non-JSON: {}",
+            response.status,
+            String::from_utf8_lossy(&response.body)
+        )
+    })?;
+    if !(200..300).contains(&response.status) {
+        let message = body["error"].as_str().unwrap_or("no message");
+        anyhow::bail!("{} {method} {path}: {message}", response.status);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(());
+    }
+    match &args.command {
+        MessagesCommand::List { .. } => print_list(&body),
+        MessagesCommand::Get { .. } => println!("{}", serde_json::to_string_pretty(&body)?),
+        MessagesCommand::Cancel { .. } => {
+            let ids: Vec<String> = match &body["cancelled"] {
+                Value::Array(ids) => ids.iter().map(text).collect(),
+                other => vec![text(other)],
+            };
+            println!("cancelled {}", ids.join(" "));
+        }
+    }
+    Ok(())
+}
+
+fn client(args: &MessagesArgs) -> anyhow::Result<Client> {
+    let config = match (&args.http, &args.token, &args.config) {
+        // Everything given on the command line: no config needed.
+        (Some(_), Some(_), None) => None,
+        _ => Some(Config::load(args.config.as_deref())?),
+    };
+    let addr = match (&args.http, &config) {
+        (Some(a), _) => a.clone(),
+        (None, Some(c)) if !c.http.listen.is_empty() => c.http.listen.clone(),
+        _ => anyhow::bail!("no admin API address: give --http or set http.listen"),
+    };
+    let token = match (&args.token, &config) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(c)) => crate::admin::token(&c.http)?,
+        (None, None) => None,
+    };
+    Ok(Client::new(addr, token))
+}
+
+fn request(command: &MessagesCommand) -> (&'static str, String) {
+    let mut query = Vec::new();
+    let mut add = |name: &str, value: Option<String>| {
+        if let Some(v) = value {
+            query.push(format!("{name}={}", encode_query_value(&v)));
+        }
+    };
+    let (method, path) = match command {
+        MessagesCommand::List {
+            route,
+            due_from,
+            due_to,
+            limit,
+            cursor,
+            message_id,
+            key,
+        } => {
+            add("route", route.clone());
+            add("due_from", due_from.map(|v| v.to_string()));
+            add("due_to", due_to.map(|v| v.to_string()));
+            add("limit", Some(limit.to_string()));
+            add("cursor", cursor.clone());
+            add("message_id", message_id.clone());
+            add("key", key.clone());
+            ("GET", "/v1/messages".to_owned())
+        }
+        MessagesCommand::Get { id, body } => {
+            add("body", body.then(|| "true".to_owned()));
+            ("GET", format!("/v1/messages/{}", encode_query_value(id)))
+        }
+        MessagesCommand::Cancel { id: Some(id), .. } => {
+            ("DELETE", format!("/v1/messages/{}", encode_query_value(id)))
+        }
+        MessagesCommand::Cancel {
+            id: None,
+            message_id,
+            key,
+            route,
+        } => {
+            add("route", route.clone());
+            add("message_id", message_id.clone());
+            add("key", key.clone());
+            ("DELETE", "/v1/messages".to_owned())
+        }
+    };
+    if query.is_empty() {
+        (method, path)
+    } else {
+        (method, format!("{path}?{}", query.join("&")))
+    }
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
+
+fn print_list(body: &Value) {
+    println!(
+        "{:<20} {:<16} {:<24} {:<10} {:>8} {:<24} target",
+        "id", "route", "due", "phase", "size", "message_id/key"
+    );
+    let empty = Vec::new();
+    let items = body["items"].as_array().unwrap_or(&empty);
+    for item in items {
+        let lookup = match &item["key"] {
+            Value::Null => text(&item["message_id"]),
+            key => text(key),
+        };
+        let target = &item["target"];
+        let target = if target.is_null() {
+            "-".to_owned()
+        } else {
+            format!(
+                "{}:{}/{}",
+                text(&target["broker"]),
+                text(&target["destination"]),
+                text(&target["routing_key"])
+            )
+        };
+        println!(
+            "{:<20} {:<16} {:<24} {:<10} {:>8} {:<24} {}",
+            text(&item["id"]),
+            text(&item["route"]),
+            text(&item["due"]),
+            text(&item["phase"]),
+            text(&item["size"]),
+            lookup,
+            target
+        );
+    }
+    println!("{} message(s)", items.len());
+    if let Some(next) = body["next_cursor"].as_str() {
+        println!("next page: --cursor {next}");
+    }
+}

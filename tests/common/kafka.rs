@@ -1,0 +1,256 @@
+//! Kafka side of the end-to-end harness: a real Kafka-protocol broker at
+//! 127.0.0.1:9092 (`KAFKA_BOOTSTRAP` overrides; `scripts/kafka.sh` starts
+//! tansu there), reached with plain rdkafka clients.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, Headers, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Message};
+
+use super::{now_ms, toml_string, unique_suffix};
+
+pub fn bootstrap() -> String {
+    std::env::var("KAFKA_BOOTSTRAP").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+/// A topic name no other test uses.
+pub fn topic(test: &str, role: &str) -> String {
+    format!("delayd-it.{test}.{role}.{}", unique_suffix())
+}
+
+pub async fn create_topic(name: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .create()
+        .expect("Kafka admin client");
+    let results = admin
+        .create_topics(
+            [&NewTopic::new(name, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("create topic {name}: {e}"));
+    for r in results {
+        r.unwrap_or_else(|e| panic!("create topic {name}: {e:?}"));
+    }
+}
+
+/// Members of consumer group `group`, as the broker reports them.
+pub fn group_members(group: &str) -> usize {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .create()
+        .expect("Kafka client");
+    match consumer.fetch_group_list(Some(group), Duration::from_secs(5)) {
+        Ok(list) => list
+            .groups()
+            .iter()
+            .find(|g| g.name() == group)
+            .map_or(0, |g| g.members().len()),
+        Err(e) => panic!("describe group {group}: {e}"),
+    }
+}
+
+/// A record as the tests send and receive it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Record {
+    pub key: Option<Vec<u8>>,
+    pub value: Option<Vec<u8>>,
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+    pub partition: i32,
+    pub timestamp_ms: Option<i64>,
+    /// When the test's consumer got it (wall clock, ms).
+    pub received_ms: u64,
+}
+
+impl Record {
+    pub fn new(key: &str, value: &[u8]) -> Record {
+        Record {
+            key: Some(key.as_bytes().to_vec()),
+            value: Some(value.to_vec()),
+            ..Record::default()
+        }
+    }
+
+    pub fn header(mut self, name: &str, value: Option<&[u8]>) -> Record {
+        self.headers
+            .push((name.to_owned(), value.map(<[u8]>::to_vec)));
+        self
+    }
+
+    pub fn header_text(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| v.as_deref())
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+}
+
+/// An idempotent, `acks=all` producer, partitioning like Java's client.
+pub struct Producer {
+    inner: FutureProducer,
+}
+
+impl Producer {
+    pub fn new() -> Producer {
+        let inner = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap())
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("partitioner", "murmur2_random")
+            .set("linger.ms", "1")
+            .create()
+            .expect("Kafka producer");
+        Producer { inner }
+    }
+
+    /// Sends and waits for the broker; returns the partition.
+    pub async fn send(&self, topic: &str, record: &Record) -> i32 {
+        let mut headers = OwnedHeaders::new();
+        for (name, value) in &record.headers {
+            headers = headers.insert(Header {
+                key: name,
+                value: value.as_deref(),
+            });
+        }
+        let mut r: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(headers);
+        if let Some(k) = &record.key {
+            r = r.key(k);
+        }
+        if let Some(v) = &record.value {
+            r = r.payload(v);
+        }
+        let delivery = self
+            .inner
+            .send(r, Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|(e, _)| panic!("produce to {topic}: {e}"));
+        delivery.partition
+    }
+}
+
+/// Reads a topic from the beginning with a group of its own.
+pub struct Reader {
+    consumer: BaseConsumer,
+    topic: String,
+}
+
+impl Reader {
+    pub fn new(topic: &str) -> Reader {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap())
+            .set("group.id", format!("delayd-it-reader.{}", unique_suffix()))
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false")
+            // Notice soon a topic delayd creates after the subscription.
+            .set("topic.metadata.refresh.interval.ms", "1000")
+            .create()
+            .expect("Kafka consumer");
+        consumer.subscribe(&[topic]).expect("subscribe");
+        Reader {
+            consumer,
+            topic: topic.to_owned(),
+        }
+    }
+
+    /// The next record, or `None` once `deadline` passes.
+    pub fn next(&self, deadline: Instant) -> Option<Record> {
+        while Instant::now() < deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.consumer.poll(left.min(Duration::from_millis(100))) {
+                Some(Ok(m)) => {
+                    let headers = m
+                        .headers()
+                        .map(|h| {
+                            h.iter()
+                                .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    return Some(Record {
+                        key: m.key().map(<[u8]>::to_vec),
+                        value: m.payload().map(<[u8]>::to_vec),
+                        headers,
+                        partition: m.partition(),
+                        timestamp_ms: m.timestamp().to_millis(),
+                        received_ms: now_ms(),
+                    });
+                }
+                Some(Err(e)) => eprintln!("reader of {}: {e}", self.topic),
+                None => {}
+            }
+        }
+        None
+    }
+
+    /// Reads until `count` records arrived; panics at `within`.
+    pub fn collect(&self, count: usize, within: Duration) -> Vec<Record> {
+        let deadline = Instant::now() + within;
+        let mut out = Vec::with_capacity(count);
+        while out.len() < count {
+            match self.next(deadline) {
+                Some(r) => out.push(r),
+                None => panic!(
+                    "{} of {count} records arrived on {} within {within:?}",
+                    out.len(),
+                    self.topic
+                ),
+            }
+        }
+        out
+    }
+
+    /// Every record that arrives before `deadline`.
+    pub fn drain_until(&self, deadline: Instant) -> Vec<Record> {
+        std::iter::from_fn(|| self.next(deadline)).collect()
+    }
+}
+
+/// The config of a delayd with one Kafka → Kafka route, plus `extra` route
+/// keys (e.g. `cancel_on_tombstone = true`).
+pub fn config(
+    wal_dir: &Path,
+    http: SocketAddr,
+    route: &str,
+    from_topic: &str,
+    group: &str,
+    to_topic: &str,
+    extra: &str,
+) -> String {
+    format!(
+        r#"[wal]
+dir = {wal}
+
+[http]
+listen = "{http}"
+
+[log]
+level = "info"
+
+[brokers.kafka]
+kind = "kafka"
+bootstrap = {bootstrap}
+# A killed instance's group membership expires quickly (tests restart them).
+properties = {{ "session.timeout.ms" = "6000" }}
+
+[[routes]]
+name = {route}
+from = {{ broker = "kafka", topics = [{from}], group = {group} }}
+to = {{ broker = "kafka", topic = {to} }}
+{extra}
+"#,
+        wal = toml_string(wal_dir.to_str().expect("UTF-8 temp path")),
+        bootstrap = toml_string(&bootstrap()),
+        route = toml_string(route),
+        from = toml_string(from_topic),
+        group = toml_string(group),
+        to = toml_string(to_topic),
+    )
+}
