@@ -237,8 +237,9 @@ level = "info"
 [brokers.kafka]
 kind = "kafka"
 bootstrap = {bootstrap}
-# A killed instance's group membership expires quickly (tests restart them).
-properties = {{ "session.timeout.ms" = "6000" }}
+# A killed instance's group membership expires quickly (tests restart them);
+# frequent heartbeats keep a live member well inside that window.
+properties = {{ "session.timeout.ms" = "6000", "heartbeat.interval.ms" = "1000" }}
 
 [[routes]]
 name = {route}

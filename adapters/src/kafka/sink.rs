@@ -128,6 +128,18 @@ impl KafkaSink {
     /// Uses the broker's default partitions and replication when it allows,
     /// else one partition with one replica.
     pub async fn ensure_topic(&self, topic: &str) -> Result<(), SinkError> {
+        self.create_topic(topic, &[(-1, -1), (1, 1)]).await
+    }
+
+    /// Create `topic` with `partitions` unless it exists, with the broker's
+    /// default replication when it allows, else one replica.
+    pub async fn ensure_topic_with(&self, topic: &str, partitions: i32) -> Result<(), SinkError> {
+        self.create_topic(topic, &[(partitions, -1), (partitions, 1)])
+            .await
+    }
+
+    /// Try each (partitions, replicas) in turn until the topic exists.
+    async fn create_topic(&self, topic: &str, attempts: &[(i32, i32)]) -> Result<(), SinkError> {
         if self.known().contains(topic) {
             return Ok(());
         }
@@ -137,7 +149,7 @@ impl KafkaSink {
             })?;
         let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
         let mut last = String::new();
-        for (partitions, replicas) in [(-1, -1), (1, 1)] {
+        for &(partitions, replicas) in attempts {
             let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(replicas));
             match admin.create_topics([&new], &options).await {
                 Ok(results) => match results.into_iter().next() {

@@ -1,24 +1,26 @@
-//! `delayd bench`: a load generator for delayed delivery over AMQP.
+//! `delayd bench`: a load generator for delayed delivery.
 //!
 //! It publishes `--count` messages with `x-delay` spread uniformly over
-//! `[--delay-min, --delay-max]` to `--exchange` at `--rate` per second, and
-//! consumes `--queue`, measuring each message's lateness against the due
-//! time it carries. Any exchange works: delayd's ingress exchange or a plugin
-//! `x-delayed-message` exchange. It reports publish and delivery rates,
-//! lateness p50/p99/max, and the lost, early and duplicate counts.
+//! `[--delay-min, --delay-max]` at `--rate` per second and consumes where
+//! they should arrive, measuring each message's lateness against the due
+//! time it carries. It reports publish and delivery rates, lateness
+//! p50/p99/max, and the lost, early and duplicate counts.
+//!
+//! The run itself is broker-neutral (any [`Sink`] in, any [`Source`] out);
+//! [`amqp`] and [`kafka`] only say where to publish and what to consume:
+//! an exchange and a queue (delayd's ingress exchange or a plugin
+//! `x-delayed-message` exchange alike), or a delay topic and a target topic.
+
+mod amqp;
+mod kafka;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use clap::Args;
-use delayd_adapters::amqp::topology::ensure_bound_queue;
-use delayd_adapters::amqp::{
-    AmqpSink, AmqpSource, BrokerConnections, ExchangeType, SinkConfig, SourceConfig,
-};
 use delayd_adapters::{
-    FieldTable, Message, Properties, PublishOutcome, Sink, Source, Target, Value,
+    BoxFuture, FieldTable, Message, Properties, PublishOutcome, Sink, Source, Target, Value,
 };
 use hdrhistogram::Histogram;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
@@ -31,18 +33,33 @@ pub struct BenchArgs {
     /// AMQP URL of the broker.
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
     pub url: String,
-    /// Exchange to publish the delayed messages to.
-    #[arg(long)]
-    pub exchange: String,
-    /// Routing key to publish with.
+    /// AMQP: exchange to publish the delayed messages to.
+    #[arg(long, required_unless_present = "kafka")]
+    pub exchange: Option<String>,
+    /// AMQP: routing key to publish with.
     #[arg(long, default_value = "bench")]
     pub routing_key: String,
-    /// Queue to consume the delivered messages from.
-    #[arg(long)]
-    pub queue: String,
-    /// Declare `--queue` and bind it to this exchange (topic, key `#`) first.
+    /// AMQP: queue to consume the delivered messages from.
+    #[arg(long, required_unless_present = "kafka")]
+    pub queue: Option<String>,
+    /// AMQP: declare `--queue` and bind it to this exchange (topic, key `#`) first.
     #[arg(long)]
     pub bind_to: Option<String>,
+    /// Kafka instead of AMQP: the bootstrap servers (`host:port,...`).
+    #[arg(long, conflicts_with_all = ["exchange", "queue", "bind_to"])]
+    pub kafka: Option<String>,
+    /// Kafka: the delay topic to publish to (a delayd route's `from.topics`).
+    #[arg(long, requires = "kafka")]
+    pub topic: Option<String>,
+    /// Kafka: the topic delivered records arrive on (the route's `to.topic`).
+    #[arg(long, requires = "kafka")]
+    pub target_topic: Option<String>,
+    /// Kafka: create `--topic` and `--target-topic` first, with this many partitions.
+    #[arg(long, requires = "kafka")]
+    pub create_topics: Option<i32>,
+    /// Kafka: an extra librdkafka property for both clients (repeatable).
+    #[arg(long = "kafka-property", value_name = "KEY=VALUE", requires = "kafka")]
+    pub kafka_properties: Vec<String>,
     /// Messages to publish.
     #[arg(long, default_value_t = 10_000)]
     pub count: u64,
@@ -103,6 +120,15 @@ struct Tally {
     last: Option<Instant>,
 }
 
+/// Where one run publishes and what it consumes, whatever the broker.
+struct Endpoints {
+    sink: Arc<dyn Sink>,
+    target: Target,
+    source: Box<dyn Source>,
+    /// Leave the broker cleanly once the run is over.
+    close: BoxFuture<'static, ()>,
+}
+
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.delay_max >= args.delay_min,
@@ -112,17 +138,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         args.rate > 0 && args.count > 0,
         "--rate and --count must be positive"
     );
-    let conns = BrokerConnections::new(&args.url)?;
-    if let Some(exchange) = &args.bind_to {
-        ensure_bound_queue(
-            &conns.consume,
-            &args.queue,
-            Some((exchange, ExchangeType::Topic, &["#".to_string()])),
-        )
-        .await
-        .with_context(|| format!("binding {} to {exchange}", args.queue))?;
-    }
     let run_id = format!("{}-{}", std::process::id(), SystemClock.now_ms());
+    // Consumer first, so nothing delivered early is missed.
+    let Endpoints {
+        sink,
+        target,
+        mut source,
+        close,
+    } = match &args.kafka {
+        Some(bootstrap) => kafka::endpoints(&args, bootstrap, &run_id).await?,
+        None => amqp::endpoints(&args).await?,
+    };
     let tally = Arc::new(Mutex::new(Tally {
         seen: vec![0; args.count.div_ceil(64) as usize],
         received: 0,
@@ -150,8 +176,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .with_prefix("received"),
     );
 
-    // Consumer first, so nothing delivered early is missed.
-    let mut source = AmqpSource::start(conns.consume.clone(), SourceConfig::new(&args.queue))?;
     let consumer = {
         let tally = tally.clone();
         let run_id = run_id.clone();
@@ -167,12 +191,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     continue;
                 }
                 let now = SystemClock.now_ms();
-                let (Some(Value::I64(seq)), Some(Value::I64(due))) = (h.get(SEQ), h.get(DUE))
-                else {
+                let (Some(seq), Some(due)) = (number(h.get(SEQ)), number(h.get(DUE))) else {
                     continue;
                 };
                 let mut t = tally.lock().expect("tally");
-                let (word, bit) = ((*seq as u64 / 64) as usize, *seq as u64 % 64);
+                let (word, bit) = ((seq as u64 / 64) as usize, seq as u64 % 64);
                 if word >= t.seen.len() || t.seen[word] & (1 << bit) != 0 {
                     t.duplicates += 1;
                     continue;
@@ -182,10 +205,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let at = Instant::now();
                 t.first.get_or_insert(at);
                 t.last = Some(at);
-                if (now as i64) < *due {
+                if (now as i64) < due {
                     t.early += 1;
                 } else {
-                    let late = (now as i64 - *due) as u64;
+                    let late = (now as i64 - due) as u64;
                     let _ = t.lateness.record(late);
                 }
                 recv_bar.inc(1);
@@ -197,17 +220,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
 
     // Publisher: paced, many confirms in flight.
-    let sink = Arc::new(AmqpSink::new(
-        conns.publish.clone(),
-        SinkConfig {
-            batch: args.in_flight.max(1),
-            ..SinkConfig::default()
-        },
-    ));
-    let target = Target {
-        destination: args.exchange.clone(),
-        routing_key: Some(args.routing_key.clone()),
-    };
     let failures = Arc::new(AtomicU64::new(0));
     let permits = Arc::new(tokio::sync::Semaphore::new(args.in_flight.max(1)));
     let started = Instant::now();
@@ -254,7 +266,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             "published {published} ({:.0} msg/s)",
             published as f64 / publish_secs.max(1e-9)
         );
-        conns.close().await;
+        close.await;
         return Ok(());
     }
     let wait_until = last_due + args.drain_timeout.as_millis() as u64;
@@ -281,7 +293,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             report.duplicates
         );
     }
-    conns.close().await;
+    close.await;
     anyhow::ensure!(
         report.lost == 0 && report.early == 0,
         "{} lost, {} early",
@@ -289,6 +301,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         report.early
     );
     Ok(())
+}
+
+/// A header the bench wrote as an integer: AMQP keeps the type, Kafka
+/// carries it as decimal text.
+fn number(value: Option<&Value>) -> Option<i64> {
+    match value? {
+        Value::I64(n) => Some(*n),
+        other => other.as_text()?.parse().ok(),
+    }
 }
 
 fn summarise(t: &Tally, published: u64, publish_secs: f64) -> BenchReport {

@@ -1,0 +1,45 @@
+//! The bench over AMQP: publish to an exchange, consume a queue.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use delayd_adapters::amqp::topology::ensure_bound_queue;
+use delayd_adapters::amqp::{
+    AmqpSink, AmqpSource, BrokerConnections, ExchangeType, SinkConfig, SourceConfig,
+};
+use delayd_adapters::Target;
+
+use super::{BenchArgs, Endpoints};
+
+pub(super) async fn endpoints(args: &BenchArgs) -> anyhow::Result<Endpoints> {
+    let (Some(exchange), Some(queue)) = (&args.exchange, &args.queue) else {
+        anyhow::bail!("--exchange and --queue are required (or --kafka)");
+    };
+    let conns = BrokerConnections::new(&args.url)?;
+    if let Some(bind_to) = &args.bind_to {
+        ensure_bound_queue(
+            &conns.consume,
+            queue,
+            Some((bind_to, ExchangeType::Topic, &["#".to_string()])),
+        )
+        .await
+        .with_context(|| format!("binding {queue} to {bind_to}"))?;
+    }
+    let source = AmqpSource::start(conns.consume.clone(), SourceConfig::new(queue))?;
+    let sink = AmqpSink::new(
+        conns.publish.clone(),
+        SinkConfig {
+            batch: args.in_flight.max(1),
+            ..SinkConfig::default()
+        },
+    );
+    Ok(Endpoints {
+        sink: Arc::new(sink),
+        target: Target {
+            destination: exchange.clone(),
+            routing_key: Some(args.routing_key.clone()),
+        },
+        source: Box::new(source),
+        close: Box::pin(async move { conns.close().await }),
+    })
+}
