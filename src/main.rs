@@ -63,7 +63,14 @@ fn main() -> ExitCode {
         Command::Wal {
             command: WalCommand::Inspect { dir, json },
         } => delayd::inspect::run(&dir, json),
-        Command::Bench(args) => runtime().and_then(|rt| rt.block_on(delayd::bench::run(args))),
+        Command::Bench(args) => {
+            // Warnings only (the report is the output); RUST_LOG overrides.
+            delayd::telemetry::init_logging(&delayd::config::LogSection {
+                level: "warn".into(),
+                ..Default::default()
+            });
+            runtime().and_then(|rt| rt.block_on(delayd::bench::run(args)))
+        }
         Command::Messages(args) => delayd::messages::run(args),
     };
     match result {

@@ -97,7 +97,8 @@ pub(crate) async fn run(
         }
         if batch.is_empty() {
             drop(first);
-            let wait = next.map(|d| d.saturating_sub(now)).unwrap_or(60_000);
+            // At least once a second, so the pending gauges settle once idle.
+            let wait = next.map_or(1000, |d| d.saturating_sub(now).min(1000));
             inner
                 .planned_wake
                 .store(next.unwrap_or(u64::MAX), Ordering::Release);

@@ -454,7 +454,14 @@ impl Poller {
             self.consumer.resume(&assignment)
         };
         match result {
-            Ok(()) => self.shared.paused.store(want, Ordering::Release),
+            Ok(()) => {
+                tracing::debug!(
+                    paused = want,
+                    by_core = self.user_paused,
+                    "Kafka partitions paused/resumed"
+                );
+                self.shared.paused.store(want, Ordering::Release)
+            }
             Err(e) => {
                 tracing::warn!(error = %e, paused = want, "cannot pause/resume Kafka partitions")
             }
