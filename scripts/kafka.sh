@@ -8,9 +8,31 @@ set -euo pipefail
 
 port_open() { (exec 3<>/dev/tcp/127.0.0.1/9092) 2>/dev/null; }
 
+# Does the broker answer a Metadata request (v0, all topics)? A listening
+# port is not enough: tansu 0.6 can lose its storage task to a panic and
+# then reset every connection while still listening.
+answers_metadata() {
+    timeout 10 bash -c '
+        exec 3<>/dev/tcp/127.0.0.1/9092 || exit 1
+        # size 20 | api_key 3 | version 0 | correlation 1 | client "health" | topics []
+        printf "\x00\x00\x00\x14\x00\x03\x00\x00\x00\x00\x00\x01\x00\x06health\x00\x00\x00\x00" >&3
+        [ "$(head -c 8 <&3 | wc -c)" -eq 8 ]
+    ' 2>/dev/null
+}
+
 if port_open; then
-    echo "kafka: already listening on 127.0.0.1:9092"
-    exit 0
+    if answers_metadata; then
+        echo "kafka: already listening on 127.0.0.1:9092"
+        exit 0
+    fi
+    if pgrep -f "tansu broker" >/dev/null; then
+        echo "kafka: tansu listens but does not answer; restarting it"
+        pkill -f "tansu broker" || true
+        for _ in $(seq 1 50); do port_open || break; sleep 0.2; done
+    else
+        echo "kafka: something on 127.0.0.1:9092 does not answer Kafka requests" >&2
+        exit 1
+    fi
 fi
 
 export PATH="$HOME/.cargo/bin:$PATH"
@@ -28,10 +50,10 @@ echo "kafka: starting tansu (sqlite in $data, log in $log)"
     --listener-url tcp://127.0.0.1:9092 \
     --advertised-listener-url tcp://127.0.0.1:9092 \
     --storage-engine "sqlite://tansu.db" \
-    >"$log" 2>&1) &
+    >>"$log" 2>&1) &
 pid=$!
 for _ in $(seq 1 60); do
-    if port_open; then
+    if port_open && answers_metadata; then
         echo "kafka: up"
         exit 0
     fi
