@@ -798,24 +798,8 @@ impl Client {
     /// Declares the topic exchange `exchange` and `queue` bound to it with `#`.
     pub async fn declare_target(&self, exchange: &str, queue: &str) {
         self.declare_exchange(exchange).await;
-        self.channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("queue.declare {queue}: {e}"));
-        self.channel
-            .queue_bind(
-                queue.into(),
-                exchange.into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("queue.bind {queue} to {exchange}: {e}"));
+        self.declare_bound_queue(queue, FieldTable::default(), exchange, "#")
+            .await;
     }
 
     /// Declares `queue` (non-durable) with `arguments`, e.g. a dead-letter
