@@ -17,6 +17,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::engine::{Admission, Engine, EngineError, Outcome, Pressure, Stored};
+use crate::route::{rewrite, Destination, Plan, Route};
+use crate::wal::WalError;
+
+use super::backpressure::Backpressure;
+use super::brokers::Brokers;
+use super::deliver::park;
 
 /// A delivery whose WAL record is queued (or that is invalid, or that must
 /// go back to the broker).
@@ -45,13 +51,6 @@ enum Started {
         ack: Box<dyn AckHandle>,
     },
 }
-use crate::route::{rewrite, Destination, Plan, Route};
-use crate::wal::WalError;
-
-use super::backpressure::Backpressure;
-use super::brokers::Brokers;
-use super::deliver::park;
-
 /// While paused, how often the intake looks whether it may resume.
 const RECHECK: Duration = Duration::from_millis(100);
 
