@@ -31,7 +31,10 @@
 //! next batch opens a fresh one, reconnecting if needed.
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::Poll;
 use std::time::Duration;
 
 use lapin::message::BasicReturnMessage;
@@ -289,18 +292,22 @@ impl Worker {
             mandatory: true,
             immediate: false,
         };
-        // Send everything first (pipelined), then collect the confirms.
+        // Send everything first (pipelined), then collect the confirms. The
+        // publishes are polled together, in order: lapin's `basic_publish`
+        // queues its frames (and takes its delivery tag) on the first poll but
+        // resolves only once the I/O thread has written them, so awaiting them
+        // one by one would cost a thread round trip per message.
+        let sends = batch.iter().map(|job| {
+            channel.basic_publish(
+                job.exchange.clone(),
+                job.routing_key.clone(),
+                options,
+                &job.body,
+                job.properties.clone(),
+            )
+        });
         let mut confirms = Vec::with_capacity(batch.len());
-        for job in &batch {
-            let sent = channel
-                .basic_publish(
-                    job.exchange.clone(),
-                    job.routing_key.clone(),
-                    options,
-                    &job.body,
-                    job.properties.clone(),
-                )
-                .await;
+        for sent in join_in_order(sends).await {
             match sent {
                 Ok(confirm) => confirms.push(confirm),
                 Err(error) => {
@@ -389,6 +396,32 @@ impl Worker {
         }
         self.channel = None;
     }
+}
+
+/// Runs `futures` concurrently and returns their outputs in order. Each poll
+/// visits the unfinished ones in order, so their first polls (where lapin
+/// queues the frames) happen in order too.
+async fn join_in_order<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let mut pending: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    let mut left = pending.len();
+    std::future::poll_fn(|cx| {
+        for (future, output) in pending.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                if let Poll::Ready(value) = future.as_mut().poll(cx) {
+                    *output = Some(value);
+                    left -= 1;
+                }
+            }
+        }
+        if left == 0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
 }
 
 fn fail(batch: Vec<Job>, why: &str) {
