@@ -493,6 +493,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn join_in_order_polls_first_in_order_and_keeps_output_order() {
+        let first_polls = Arc::new(Mutex::new(Vec::new()));
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..5).map(|_| oneshot::channel()).unzip();
+        let polls = first_polls.clone();
+        let futures = receivers.into_iter().enumerate().map(move |(i, rx)| {
+            let first_polls = polls.clone();
+            async move {
+                first_polls.lock().unwrap().push(i);
+                rx.await.unwrap_or(usize::MAX)
+            }
+        });
+        let joined = tokio::spawn(join_in_order(futures));
+        // Every one is started before any completes (lapin queues frames then).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while first_polls.lock().unwrap().len() < 5 {
+            assert!(tokio::time::Instant::now() < deadline, "not all started");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(*first_polls.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+        // Complete them in reverse order.
+        for (i, tx) in senders.into_iter().enumerate().rev() {
+            tokio::task::yield_now().await;
+            tx.send(i * 10).unwrap();
+        }
+        assert_eq!(joined.await.unwrap(), vec![0, 10, 20, 30, 40]);
+    }
+
+    #[tokio::test]
     async fn broker_down_is_transient_and_backs_off() {
         let sink = unreachable_sink();
         let message = Message::with_body("x");
