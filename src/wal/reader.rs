@@ -8,6 +8,10 @@ use std::path::Path;
 use super::frame::{self, FrameError, Record, RecordRef};
 use super::WalError;
 
+/// Most frames (a message with its headers) fit in this many bytes, so one
+/// `pread` usually reads the whole frame; a longer one takes a second.
+const FIRST_READ: usize = 4096;
+
 /// Read the frame at `offset` of a segment.
 pub fn read_frame_at(
     file: &File,
@@ -20,18 +24,40 @@ pub fn read_frame_at(
         offset,
         reason,
     };
-    let mut header = [0u8; frame::HEADER_BYTES];
-    file.read_exact_at(&mut header, offset)
-        .map_err(|e| WalError::io(path, e))?;
-    let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+    let mut buf = vec![0u8; FIRST_READ.max(frame::HEADER_BYTES)];
+    let got = read_up_to(file, &mut buf, offset).map_err(|e| WalError::io(path, e))?;
+    if got < frame::HEADER_BYTES {
+        return Err(corrupt(format!(
+            "frame header cut short: {got} of {} bytes",
+            frame::HEADER_BYTES
+        )));
+    }
+    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
     if len < frame::MIN_LEN || len > max_len {
         return Err(corrupt(FrameError::BadLength(len).to_string()));
     }
-    let mut buf = vec![0u8; frame::HEADER_BYTES + len as usize];
-    file.read_exact_at(&mut buf, offset)
-        .map_err(|e| WalError::io(path, e))?;
-    let (record, _) = frame::parse(&buf, max_len).map_err(|e| corrupt(e.to_string()))?;
+    let total = frame::HEADER_BYTES + len as usize;
+    if total > got {
+        buf.resize(total, 0);
+        file.read_exact_at(&mut buf[got..], offset + got as u64)
+            .map_err(|e| WalError::io(path, e))?;
+    }
+    let (record, _) = frame::parse(&buf[..total], max_len).map_err(|e| corrupt(e.to_string()))?;
     Ok(record.to_owned())
+}
+
+/// Fill `buf` from `offset` as far as the file goes; returns the bytes read.
+fn read_up_to(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match file.read_at(&mut buf[filled..], offset + filled as u64) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(filled)
 }
 
 /// Read a whole segment file into memory.

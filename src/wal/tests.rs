@@ -96,6 +96,35 @@ fn appended_records_come_back_after_reopen() {
     assert!(c.id > b.id);
 }
 
+/// Frames shorter and longer than the first read, including the last frame
+/// of the file (where the first read stops at the end of the file).
+#[test]
+fn frames_of_every_size_read_back_byte_equal() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = WalConfig {
+        segment_bytes: 1 << 20,
+        ..WalConfig::new(dir.path())
+    };
+    let (wal, _, _) = open_live(cfg).unwrap();
+    let sizes = [0usize, 1, 100, 4000, 4096, 4097, 10_000, 65_536, 3];
+    let appended: Vec<(Appended, Vec<u8>)> = sizes
+        .iter()
+        .map(|&n| {
+            let msg: Vec<u8> = (0..n).map(|i| (i * 7 + n) as u8).collect();
+            (schedule(&wal, n as u64, &msg), msg)
+        })
+        .collect();
+    for (a, msg) in &appended {
+        match wal.read(a.pos).unwrap() {
+            Record::Schedule { id, message, .. } => {
+                assert_eq!(id, a.id);
+                assert_eq!(&message, msg, "message of {} bytes", msg.len());
+            }
+            other => panic!("read a {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn torn_tail_at_every_byte_offset_keeps_every_complete_frame() {
     let dir = tempfile::tempdir().unwrap();
