@@ -1,7 +1,8 @@
 //! Operating delayd: the admin API (list, get, cancel by id and by
 //! `message_id`, 404s, the bearer token), the `delayd messages` CLI,
-//! backpressure with a tiny `engine.max_pending`, `delayd wal inspect` on a
-//! corrupted WAL, and the compose file.
+//! backpressure with a tiny `engine.max_pending`, a full WAL disk (a small
+//! tmpfs, so root is needed), `delayd wal inspect` on a corrupted WAL, and
+//! the compose file.
 //!
 //! The API and backpressure tests run the real `delayd` binary against the
 //! real RabbitMQ at 127.0.0.1:5672 (see `common`).
@@ -486,6 +487,146 @@ async fn backpressure_stops_consuming_at_max_pending_and_loses_nothing() {
     receiver.close().await;
     observer.close().await;
     s.client.close().await;
+}
+
+// ------------------------------------------------------------- full disk
+
+/// A small tmpfs (needs root, as CI and the dev machines run), unmounted on drop.
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    fn mount(bytes: u64) -> SmallDisk {
+        let dir = tempfile::Builder::new()
+            .prefix("delayd-it-disk.")
+            .tempdir()
+            .expect("cannot create a temporary directory");
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .expect("cannot run mount");
+        assert!(
+            status.success(),
+            "mounting a {bytes}-byte tmpfs failed (the test needs root)"
+        );
+        SmallDisk { dir }
+    }
+
+    fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
+    /// Write a file until the disk is full.
+    fn fill(&self, name: &str) {
+        use std::io::Write;
+        let mut file = std::fs::File::create(self.path().join(name)).expect("create filler");
+        let chunk = vec![0u8; 4096];
+        loop {
+            match file.write(&chunk) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(28) => break,
+                Err(e) => panic!("filling the disk: {e}"),
+            }
+        }
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_pauses_consuming_and_loses_nothing_once_space_is_freed() {
+    const COUNT: usize = 20;
+    let disk = SmallDisk::mount(4 << 20);
+    let wal_dir = disk.path().join("wal");
+    let names = Names::new("diskfull");
+    let _cleanup = names.cleanup();
+    let client = Client::connect("delayd-it-diskfull").await;
+    client
+        .declare_target(&names.to_exchange, &names.target_queue)
+        .await;
+    let opts = DelaydOptions {
+        prefetch: 10,
+        ..DelaydOptions::default()
+    };
+    let delayd = Delayd::start_consuming(
+        |_, http| config_toml(&names, &wal_dir, http, &opts),
+        &names.from_queue,
+    )
+    .await;
+
+    // The WAL volume fills up; then messages come in.
+    disk.fill("filler");
+    let body = vec![b'x'; 8192];
+    let mut sent = BTreeMap::new();
+    for i in 0..COUNT {
+        let id = format!("full-{i}");
+        sent.insert(id.clone(), now_ms());
+        client
+            .publish(&names.from_exchange, "k", &body, delayed(&id, 1000))
+            .await;
+    }
+
+    // delayd stops consuming; the messages wait in the broker, none stored.
+    let observer = Client::connect("delayd-it-diskfull-observer").await;
+    wait_for(
+        "delayd paused on the full disk with messages waiting in the broker",
+        DEADLINE,
+        || async {
+            let ready = delayd.readyz();
+            let (waiting, consumers) = observer.queue_counts(&names.from_queue).await?;
+            (ready["paused_routes"][names.route.as_str()] == "disk_full"
+                && consumers == 0
+                && waiting > 0)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(delayd.pending(), 0, "nothing fits on a full disk");
+    assert!(
+        delayd.log_tail(200).contains("DISK FULL"),
+        "no DISK FULL error in the log:\n{}",
+        delayd.log_tail(50)
+    );
+
+    // Space is freed: delayd resumes by itself and every message arrives,
+    // once, not early, byte-equal.
+    std::fs::remove_file(disk.path().join("filler")).expect("remove filler");
+    let mut receiver = client.consume(&names.target_queue).await;
+    let mut arrived: HashSet<String> = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while arrived.len() < COUNT {
+        let received = receiver
+            .next(deadline)
+            .await
+            .unwrap_or_else(|| panic!("only {} of {COUNT} arrived within 60 s", arrived.len()));
+        let id = received.message_id().unwrap_or_default().to_owned();
+        let sent_at = sent
+            .get(&id)
+            .unwrap_or_else(|| panic!("unexpected message {id:?}"));
+        assert!(received.at_ms >= sent_at + 1000, "{id} arrived early");
+        assert_eq!(received.delivery.data, body, "{id}: body changed");
+        assert!(arrived.insert(id.clone()), "{id} arrived twice");
+    }
+    wait_for("delayd consuming again", DEADLINE, || async {
+        let ready = delayd.readyz();
+        let (waiting, consumers) = observer.queue_counts(&names.from_queue).await?;
+        (ready["backpressure"] == false && consumers == 1 && waiting == 0).then_some(())
+    })
+    .await;
+    receiver.close().await;
+    observer.close().await;
+    client.close().await;
+    drop(delayd);
 }
 
 // ----------------------------------------------------------- wal inspect
