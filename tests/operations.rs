@@ -54,6 +54,35 @@ fn messages_cli(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// Receives every message of `sent` (`message_id` -> publish time, ms) once,
+/// none early (`delay_ms` after its publish) and nothing else, within 60 s.
+async fn receive_each_once(
+    receiver: &mut Receiver,
+    sent: &BTreeMap<String, u64>,
+    delay_ms: u64,
+) -> Vec<Received> {
+    let mut arrived: HashSet<String> = HashSet::new();
+    let mut all = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while arrived.len() < sent.len() {
+        let received = receiver.next(deadline).await.unwrap_or_else(|| {
+            panic!(
+                "only {} of {} arrived within 60 s",
+                arrived.len(),
+                sent.len()
+            )
+        });
+        let id = received.message_id().unwrap_or_default().to_owned();
+        let sent_at = sent
+            .get(&id)
+            .unwrap_or_else(|| panic!("unexpected message {id:?}"));
+        assert!(received.at_ms >= sent_at + delay_ms, "{id} arrived early");
+        assert!(arrived.insert(id.clone()), "{id} arrived twice");
+        all.push(received);
+    }
+    all
+}
+
 fn error_text(body: &Value) -> &str {
     body["error"]
         .as_str()
@@ -446,20 +475,7 @@ async fn backpressure_stops_consuming_at_max_pending_and_loses_nothing() {
 
     // Everything arrives, exactly once and not early, as delayd resumes.
     let mut receiver = s.client.consume(&s.names.target_queue).await;
-    let mut arrived: HashSet<String> = HashSet::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while arrived.len() < COUNT {
-        let received = receiver
-            .next(deadline)
-            .await
-            .unwrap_or_else(|| panic!("only {} of {COUNT} arrived within 60 s", arrived.len()));
-        let id = received.message_id().unwrap_or_default().to_owned();
-        let sent_at = sent
-            .get(&id)
-            .unwrap_or_else(|| panic!("unexpected message {id:?}"));
-        assert!(received.at_ms >= sent_at + 1000, "{id} arrived early");
-        assert!(arrived.insert(id.clone()), "{id} arrived twice");
-    }
+    receive_each_once(&mut receiver, &sent, 1000).await;
     if let Some(extra) = receiver
         .next(Instant::now() + Duration::from_millis(500))
         .await
@@ -602,20 +618,8 @@ async fn a_full_disk_pauses_consuming_and_loses_nothing_once_space_is_freed() {
     // once, not early, byte-equal.
     std::fs::remove_file(disk.path().join("filler")).expect("remove filler");
     let mut receiver = client.consume(&names.target_queue).await;
-    let mut arrived: HashSet<String> = HashSet::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while arrived.len() < COUNT {
-        let received = receiver
-            .next(deadline)
-            .await
-            .unwrap_or_else(|| panic!("only {} of {COUNT} arrived within 60 s", arrived.len()));
-        let id = received.message_id().unwrap_or_default().to_owned();
-        let sent_at = sent
-            .get(&id)
-            .unwrap_or_else(|| panic!("unexpected message {id:?}"));
-        assert!(received.at_ms >= sent_at + 1000, "{id} arrived early");
-        assert_eq!(received.delivery.data, body, "{id}: body changed");
-        assert!(arrived.insert(id.clone()), "{id} arrived twice");
+    for received in receive_each_once(&mut receiver, &sent, 1000).await {
+        assert_eq!(received.delivery.data, body, "body changed");
     }
     wait_for("delayd consuming again", DEADLINE, || async {
         let ready = delayd.readyz();
@@ -660,20 +664,7 @@ async fn stored_messages_are_delivered_while_the_disk_is_full() {
     disk.fill("filler");
 
     let mut receiver = client.consume(&s.target_queue).await;
-    let mut arrived: HashSet<String> = HashSet::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while arrived.len() < COUNT {
-        let received = receiver
-            .next(deadline)
-            .await
-            .unwrap_or_else(|| panic!("only {} of {COUNT} arrived within 60 s", arrived.len()));
-        let id = received.message_id().unwrap_or_default().to_owned();
-        let sent_at = sent
-            .get(&id)
-            .unwrap_or_else(|| panic!("unexpected message {id:?}"));
-        assert!(received.at_ms >= sent_at + 3000, "{id} arrived early");
-        assert!(arrived.insert(id.clone()), "{id} arrived twice");
-    }
+    receive_each_once(&mut receiver, &sent, 3000).await;
     wait_pending(&delayd, 0).await;
     let (status, _) = delayd.http_get("/healthz").expect("GET /healthz");
     assert_eq!(status, 200, "delayd is still up:\n{}", delayd.log_tail(30));
