@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use delayd_adapters::amqp::topology::ensure_bound_queue;
+use delayd_adapters::amqp::topology::{ensure_bound_queue, exchange_exists};
 use delayd_adapters::amqp::{
     AmqpSink, AmqpSource, BrokerConnections, ExchangeType, SinkConfig, SourceConfig,
 };
@@ -24,6 +24,16 @@ pub(super) async fn endpoints(args: &BenchArgs) -> anyhow::Result<Endpoints> {
         )
         .await
         .with_context(|| format!("binding {queue} to {bind_to}"))?;
+    }
+    // A missing exchange would close the publish channel on every message.
+    if !exchange_exists(&conns.publish, exchange)
+        .await
+        .with_context(|| format!("checking exchange {exchange:?}"))?
+    {
+        anyhow::bail!(
+            "exchange {exchange:?} does not exist: start delayd with a route whose \
+             `from.exchange` is {exchange:?} first, or give an existing exchange"
+        );
     }
     let source = AmqpSource::start(conns.consume.clone(), SourceConfig::new(queue))?;
     let sink = AmqpSink::new(
