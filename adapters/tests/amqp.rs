@@ -473,6 +473,79 @@ async fn unroutable_messages_are_reported_even_among_concurrent_publishes() {
     cleanup(&[&queue], &[&lonely, &routed_exchange]).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishes_to_a_missing_exchange_fail_with_not_found_and_the_sink_keeps_publishing() {
+    logs();
+    let _shared = BROKER.read().await;
+    let missing = unique("missing-x");
+    let queue = unique("after-missing");
+    let (conn, channel) = plain().await;
+    declare_queue(&channel, &queue).await;
+
+    let rabbit = BrokerConnections::new(&url()).unwrap();
+    let sink = Arc::new(AmqpSink::new(rabbit.publish.clone(), SinkConfig::default()));
+    // More than a connection's 2047 channels: were each to cost a channel
+    // the broker closes, lapin would run out of channel ids.
+    let publishes: Vec<_> = (0..3000)
+        .map(|i| {
+            let (sink, target) = (sink.clone(), Target::exchange(&missing));
+            tokio::spawn(async move {
+                sink.publish(&Message::with_body(format!("m{i}")), &target)
+                    .await
+            })
+        })
+        .collect();
+    for publish in publishes {
+        match publish.await.unwrap() {
+            Err(delayd_adapters::SinkError::Transient(why)) => assert!(
+                why.contains("NOT_FOUND - no exchange") && why.contains(&missing),
+                "{why}"
+            ),
+            other => panic!("publish to a missing exchange gave {other:?}"),
+        }
+    }
+    let outcome = sink
+        .publish(&Message::with_body("after"), &Target::queue(&queue))
+        .await;
+    assert_eq!(outcome.unwrap(), PublishOutcome::Delivered);
+    assert_eq!(get_one(&channel, &queue).await.data, b"after");
+
+    rabbit.close().await;
+    conn.close(200, "bye".into()).await.unwrap();
+    cleanup(&[&queue], &[]).await;
+}
+
+#[tokio::test]
+async fn channels_keep_opening_after_the_broker_closed_thousands() {
+    logs();
+    let _shared = BROKER.read().await;
+    let missing = unique("never-declared-x");
+    let rabbit = BrokerConnections::new(&url()).unwrap();
+    // lapin keeps the id of every channel the broker closed; past
+    // channel_max (2047 on RabbitMQ) the connection must be replaced.
+    for i in 0..2200 {
+        let channel = rabbit
+            .publish
+            .try_channel()
+            .await
+            .unwrap_or_else(|e| panic!("channel {i}: {e}"));
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let declared = channel
+            .exchange_declare(
+                missing.as_str().into(),
+                ExchangeKind::Direct,
+                passive,
+                AmqpTable::default(),
+            )
+            .await;
+        assert!(declared.is_err(), "{missing} exists");
+    }
+    rabbit.close().await;
+}
+
 #[tokio::test]
 async fn declare_queue_creates_durable_queues_and_accepts_existing_ones() {
     logs();

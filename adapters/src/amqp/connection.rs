@@ -214,19 +214,22 @@ impl Broker {
     /// the delay after a failed attempt runs.
     pub async fn try_channel(&self) -> Result<Channel, AmqpError> {
         let mut state = self.state.lock().await;
+        let mut replace = false;
         if let Some(connection) = &state.connection {
             if connection.status().connected() {
                 match connection.create_channel().await {
                     Ok(channel) => return Ok(channel),
+                    Err(error) if connection.status().connected() => {
+                        // lapin 4 never frees the id of a channel the broker
+                        // closed (a publish to a missing exchange, say), so
+                        // after channel_max of those a live connection opens
+                        // no more channels. A new connection starts afresh;
+                        // channels still open on the old one fail and retry.
+                        warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                              %error, "cannot open a channel on a live connection; replacing the connection");
+                        replace = true;
+                    }
                     Err(error) => {
-                        if connection.status().connected() {
-                            // The connection is fine; channel creation itself failed
-                            // (e.g. channel_max reached).
-                            return Err(AmqpError::Channel {
-                                endpoint: self.endpoint.clone(),
-                                source: error,
-                            });
-                        }
                         warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
                               %error, "AMQP connection lost");
                     }
@@ -235,7 +238,13 @@ impl Broker {
                 warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
                       "AMQP connection lost; reconnecting");
             }
-            state.connection = None;
+        }
+        if let Some(old) = state.connection.take().filter(|_| replace) {
+            tokio::spawn(async move {
+                if let Err(error) = old.close(200, "replaced".into()).await {
+                    debug!(%error, "closing the replaced AMQP connection");
+                }
+            });
         }
 
         if let Some(at) = state.next_attempt {

@@ -29,13 +29,18 @@
 //! Channels are opened lazily on the shared publish connection. A channel
 //! that fails is dropped and its batch reported [`SinkError::Transient`]; the
 //! next batch opens a fresh one, reconnecting if needed.
+//!
+//! A publish to a missing exchange makes the broker close the channel. Once
+//! one has, publishes to that exchange fail at once (with the broker's
+//! `NOT_FOUND` error) for [`MISSING_EXCHANGE_RECHECK`], so thousands of due
+//! messages for a missing exchange cost one channel a second, not one each.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -90,6 +95,46 @@ struct Job {
 struct Queue {
     jobs: Mutex<VecDeque<Job>>,
     ready: Arc<Notify>,
+    missing: MissingExchanges,
+}
+
+/// After the broker reports an exchange missing, publishes to it fail at
+/// once for this long instead of each costing a channel (the broker closes
+/// the channel of a publish to a missing exchange).
+const MISSING_EXCHANGE_RECHECK: Duration = Duration::from_secs(1);
+
+/// Exchanges the broker recently reported missing, with the error it gave.
+#[derive(Default)]
+struct MissingExchanges(Mutex<HashMap<ShortString, (Instant, String)>>);
+
+impl MissingExchanges {
+    /// The broker's error, if `exchange` was reported missing within
+    /// [`MISSING_EXCHANGE_RECHECK`].
+    fn check(&self, exchange: &ShortString) -> Option<String> {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match map.get(exchange) {
+            Some((at, why)) if at.elapsed() < MISSING_EXCHANGE_RECHECK => Some(why.clone()),
+            Some(_) => {
+                map.remove(exchange);
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
+    /// Remember `exchange` as missing if `why` (a single publish's failure)
+    /// says so.
+    fn note(&self, exchange: &ShortString, why: &str) {
+        // RabbitMQ's reply text for a publish to a missing exchange.
+        if why.contains("NOT_FOUND - no exchange") {
+            let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            map.insert(exchange.clone(), (Instant::now(), why.to_owned()));
+        }
+    }
 }
 
 /// A [`Sink`] publishing to one RabbitMQ broker. Share it between tasks
@@ -267,16 +312,33 @@ impl Worker {
     /// closes it because one message's exchange does not exist), publish its
     /// messages again one by one, so only the culprit keeps failing.
     async fn publish_batch(&mut self, batch: Vec<Job>) {
+        let Some(queue) = self.queue.upgrade() else {
+            return fail(batch, "sink stopped");
+        };
+        let batch = fail_known_missing(&queue.missing, batch);
+        if batch.is_empty() {
+            return;
+        }
         match self.try_batch(batch).await {
             Ok(()) => {}
             Err((batch, _)) if batch.len() > 1 => {
                 for job in batch {
-                    if let Err((single, why)) = self.try_batch(vec![job]).await {
+                    if let Some(why) = queue.missing.check(&job.exchange) {
+                        fail(vec![job], &why);
+                    } else if let Err((single, why)) = self.try_batch(vec![job]).await {
+                        if let Some(job) = single.first() {
+                            queue.missing.note(&job.exchange, &why);
+                        }
                         fail(single, &why);
                     }
                 }
             }
-            Err((batch, why)) => fail(batch, &why),
+            Err((batch, why)) => {
+                if let [job] = batch.as_slice() {
+                    queue.missing.note(&job.exchange, &why);
+                }
+                fail(batch, &why)
+            }
         }
     }
 
@@ -422,6 +484,21 @@ async fn join_in_order<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F
     })
     .await;
     outputs.into_iter().flatten().collect()
+}
+
+/// Fails the jobs whose exchange is known to be missing; returns the rest.
+fn fail_known_missing(missing: &MissingExchanges, batch: Vec<Job>) -> Vec<Job> {
+    if missing.is_empty() {
+        return batch;
+    }
+    let mut rest = Vec::with_capacity(batch.len());
+    for job in batch {
+        match missing.check(&job.exchange) {
+            Some(why) => fail(vec![job], &why),
+            None => rest.push(job),
+        }
+    }
+    rest
 }
 
 fn fail(batch: Vec<Job>, why: &str) {
