@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::ffi::OsStr;
 use std::time::Instant;
 
 use common::*;
@@ -13,14 +12,8 @@ use serde_json::Value;
 /// Runs `delayd bench ARGS` off the runtime's threads; (success, stdout, stderr).
 async fn bench(args: Vec<String>) -> (bool, String, String) {
     tokio::task::spawn_blocking(move || {
-        let mut all: Vec<&OsStr> = vec![OsStr::new("bench")];
-        all.extend(args.iter().map(OsStr::new));
-        let output = delayd_command(&all);
-        (
-            output.status.success(),
-            String::from_utf8_lossy(&output.stdout).into_owned(),
-            String::from_utf8_lossy(&output.stderr).into_owned(),
-        )
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        delayd_cli("bench", &args)
     })
     .await
     .expect("bench task")

@@ -44,14 +44,7 @@ async fn wait_pending(delayd: &Delayd, n: u64) {
 
 /// Runs `delayd messages ARGS` and returns (success, stdout, stderr).
 fn messages_cli(args: &[&str]) -> (bool, String, String) {
-    let mut all: Vec<&OsStr> = vec![OsStr::new("messages")];
-    all.extend(args.iter().map(OsStr::new));
-    let output = delayd_command(&all);
-    (
-        output.status.success(),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    delayd_cli("messages", args)
 }
 
 /// Receives every message of `sent` (`message_id` -> publish time, ms) within

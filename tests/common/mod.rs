@@ -750,6 +750,18 @@ pub fn delayd_command(args: &[&std::ffi::OsStr]) -> std::process::Output {
     command.output().expect("cannot run delayd")
 }
 
+/// Runs `delayd <subcommand> <args>`; (success, stdout, stderr).
+pub fn delayd_cli(subcommand: &str, args: &[&str]) -> (bool, String, String) {
+    let mut all = vec![std::ffi::OsStr::new(subcommand)];
+    all.extend(args.iter().map(std::ffi::OsStr::new));
+    let output = delayd_command(&all);
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
 // ------------------------------------------------------------------ client
 
 /// A plain lapin connection with one channel in publisher-confirm mode.
