@@ -132,6 +132,10 @@ impl MissingExchanges {
         // RabbitMQ's reply text for a publish to a missing exchange.
         if why.contains("NOT_FOUND - no exchange") {
             let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            if map.len() >= 64 {
+                // Many names (per-message target overrides): forget the expired.
+                map.retain(|_, (at, _)| at.elapsed() < MISSING_EXCHANGE_RECHECK);
+            }
             map.insert(exchange.clone(), (Instant::now(), why.to_owned()));
         }
     }
@@ -560,6 +564,26 @@ impl Sink for AmqpSink {
 mod tests {
     use super::*;
     use crate::amqp::connection::BrokerOptions;
+
+    #[test]
+    fn only_a_missing_exchange_is_remembered_and_only_for_a_while() {
+        let missing = MissingExchanges::default();
+        let (orders, other) = (ShortString::from("orders"), ShortString::from("other"));
+        assert!(missing.is_empty());
+        missing.note(
+            &orders,
+            "publisher confirm failed: NOT_FOUND - no exchange 'orders' in vhost '/'",
+        );
+        missing.note(&other, "publisher confirm failed: connection reset");
+        let why = missing.check(&orders).expect("orders is remembered");
+        assert!(why.contains("NOT_FOUND - no exchange 'orders'"));
+        assert_eq!(missing.check(&other), None, "not a missing exchange");
+        // Expired entries are forgotten on the next check.
+        let long_ago = Instant::now() - MISSING_EXCHANGE_RECHECK;
+        missing.0.lock().unwrap().get_mut(&orders).unwrap().0 = long_ago;
+        assert_eq!(missing.check(&orders), None);
+        assert!(missing.is_empty());
+    }
 
     fn unreachable_sink() -> AmqpSink {
         let mut options = BrokerOptions::named("test");
