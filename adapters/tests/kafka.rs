@@ -88,9 +88,11 @@ async fn records_round_trip_with_key_value_headers_and_commits() {
         assert_eq!(outcome, PublishOutcome::Delivered);
         sent.push(m);
     }
-    let mut tomb = Message::default();
-    tomb.key = Some(b"gone".to_vec());
-    tomb.null_value = true;
+    let tomb = Message {
+        key: Some(b"gone".to_vec()),
+        null_value: true,
+        ..Message::default()
+    };
     sink.enqueue(&tomb, &Target::exchange(&topic))
         .await
         .unwrap();

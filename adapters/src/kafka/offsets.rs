@@ -217,7 +217,7 @@ mod tests {
             assert_eq!(r.try_recv().unwrap(), Ok(()));
         }
         let mut r14 = settle(&mut t, 14, e[4]);
-        let _ = settle(&mut t, 13, e[3]);
+        drop(settle(&mut t, 13, e[3]));
         assert_eq!(t.take_commits(), vec![(tp(), 15)]);
         t.committed(&tp(), 15);
         assert_eq!(r14.try_recv().unwrap(), Ok(()));
