@@ -170,11 +170,14 @@ async fn readyz(State(state): State<AdminState>) -> Response {
 
 async fn metrics(State(state): State<AdminState>) -> Response {
     match &state.metrics {
-        Some(handle) => (
-            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-            handle.render(),
-        )
-            .into_response(),
+        Some(handle) => {
+            state.engine.publish_gauges();
+            (
+                [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                handle.render(),
+            )
+                .into_response()
+        }
         None => error(StatusCode::SERVICE_UNAVAILABLE, "metrics are not enabled"),
     }
 }

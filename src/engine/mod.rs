@@ -525,7 +525,10 @@ impl Engine {
         self.inner.state()
     }
 
-    fn publish_gauges(&self) {
+    /// Set the pending and WAL gauges from the current state (the
+    /// dispatcher does so about once a second; `/metrics` just before
+    /// rendering, so a scrape never shows a stale pending count).
+    pub fn publish_gauges(&self) {
         self.inner.publish_gauges();
     }
 }
