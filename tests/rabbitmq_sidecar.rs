@@ -19,9 +19,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_confirmed, delayd_command, now_ms, wait_for, Client, Delayd, DelaydOptions, Names,
-    Received, Setup, DEADLINE, INVALID_QUEUE, UNROUTABLE_QUEUE,
+    assert_confirmed, delayd_command, now_ms, toml_string, wait_for, Client, Delayd, DelaydOptions,
+    Names, Received, Setup, DEADLINE, INVALID_QUEUE, UNROUTABLE_QUEUE,
 };
+use lapin::options::QueueDeleteOptions;
 use lapin::types::{
     AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString, ShortString,
 };
@@ -354,6 +355,63 @@ async fn invalid_delay_goes_to_invalid_queue_with_reason() {
         Some((0, 0)),
         "an invalid message reached the target queue"
     );
+    s.client.close().await;
+}
+
+/// delayd declares its invalid queue once, not per message; if the queue is
+/// deleted while delayd runs, the next invalid message is not lost: the
+/// publish comes back unroutable, and delayd declares the queue again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_queue_deleted_while_running_is_declared_again() {
+    let names = Names::new("invalid-redeclare");
+    let invalid = format!("{}.invalid", names.target_queue);
+    let opts = DelaydOptions {
+        route_extra: format!("invalid = {{ queue = {} }}", toml_string(&invalid)),
+        ..DelaydOptions::default()
+    };
+    let s = Setup::start(names, &[&invalid], opts).await;
+    let bad = |id: &str| {
+        BasicProperties::default()
+            .with_message_id(id.into())
+            .with_headers(table(vec![("x-delay", long_string("later"))]))
+    };
+    let holds_one = || async {
+        s.client
+            .queue_counts(&invalid)
+            .await
+            .is_some_and(|(ready, _)| ready == 1)
+            .then_some(())
+    };
+
+    s.client
+        .publish(&s.names.from_exchange, ROUTING_KEY, b"first", bad("first"))
+        .await;
+    wait_for("the first invalid message", DEADLINE, holds_one).await;
+    s.client
+        .channel
+        .queue_delete(invalid.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .expect("queue.delete");
+
+    s.client
+        .publish(
+            &s.names.from_exchange,
+            ROUTING_KEY,
+            b"second",
+            bad("second"),
+        )
+        .await;
+    wait_for(
+        "the second invalid message, in the declared-again queue",
+        DEADLINE,
+        holds_one,
+    )
+    .await;
+    let mut receiver = s.client.consume(&invalid).await;
+    let found = receiver.collect_by_message_id(&["second"]).await;
+    receiver.close().await;
+    assert_eq!(found[0].delivery.data, b"second");
+    assert_eq!(s.delayd.pending(), 0);
     s.client.close().await;
 }
 

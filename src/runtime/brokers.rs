@@ -1,7 +1,8 @@
 //! The broker connections and sinks of a running delayd, by broker name.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use delayd_adapters::amqp::{AmqpSink, BrokerConnections, SinkConfig};
@@ -27,7 +28,14 @@ pub struct Brokers {
     by_name: Arc<HashMap<String, BrokerHandle>>,
     /// Brokers some route consumes from: their consume connection must be up.
     sources: Arc<HashSet<String>>,
+    /// Parking queues/topics declared lately, by (broker, name): a flood of
+    /// invalid messages must not cost a declaration each.
+    declared: Arc<Mutex<HashMap<(String, String), Instant>>>,
 }
+
+/// A parking destination is declared again after this long, in case it was
+/// deleted (a publish it cannot take also makes delayd forget it at once).
+const REDECLARE_AFTER: Duration = Duration::from_secs(30);
 
 /// Connection state of one broker, for `/readyz`.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -77,6 +85,7 @@ impl Brokers {
         Ok(Brokers {
             by_name: Arc::new(by_name),
             sources: Arc::new(sources),
+            declared: Arc::default(),
         })
     }
 
@@ -108,13 +117,33 @@ impl Brokers {
 
     /// Make sure a parking destination exists: declare the queue (AMQP) or
     /// create the topic (Kafka).
+    /// Skipped when it was declared within [`REDECLARE_AFTER`].
     pub async fn declare_queue(&self, broker: &str, queue: &str) -> anyhow::Result<()> {
+        let key = (broker.to_owned(), queue.to_owned());
+        if self
+            .declared()
+            .get(&key)
+            .is_some_and(|at| at.elapsed() < REDECLARE_AFTER)
+        {
+            return Ok(());
+        }
         match self.get(broker) {
             Some(BrokerHandle::Amqp { sink, .. }) => sink.declare_queue(queue).await?,
             Some(BrokerHandle::Kafka { sink, .. }) => sink.ensure_topic(queue).await?,
             None => anyhow::bail!("no broker named {broker:?}"),
         }
+        self.declared().insert(key, Instant::now());
         Ok(())
+    }
+
+    /// Declare `queue` again before the next publish to it (it did not take one).
+    pub fn forget_declared(&self, broker: &str, queue: &str) {
+        self.declared()
+            .remove(&(broker.to_owned(), queue.to_owned()));
+    }
+
+    fn declared(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Instant>> {
+        self.declared.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Look up a Kafka target topic ahead of the first publish (AMQP: no-op).

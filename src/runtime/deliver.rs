@@ -150,10 +150,21 @@ pub async fn park(
                 .increment(1);
             Outcome::Done
         }
-        Ok(PublishOutcome::Unroutable) => Outcome::Retry(format!(
-            "the {kind} destination {:?} is itself unroutable",
-            dest.target
-        )),
-        Err(e) => Outcome::Retry(format!("cannot publish to the {kind} destination: {e}")),
+        Ok(PublishOutcome::Unroutable) => {
+            // Perhaps the queue was deleted: declare it again next time.
+            if let Some(queue) = &dest.declare_queue {
+                brokers.forget_declared(&dest.broker, queue);
+            }
+            Outcome::Retry(format!(
+                "the {kind} destination {:?} is itself unroutable",
+                dest.target
+            ))
+        }
+        Err(e) => {
+            if let Some(queue) = &dest.declare_queue {
+                brokers.forget_declared(&dest.broker, queue);
+            }
+            Outcome::Retry(format!("cannot publish to the {kind} destination: {e}"))
+        }
     }
 }
