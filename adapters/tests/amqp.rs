@@ -516,6 +516,36 @@ async fn publishes_to_a_missing_exchange_fail_with_not_found_and_the_sink_keeps_
 }
 
 #[tokio::test]
+async fn close_gives_unacked_deliveries_back_and_leaves_the_connection_open() {
+    logs();
+    let _shared = BROKER.read().await;
+    let queue = unique("close");
+    let (conn, channel) = plain().await;
+    declare_queue(&channel, &queue).await;
+    for body in [&b"a"[..], b"b", b"c"] {
+        publish_plain(&channel, "", &queue, body, BasicProperties::default()).await;
+    }
+    let rabbit = BrokerConnections::new(&url()).unwrap();
+    let mut source = AmqpSource::start(rabbit.consume.clone(), SourceConfig::new(&queue)).unwrap();
+    let unacked = next(&mut source).await;
+    Box::new(source).close().await;
+    // The channel is closed (not just abandoned while the connection lives
+    // on): no consumer, and every message back in the queue.
+    eventually("the consumer gone and 3 messages ready", || async {
+        queue_counts(&queue).await == (3, 0)
+    })
+    .await;
+    drop(unacked);
+    assert!(
+        rabbit.consume.is_connected(),
+        "close took the connection down"
+    );
+    rabbit.close().await;
+    conn.close(200, "bye".into()).await.unwrap();
+    cleanup(&[&queue], &[]).await;
+}
+
+#[tokio::test]
 async fn channels_keep_opening_after_the_broker_closed_thousands() {
     logs();
     let _shared = BROKER.read().await;

@@ -20,8 +20,9 @@
 //! reconnects.
 //!
 //! `next` is cancel-safe: it only receives from a queue, so it can sit in a
-//! `select!` with a shutdown signal. Dropping the source stops the task and
-//! closes its channel; unacked deliveries go back to the queue.
+//! `select!` with a shutdown signal. [`Source::close`] closes the channel
+//! and waits for it; dropping the source stops the task, which closes the
+//! channel too. Either way unacked deliveries go back to the queue.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -108,8 +109,12 @@ pub struct AmqpSource {
     queue: String,
     deliveries: mpsc::UnboundedReceiver<Delivery>,
     commands: mpsc::UnboundedSender<Command>,
-    task: JoinHandle<()>,
+    /// `None` once [`Source::close`] has taken it.
+    task: Option<JoinHandle<()>>,
 }
+
+/// How long [`Source::close`] waits for the channel's close-ok.
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for AmqpSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -163,7 +168,7 @@ impl AmqpSource {
             queue,
             deliveries,
             commands,
-            task,
+            task: Some(task),
         })
     }
 
@@ -184,7 +189,9 @@ impl AmqpSource {
 impl Drop for AmqpSource {
     fn drop(&mut self) {
         // Dropping the task's channel closes it: unacked messages are requeued.
-        self.task.abort();
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
     }
 }
 
@@ -199,6 +206,21 @@ impl Source for AmqpSource {
 
     fn resume(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {
         Box::pin(self.command(Command::Resume))
+    }
+
+    /// Closes the channel and waits (at most [`CLOSE_WAIT`]) until the task
+    /// has, so a connection closed next does not race the channel's close
+    /// (lapin then logs a spurious "Connection error: invalid channel").
+    fn close(mut self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            self.deliveries.close();
+            if let Some(task) = self.task.take() {
+                let abort = task.abort_handle();
+                if tokio::time::timeout(CLOSE_WAIT, task).await.is_err() {
+                    abort.abort();
+                }
+            }
+        })
     }
 }
 
