@@ -42,6 +42,29 @@ async fn wait_pending(delayd: &Delayd, n: u64) {
     .await;
 }
 
+/// Waits until /readyz says `names.route` is paused for `reason`, with no
+/// consumer on its queue and messages waiting there (as `observer` sees it).
+async fn wait_paused(delayd: &Delayd, observer: &Client, names: &Names, reason: &str) {
+    let what = format!("delayd paused ({reason}) with messages waiting in the broker");
+    wait_for(&what, DEADLINE, || async {
+        let ready = delayd.readyz();
+        let (waiting, consumers) = observer.queue_counts(&names.from_queue).await?;
+        (ready["paused_routes"][names.route.as_str()] == reason && consumers == 0 && waiting > 0)
+            .then_some(())
+    })
+    .await;
+}
+
+/// Waits until delayd consumes `names.from_queue` again and has drained it.
+async fn wait_consuming_again(delayd: &Delayd, observer: &Client, names: &Names) {
+    wait_for("delayd consuming again", DEADLINE, || async {
+        let ready = delayd.readyz();
+        let (waiting, consumers) = observer.queue_counts(&names.from_queue).await?;
+        (ready["backpressure"] == false && consumers == 1 && waiting == 0).then_some(())
+    })
+    .await;
+}
+
 /// Runs `delayd messages ARGS` and returns (success, stdout, stderr).
 fn messages_cli(args: &[&str]) -> (bool, String, String) {
     delayd_cli("messages", args)
@@ -445,22 +468,9 @@ async fn backpressure_stops_consuming_at_max_pending_and_loses_nothing() {
     // At the limit: paused (no consumer on the queue), the rest in the broker,
     // and /readyz and /metrics say so.
     let observer = Client::connect("delayd-it-backpressure-observer").await;
-    wait_for(
-        "delayd paused with messages waiting in the broker",
-        DEADLINE,
-        || async {
-            let ready = s.delayd.readyz();
-            let (waiting, consumers) = observer.queue_counts(&s.names.from_queue).await?;
-            (ready["backpressure"] == true && consumers == 0 && waiting > 0).then_some(())
-        },
-    )
-    .await;
+    wait_paused(&s.delayd, &observer, &s.names, "max_pending").await;
     let ready = s.delayd.readyz();
-    assert_eq!(
-        ready["paused_routes"][s.names.route.as_str()],
-        Value::from("max_pending"),
-        "{ready}"
-    );
+    assert_eq!(ready["backpressure"], Value::from(true), "{ready}");
     assert_eq!(ready["limits"]["max_pending"], Value::from(LIMIT));
     let (status, metrics) = s.delayd.http_get("/metrics").expect("GET /metrics");
     assert_eq!(status, 200);
@@ -485,12 +495,7 @@ async fn backpressure_stops_consuming_at_max_pending_and_loses_nothing() {
     );
 
     // Below the limit again: consuming, not paused.
-    wait_for("delayd consuming again", DEADLINE, || async {
-        let ready = s.delayd.readyz();
-        let (waiting, consumers) = observer.queue_counts(&s.names.from_queue).await?;
-        (ready["backpressure"] == false && consumers == 1 && waiting == 0).then_some(())
-    })
-    .await;
+    wait_consuming_again(&s.delayd, &observer, &s.names).await;
     let (_, metrics) = s.delayd.http_get("/metrics").expect("GET /metrics");
     let gauge = format!("delayd_backpressure{{route=\"{}\"}} 0", s.names.route);
     assert!(metrics.contains(&gauge), "no `{gauge}` in /metrics");
@@ -588,19 +593,7 @@ async fn a_full_disk_pauses_consuming_and_loses_nothing_once_space_is_freed() {
 
     // delayd stops consuming; the messages wait in the broker, none stored.
     let observer = Client::connect("delayd-it-diskfull-observer").await;
-    wait_for(
-        "delayd paused on the full disk with messages waiting in the broker",
-        DEADLINE,
-        || async {
-            let ready = delayd.readyz();
-            let (waiting, consumers) = observer.queue_counts(&names.from_queue).await?;
-            (ready["paused_routes"][names.route.as_str()] == "disk_full"
-                && consumers == 0
-                && waiting > 0)
-                .then_some(())
-        },
-    )
-    .await;
+    wait_paused(&delayd, &observer, &names, "disk_full").await;
     assert_eq!(delayd.pending(), 0, "nothing fits on a full disk");
     assert!(
         delayd.log_tail(200).contains("DISK FULL"),
@@ -615,12 +608,7 @@ async fn a_full_disk_pauses_consuming_and_loses_nothing_once_space_is_freed() {
     for received in receive_each_once(&mut receiver, &sent, 1000).await {
         assert_eq!(received.delivery.data, body, "body changed");
     }
-    wait_for("delayd consuming again", DEADLINE, || async {
-        let ready = delayd.readyz();
-        let (waiting, consumers) = observer.queue_counts(&names.from_queue).await?;
-        (ready["backpressure"] == false && consumers == 1 && waiting == 0).then_some(())
-    })
-    .await;
+    wait_consuming_again(&delayd, &observer, &names).await;
     receiver.close().await;
     observer.close().await;
     client.close().await;

@@ -116,8 +116,7 @@ impl Brokers {
     }
 
     /// Make sure a parking destination exists: declare the queue (AMQP) or
-    /// create the topic (Kafka).
-    /// Skipped when it was declared within [`REDECLARE_AFTER`].
+    /// create the topic (Kafka). Skipped when done within [`REDECLARE_AFTER`].
     pub async fn declare_queue(&self, broker: &str, queue: &str) -> anyhow::Result<()> {
         let key = (broker.to_owned(), queue.to_owned());
         if self

@@ -141,7 +141,7 @@ pub async fn park(
             return Outcome::Retry(format!("cannot declare {kind} queue {queue:?}: {e:#}"));
         }
     }
-    match brokers
+    let outcome = match brokers
         .publish(&dest.broker, message.clone(), dest.target.clone())
         .await
     {
@@ -150,21 +150,15 @@ pub async fn park(
                 .increment(1);
             Outcome::Done
         }
-        Ok(PublishOutcome::Unroutable) => {
-            // Perhaps the queue was deleted: declare it again next time.
-            if let Some(queue) = &dest.declare_queue {
-                brokers.forget_declared(&dest.broker, queue);
-            }
-            Outcome::Retry(format!(
-                "the {kind} destination {:?} is itself unroutable",
-                dest.target
-            ))
-        }
-        Err(e) => {
-            if let Some(queue) = &dest.declare_queue {
-                brokers.forget_declared(&dest.broker, queue);
-            }
-            Outcome::Retry(format!("cannot publish to the {kind} destination: {e}"))
-        }
+        Ok(PublishOutcome::Unroutable) => Outcome::Retry(format!(
+            "the {kind} destination {:?} is itself unroutable",
+            dest.target
+        )),
+        Err(e) => Outcome::Retry(format!("cannot publish to the {kind} destination: {e}")),
+    };
+    if let (Outcome::Retry(_), Some(queue)) = (&outcome, &dest.declare_queue) {
+        // Perhaps the queue was deleted: declare it again next time.
+        brokers.forget_declared(&dest.broker, queue);
     }
+    outcome
 }
