@@ -1,65 +1,124 @@
 #!/usr/bin/env bash
-# Make sure a Kafka-protocol broker listens on 127.0.0.1:9092.
-# Uses tansu (an Apache-Kafka-compatible broker from cargo's registry),
-# installing it once with cargo (about 15 minutes) and reusing the binary.
-# Its data lives in SQLite under ${TANSU_DATA:-/var/tmp/delayd-tansu}, so it
-# survives a broker restart.
+# Make sure Apache Kafka listens on 127.0.0.1:9092: a single node in KRaft
+# mode (broker and controller in one process, controller on 9093).
+#
+#   scripts/kafka.sh          start it unless it already answers (the default)
+#   scripts/kafka.sh stop     stop the one this script started (SIGTERM, then wait)
+#   scripts/kafka.sh restart  stop, then start on the same data
+#
+# The broker's jars come from Maven's registry, pinned by
+# scripts/kafka/pom.xml, and are copied once per machine into
+# $KAFKA_HOME/libs (`mvn dependency:copy-dependencies`, about 20 s the first
+# time). Its storage is formatted once under $KAFKA_HOME/data and kept
+# across restarts; its log is $KAFKA_HOME/logs/server.log.
 set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+home="${KAFKA_HOME:-/var/tmp/delayd-kafka}"
+libs="$home/libs"
+data="$home/data"
+logs="$home/logs"
+pidfile="$home/kafka.pid"
+version="$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$here/kafka/pom.xml")"
 
 port_open() { (exec 3<>/dev/tcp/127.0.0.1/9092) 2>/dev/null; }
 
-# Does the broker answer a Metadata request (v0, all topics)? A listening
-# port is not enough: tansu 0.6 can lose its storage task to a panic and
-# then reset every connection while still listening.
+# Does the broker answer a Metadata request (v4, all topics) with a
+# response that lists at least one broker? A listening port is not enough.
 answers_metadata() {
     timeout 10 bash -c '
         exec 3<>/dev/tcp/127.0.0.1/9092 || exit 1
-        # size 20 | api_key 3 | version 0 | correlation 1 | client "health" | topics []
-        printf "\x00\x00\x00\x14\x00\x03\x00\x00\x00\x00\x00\x01\x00\x06health\x00\x00\x00\x00" >&3
-        [ "$(head -c 8 <&3 | wc -c)" -eq 8 ]
+        # size 21 | api_key 3 | version 4 | correlation 1 | client "health"
+        # | topics null | allow_auto_topic_creation false
+        printf "\x00\x00\x00\x15\x00\x03\x00\x04\x00\x00\x00\x01\x00\x06health\xff\xff\xff\xff\x00" >&3
+        # size(4) correlation(4) throttle(4) brokers count(4): one or more brokers.
+        reply="$(head -c 16 <&3 | od -An -tx1 | tr -d " \n")"
+        [ "${#reply}" -eq 32 ] && [ "${reply:24:8}" != "00000000" ]
     ' 2>/dev/null
 }
 
-if port_open; then
-    if answers_metadata; then
-        echo "kafka: already listening on 127.0.0.1:9092"
-        exit 0
+running_pid() {
+    [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null && cat "$pidfile"
+}
+
+stop() {
+    local pid
+    if pid="$(running_pid)"; then
+        echo "kafka: stopping pid $pid"
+        kill "$pid"
+        for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+        if kill -0 "$pid" 2>/dev/null; then
+            echo "kafka: still running after 60 s; SIGKILL"
+            kill -9 "$pid" || true
+        fi
     fi
-    if pgrep -f "tansu broker" >/dev/null; then
-        echo "kafka: tansu listens but does not answer; restarting it"
-        pkill -f "tansu broker" || true
-        for _ in $(seq 1 50); do port_open || break; sleep 0.2; done
-    else
+    rm -f "$pidfile"
+}
+
+fetch_jars() {
+    if [ -f "$libs/.complete-$version" ]; then return; fi
+    echo "kafka: fetching Apache Kafka $version's jars with Maven into $libs (once)"
+    local start=$SECONDS
+    rm -rf "$libs"
+    mkdir -p "$libs"
+    mvn -q -B -f "$here/kafka/pom.xml" dependency:copy-dependencies \
+        -DincludeScope=runtime -DoutputDirectory="$libs"
+    touch "$libs/.complete-$version"
+    echo "kafka: jars fetched in $((SECONDS - start)) s"
+}
+
+# The JVM's arguments: a 1 GiB heap cap leaves room for RabbitMQ, delayd
+# and the tests on a 2-core, 24 GiB machine.
+jvm=(java -Xms256m -Xmx1g -XX:+UseG1GC -XX:MaxGCPauseMillis=20
+    -Djava.awt.headless=true
+    -Dkafka.logs.dir="$logs"
+    -Dlog4j2.configurationFile="$here/kafka/log4j2.properties"
+    -cp "$libs/*")
+
+start() {
+    if port_open; then
+        if answers_metadata; then
+            echo "kafka: already listening on 127.0.0.1:9092"
+            return
+        fi
         echo "kafka: something on 127.0.0.1:9092 does not answer Kafka requests" >&2
         exit 1
     fi
-fi
-
-export PATH="$HOME/.cargo/bin:$PATH"
-if ! command -v tansu >/dev/null 2>&1; then
-    echo "kafka: installing tansu with cargo (once; about 15 minutes)"
-    cargo install --locked tansu --features libsql,dynostore
-fi
-
-data="${TANSU_DATA:-/var/tmp/delayd-tansu}"
-mkdir -p "$data"
-log="$data/tansu.log"
-echo "kafka: starting tansu (sqlite in $data, log in $log)"
-# tansu resolves a sqlite:// path against its working directory.
-(cd "$data" && exec nohup tansu broker \
-    --listener-url tcp://127.0.0.1:9092 \
-    --advertised-listener-url tcp://127.0.0.1:9092 \
-    --storage-engine "sqlite://tansu.db" \
-    >>"$log" 2>&1) &
-pid=$!
-for _ in $(seq 1 60); do
-    if port_open && answers_metadata; then
-        echo "kafka: up"
-        exit 0
+    fetch_jars
+    mkdir -p "$data" "$logs"
+    local props="$home/server.properties"
+    cp "$here/kafka/server.properties" "$props"
+    echo "log.dirs=$data" >>"$props"
+    if [ ! -f "$data/meta.properties" ]; then
+        echo "kafka: formatting storage in $data"
+        local id
+        id="$("${jvm[@]}" kafka.tools.StorageTool random-uuid)"
+        "${jvm[@]}" kafka.tools.StorageTool format --standalone \
+            --cluster-id "$id" --config "$props" >"$logs/format.log" 2>&1 \
+            || { cat "$logs/format.log" >&2; exit 1; }
     fi
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 1
-done
-echo "kafka: tansu did not start within 60 s; its log:" >&2
-tail -n 50 "$log" >&2
-exit 1
+    echo "kafka: starting Apache Kafka $version (log: $logs/server.log)"
+    local start=$SECONDS
+    nohup "${jvm[@]}" kafka.Kafka "$props" >>"$logs/stdout.log" 2>&1 &
+    echo $! >"$pidfile"
+    local pid
+    pid="$(cat "$pidfile")"
+    for _ in $(seq 1 240); do
+        if port_open && answers_metadata; then
+            echo "kafka: up in $((SECONDS - start)) s"
+            return
+        fi
+        if ! kill -0 "$pid" 2>/dev/null; then break; fi
+        sleep 0.5
+    done
+    echo "kafka: did not start within 120 s; its output:" >&2
+    tail -n 30 "$logs/stdout.log" >&2 || true
+    tail -n 50 "$logs/server.log" >&2 || true
+    exit 1
+}
+
+case "${1:-start}" in
+start) start ;;
+stop) stop ;;
+restart) stop; start ;;
+*) echo "usage: $0 [start|stop|restart]" >&2; exit 2 ;;
+esac

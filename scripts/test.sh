@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The test command: starts the brokers the integration tests need (RabbitMQ,
-# and tansu as the Kafka-protocol broker), then runs
-# every test in the workspace.
+# and Apache Kafka in KRaft mode), then runs every test in the workspace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/rabbitmq.sh

@@ -1,12 +1,14 @@
-//! delayd end to end against a real Kafka-protocol broker (tansu via
+//! delayd end to end against a real Apache Kafka (KRaft, single node, via
 //! `scripts/kafka.sh`, or any Kafka at `KAFKA_BOOTSTRAP`), and across to
 //! RabbitMQ: delays honoured and never early, records byte-equal, Java
-//! murmur2 placement, per-key order, tombstone cancel, SIGKILL, two
-//! instances in one group, cross-broker routes.
+//! murmur2 placement, per-key order, tombstone cancel, SIGKILL, group
+//! members stopping (the leader included), partitions added at run time,
+//! three instances joining and leaving under load, invalid and unroutable
+//! topics created by delayd, cross-broker routes.
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use common::kafka::{self, create_topic, Producer, Reader, Record};
@@ -21,9 +23,6 @@ fn without_delayd_headers(headers: &[(String, Option<Vec<u8>>)]) -> Vec<(String,
         .cloned()
         .collect()
 }
-
-/// `session.timeout.ms` of the test config (see `common::kafka::config`).
-const SESSION_TIMEOUT: Duration = Duration::from_secs(6);
 
 /// Polls delayd's log until its consumer holds at least one partition.
 async fn wait_assigned(delayd: &Delayd) {
@@ -207,92 +206,212 @@ async fn sigkill_under_load_loses_nothing_acknowledged() {
     let mut delayd = r.start("").await;
     let producer = Producer::new();
     let total = 1500u32;
+    // Per record: the wall clock just before it was sent (delayd cannot have
+    // seen it earlier), and its delay.
+    let mut sent = Vec::new();
     for i in 0..total {
         if i == total / 2 {
             delayd.kill_9();
         }
-        let record = Record::new(&format!("k{}", i % 50), format!("{i}").as_bytes()).header(
-            "x-delay",
-            Some(format!("{}", 1000 + (i % 20) * 100).as_bytes()),
-        );
+        let delay = 1000 + u64::from(i % 20) * 100;
+        let record = Record::new(&format!("k{}", i % 50), format!("{i}").as_bytes())
+            .header("x-delay", Some(delay.to_string().as_bytes()));
+        sent.push((now_ms(), delay));
         producer.send(&r.from, &record).await;
     }
-    // The broker evicts the killed member after `session.timeout.ms`. tansu
-    // 0.6 does not rebalance a waiting member when a dead one expires, so
-    // restart after that, as a supervisor with back-off would.
-    // DescribeGroups is not implemented by tansu, so this waits out the
-    // broker's eviction timer instead of polling the group.
-    tokio::time::sleep(SESSION_TIMEOUT + Duration::from_secs(2)).await;
+    // Restarted at once: the broker rebalances the group when the killed
+    // member's session expires, and the new one takes its partitions.
     delayd.restart().await;
-    let reader = Reader::new(&r.to);
-    let mut seen = HashSet::new();
-    let deadline = Instant::now() + Duration::from_secs(90);
+    let got = collect_unique(&Reader::new(&r.to), total, Duration::from_secs(90));
+    assert_none_early(&got, &sent);
+}
+
+/// Reads until every value `0..total` arrived. Returns the first copy of
+/// each, by value; panics naming how many arrived.
+fn collect_unique(reader: &Reader, total: u32, within: Duration) -> HashMap<u32, Record> {
+    let deadline = Instant::now() + within;
+    let mut seen: HashMap<u32, Record> = HashMap::new();
+    let mut copies = 0u32;
     while seen.len() < total as usize {
         let Some(g) = reader.next(deadline) else {
-            panic!("{} of {total} arrived after SIGKILL", seen.len());
+            panic!("{} of {total} arrived within {within:?}", seen.len());
         };
-        seen.insert(g.value.unwrap());
+        copies += 1;
+        seen.entry(value_of(&g)).or_insert(g);
+    }
+    eprintln!(
+        "{total} records arrived, {} duplicate copies",
+        copies - total
+    );
+    seen
+}
+
+fn value_of(g: &Record) -> u32 {
+    String::from_utf8_lossy(g.value.as_deref().expect("a value"))
+        .parse()
+        .expect("a numeric value")
+}
+
+/// Record `i` (sent at `sent[i].0` with delay `sent[i].1`) left delayd (its
+/// timestamp is delayd's send time) and reached the reader no sooner than
+/// `sent + delay`.
+fn assert_none_early(got: &HashMap<u32, Record>, sent: &[(u64, u64)]) {
+    for (i, &(sent_ms, delay)) in sent.iter().enumerate() {
+        let g = &got[&(i as u32)];
+        let fired = g.timestamp_ms.expect("a timestamp") as u64;
+        assert!(
+            fired >= sent_ms + delay && g.received_ms >= sent_ms + delay,
+            "record {i} early: sent {sent_ms}, delay {delay}, fired {fired}, received {}",
+            g.received_ms
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_instances_share_a_group_and_one_stopping_loses_nothing() {
+async fn the_group_leader_stopping_loses_nothing() {
     let r = KafkaRoute::new("group", 4).await;
     // `leader` joins first, so the broker makes it the group leader.
-    let leader = r.start("").await;
+    let mut leader = r.start("").await;
     wait_assigned(&leader).await;
-    let mut stopping = r.start("").await;
+    let other = r.start("").await;
     // Both hold partitions: the group has split the topic between them.
-    wait_assigned(&stopping).await;
+    wait_assigned(&other).await;
     wait_assigned(&leader).await;
     let producer = Producer::new();
     let total = 600u32;
     let half = total / 2;
-    let send = |i: u32| {
-        Record::new(&format!("k{}", i % 40), format!("{i}").as_bytes())
-            .header("x-delay", Some(b"300"))
-    };
-    for i in 0..half {
-        producer.send(&r.from, &send(i)).await;
+    let mut sent = Vec::new();
+    for i in 0..total {
+        if i == half {
+            // The leader leaves with records pending in it and in flight to
+            // both; the other member takes its partitions.
+            let status = leader.sigterm_and_wait(Duration::from_secs(30)).await;
+            assert!(status.success(), "SIGTERM exit: {status}");
+        }
+        let record = Record::new(&format!("k{}", i % 40), format!("{i}").as_bytes())
+            .header("x-delay", Some(b"300"));
+        sent.push((now_ms(), 300));
+        producer.send(&r.from, &record).await;
     }
-    // The member that stops is the one that is not the leader: tansu 0.6
-    // keeps a leader that leaves while a rebalance is forming as the group's
-    // leader for good, and the group never forms again (Apache Kafka does
-    // not). Either member stopping is the same case for delayd.
-    let status = stopping.sigterm_and_wait(Duration::from_secs(30)).await;
-    assert!(status.success(), "SIGTERM exit: {status}");
-    for i in half..total {
-        producer.send(&r.from, &send(i)).await;
-    }
-    // Everything sent after the stop can only go through the instance left:
-    // it took over the stopped one's partitions.
+    // Everything sent after the stop can only go through the member left.
     let reader = Reader::new(&r.to);
-    let mut counts: HashMap<u32, u32> = HashMap::new();
-    let value = |g: &Record| -> u32 {
-        String::from_utf8_lossy(g.value.as_deref().unwrap())
-            .parse()
-            .unwrap()
-    };
+    let mut got: HashMap<u32, Record> = HashMap::new();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while (half..total).any(|i| !counts.contains_key(&i)) {
+    while (half..total).any(|i| !got.contains_key(&i)) {
         let Some(g) = reader.next(deadline) else {
-            let missing = (half..total).filter(|i| !counts.contains_key(i)).count();
+            let missing = (half..total).filter(|i| !got.contains_key(i)).count();
             panic!("{missing} records sent after the stop never arrived");
         };
-        *counts.entry(value(&g)).or_default() += 1;
+        got.entry(value_of(&g)).or_insert(g);
     }
-    // What the stopped instance had stored waits in its WAL until it is back.
-    stopping.restart().await;
+    // What the stopped leader had stored waits in its WAL until it is back.
+    leader.restart().await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while counts.len() < total as usize {
+    while got.len() < total as usize {
         let Some(g) = reader.next(deadline) else {
-            panic!("{} of {total} arrived after the restart", counts.len());
+            panic!("{} of {total} arrived after the restart", got.len());
         };
-        *counts.entry(value(&g)).or_default() += 1;
+        got.entry(value_of(&g)).or_insert(g);
     }
-    let dups = counts.values().filter(|&&c| c > 1).count();
-    eprintln!("duplicates across the rebalance: {dups}");
-    drop(leader);
+    assert_none_early(&got, &sent);
+    drop(other);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_added_at_run_time_are_consumed() {
+    let r = KafkaRoute::new("grow", 1).await;
+    let delayd = r.start("").await;
+    wait_assigned(&delayd).await;
+    kafka::add_partitions(&r.from, 3).await;
+    // A producer made after the change sees all three partitions.
+    let producer = Producer::new();
+    let mut sent = Vec::new();
+    for i in 0..30u32 {
+        let record = Record::new(&format!("k{i}"), format!("{i}").as_bytes())
+            .header("x-delay", Some(b"200"));
+        sent.push((now_ms(), 200));
+        producer.send_to(&r.from, (i % 3) as i32, &record).await;
+    }
+    // delayd's consumer notices the new partitions at its next metadata
+    // refresh (10 s by default) and the group rebalances.
+    let got = collect_unique(&Reader::new(&r.to), 30, Duration::from_secs(60));
+    assert_none_early(&got, &sent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_joining_and_leaving_under_load_lose_nothing() {
+    let r = KafkaRoute::new("churn", 6).await;
+    let mut a = r.start("").await;
+    wait_assigned(&a).await;
+    let producer = Producer::new();
+    let total = 2400u32;
+    let mut sent = Vec::new();
+    let mut b: Option<Delayd> = None;
+    let mut c: Option<Delayd> = None;
+    for i in 0..total {
+        // Membership changes at fixed points in the stream, with records
+        // pending and in flight: B joins, C joins, A leaves, B is killed,
+        // A comes back, B comes back.
+        match i {
+            300 => b = Some(r.start("").await),
+            700 => c = Some(r.start("").await),
+            1100 => {
+                let status = a.sigterm_and_wait(Duration::from_secs(30)).await;
+                assert!(status.success(), "SIGTERM exit: {status}");
+            }
+            1500 => b.as_mut().expect("b started").kill_9(),
+            1800 => a.restart().await,
+            2100 => b.as_mut().expect("b started").restart().await,
+            _ => {}
+        }
+        let delay = 500 + u64::from(i % 16) * 150;
+        let record = Record::new(&format!("k{}", i % 64), format!("{i}").as_bytes())
+            .header("x-delay", Some(delay.to_string().as_bytes()));
+        sent.push((now_ms(), delay));
+        producer.send(&r.from, &record).await;
+    }
+    let got = collect_unique(&Reader::new(&r.to), total, Duration::from_secs(120));
+    assert_none_early(&got, &sent);
+    drop(c);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_and_unroutable_topics_are_created_by_delayd() {
+    // The test broker runs with auto.create.topics.enable=false, so only an
+    // explicit CreateTopics makes these exist.
+    let r = KafkaRoute::new("park", 2).await;
+    let invalid = kafka::topic("park", "invalid");
+    let unroutable = kafka::topic("park", "unroutable");
+    let missing = kafka::topic("park", "missing");
+    assert!(!kafka::topic_exists(&invalid).await);
+    assert!(!kafka::topic_exists(&unroutable).await);
+    let _delayd = r
+        .start(&format!(
+            "invalid = {{ topic = {} }}\nunroutable = {{ topic = {} }}\nallow_target_override = true",
+            common::toml_string(&invalid),
+            common::toml_string(&unroutable)
+        ))
+        .await;
+    let producer = Producer::new();
+    let bad = Record::new("bad", b"bad body").header("x-delay", Some(b"later"));
+    producer.send(&r.from, &bad).await;
+    let lost = Record::new("lost", b"nowhere to go")
+        .header("x-delay", Some(b"100"))
+        .header("x-target-topic", Some(missing.as_bytes()));
+    producer.send(&r.from, &lost).await;
+    let parked = Reader::new(&invalid).collect(1, Duration::from_secs(30));
+    assert_eq!(parked[0].value.as_deref(), Some(&b"bad body"[..]));
+    let reason = parked[0].header_text("x-delayd-error").expect("a reason");
+    assert!(reason.contains("x-delay"), "{reason}");
+    let parked = Reader::new(&unroutable).collect(1, Duration::from_secs(60));
+    assert_eq!(parked[0].value.as_deref(), Some(&b"nowhere to go"[..]));
+    assert_eq!(parked[0].key.as_deref(), Some(&b"lost"[..]));
+    let reason = parked[0].header_text("x-delayd-error").expect("a reason");
+    assert!(reason.contains(&missing), "{reason}");
+    assert!(
+        !kafka::topic_exists(&missing).await,
+        "delayd must not create a target topic"
+    );
 }
 
 /// A delayd with both brokers and one route `from` → `to` (TOML inline tables).

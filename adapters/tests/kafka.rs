@@ -1,5 +1,5 @@
 //! The Kafka adapter against a real Kafka-protocol broker at 127.0.0.1:9092
-//! (`KAFKA_BOOTSTRAP` overrides; `scripts/kafka.sh` starts tansu there).
+//! (`KAFKA_BOOTSTRAP` overrides; `scripts/kafka.sh` starts Apache Kafka there).
 #![cfg(feature = "kafka")]
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

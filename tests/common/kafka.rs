@@ -1,12 +1,12 @@
-//! Kafka side of the end-to-end harness: a real Kafka-protocol broker at
+//! Kafka side of the end-to-end harness: a real Apache Kafka at
 //! 127.0.0.1:9092 (`KAFKA_BOOTSTRAP` overrides; `scripts/kafka.sh` starts
-//! tansu there), reached with plain rdkafka clients.
+//! one there), reached with plain rdkafka clients.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, Headers, OwnedHeaders};
@@ -24,12 +24,15 @@ pub fn topic(test: &str, role: &str) -> String {
     format!("delayd-it.{test}.{role}.{}", unique_suffix())
 }
 
-pub async fn create_topic(name: &str, partitions: i32) {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+fn admin() -> AdminClient<DefaultClientContext> {
+    ClientConfig::new()
         .set("bootstrap.servers", bootstrap())
         .create()
-        .expect("Kafka admin client");
-    let results = admin
+        .expect("Kafka admin client")
+}
+
+pub async fn create_topic(name: &str, partitions: i32) {
+    let results = admin()
         .create_topics(
             [&NewTopic::new(name, partitions, TopicReplication::Fixed(1))],
             &AdminOptions::new(),
@@ -39,6 +42,37 @@ pub async fn create_topic(name: &str, partitions: i32) {
     for r in results {
         r.unwrap_or_else(|e| panic!("create topic {name}: {e:?}"));
     }
+}
+
+/// Grows `name` to `partitions` partitions.
+pub async fn add_partitions(name: &str, partitions: usize) {
+    let results = admin()
+        .create_partitions(
+            [&NewPartitions::new(name, partitions)],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("add partitions to {name}: {e}"));
+    for r in results {
+        r.unwrap_or_else(|e| panic!("add partitions to {name}: {e:?}"));
+    }
+}
+
+/// Does the cluster's metadata list topic `name`?
+pub async fn topic_exists(name: &str) -> bool {
+    let name = name.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap())
+            .create()
+            .expect("Kafka client");
+        let metadata = consumer
+            .fetch_metadata(None, Duration::from_secs(10))
+            .expect("Kafka metadata");
+        metadata.topics().iter().any(|t| t.name() == name)
+    })
+    .await
+    .expect("metadata task")
 }
 
 /// Members of consumer group `group`, as the broker reports them.
@@ -113,6 +147,15 @@ impl Producer {
 
     /// Sends and waits for the broker; returns the partition.
     pub async fn send(&self, topic: &str, record: &Record) -> i32 {
+        self.send_inner(topic, None, record).await
+    }
+
+    /// Sends to `partition` (not where the key would put it) and waits.
+    pub async fn send_to(&self, topic: &str, partition: i32, record: &Record) -> i32 {
+        self.send_inner(topic, Some(partition), record).await
+    }
+
+    async fn send_inner(&self, topic: &str, partition: Option<i32>, record: &Record) -> i32 {
         let mut headers = OwnedHeaders::new();
         for (name, value) in &record.headers {
             headers = headers.insert(Header {
@@ -126,6 +169,9 @@ impl Producer {
         }
         if let Some(v) = &record.value {
             r = r.payload(v);
+        }
+        if let Some(p) = partition {
+            r = r.partition(p);
         }
         let delivery = self
             .inner

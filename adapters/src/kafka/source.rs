@@ -19,6 +19,9 @@
 //!   after it are read again (the core recognises those it already stored).
 //! * `pause`/`resume` pause and resume every assigned partition, including
 //!   partitions assigned while paused.
+//! * Partitions added to a subscribed topic are picked up at the next
+//!   metadata refresh (`topic.metadata.refresh.interval.ms`, 10 s by
+//!   default here), which rebalances the group.
 //!
 //! Every record is handed out as possibly redelivered: Kafka has no
 //! redelivered flag, and after a crash or rebalance the records past the last
@@ -238,7 +241,14 @@ impl KafkaSource {
         });
         let consumer: BaseConsumer<SourceContext> = client
             .client_config(
-                &[("auto.offset.reset", "earliest")],
+                &[
+                    ("auto.offset.reset", "earliest"),
+                    // Partitions added to a source topic are noticed (and
+                    // the group rebalanced) within 10 s, not librdkafka's
+                    // default 5 minutes. A Metadata request every 10 s is
+                    // cheap.
+                    ("topic.metadata.refresh.interval.ms", "10000"),
+                ],
                 &[
                     ("group.id", &config.group),
                     ("enable.auto.commit", "false"),
