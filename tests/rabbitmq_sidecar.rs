@@ -167,6 +167,42 @@ async fn every_x_delay_type_arrives_after_its_delay() {
     s.client.close().await;
 }
 
+/// An AMQP timestamp (what Java's `Date` and pika's `datetime` headers
+/// become) in `x-deliver-at` is epoch seconds: the message waits for that
+/// second, not a moment in 1970.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliver_at_timestamp_is_epoch_seconds() {
+    let s = setup("deliver-at-ts", DelaydOptions::default()).await;
+    let at_s = now_ms() / 1000 + 3;
+    let props = BasicProperties::default()
+        .with_message_id("deliver-at-ts".into())
+        .with_headers(table(vec![("x-deliver-at", AMQPValue::Timestamp(at_s))]));
+    s.client
+        .publish(&s.names.from_exchange, ROUTING_KEY, b"at", props)
+        .await;
+
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
+    let received = receiver
+        .next(Instant::now() + DEADLINE)
+        .await
+        .expect("the message arrives");
+    receiver.close().await;
+    let due = at_s * 1000;
+    assert!(
+        received.at_ms >= due,
+        "received at {} ms, {} ms before its x-deliver-at second",
+        received.at_ms,
+        due - received.at_ms
+    );
+    assert!(
+        received.at_ms < due + 5000,
+        "received {} ms after its x-deliver-at second",
+        received.at_ms - due
+    );
+    assert_eq!(received.delivery.data, b"at");
+    s.client.close().await;
+}
+
 // ------------------------------------------------------ 2. byte-equal egress
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,9 +320,16 @@ async fn invalid_delay_goes_to_invalid_queue_with_reason() {
     let suffix = common::unique_suffix();
     let text_id = format!("invalid-text.{suffix}");
     let bool_id = format!("invalid-bool.{suffix}");
+    // A timestamp is a point in time, not a delay (x-deliver-at takes it).
+    let timestamp_id = format!("invalid-timestamp.{suffix}");
     let cases = [
         (text_id.as_str(), long_string("soon"), "\"soon\""),
         (bool_id.as_str(), AMQPValue::Boolean(true), "boolean"),
+        (
+            timestamp_id.as_str(),
+            AMQPValue::Timestamp(now_ms() / 1000 + 3600),
+            "timestamp",
+        ),
     ];
     for (id, delay, _) in &cases {
         let props = BasicProperties::default()
@@ -308,7 +351,7 @@ async fn invalid_delay_goes_to_invalid_queue_with_reason() {
     .await;
     let mut receiver = s.client.consume(INVALID_QUEUE).await;
     let found = receiver
-        .collect_by_message_id(&[text_id.as_str(), bool_id.as_str()])
+        .collect_by_message_id(&[text_id.as_str(), bool_id.as_str(), timestamp_id.as_str()])
         .await;
     receiver.close().await;
 

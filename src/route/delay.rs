@@ -1,15 +1,17 @@
 //! When is a message due? The ingress header contract:
 //!
 //! - `x-deliver-at`: absolute due time, epoch milliseconds (any integer type
-//!   or a numeric string) or an RFC 3339 timestamp. It wins over `x-delay`.
+//!   or a numeric string), an RFC 3339 timestamp, or an AMQP `timestamp`,
+//!   which is epoch *seconds* (Java's `Date` and Python's `datetime` headers
+//!   become one). It wins over `x-delay`.
 //! - `x-delay`: milliseconds relative to arrival, converted as the
 //!   delayed-message-exchange plugin does: every AMQP integer type, numeric
 //!   strings, floats truncated. Missing, 0 or negative: publish at once.
 //!   Unlike the plugin, delays above 2^32-1 ms are honoured up to `max_delay`.
 //!
-//! Anything else (text that is not a number, NaN, a boolean, a table, a delay
-//! beyond `max_delay`) is an [`InvalidDelay`], and the message goes to the
-//! route's invalid destination with the reason.
+//! Anything else (text that is not a number, NaN, a boolean, a table, a
+//! timestamp in `x-delay`, a delay beyond `max_delay`) is an [`InvalidDelay`],
+//! and the message goes to the route's invalid destination with the reason.
 
 use std::time::Duration;
 
@@ -49,7 +51,6 @@ fn number(header: &'static str, value: &Value) -> Result<Number, InvalidDelay> {
         Value::U32(x) => Number::Int(*x as i128),
         Value::I64(x) => Number::Int(*x as i128),
         Value::U64(x) => Number::Int(*x as i128),
-        Value::Timestamp(x) => Number::Int(*x as i128),
         Value::F32(x) => Number::Float(*x as f64),
         Value::F64(x) => Number::Float(*x),
         Value::Decimal { scale, value } => Number::Float(*value as f64 / 10f64.powi(*scale as i32)),
@@ -82,6 +83,13 @@ fn number(header: &'static str, value: &Value) -> Result<Number, InvalidDelay> {
             return Err(InvalidDelay::Type {
                 header,
                 kind: "void",
+            })
+        }
+        // A point in time, not a number of ms: only `x-deliver-at` takes one.
+        Value::Timestamp(_) => {
+            return Err(InvalidDelay::Type {
+                header,
+                kind: "timestamp (a point in time; use x-deliver-at)",
             })
         }
     };
@@ -129,23 +137,33 @@ pub fn due_from_headers(
         if delay <= 0 {
             return Ok(now_ms);
         }
+        let too_long = InvalidDelay::TooLong {
+            delay_ms: delay as u128,
+            max_ms,
+        };
         if delay as u128 > max_ms {
-            return Err(InvalidDelay::TooLong {
-                delay_ms: delay as u128,
-                max_ms,
-            });
+            return Err(too_long);
         }
-        Ok(now_ms.saturating_add(delay as u64))
+        // Never truncate or wrap: a delay past the u64 clock is refused.
+        u64::try_from(delay)
+            .ok()
+            .and_then(|d| now_ms.checked_add(d))
+            .ok_or(too_long)
     };
     if let Some(value) = headers.get(X_DELIVER_AT) {
-        let at = match value.as_text().map(str::trim) {
-            Some(text) if !text.is_empty() && !text.bytes().all(|b| b.is_ascii_digit()) => {
-                match chrono::DateTime::parse_from_rfc3339(text) {
-                    Ok(t) => t.timestamp_millis() as i128,
-                    Err(_) => whole_ms(X_DELIVER_AT, parse_text(X_DELIVER_AT, text)?)?,
+        let at = if let Value::Timestamp(secs) = value {
+            // AMQP timestamps are epoch seconds.
+            i128::from(*secs) * 1000
+        } else {
+            match value.as_text().map(str::trim) {
+                Some(text) if !text.is_empty() && !text.bytes().all(|b| b.is_ascii_digit()) => {
+                    match chrono::DateTime::parse_from_rfc3339(text) {
+                        Ok(t) => t.timestamp_millis() as i128,
+                        Err(_) => whole_ms(X_DELIVER_AT, parse_text(X_DELIVER_AT, text)?)?,
+                    }
                 }
+                _ => whole_ms(X_DELIVER_AT, number(X_DELIVER_AT, value)?)?,
             }
-            _ => whole_ms(X_DELIVER_AT, number(X_DELIVER_AT, value)?)?,
         };
         return check(at - now_ms as i128);
     }
@@ -219,6 +237,19 @@ mod tests {
     }
 
     #[test]
+    fn a_delay_beyond_u64_ms_is_never_truncated_into_an_early_one() {
+        // 2^64 + 5 ms: `as u64` would make it 5 ms.
+        let h = FieldTable(vec![(
+            X_DELAY.into(),
+            Value::LongString(b"18446744073709551621".to_vec()),
+        )]);
+        assert!(matches!(
+            due_from_headers(&h, NOW, Duration::MAX),
+            Err(InvalidDelay::TooLong { .. })
+        ));
+    }
+
+    #[test]
     fn garbage_is_invalid_with_a_reason() {
         let e = due(X_DELAY, Value::LongString(b"soon".to_vec())).unwrap_err();
         assert!(e.to_string().contains("\"soon\""), "{e}");
@@ -265,6 +296,27 @@ mod tests {
             Ok(NOW)
         );
         assert!(due(X_DELIVER_AT, Value::LongString(b"tomorrow".to_vec())).is_err());
+    }
+
+    #[test]
+    fn deliver_at_timestamp_is_epoch_seconds() {
+        // Java's Date and pika's datetime headers arrive as AMQP timestamps.
+        let at_s = NOW / 1000 + 3600;
+        assert_eq!(due(X_DELIVER_AT, Value::Timestamp(at_s)), Ok(at_s * 1000));
+        assert_eq!(due(X_DELIVER_AT, Value::Timestamp(0)), Ok(NOW));
+        assert!(matches!(
+            due(X_DELIVER_AT, Value::Timestamp(u64::MAX)),
+            Err(InvalidDelay::TooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn timestamp_delay_is_invalid() {
+        let e = due(X_DELAY, Value::Timestamp(5)).unwrap_err();
+        assert!(
+            matches!(e, InvalidDelay::Type { kind, .. } if kind.contains("timestamp")),
+            "{e}"
+        );
     }
 
     #[test]
