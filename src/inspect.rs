@@ -1,4 +1,9 @@
 //! `delayd wal inspect DIR`: what is in a WAL, without changing it.
+//!
+//! It takes no lock, so it also works on the WAL of a running delayd: the
+//! report is then a snapshot of a log being written (the last segment may
+//! end in a batch still being written, shown as a torn tail) and names the
+//! running process.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -32,6 +37,8 @@ struct Report {
     routes: BTreeMap<String, u64>,
     corruption: Vec<crate::wal::Corruption>,
     torn_tail_bytes: u64,
+    /// The delayd holding the WAL's lock, if one is running.
+    in_use_by_pid: Option<u32>,
 }
 
 pub fn run(dir: &Path, json: bool) -> anyhow::Result<()> {
@@ -111,6 +118,7 @@ pub fn run(dir: &Path, json: bool) -> anyhow::Result<()> {
         routes,
         corruption: Vec::new(),
         torn_tail_bytes: 0,
+        in_use_by_pid: crate::wal::live_holder(dir),
     };
     for (i, (file, bytes, scan)) in scans.into_iter().enumerate() {
         let (live_n, live_bytes) = per_segment[i];
@@ -142,6 +150,9 @@ pub fn run(dir: &Path, json: bool) -> anyhow::Result<()> {
 
 fn print_table(r: &Report) {
     println!("WAL {}", r.dir);
+    if let Some(pid) = r.in_use_by_pid {
+        println!("in use by delayd pid {pid}: a snapshot of a log being written");
+    }
     println!(
         "{:<40} {:>12} {:>10} {:>10} {:>10} {:>12} {:>12}",
         "segment", "bytes", "schedules", "dones", "live", "live bytes", "dead bytes"

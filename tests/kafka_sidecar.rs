@@ -420,6 +420,7 @@ async fn start_cross(route: &str, from: &str, to: &str) -> Delayd {
         format!(
             r#"[wal]
 dir = {wal}
+create_dir = true
 
 [http]
 listen = "{http}"

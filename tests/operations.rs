@@ -753,6 +753,93 @@ fn wal_inspect_reports_a_corrupted_frame_with_segment_and_offset() {
     assert_eq!(report["newest_due_ms"], Value::from(4_000_000_000_002u64));
 }
 
+// ------------------------------------------------- one process per WAL dir
+
+/// A child process that is killed if the test fails before it exits.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A second `delayd run` on a WAL directory in use exits non-zero, naming
+/// the directory and the running process's pid, and touches nothing: the
+/// first keeps running and delivers what it holds. `wal inspect` still
+/// reads the live WAL and says who holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_delayd_on_the_same_wal_dir_is_refused() {
+    let s = setup("wal-lock", DelaydOptions::default()).await;
+    let sent = now_ms();
+    s.client
+        .publish(&s.names.from_exchange, "k", b"held", delayed("held", 6000))
+        .await;
+    wait_pending(&s.delayd, 1).await;
+
+    // The same config (so the same WAL) with another admin port.
+    let text = std::fs::read_to_string(s.delayd.config_path()).expect("read config");
+    let text: Vec<String> = text
+        .lines()
+        .map(|l| match l.starts_with("listen = ") {
+            true => format!("listen = \"127.0.0.1:{}\"", free_port()),
+            false => l.to_owned(),
+        })
+        .collect();
+    let second = s.delayd.config_path().with_file_name("second.toml");
+    std::fs::write(&second, text.join("\n")).expect("write config");
+    let mut child = KillOnDrop(
+        std::process::Command::new(env!("CARGO_BIN_EXE_delayd"))
+            .arg("run")
+            .arg("--config")
+            .arg(&second)
+            .env("NO_COLOR", "1")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start a second delayd"),
+    );
+    let status = wait_for("the second delayd to exit", DEADLINE, || {
+        let status = child.0.try_wait().expect("poll the second delayd");
+        async move { status }
+    })
+    .await;
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.0.stderr.take().expect("piped"), &mut stderr)
+        .expect("read stderr");
+    assert!(!status.success(), "the second delayd exited 0:\n{stderr}");
+    let wal_dir = s.delayd.wal_dir().display().to_string();
+    let pid = s.delayd.pid().to_string();
+    assert!(
+        stderr.contains(&wal_dir) && stderr.contains(&format!("pid {pid}")),
+        "the error should name {wal_dir} and pid {pid}:\n{stderr}"
+    );
+
+    let (ok, out, err) = delayd_cli("wal", &["inspect", &wal_dir]);
+    assert!(ok, "wal inspect on a live WAL: {out}{err}");
+    assert!(
+        out.contains(&format!("in use by delayd pid {pid}")) && out.contains("live records: 1"),
+        "{out}"
+    );
+
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
+    let received = receiver
+        .next(Instant::now() + DEADLINE)
+        .await
+        .expect("the first delayd still delivers its pending message");
+    receiver.close().await;
+    assert_eq!(received.delivery.data, b"held");
+    assert!(
+        received.at_ms >= sent + 6000,
+        "early by {} ms",
+        sent + 6000 - received.at_ms
+    );
+    wait_pending(&s.delayd, 0).await;
+    s.client.close().await;
+}
+
 // ------------------------------------------------------------ deployment
 
 /// `docker-compose config -q` accepts the compose file (Debian's

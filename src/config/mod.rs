@@ -33,8 +33,12 @@ pub struct Config {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WalSection {
-    /// Directory of the write-ahead log. Created if missing.
+    /// Directory of the write-ahead log. Must exist unless `create_dir`.
     pub dir: PathBuf,
+    /// Create `dir` if it is missing. Off by default: a missing WAL
+    /// directory may be an unmounted volume, and starting empty there would
+    /// lose every pending message without a word.
+    pub create_dir: bool,
     /// Segment size before a new one is started, bytes.
     pub segment_bytes: u64,
     /// Largest message accepted (encoded body + headers), bytes. Larger ones
@@ -50,6 +54,7 @@ impl Default for WalSection {
     fn default() -> Self {
         Self {
             dir: PathBuf::from("data/wal"),
+            create_dir: false,
             segment_bytes: 64 << 20,
             max_message_bytes: 16 << 20,
             compact_below: 0.5,

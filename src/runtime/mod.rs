@@ -36,6 +36,7 @@ pub fn engine_config(config: &Config) -> EngineConfig {
     wal.max_message_bytes = config.wal.max_message_bytes;
     wal.compact_below = config.wal.compact_below;
     wal.on_corruption = config.wal.on_corruption;
+    wal.create_dir = config.wal.create_dir;
     EngineConfig {
         max_in_flight: config.engine.max_in_flight,
         overdue_rate: config.engine.overdue_rate,

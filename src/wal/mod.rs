@@ -64,12 +64,14 @@
 //! The directory is fsynced after every create and delete.
 
 mod frame;
+mod lock;
 mod reader;
 mod recovery;
 mod segments;
 mod writer;
 
 pub use frame::{Record, RecordRef, SCHEDULE_OVERHEAD};
+pub use lock::{live_holder, LOCK_FILE};
 pub use reader::{inspect_segment, FrameSummary, SegmentScan};
 pub use recovery::{Corruption, RecoveryReport};
 pub use segments::SpaceReport;
@@ -112,6 +114,10 @@ pub struct WalConfig {
     pub on_corruption: OnCorruption,
     /// Most bytes written per group commit.
     pub max_batch_bytes: usize,
+    /// Create `dir` if it is missing. Off by default: a missing directory
+    /// may be a volume that is not mounted, and starting empty there would
+    /// silently drop every pending message.
+    pub create_dir: bool,
 }
 
 impl WalConfig {
@@ -131,6 +137,7 @@ impl WalConfig {
             compact_below: 0.5,
             on_corruption: OnCorruption::Skip,
             max_batch_bytes: 4 << 20,
+            create_dir: false,
         }
     }
 }
@@ -165,6 +172,10 @@ pub enum WalError {
     NoSegment(u32),
     #[error("{0}")]
     Invalid(String),
+    #[error("WAL directory {} does not exist (an unmounted volume?); create it, or set wal.create_dir = true to let delayd create it", .0.display())]
+    MissingDir(PathBuf),
+    #[error("WAL directory {} is in use by another delayd (pid {}); one process per WAL directory", .dir.display(), .pid.map_or_else(|| "unknown".to_owned(), |p| p.to_string()))]
+    Locked { dir: PathBuf, pid: Option<u32> },
 }
 
 impl WalError {
@@ -203,16 +214,26 @@ struct Shared {
     config: WalConfig,
     segments: Arc<Mutex<SegmentTable>>,
     writer: Writer,
+    /// Held for as long as any handle to the log exists.
+    _lock: lock::DirLock,
 }
 
 impl Wal {
-    /// Open (or create) the log, replaying every frame through `visit` in log
-    /// order, then start the writer on a fresh head segment.
+    /// Open the log (creating its directory only if `create_dir`), lock its
+    /// directory, replay every frame through `visit` in log order, then start
+    /// the writer on a fresh head segment.
     pub fn open(
         config: WalConfig,
         visit: impl FnMut(RecordRef<'_>, WalPos),
     ) -> Result<(Wal, RecoveryReport), WalError> {
-        std::fs::create_dir_all(&config.dir).map_err(|e| WalError::io(&config.dir, e))?;
+        if !config.dir.is_dir() {
+            if !config.create_dir {
+                return Err(WalError::MissingDir(config.dir.clone()));
+            }
+            std::fs::create_dir_all(&config.dir).map_err(|e| WalError::io(&config.dir, e))?;
+        }
+        // Before recovery: it truncates, deletes and rewrites files.
+        let lock = lock::DirLock::acquire(&config.dir)?;
         let (table, report) = recovery::recover(&config, visit)?;
         let segments = Arc::new(Mutex::new(table));
         let writer = Writer::start(config.clone(), segments.clone(), report.next_seq)?;
@@ -222,6 +243,7 @@ impl Wal {
                     config,
                     segments,
                     writer,
+                    _lock: lock,
                 }),
             },
             report,

@@ -47,6 +47,11 @@ fn schedule(wal: &Wal, due: u64, msg: &[u8]) -> Appended {
         .unwrap()
 }
 
+/// Flush and drop the handle, releasing the directory lock (a clean stop).
+fn close(wal: Wal) {
+    wal.close().unwrap();
+}
+
 fn segments_of(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
@@ -87,7 +92,7 @@ fn appended_records_come_back_after_reopen() {
             message: b"b".to_vec()
         }
     );
-    wal.close().unwrap();
+    close(wal);
     let (wal, live, report) = open_live(config(dir.path())).unwrap();
     assert_eq!(live.keys().copied().collect::<Vec<_>>(), vec![b.id]);
     assert!(report.corruptions.is_empty());
@@ -138,7 +143,7 @@ fn torn_tail_at_every_byte_offset_keeps_every_complete_frame() {
         let a = schedule(&wal, 100 + i, &vec![i as u8; 7 * i as usize + 1]);
         ends.push(a.id);
     }
-    wal.close().unwrap();
+    close(wal);
     let seg = segments_of(dir.path()).pop().unwrap();
     let full = std::fs::read(&seg).unwrap();
     // Offsets where each frame ends, from a clean scan.
@@ -196,7 +201,7 @@ fn torn_tail_at_every_byte_offset_keeps_every_complete_frame() {
         );
         // The log accepts appends after the cut, and they survive.
         let d = schedule(&wal, 1, b"after");
-        wal.close().unwrap();
+        close(wal);
         let (_, live, _) = open_live(WalConfig {
             dir: trial.path().to_path_buf(),
             ..cfg.clone()
@@ -215,7 +220,7 @@ fn zero_filled_tail_is_truncated() {
     };
     let (wal, _, _) = open_live(cfg.clone()).unwrap();
     let ids: Vec<u64> = (0..5).map(|i| schedule(&wal, i, b"x").id).collect();
-    wal.close().unwrap();
+    close(wal);
     let seg = segments_of(dir.path()).pop().unwrap();
     let mut f = OpenOptions::new().append(true).open(&seg).unwrap();
     f.write_all(&vec![0u8; 1 << 16]).unwrap();
@@ -232,7 +237,7 @@ fn multi_segment_log(dir: &Path) -> Vec<u64> {
     let ids = (0..60)
         .map(|i| schedule(&wal, i, &[i as u8; 200]).id)
         .collect();
-    wal.close().unwrap();
+    close(wal);
     assert!(segments_of(dir).len() >= 3);
     ids
 }
@@ -315,7 +320,7 @@ fn fully_done_segments_are_deleted() {
     }
     let deleted = wal.collect_garbage().unwrap();
     assert!(deleted >= 1, "nothing deleted");
-    wal.close().unwrap();
+    close(wal);
     let (_, live, _) = open_live(config(dir.path())).unwrap();
     let expect: Vec<u64> = recs[50..].iter().map(|a| a.id).collect();
     assert_eq!(live.keys().copied().collect::<Vec<_>>(), expect);
@@ -378,7 +383,7 @@ proptest! {
                 Op::Done(_) => {}
                 Op::Gc => { wal.collect_garbage().unwrap(); }
                 Op::Reopen => {
-                    wal.close().unwrap();
+                    close(wal);
                     let mut positions = BTreeMap::new();
                     let (reopened, report) = Wal::open(cfg.clone(), |rec, pos| match rec {
                         RecordRef::Schedule { id, message, .. } => {
@@ -401,4 +406,50 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn a_second_open_of_a_locked_directory_is_refused_with_the_holders_pid() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, _, _) = open_live(config(dir.path())).unwrap();
+    schedule(&first, 10, b"kept");
+    let err = open_live(config(dir.path()))
+        .err()
+        .expect("second open refused");
+    assert!(
+        matches!(&err, WalError::Locked { pid: Some(pid), .. } if *pid == std::process::id()),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains(&dir.path().display().to_string())
+            && text.contains(&std::process::id().to_string()),
+        "{text}"
+    );
+    // The refused open touched nothing: the first log still works.
+    schedule(&first, 20, b"more");
+    first.close().unwrap();
+    drop(first);
+    let (_, live, _) = open_live(config(dir.path())).unwrap();
+    assert_eq!(live.len(), 2, "the lock is released with the last handle");
+}
+
+#[test]
+fn a_missing_directory_is_refused_unless_create_dir() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("wal");
+    let err = open_live(config(&dir)).err().expect("missing dir refused");
+    let text = err.to_string();
+    assert!(
+        text.contains(&dir.display().to_string()) && text.contains("wal.create_dir"),
+        "{text}"
+    );
+    assert!(!dir.exists(), "refusing must not create it");
+    let (wal, live, _) = open_live(WalConfig {
+        create_dir: true,
+        ..config(&dir)
+    })
+    .unwrap();
+    assert!(live.is_empty());
+    schedule(&wal, 1, b"x");
 }

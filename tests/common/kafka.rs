@@ -273,6 +273,7 @@ pub fn config(
     format!(
         r#"[wal]
 dir = {wal}
+create_dir = true
 
 [http]
 listen = "{http}"

@@ -288,6 +288,7 @@ pub fn config_toml(
     format!(
         r#"[wal]
 dir = {wal_dir}
+create_dir = true
 max_message_bytes = {max_message_bytes}
 
 [http]
