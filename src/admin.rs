@@ -67,10 +67,17 @@ impl AdminState {
     }
 }
 
-/// The bearer token from config, `DELAYD_HTTP__TOKEN`, or `http.token_file`.
+/// The bearer token from config, `DELAYD_HTTP__TOKEN`, or `http.token_file`;
+/// an empty `http.token` counts as none.
 pub fn token(http: &HttpSection) -> anyhow::Result<Option<String>> {
-    if let Some(t) = &http.token {
-        return Ok(Some(t.trim().to_owned()));
+    // An empty token is no token (an unset-but-exported variable, say).
+    if let Some(t) = http
+        .token
+        .as_deref()
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+    {
+        return Ok(Some(t.to_owned()));
     }
     if let Some(path) = &http.token_file {
         let text = std::fs::read_to_string(path)

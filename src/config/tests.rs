@@ -216,3 +216,48 @@ fn shipped_config_and_examples_are_valid() {
         }
     }
 }
+
+#[test]
+fn an_empty_token_counts_as_no_token() {
+    for token in ["\"\"", "\"   \""] {
+        let e = Config::from_toml_str(&format!(
+            "[http]\nlisten = \"0.0.0.0:9464\"\ntoken = {token}\n{GOOD}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("http.listen") && e.contains("token"), "{e}");
+    }
+}
+
+#[test]
+fn durations_too_large_to_compute_with_are_refused_by_name() {
+    // u64::MAX seconds: beyond what a millisecond clock or f64 seconds hold.
+    const HUGE: &str = "\"18446744073709551615s\"";
+    let e = Config::from_toml_str(&format!("[engine]\nmax_delay = {HUGE}\n{GOOD}"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("engine.max_delay"), "{e}");
+    let e = Config::from_toml_str(&format!("[engine]\nretry_max = {HUGE}\n{GOOD}"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("engine.retry_max"), "{e}");
+    let e = Config::from_toml_str(&format!("{GOOD}max_delay = {HUGE}\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("routes[0].max_delay"), "{e}");
+    // A retry back-off is bounded by max_delay, so a huge one is refused too.
+    let e = Config::from_toml_str(&format!(
+        "[engine]\nmax_delay = {HUGE}\n{}[routes.retry]\nbackoff = {{ initial = \"1s\", max = {HUGE} }}\nmax_attempts = 3\n",
+        TTL.replace("\"ttl\"", "\"retry\"")
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("max_delay"), "{e}");
+}
+
+#[test]
+fn the_wal_directory_is_not_created_by_default() {
+    assert!(!Config::from_toml_str(GOOD).unwrap().wal.create_dir);
+    let c = Config::from_toml_str(&GOOD.replace("[wal]\n", "[wal]\ncreate_dir = true\n")).unwrap();
+    assert!(c.wal.create_dir);
+}

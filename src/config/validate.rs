@@ -3,8 +3,14 @@
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use super::{BrokerConfig, Config, DestinationConfig, Mode, RouteConfig};
+
+/// Longest duration a key may hold: far beyond any real delay, and small
+/// enough that epoch milliseconds plus it never overflow a u64 (nor f64
+/// seconds a `Duration`).
+const MAX_DURATION: Duration = Duration::from_secs(1000 * 366 * 86400);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -18,6 +24,10 @@ pub enum ConfigError {
         file: Option<PathBuf>,
         message: String,
     },
+}
+
+fn too_long(value: Duration) -> String {
+    format!("{value:?} is too long: at most 1000 years")
 }
 
 fn render(errors: &[String]) -> String {
@@ -73,6 +83,15 @@ impl Config {
                 "must be between 0 and 1".into(),
             ));
         }
+        for (key, value) in [
+            ("engine.max_delay", self.engine.max_delay),
+            ("engine.retry_initial", self.engine.retry_initial),
+            ("engine.retry_max", self.engine.retry_max),
+        ] {
+            if value > MAX_DURATION {
+                return Err(err(key.into(), too_long(value)));
+            }
+        }
         if self.engine.max_in_flight == 0 {
             return Err(err(
                 "engine.max_in_flight".into(),
@@ -98,7 +117,11 @@ impl Config {
                 )
             })?;
             if !addr.ip().is_loopback()
-                && self.http.token.is_none()
+                && self
+                    .http
+                    .token
+                    .as_deref()
+                    .is_none_or(|t| t.trim().is_empty())
                 && self.http.token_file.is_none()
             {
                 return Err(err(
@@ -137,6 +160,9 @@ impl Config {
                     key("name"),
                     format!("route name {:?} is used twice", route.name),
                 ));
+            }
+            if let Some(max) = route.max_delay.filter(|d| *d > MAX_DURATION) {
+                return Err(err(key("max_delay"), too_long(max)));
             }
             self.check_mode(route)
                 .map_err(|(field, m)| err(key(field), m))?;

@@ -270,8 +270,9 @@ async fn complete(
         Outcome::Retry(reason) => {
             let attempt = flight.attempt + 1;
             let backoff = backoff(&inner.config, attempt);
-            let at = inner.clock.now_ms() + backoff.as_millis() as u64;
-            tracing::warn!(id, route = %route, attempt, retry_in_ms = backoff.as_millis() as u64, %reason, "publish failed; will retry");
+            let backoff_ms = u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX);
+            let at = inner.clock.now_ms().saturating_add(backoff_ms);
+            tracing::warn!(id, route = %route, attempt, retry_in_ms = backoff_ms, %reason, "publish failed; will retry");
             metrics::counter!("delayd_publish_retries_total", "route" => route.to_string())
                 .increment(1);
             state.attempts.insert(id, attempt);

@@ -169,7 +169,8 @@ impl Route {
                             message
                                 .headers
                                 .insert(retry::X_DELAYD_ATTEMPT, Value::I64(attempt as i64));
-                            Plan::Due(now_ms.saturating_add(delay.as_millis() as u64))
+                            let delay = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+                            Plan::Due(now_ms.saturating_add(delay))
                         }
                         retry::Decision::Park { attempts } => {
                             let reason = format!(

@@ -132,7 +132,8 @@ impl Policy {
                 let exp = b.multiplier.powi(n.saturating_sub(1).min(1024) as i32);
                 let base = (b.initial.as_secs_f64() * exp).min(max);
                 let spread = 1.0 + b.jitter * (2.0 * random.clamp(0.0, 1.0) - 1.0);
-                Duration::from_secs_f64((base * spread).clamp(0.0, max))
+                // `max` as f64 can round above Duration::MAX: saturate, never panic.
+                Duration::try_from_secs_f64((base * spread).clamp(0.0, max)).unwrap_or(b.max)
             }
         }
     }
@@ -277,5 +278,21 @@ mod tests {
             let d = p.delay_before_retry(2, r);
             assert!(d >= Duration::from_millis(1599) && d <= Duration::from_millis(2401));
         }
+    }
+
+    #[test]
+    fn a_huge_backoff_saturates_instead_of_panicking() {
+        let policy = Policy {
+            backoff: Backoff::Exponential(BackoffConfig {
+                initial: Duration::from_secs(1),
+                multiplier: 2.0,
+                max: Duration::MAX,
+                jitter: 0.5,
+            }),
+            max_attempts: 200,
+            work_queue: None,
+        };
+        assert_eq!(policy.delay_before_retry(150, 1.0), Duration::MAX);
+        assert_eq!(policy.delay_before_retry(1, 0.5), Duration::from_secs(1));
     }
 }
