@@ -18,7 +18,7 @@ const FLAG_NULL_VALUE: u8 = 1;
 /// Nesting deeper than this is refused rather than risking the stack.
 const MAX_DEPTH: usize = 64;
 
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum CodecError {
     #[error("encoded message ends early")]
     Truncated,
@@ -55,6 +55,30 @@ pub fn encode(message: &Message) -> Vec<u8> {
     put_table(&mut out, &message.headers);
     put_bytes(&mut out, &message.body);
     out
+}
+
+/// Whether [`decode`] will read `headers` back: it refuses containers
+/// (arrays, tables) nested deeper than [`MAX_DEPTH`]. Check this before
+/// storing a message, since [`encode`] writes any depth.
+pub fn check_nesting(headers: &FieldTable) -> Result<(), CodecError> {
+    fn value(v: &Value, depth: usize) -> Result<(), CodecError> {
+        match v {
+            Value::Array(items) => nested(items.iter(), depth),
+            Value::Table(t) => nested(t.0.iter().map(|(_, v)| v), depth),
+            _ => Ok(()),
+        }
+    }
+    // Same rule as `Reader::value`: a container at `depth` needs `depth < MAX_DEPTH`.
+    fn nested<'a>(
+        mut children: impl Iterator<Item = &'a Value>,
+        depth: usize,
+    ) -> Result<(), CodecError> {
+        if depth >= MAX_DEPTH {
+            return Err(CodecError::TooDeep);
+        }
+        children.try_for_each(|c| value(c, depth + 1))
+    }
+    headers.0.iter().try_for_each(|(_, v)| value(v, 0))
 }
 
 pub fn decode(bytes: &[u8]) -> Result<Message, CodecError> {
@@ -492,5 +516,29 @@ mod tests {
             ..Message::default()
         };
         assert_eq!(decode(&encode(&m)), Err(CodecError::TooDeep));
+    }
+
+    #[test]
+    fn check_nesting_agrees_with_decode() {
+        for levels in [MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1] {
+            for table in [false, true] {
+                let mut v = Value::Void;
+                for _ in 0..levels {
+                    v = match table {
+                        true => Value::Table(FieldTable(vec![("t".into(), v)])),
+                        false => Value::Array(vec![v]),
+                    };
+                }
+                let m = Message {
+                    headers: FieldTable(vec![("deep".into(), v)]),
+                    ..Message::default()
+                };
+                assert_eq!(
+                    check_nesting(&m.headers).is_ok(),
+                    decode(&encode(&m)).is_ok(),
+                    "{levels} levels, table: {table}"
+                );
+            }
+        }
     }
 }

@@ -22,7 +22,7 @@ pub use amqp::{
     AmqpError, AmqpSink, AmqpSource, Broker, BrokerConnections, BrokerOptions, ExchangeType,
     SinkConfig as AmqpSinkConfig, SourceConfig as AmqpSourceConfig,
 };
-pub use codec::{decode, encode, lookup_key, CodecError};
+pub use codec::{check_nesting, decode, encode, lookup_key, CodecError};
 pub use message::{FieldTable, Message, Properties, Value};
 pub use traits::{
     AckHandle, BoxFuture, Delivery, PublishOutcome, Sink, SinkError, Source, SourceError, Target,

@@ -56,22 +56,28 @@ impl FieldTable {
         Self(Vec::new())
     }
 
+    /// The value of `key`. Kafka allows a name more than once: the last one
+    /// wins, as Java's `Headers.lastHeader()` reads it.
     pub fn get(&self, key: &str) -> Option<&Value> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+        self.0.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v)
     }
 
-    /// Replace the value of `key` in place (keeping its position), or append it.
+    /// Replace the value [`get`](Self::get) reads in place (keeping its
+    /// position), or append it.
     pub fn insert(&mut self, key: impl Into<String>, value: Value) {
         let key = key.into();
-        match self.0.iter_mut().find(|(k, _)| *k == key) {
+        match self.0.iter_mut().rev().find(|(k, _)| *k == key) {
             Some(slot) => slot.1 = value,
             None => self.0.push((key, value)),
         }
     }
 
+    /// Remove every value of `key`; returns the one [`get`](Self::get) read.
     pub fn remove(&mut self, key: &str) -> Option<Value> {
-        let index = self.0.iter().position(|(k, _)| k == key)?;
-        Some(self.0.remove(index).1)
+        let index = self.0.iter().rposition(|(k, _)| k == key)?;
+        let last = self.0.remove(index).1;
+        self.0.retain(|(k, _)| k != key);
+        Some(last)
     }
 
     pub fn len(&self) -> usize {

@@ -27,6 +27,9 @@ pub enum Unschedulable {
     Delay(#[from] InvalidDelay),
     #[error(transparent)]
     Ttl(#[from] InvalidTtl),
+    /// The WAL could store them but never read them back.
+    #[error(transparent)]
+    Headers(#[from] delayd_adapters::CodecError),
 }
 
 /// What intake does with a message.
@@ -137,6 +140,7 @@ impl Route {
     /// park it, and writes the new attempt number (and the park reason and
     /// count) on the message.
     pub fn plan(&self, message: &mut Message, now_ms: u64) -> Result<Plan, Unschedulable> {
+        delayd_adapters::check_nesting(&message.headers)?;
         match self.config.mode {
             Mode::Delay => Ok(Plan::Due(delay::due_from_headers(
                 &message.headers,
@@ -375,5 +379,69 @@ to = {{ broker = "rabbit", exchange = "out" }}
                 routing_key: Some("k".into())
             }
         );
+    }
+
+    /// Kafka allows a header name more than once; the last one wins, as
+    /// Java's `Headers.lastHeader()` reads it.
+    #[test]
+    fn with_repeated_kafka_headers_the_last_one_wins() {
+        let text = |s: &str| Value::LongString(s.as_bytes().to_vec());
+        let mut m = Message {
+            headers: delayd_adapters::FieldTable(vec![
+                (delay::X_DELAY.into(), text("1000")),
+                (X_TARGET_TOPIC.into(), text("first")),
+                (X_TARGET_ROUTING_KEY.into(), text("k1")),
+                (delay::X_DELAY.into(), text("5000")),
+                (X_TARGET_TOPIC.into(), text("last")),
+                (X_TARGET_ROUTING_KEY.into(), text("k2")),
+            ]),
+            ..Message::default()
+        };
+        let r = route("allow_target_override = true");
+        assert_eq!(r.plan(&mut m, 0), Ok(Plan::Due(5000)));
+        assert_eq!(
+            r.target_for(&m),
+            Target {
+                destination: "last".into(),
+                routing_key: Some("k2".into())
+            }
+        );
+        // The x-delay that counted is the one negated on the way out.
+        r.for_delivery(&mut m, 1, 5000);
+        assert_eq!(m.headers.0[0].1, text("1000"));
+        assert_eq!(m.headers.0[3].1, Value::I32(-5000));
+
+        let mut at = Message::default();
+        at.headers
+            .0
+            .push((delay::X_DELIVER_AT.into(), text("2000")));
+        at.headers
+            .0
+            .push((delay::X_DELIVER_AT.into(), text("9000")));
+        assert_eq!(r.plan(&mut at, 0), Ok(Plan::Due(9000)));
+    }
+
+    /// The WAL codec refuses headers nested deeper than 64 levels when it
+    /// reads them back, so intake must refuse them before they are stored:
+    /// otherwise the message would be acked and could never be delivered.
+    #[test]
+    fn headers_too_deep_for_the_wal_are_unschedulable() {
+        let nested = |levels: usize| {
+            let mut v = Value::Void;
+            for _ in 0..levels {
+                v = Value::Table(delayd_adapters::FieldTable(vec![("t".into(), v)]));
+            }
+            let mut m = Message::with_body("x");
+            m.headers.insert("deep", v);
+            m
+        };
+        let r = route("");
+        let mut ok = nested(64);
+        assert_eq!(r.plan(&mut ok, 0), Ok(Plan::Due(0)));
+        assert!(delayd_adapters::decode(&delayd_adapters::encode(&ok)).is_ok());
+        let mut deep = nested(65);
+        assert!(delayd_adapters::decode(&delayd_adapters::encode(&deep)).is_err());
+        let e = r.plan(&mut deep, 0).unwrap_err();
+        assert!(e.to_string().contains("nested deeper than 64"), "{e}");
     }
 }

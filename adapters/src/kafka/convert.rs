@@ -3,7 +3,8 @@
 //! In: the value becomes the body (a null value sets [`Message::null_value`]),
 //! the key, partition and timestamp are kept, and every header becomes a
 //! [`Value::LongString`] of its bytes ([`Value::Void`] for a null header), in
-//! record order, duplicates included.
+//! record order, duplicates included ([`FieldTable::get`] reads the last one,
+//! as Java's `Headers.lastHeader()` does).
 //!
 //! Out: a header's [`Value`] is written as bytes. Byte strings go as they are,
 //! so a record that came from Kafka leaves with the same bytes. Typed AMQP
