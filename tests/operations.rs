@@ -850,6 +850,8 @@ fn compose_file_is_valid() {
     let output = match std::process::Command::new("docker-compose")
         .args(["-f", "docker-compose.yml", "config", "-q"])
         .current_dir(root)
+        // The file commits no token; it requires one from the environment.
+        .env("DELAYD_HTTP__TOKEN", "compose-test-token")
         .output()
     {
         Ok(output) => output,
@@ -864,4 +866,38 @@ fn compose_file_is_valid() {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
+}
+
+/// The compose file publishes ports on the host's loopback only and commits
+/// no admin token: it takes the token from the environment, with no default.
+#[test]
+fn compose_file_binds_loopback_and_commits_no_token() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docker-compose.yml");
+    let text = std::fs::read_to_string(path).expect("read docker-compose.yml");
+    let mut published = 0;
+    for line in text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("ports:"))
+    {
+        for port in line.split('"').skip(1).step_by(2) {
+            published += 1;
+            assert!(
+                port.starts_with("127.0.0.1:"),
+                "port {port:?} is published on every interface: {line}"
+            );
+        }
+    }
+    assert!(
+        published >= 3,
+        "expected the published ports inline: {text}"
+    );
+    let token = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("DELAYD_HTTP__TOKEN:"))
+        .expect("the delayd service sets DELAYD_HTTP__TOKEN");
+    assert!(
+        token.contains("${DELAYD_HTTP__TOKEN:?"),
+        "the token must come from the environment, required, with no default: {token}"
+    );
+    assert!(!text.contains("change-me"), "a committed token is left");
 }
