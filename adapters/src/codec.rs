@@ -4,17 +4,20 @@
 //!
 //! Layout (all integers little-endian, `bytes` = u32 length + bytes,
 //! `opt` = one byte 0/1 then the value):
-//! `version:u8=2 | flags:u8 | source:bytes | routing_key:bytes | key:opt bytes |
+//! `version:u8=2 | flags:u8 | [offset:i64 when flag bit 1] | source:bytes |
+//!  routing_key:bytes | key:opt bytes |
 //!  partition:opt i32 | timestamp_ms:opt i64 | 13 properties (opt each) |
 //!  headers:table | body:bytes`, where a table is `count:u32` then
 //! `name:bytes, value` pairs and a value is a one-byte tag then its data.
-//! Flags: bit 0 = the Kafka value is null. Version 1 (no flags byte) is still
-//! read, so a WAL written by an older delayd recovers.
+//! Flags: bit 0 = the Kafka value is null; bit 1 = a Kafka offset follows
+//! (records written before it existed have no offset). Version 1 (no flags
+//! byte) is still read, so a WAL written by an older delayd recovers.
 
 use crate::message::{FieldTable, Message, Properties, Value};
 
 const VERSION: u8 = 2;
 const FLAG_NULL_VALUE: u8 = 1;
+const FLAG_OFFSET: u8 = 2;
 /// Nesting deeper than this is refused rather than risking the stack.
 const MAX_DEPTH: usize = 64;
 
@@ -37,11 +40,17 @@ pub enum CodecError {
 pub fn encode(message: &Message) -> Vec<u8> {
     let mut out = Vec::with_capacity(message.body.len() + 128);
     out.push(VERSION);
-    out.push(if message.null_value {
-        FLAG_NULL_VALUE
-    } else {
-        0
-    });
+    let mut flags = 0;
+    if message.null_value {
+        flags |= FLAG_NULL_VALUE;
+    }
+    if message.offset.is_some() {
+        flags |= FLAG_OFFSET;
+    }
+    out.push(flags);
+    if let Some(offset) = message.offset {
+        out.extend_from_slice(&offset.to_le_bytes());
+    }
     put_bytes(&mut out, message.source.as_bytes());
     put_bytes(&mut out, message.routing_key.as_bytes());
     put_opt(&mut out, message.key.as_deref(), put_bytes);
@@ -89,6 +98,10 @@ pub fn decode(bytes: &[u8]) -> Result<Message, CodecError> {
         VERSION => r.u8()?,
         other => return Err(CodecError::Version(other)),
     };
+    let offset = match flags & FLAG_OFFSET {
+        0 => None,
+        _ => Some(i64::from_le_bytes(r.array()?)),
+    };
     let source = r.string()?;
     let routing_key = r.string()?;
     let key = r.opt(|r| r.bytes().map(<[u8]>::to_vec))?;
@@ -108,6 +121,7 @@ pub fn decode(bytes: &[u8]) -> Result<Message, CodecError> {
         routing_key,
         key,
         partition,
+        offset,
         timestamp_ms,
         null_value: flags & FLAG_NULL_VALUE != 0,
     })
@@ -122,7 +136,9 @@ pub fn lookup_key(bytes: &[u8]) -> Option<&[u8]> {
     match r.u8().ok()? {
         1 => {}
         VERSION => {
-            r.u8().ok()?; // flags
+            if r.u8().ok()? & FLAG_OFFSET != 0 {
+                r.take(8).ok()?;
+            }
         }
         _ => return None,
     }
@@ -431,24 +447,28 @@ mod tests {
             proptest::option::of(proptest::collection::vec(any::<u8>(), 0..8)),
             proptest::option::of(any::<i32>()),
             any::<bool>(),
+            proptest::option::of(any::<i64>()),
         )
             .prop_map(
-                |(body, headers, message_id, priority, ts, key, part, null_value)| Message {
-                    body,
-                    headers: FieldTable(headers),
-                    properties: Properties {
-                        message_id,
-                        priority,
-                        timestamp: ts,
-                        content_type: Some("application/json".into()),
-                        ..Properties::default()
-                    },
-                    source: "orders.delayed".into(),
-                    routing_key: "order.created".into(),
-                    key,
-                    partition: part,
-                    timestamp_ms: Some(1_700_000_000_000),
-                    null_value,
+                |(body, headers, message_id, priority, ts, key, part, null_value, offset)| {
+                    Message {
+                        body,
+                        headers: FieldTable(headers),
+                        properties: Properties {
+                            message_id,
+                            priority,
+                            timestamp: ts,
+                            content_type: Some("application/json".into()),
+                            ..Properties::default()
+                        },
+                        source: "orders.delayed".into(),
+                        routing_key: "order.created".into(),
+                        key,
+                        partition: part,
+                        offset,
+                        timestamp_ms: Some(1_700_000_000_000),
+                        null_value,
+                    }
                 },
             )
     }

@@ -125,6 +125,11 @@ pub struct Message {
     pub key: Option<Vec<u8>>,
     /// Kafka partition it was read from.
     pub partition: Option<i32>,
+    /// Kafka offset it was read from. With `source` (the topic) and
+    /// `partition` it names the record exactly, so two records with equal
+    /// content are never mistaken for a redelivery of one another. Never
+    /// republished.
+    pub offset: Option<i64>,
     /// Kafka record timestamp, epoch ms.
     pub timestamp_ms: Option<i64>,
     /// Kafka: the record's value is null (a tombstone), not merely empty.

@@ -1,27 +1,41 @@
 //! Recognising broker redeliveries of messages already stored.
 //!
 //! A broker redelivers a message whose ack it never saw, with its
-//! `redelivered` flag set. delayd keeps the fingerprints (64-bit hashes of
-//! route and encoded message) of records whose ack is not known to have
-//! reached the broker: added on store, removed when the ack succeeds. After a
-//! restart it seeds the set with the newest records of the log, since their
-//! acks are unknown. Only a delivery flagged `redelivered` is checked, so two
-//! identical messages published on purpose are both kept unless the second
-//! is a redelivery within that window (documented at-least-once caveat).
+//! `redelivered` flag set (Kafka: every record past the last commit). delayd
+//! remembers the messages whose ack is not known to have reached the broker:
+//! added on store, removed once the ack succeeds. After a restart it seeds
+//! the set with the newest records of the log, since their acks are unknown.
+//!
+//! A redelivery is a duplicate only if its bytes equal a remembered stored
+//! record's, compared in full: the fingerprint below only finds candidates.
+//! Dropping on a hash match alone would ack, and so lose, a message that was
+//! never stored. A Kafka message's encoding carries its topic, partition and
+//! offset, so two records with equal content are never merged; an AMQP
+//! message that is published twice on purpose and redelivered within the
+//! window can be (the documented at-least-once caveat).
 
 use std::collections::{HashMap, VecDeque};
 
+use crate::wal::WalPos;
+
+/// A 64-bit bucket key for (route, encoded message): CRC32C of both, and the
+/// message length. Only picks candidates; equality is decided on the bytes.
 pub fn fingerprint(route: &str, message: &[u8]) -> u64 {
-    let a = crc32c::crc32c_append(crc32c::crc32c(route.as_bytes()), message);
-    let b = crc32c::crc32c_append(0x9e37_79b9 ^ message.len() as u32, message);
-    ((a as u64) << 32) | b as u64
+    let crc = crc32c::crc32c_append(crc32c::crc32c(route.as_bytes()), message);
+    ((crc as u64) << 32) | (message.len() as u32) as u64
 }
 
-/// Bounded multiset of unconfirmed fingerprints, oldest evicted first.
+/// Bounded set of stored, unconfirmed messages (by id), oldest evicted first.
 #[derive(Debug)]
 pub struct Unconfirmed {
+    /// Ids in the order they were added; may hold ids removed since (skipped
+    /// on eviction, dropped when it grows past twice the live count).
     order: VecDeque<u64>,
-    counts: HashMap<u64, u32>,
+    /// Id → (fingerprint, where its Schedule was written). The position
+    /// stays readable after the message fired, until its segment is deleted.
+    fingerprints: HashMap<u64, (u64, WalPos)>,
+    /// Fingerprint → ids with it (almost always one).
+    ids: HashMap<u64, Vec<u64>>,
     capacity: usize,
 }
 
@@ -29,57 +43,64 @@ impl Unconfirmed {
     pub fn new(capacity: usize) -> Self {
         Self {
             order: VecDeque::new(),
-            counts: HashMap::new(),
+            fingerprints: HashMap::new(),
+            ids: HashMap::new(),
             capacity,
         }
     }
 
-    pub fn add(&mut self, fp: u64) {
+    /// Message `id`, with this fingerprint, is stored at `pos` and its ack
+    /// unconfirmed.
+    pub fn add(&mut self, id: u64, fp: u64, pos: WalPos) {
         if self.capacity == 0 {
             return;
         }
-        while self.order.len() >= self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.forget(old);
+        while self.fingerprints.len() >= self.capacity {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.remove(old);
+                }
+                None => break,
             }
         }
-        self.order.push_back(fp);
-        *self.counts.entry(fp).or_default() += 1;
-    }
-
-    /// The ack reached the broker: this fingerprint can no longer come back.
-    pub fn confirm(&mut self, fp: u64) {
-        if self.forget(fp) {
-            if let Some(i) = self.order.iter().rposition(|&x| x == fp) {
-                self.order.remove(i);
-            }
+        if self.fingerprints.insert(id, (fp, pos)).is_none() {
+            self.ids.entry(fp).or_default().push(id);
+            self.order.push_back(id);
+        }
+        if self.order.len() > 2 * self.fingerprints.len() + 1024 {
+            let live = &self.fingerprints;
+            self.order.retain(|id| live.contains_key(id));
         }
     }
 
-    /// Is this a redelivery of a stored message? Consumes the match.
-    pub fn take(&mut self, fp: u64) -> bool {
-        let found = self.counts.contains_key(&fp);
-        self.confirm(fp);
-        found
+    /// The ack of `id` reached the broker (or it was matched): forget it.
+    pub fn remove(&mut self, id: u64) -> bool {
+        let Some((fp, _)) = self.fingerprints.remove(&id) else {
+            return false;
+        };
+        if let Some(ids) = self.ids.get_mut(&fp) {
+            ids.retain(|&x| x != id);
+            if ids.is_empty() {
+                self.ids.remove(&fp);
+            }
+        }
+        true
     }
 
-    fn forget(&mut self, fp: u64) -> bool {
-        match self.counts.get_mut(&fp) {
-            Some(n) if *n > 1 => {
-                *n -= 1;
-                true
-            }
-            Some(_) => {
-                self.counts.remove(&fp);
-                true
-            }
-            None => false,
-        }
+    /// Remembered (id, position) whose fingerprint is `fp`: candidates to
+    /// compare.
+    pub fn candidates(&self, fp: u64) -> Vec<(u64, WalPos)> {
+        let Some(ids) = self.ids.get(&fp) else {
+            return Vec::new();
+        };
+        ids.iter()
+            .filter_map(|id| Some((*id, self.fingerprints.get(id)?.1)))
+            .collect()
     }
 
     #[cfg(test)]
-    pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
+    pub fn len(&self) -> usize {
+        self.fingerprints.len()
     }
 }
 
@@ -87,34 +108,59 @@ impl Unconfirmed {
 mod tests {
     use super::*;
 
-    #[test]
-    fn confirmed_fingerprints_are_not_duplicates() {
-        let mut u = Unconfirmed::new(10);
-        let fp = fingerprint("r", b"m");
-        u.add(fp);
-        u.confirm(fp);
-        assert!(!u.take(fp));
+    const P: WalPos = WalPos {
+        segment: 0,
+        offset: 16,
+    };
+
+    fn ids(c: Vec<(u64, WalPos)>) -> Vec<u64> {
+        c.into_iter().map(|(id, _)| id).collect()
     }
 
     #[test]
-    fn unconfirmed_fingerprint_matches_once() {
+    fn removed_ids_are_no_candidates() {
         let mut u = Unconfirmed::new(10);
         let fp = fingerprint("r", b"m");
-        u.add(fp);
-        assert!(u.take(fp));
-        assert!(!u.take(fp));
+        u.add(1, fp, P);
+        assert_eq!(ids(u.candidates(fp)), vec![1]);
+        assert!(u.remove(1));
+        assert!(u.candidates(fp).is_empty());
+        assert!(!u.remove(1));
     }
 
     #[test]
-    fn capacity_evicts_oldest() {
+    fn equal_fingerprints_keep_every_id() {
+        let mut u = Unconfirmed::new(10);
+        u.add(1, 7, P);
+        u.add(2, 7, P);
+        assert_eq!(ids(u.candidates(7)), vec![1, 2]);
+        u.remove(1);
+        assert_eq!(ids(u.candidates(7)), vec![2]);
+    }
+
+    #[test]
+    fn capacity_evicts_oldest_still_remembered() {
         let mut u = Unconfirmed::new(2);
-        u.add(1);
-        u.add(2);
-        u.add(3);
-        assert!(!u.take(1));
-        assert!(u.take(2));
-        assert!(u.take(3));
-        assert!(u.is_empty());
+        u.add(1, 10, P);
+        u.add(2, 20, P);
+        u.remove(1);
+        u.add(3, 30, P);
+        assert_eq!(u.len(), 2);
+        u.add(4, 40, P);
+        assert!(u.candidates(20).is_empty(), "2 was the oldest left");
+        assert_eq!(ids(u.candidates(30)), vec![3]);
+        assert_eq!(ids(u.candidates(40)), vec![4]);
+    }
+
+    #[test]
+    fn the_order_queue_stays_bounded_when_acks_confirm() {
+        let mut u = Unconfirmed::new(100);
+        for id in 0..100_000 {
+            u.add(id, id, P);
+            u.remove(id);
+        }
+        assert_eq!(u.len(), 0);
+        assert!(u.order.len() <= 1024 + 1);
     }
 
     #[test]

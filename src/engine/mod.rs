@@ -183,7 +183,7 @@ impl Engine {
                     if recent.len() == config.dedup_window {
                         recent.pop_front();
                     }
-                    recent.push_back(fingerprint(route, message));
+                    recent.push_back((id, fingerprint(route, message), pos));
                 }
             }
             RecordRef::Done { id, .. } => {
@@ -193,8 +193,8 @@ impl Engine {
         if too_many_routes {
             return Err(EngineError::TooManyRoutes);
         }
-        for fp in recent {
-            state.unconfirmed.add(fp);
+        for (id, fp, pos) in recent {
+            state.unconfirmed.add(id, fp, pos);
         }
         // Done records removed messages without naming their key.
         state.sweep_keys();
@@ -233,6 +233,17 @@ impl Engine {
         due_ms: u64,
         message: Vec<u8>,
     ) -> impl Future<Output = Result<u64, EngineError>> + Send + 'static {
+        let scheduled = self.schedule_at(route, due_ms, message);
+        async move { Ok(scheduled.await?.0) }
+    }
+
+    /// [`Engine::schedule`], resolving with the record's id and position.
+    fn schedule_at(
+        &self,
+        route: &str,
+        due_ms: u64,
+        message: Vec<u8>,
+    ) -> impl Future<Output = Result<(u64, WalPos), EngineError>> + Send + 'static {
         let queued = self.queue_schedule(route, due_ms, message);
         let engine = self.clone();
         async move {
@@ -252,7 +263,7 @@ impl Engine {
             if due_ms < engine.inner.planned_wake.load(Ordering::Acquire) {
                 engine.inner.wake.notify_one();
             }
-            Ok(appended.id)
+            Ok((appended.id, appended.pos))
         }
     }
 
@@ -271,10 +282,11 @@ impl Engine {
         Ok((route_id, key, appended))
     }
 
-    /// Store a consumed delivery. A `redelivered` one that matches a stored,
-    /// unconfirmed message is reported as a duplicate and not stored again.
-    /// Call [`Engine::confirm_ack`] once the source ack succeeded. Like
-    /// [`Engine::schedule`], the record is queued before this returns.
+    /// Store a consumed delivery. A `redelivered` one whose bytes equal a
+    /// stored message whose ack is unconfirmed is reported as a duplicate and
+    /// not stored again. Call [`Engine::confirm_ack`] with the id once the
+    /// source ack succeeded. Like [`Engine::schedule`], the record is queued
+    /// before this returns.
     pub fn store(
         &self,
         route: &str,
@@ -283,9 +295,9 @@ impl Engine {
         redelivered: bool,
     ) -> impl Future<Output = Result<Stored, EngineError>> + Send + 'static {
         let fp = fingerprint(route, &message);
-        let duplicate = redelivered && self.state().unconfirmed.take(fp);
+        let duplicate = redelivered && self.take_stored_copy(route, fp, &message);
         let route = route.to_owned();
-        let scheduled = (!duplicate).then(|| self.schedule(&route, due_ms, message));
+        let scheduled = (!duplicate).then(|| self.schedule_at(&route, due_ms, message));
         let engine = self.clone();
         async move {
             let Some(scheduled) = scheduled else {
@@ -293,18 +305,47 @@ impl Engine {
                     .increment(1);
                 return Ok(Stored::Duplicate);
             };
-            let id = scheduled.await?;
+            let (id, pos) = scheduled.await?;
             // Until the source ack is confirmed, a redelivery of it is a duplicate.
-            engine.state().unconfirmed.add(fp);
+            engine.state().unconfirmed.add(id, fp, pos);
             Ok(Stored::New(id))
         }
     }
 
-    /// The source ack for this message reached the broker.
-    pub fn confirm_ack(&self, route: &str, message: &[u8]) {
-        self.state()
-            .unconfirmed
-            .confirm(fingerprint(route, message));
+    /// Is `message` byte-equal to a stored record whose ack is unconfirmed?
+    /// If so, that record is forgotten (it matches one redelivery only). The
+    /// comparison reads the stored bytes: the fingerprint only picks
+    /// candidates, and a hash match alone would drop a message never stored.
+    fn take_stored_copy(&self, route: &str, fp: u64, message: &[u8]) -> bool {
+        let candidates = self.state().unconfirmed.candidates(fp);
+        for (id, written_at) in candidates {
+            // Where it is now (compaction may have moved it), else where it
+            // was written (it may have fired since; its frame is still there
+            // until the segment is deleted).
+            let pos = self
+                .state()
+                .locate(id)
+                .map_or(written_at, |(s, _, _)| s.pos);
+            let same = match self.inner.wal.read(pos) {
+                Ok(Record::Schedule {
+                    id: stored_id,
+                    route: stored_route,
+                    message: stored,
+                    ..
+                }) => stored_id == id && stored_route == route && stored == message,
+                _ => false,
+            };
+            if same {
+                self.state().unconfirmed.remove(id);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// The source ack of stored message `id` reached the broker.
+    pub fn confirm_ack(&self, id: u64) {
+        self.state().unconfirmed.remove(id);
     }
 
     /// Cancel a pending message: it never fires. `Ok(false)` if unknown.

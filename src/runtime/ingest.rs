@@ -29,7 +29,6 @@ use super::deliver::park;
 enum Started {
     Storing {
         message: delayd_adapters::Message,
-        encoded: Vec<u8>,
         due: u64,
         stored: BoxFuture<'static, Result<Stored, EngineError>>,
         /// Counts against `max_pending` until the record is armed.
@@ -208,10 +207,9 @@ impl Intake {
                     Err(why) => return Started::Refused { why, ack },
                 };
                 let encoded = delayd_adapters::encode(&message);
-                let stored = self.engine.store(route, due, encoded.clone(), redelivered);
+                let stored = self.engine.store(route, due, encoded, redelivered);
                 Started::Storing {
                     message,
-                    encoded,
                     due,
                     stored: Box::pin(stored),
                     admission,
@@ -229,7 +227,7 @@ impl Intake {
     /// Wait for the record to be durable, then ack (or park, or requeue).
     async fn finish(&self, started: Started) {
         let route = self.route.name();
-        let (mut message, encoded, due, stored, admission, ack) = match started {
+        let (mut message, due, stored, admission, ack) = match started {
             Started::Invalid { message, ack } => return self.reject(message, ack).await,
             Started::Park { message, ack } => {
                 tracing::info!(route, "out of retry attempts; parking the message");
@@ -248,12 +246,11 @@ impl Intake {
             }
             Started::Storing {
                 message,
-                encoded,
                 due,
                 stored,
                 admission,
                 ack,
-            } => (message, encoded, due, stored, admission, ack),
+            } => (message, due, stored, admission, ack),
         };
         let result = stored.await;
         drop(admission);
@@ -266,7 +263,11 @@ impl Intake {
                     tracing::debug!(route, id, due, "scheduled");
                 }
                 match ack.ack().await {
-                    Ok(()) => self.engine.confirm_ack(route, &encoded),
+                    Ok(()) => {
+                        if let Stored::New(id) = stored {
+                            self.engine.confirm_ack(id);
+                        }
+                    }
                     // Stored, but the broker will redeliver it: dedup catches that.
                     Err(e) => tracing::warn!(route, error = %e, "ack failed after store"),
                 }

@@ -132,6 +132,7 @@ pub fn message_from_delivery(delivery: &mut lapin::message::Delivery) -> Message
         routing_key: delivery.routing_key.as_str().to_owned(),
         key: None,
         partition: None,
+        offset: None,
         timestamp_ms: None,
         null_value: false,
     }

@@ -37,6 +37,7 @@ pub fn message_from_record(record: &rdkafka::message::BorrowedMessage<'_>) -> Me
         source: record.topic().to_owned(),
         key: record.key().map(<[u8]>::to_vec),
         partition: Some(record.partition()),
+        offset: Some(record.offset()),
         timestamp_ms: record.timestamp().to_millis(),
         null_value: record.payload().is_none(),
         ..Message::default()
