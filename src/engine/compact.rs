@@ -64,6 +64,27 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
         // Under the engine lock, so no Done for these ids can slip in between
         // the liveness check and the copy (see wal's crash rules).
         let state = inner.state();
+        let located = frames
+            .iter()
+            .filter(|(offset, record)| {
+                let at = WalPos {
+                    segment,
+                    offset: *offset,
+                };
+                matches!(record, Record::Schedule { id, .. }
+                    if state.locate(*id).is_some_and(|(slot, _, _)| slot.pos == at))
+            })
+            .count() as u64;
+        // A Schedule that is durable but not yet armed by its appender is
+        // live without being located: copying only what is located would
+        // lose it. Leave the segment for a later round.
+        if located < inner.wal.segment_live(segment) {
+            tracing::debug!(
+                segment = first_seq,
+                "compaction postponed: a record is not armed yet"
+            );
+            return Ok(());
+        }
         for (offset, record) in frames {
             let old = WalPos { segment, offset };
             match record {

@@ -85,11 +85,18 @@ pub(crate) async fn run(
                     },
                 );
             }
-            let next_held = state.held.keys().next().map(|k| k.0);
-            match (state.wheel.next_deadline(), next_held) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            }
+            let next = next_deadline(&state);
+            // Published under the lock that computed it: an appender arming
+            // an earlier message after this sees it and wakes us; one that
+            // armed before is in `next`. Stored after the lock, a wake-up
+            // could be lost and the message be up to a second late.
+            let planned = if batch.is_empty() {
+                next.unwrap_or(u64::MAX)
+            } else {
+                0
+            };
+            inner.planned_wake.store(planned, Ordering::Release);
+            next
         };
         if now >= last_gauges + 1000 {
             inner.publish_gauges();
@@ -99,9 +106,6 @@ pub(crate) async fn run(
             drop(first);
             // At least once a second, so the pending gauges settle once idle.
             let wait = next.map_or(1000, |d| d.saturating_sub(now).min(1000));
-            inner
-                .planned_wake
-                .store(next.unwrap_or(u64::MAX), Ordering::Release);
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(wait.max(1))) => {}
                 _ = inner.wake.notified() => {}
@@ -110,7 +114,6 @@ pub(crate) async fn run(
             inner.planned_wake.store(0, Ordering::Release);
             continue;
         }
-        inner.planned_wake.store(0, Ordering::Release);
         // Read the batch back in one blocking call, in fire order.
         let wanted: Vec<(Expired<Slot>, WalPos, Arc<str>, u32)> = {
             let state = inner.state();
@@ -195,6 +198,15 @@ pub(crate) async fn run(
         tracing::warn!("shutdown grace period over with publishes still in flight; they will be retried after restart");
     }
     inner.publish_gauges();
+}
+
+/// The earliest deadline in the wheel or the held set.
+fn next_deadline(state: &super::State) -> Option<u64> {
+    let next_held = state.held.keys().next().map(|k| k.0);
+    match (state.wheel.next_deadline(), next_held) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 /// Move due entries from the wheel (and from the held set) into `out`. An

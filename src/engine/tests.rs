@@ -629,3 +629,48 @@ async fn a_redelivery_of_a_message_that_already_fired_is_recognised() {
     );
     r.stop().await;
 }
+
+#[tokio::test]
+async fn compaction_keeps_a_record_that_is_durable_but_not_yet_armed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.gc_interval = Duration::from_secs(3600); // compaction only when asked
+    let (engine, _) = Engine::open(cfg.clone(), Arc::new(SystemClock)).unwrap();
+    let far = now() + 3_600_000;
+    // Durable, but the task that would arm it has not run yet.
+    let (route, _, appended) = engine.queue_schedule("r", far, vec![7; 300]).unwrap();
+    let appended = appended.await.unwrap().unwrap();
+    // Fill and seal its segment with messages that are then cancelled, so it
+    // is almost all dead: the compaction candidate.
+    let mut filler = Vec::new();
+    while engine.space().segments < 3 {
+        filler.push(engine.schedule("r", far, vec![1; 300]).await.unwrap());
+    }
+    for id in filler {
+        assert!(engine.cancel(id).await.unwrap());
+    }
+    engine.compact_now().await.unwrap();
+    // The task arms it now, as `schedule` would.
+    engine.state().arm(
+        appended.id,
+        far,
+        Slot {
+            pos: appended.pos,
+            route,
+        },
+    );
+    assert!(
+        engine.read(appended.id).is_ok(),
+        "its record must still be readable where it was armed"
+    );
+    engine.compact_now().await.unwrap();
+    engine.close().await.unwrap();
+    drop(engine);
+    let (engine, _) = Engine::open(cfg, Arc::new(SystemClock)).unwrap();
+    let (info, record) = engine
+        .read(appended.id)
+        .unwrap()
+        .expect("the message survives a restart");
+    assert_eq!(info.due_ms, far);
+    assert!(matches!(record, Record::Schedule { message, .. } if message == vec![7; 300]));
+}

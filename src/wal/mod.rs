@@ -366,6 +366,13 @@ impl Wal {
             .compaction_candidate(self.shared.config.compact_below)
     }
 
+    /// Live Schedules in a segment: every one written and not yet retired
+    /// by a Done, including those whose appender has not yet seen them
+    /// durable.
+    pub fn segment_live(&self, segment: u32) -> u64 {
+        self.segments().live(segment)
+    }
+
     /// The first_seq of a segment ordinal (for Done references).
     pub fn segment_first_seq(&self, segment: u32) -> Option<u64> {
         self.segments().first_seq(segment)

@@ -119,6 +119,11 @@ impl SegmentTable {
         }
     }
 
+    /// Live Schedules in `ordinal`: written and not yet retired by a Done.
+    pub fn live(&self, ordinal: u32) -> u64 {
+        self.segments.get(&ordinal).map_or(0, |s| s.live)
+    }
+
     pub fn clear_live(&mut self) {
         for s in self.segments.values_mut() {
             s.live = 0;
