@@ -39,11 +39,12 @@ pub(super) async fn endpoints(
             "Kafka topic {name:?} does not exist (--create-topics N creates it)"
         );
     }
-    let source = KafkaSource::start(
-        &client,
-        KafkaSourceConfig::new(vec![target_topic.clone()], format!("delayd-bench-{run_id}")),
-    )
-    .context("starting the Kafka consumer")?;
+    // Read only what is produced from now on: the target topic may hold
+    // millions of records of earlier runs.
+    let mut reader =
+        KafkaSourceConfig::new(vec![target_topic.clone()], format!("delayd-bench-{run_id}"));
+    reader.start_at_end = true;
+    let source = KafkaSource::start(&client, reader).context("starting the Kafka consumer")?;
     let flushing = sink.clone();
     Ok(Endpoints {
         sink: Arc::new(sink),

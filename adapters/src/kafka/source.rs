@@ -5,11 +5,14 @@
 //! commit them) without holding up the async runtime.
 //!
 //! * Records go to the core through a bounded channel. When it is full, the
-//!   thread keeps what it polled in a local backlog and pauses its partitions
-//!   until there is room, so it keeps polling (group membership and callbacks
-//!   stay alive) without reading further.
-//! * Offsets are committed by hand (synchronously, at most every
-//!   [`KafkaSourceConfig::commit_interval`]), never automatically: in order
+//!   thread keeps what it polled in a local backlog; once that holds a few
+//!   bursts it pauses its partitions until the backlog is empty, so it keeps
+//!   polling (group membership and callbacks stay alive) without reading
+//!   further. Pausing for every momentarily full channel would cost a
+//!   refetch each time (librdkafka drops its prefetched records).
+//! * Offsets are committed by hand (synchronously, at most once every
+//!   [`KafkaSourceConfig::commit_interval`], covering every record settled
+//!   meanwhile), never automatically: in order
 //!   per partition and only past records the core has stored (see
 //!   [`super::offsets`]). An ack resolves once its offset is committed.
 //! * On revoke, the thread drops its backlog for those partitions, waits up
@@ -55,6 +58,11 @@ pub struct KafkaSourceConfig {
     pub commit_interval: Duration,
     /// On revoke, how long to wait for records being stored. Default 10 s.
     pub revoke_timeout: Duration,
+    /// Start a new group at the end of each topic instead of its beginning:
+    /// the high watermarks are committed for the group before it joins, so
+    /// every record produced after `start` returns is read (a load
+    /// generator's reader). Default false.
+    pub start_at_end: bool,
 }
 
 impl KafkaSourceConfig {
@@ -65,6 +73,7 @@ impl KafkaSourceConfig {
             capacity: 1000,
             commit_interval: Duration::from_millis(20),
             revoke_timeout: Duration::from_secs(10),
+            start_at_end: false,
         }
     }
 }
@@ -177,6 +186,28 @@ impl SourceContext {
     }
 }
 
+/// Commit each partition's high watermark for the consumer's group.
+fn commit_high_watermarks<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topics: &[&str],
+) -> KafkaResult<()> {
+    let timeout = Duration::from_secs(10);
+    let mut tpl = TopicPartitionList::new();
+    for topic in topics {
+        let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+        for t in metadata.topics() {
+            for p in t.partitions() {
+                let (_, high) = consumer.fetch_watermarks(topic, p.id(), timeout)?;
+                tpl.add_partition_offset(topic, p.id(), Offset::Offset(high))?;
+            }
+        }
+    }
+    if tpl.count() > 0 {
+        consumer.commit(&tpl, CommitMode::Sync)?;
+    }
+    Ok(())
+}
+
 fn partitions(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
     tpl.elements()
         .iter()
@@ -260,6 +291,9 @@ impl KafkaSource {
                 shared: shared.clone(),
             })?;
         let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
+        if config.start_at_end {
+            commit_high_watermarks(&consumer, &topics)?;
+        }
         consumer.subscribe(&topics)?;
         let (tx, rx) = mpsc::channel(config.capacity.max(1));
         let (commands, command_rx) = std_mpsc::channel();
@@ -320,6 +354,14 @@ impl Drop for KafkaSource {
     }
 }
 
+/// Records polled back to back before the poll loop commits, flushes its
+/// backlog and applies commands again.
+const POLL_BURST: usize = 500;
+
+/// Records kept in the local backlog (the channel to the core being full)
+/// before the partitions are paused; they resume once it is empty.
+const PAUSE_BACKLOG: usize = 4 * POLL_BURST;
+
 struct Poller {
     consumer: BaseConsumer<SourceContext>,
     shared: Arc<Shared>,
@@ -334,47 +376,38 @@ struct Poller {
 impl Poller {
     fn run(mut self) {
         let mut last_error: Option<Instant> = None;
+        let mut last_commit = Instant::now();
         while !self.stop.load(Ordering::Acquire) {
             self.apply_commands();
             self.apply_rewinds();
             self.flush_backlog();
             self.set_paused();
-            self.commit_settled();
-            match self.consumer.poll(self.commit_interval) {
-                Some(Ok(record)) => {
-                    let tp = (record.topic().to_owned(), record.partition());
-                    let offset = record.offset();
-                    let message = message_from_record(&record);
-                    drop(record);
-                    let epoch = self.shared.tracker().delivered(&tp, offset);
-                    let ack = KafkaAck {
-                        shared: self.shared.clone(),
-                        tp: tp.clone(),
-                        offset,
-                        epoch,
-                    };
-                    let delivery = Delivery {
-                        message,
-                        redelivered: true,
-                        ack: Box::new(ack),
-                    };
-                    self.shared.backlog().push_back(Polled {
-                        tp,
-                        offset,
-                        epoch,
-                        delivery,
-                    });
+            // A synchronous commit is a broker round trip: at most one per
+            // interval, however many records settled meanwhile.
+            if last_commit.elapsed() >= self.commit_interval {
+                self.commit_settled();
+                last_commit = Instant::now();
+            }
+            // Wait for a record, then take what is ready without waiting,
+            // up to a burst, before the housekeeping above runs again.
+            let mut wait = self.commit_interval;
+            for _ in 0..POLL_BURST {
+                match self.consumer.poll(wait) {
+                    Some(Ok(record)) => {
+                        take(&self.shared, &record);
+                        wait = Duration::ZERO;
+                    }
+                    // Broker down, unknown topic...: librdkafka retries; say
+                    // so at most every 10 s.
+                    Some(Err(e)) => {
+                        if last_error.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                            tracing::warn!(error = %e, "Kafka consumer");
+                            last_error = Some(Instant::now());
+                        }
+                        break;
+                    }
+                    None => break,
                 }
-                // Broker down, unknown topic...: librdkafka retries; say so
-                // at most every 10 s.
-                Some(Err(e))
-                    if last_error.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) =>
-                {
-                    tracing::warn!(error = %e, "Kafka consumer");
-                    last_error = Some(Instant::now());
-                }
-                Some(Err(_)) => {}
-                None => {}
             }
         }
         self.shutdown();
@@ -442,7 +475,14 @@ impl Poller {
                 }
             }
         }
-        self.flow_paused = !backlog.is_empty();
+        // Pausing makes librdkafka drop what it prefetched and fetch it
+        // again on resume: only worth it when the core falls well behind,
+        // not for a momentarily full channel.
+        if backlog.len() >= PAUSE_BACKLOG {
+            self.flow_paused = true;
+        } else if backlog.is_empty() {
+            self.flow_paused = false;
+        }
     }
 
     /// Pause the assignment while the core asked so or there is no room.
@@ -520,6 +560,31 @@ impl Poller {
         commit_sync(&self.consumer, &self.shared.tracker, &commits);
         tracing::debug!(?commits, "Kafka source stopped");
     }
+}
+
+/// Track a polled record and queue it for the core.
+fn take(shared: &Arc<Shared>, record: &rdkafka::message::BorrowedMessage<'_>) {
+    let tp = (record.topic().to_owned(), record.partition());
+    let offset = record.offset();
+    let message = message_from_record(record);
+    let epoch = shared.tracker().delivered(&tp, offset);
+    let ack = KafkaAck {
+        shared: shared.clone(),
+        tp: tp.clone(),
+        offset,
+        epoch,
+    };
+    let delivery = Delivery {
+        message,
+        redelivered: true,
+        ack: Box::new(ack),
+    };
+    shared.backlog().push_back(Polled {
+        tp,
+        offset,
+        epoch,
+        delivery,
+    });
 }
 
 struct KafkaAck {
