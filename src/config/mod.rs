@@ -163,9 +163,17 @@ pub enum BrokerConfig {
         /// Comma-separated host:port list.
         bootstrap: String,
         /// Extra librdkafka properties (`security.protocol`, `sasl.*`,
-        /// `session.timeout.ms`, ...), for both consumer and producer.
+        /// ...), for both consumer and producer.
         #[serde(default)]
         properties: BTreeMap<String, String>,
+        /// Consumer-only librdkafka properties (`fetch.wait.max.ms`,
+        /// `session.timeout.ms`, ...), over `properties`.
+        #[serde(default)]
+        consumer_properties: BTreeMap<String, String>,
+        /// Producer-only librdkafka properties (`linger.ms`, ...), over
+        /// `properties`.
+        #[serde(default)]
+        producer_properties: BTreeMap<String, String>,
     },
 }
 

@@ -65,10 +65,14 @@ impl Brokers {
                 BrokerConfig::Kafka {
                     bootstrap,
                     properties,
+                    consumer_properties,
+                    producer_properties,
                 } => {
                     let client = KafkaClientConfig {
                         bootstrap: bootstrap.clone(),
                         properties: properties.clone(),
+                        consumer: consumer_properties.clone(),
+                        producer: producer_properties.clone(),
                     };
                     let sink = KafkaSink::new(&client)
                         .with_context(|| format!("brokers.{name}: cannot create the producer"))?;

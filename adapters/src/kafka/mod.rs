@@ -31,10 +31,24 @@ pub use source::{KafkaSource, KafkaSourceConfig};
 pub struct KafkaClientConfig {
     /// Comma-separated `host:port` list (`bootstrap.servers`).
     pub bootstrap: String,
-    /// Extra librdkafka properties (`security.protocol`, `sasl.*`,
-    /// `session.timeout.ms`, ...). They override delayd's defaults, except
-    /// the few its guarantees rest on.
+    /// Extra librdkafka properties for every client (`security.protocol`,
+    /// `sasl.*`, ...). They override delayd's defaults, except the few its
+    /// guarantees rest on.
     pub properties: BTreeMap<String, String>,
+    /// Extra properties for the consumer only (`fetch.wait.max.ms`,
+    /// `session.timeout.ms`, ...), over `properties`.
+    pub consumer: BTreeMap<String, String>,
+    /// Extra properties for the producer only (`linger.ms`, ...), over
+    /// `properties`.
+    pub producer: BTreeMap<String, String>,
+}
+
+/// Which client a configuration is for (the role-specific properties).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Consumer,
+    Producer,
+    Admin,
 }
 
 impl KafkaClientConfig {
@@ -42,17 +56,30 @@ impl KafkaClientConfig {
         Self {
             bootstrap: bootstrap.into(),
             properties: BTreeMap::new(),
+            consumer: BTreeMap::new(),
+            producer: BTreeMap::new(),
         }
     }
 
-    /// `defaults`, then the user's properties, then `required`.
-    fn client_config(&self, defaults: &[(&str, &str)], required: &[(&str, &str)]) -> ClientConfig {
+    /// `defaults`, then the user's properties (shared, then the role's), then
+    /// `required`.
+    fn client_config(
+        &self,
+        role: Role,
+        defaults: &[(&str, &str)],
+        required: &[(&str, &str)],
+    ) -> ClientConfig {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &self.bootstrap);
         for (k, v) in defaults {
             c.set(*k, *v);
         }
-        for (k, v) in &self.properties {
+        let own = match role {
+            Role::Consumer => Some(&self.consumer),
+            Role::Producer => Some(&self.producer),
+            Role::Admin => None,
+        };
+        for (k, v) in self.properties.iter().chain(own.into_iter().flatten()) {
             c.set(k, v);
         }
         for (k, v) in required {

@@ -29,7 +29,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::ClientContext;
 
 use super::convert::record_headers;
-use super::KafkaClientConfig;
+use super::{KafkaClientConfig, Role};
 use crate::message::Message;
 use crate::traits::{BoxFuture, PublishOutcome, Sink, SinkError, Target};
 
@@ -58,6 +58,7 @@ impl KafkaSink {
     pub fn new(client: &KafkaClientConfig) -> KafkaResult<Self> {
         let producer = client
             .client_config(
+                Role::Producer,
                 &[
                     ("partitioner", "murmur2_random"),
                     ("linger.ms", "5"),
@@ -143,8 +144,11 @@ impl KafkaSink {
         if self.known().contains(topic) {
             return Ok(());
         }
-        let admin: AdminClient<DefaultClientContext> =
-            self.client.client_config(&[], &[]).create().map_err(|e| {
+        let admin: AdminClient<DefaultClientContext> = self
+            .client
+            .client_config(Role::Admin, &[], &[])
+            .create()
+            .map_err(|e| {
                 SinkError::Transient(format!("cannot create a Kafka admin client: {e}"))
             })?;
         let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));

@@ -43,7 +43,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::convert::message_from_record;
 use super::offsets::{OffsetTracker, TopicPartition};
-use super::KafkaClientConfig;
+use super::{KafkaClientConfig, Role};
 use crate::traits::{AckHandle, BoxFuture, Delivery, Source, SourceError};
 
 /// What a [`KafkaSource`] consumes and how.
@@ -272,6 +272,7 @@ impl KafkaSource {
         });
         let consumer: BaseConsumer<SourceContext> = client
             .client_config(
+                Role::Consumer,
                 &[
                     ("auto.offset.reset", "earliest"),
                     // Partitions added to a source topic are noticed (and
