@@ -98,7 +98,11 @@ pub struct BenchReport {
     pub publish_rate: f64,
     pub received: u64,
     pub delivery_rate: f64,
+    /// Confirmed by the broker and never received.
     pub lost: u64,
+    /// Publishes the broker did not confirm (not counted as published; they
+    /// may still arrive).
+    pub publish_failures: u64,
     pub early: u64,
     pub duplicates: u64,
     pub lateness_p50_ms: u64,
@@ -223,6 +227,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 
     // Publisher: paced, many confirms in flight.
     let failures = Arc::new(AtomicU64::new(0));
+    // Which sequence numbers the broker confirmed: only those can be lost.
+    // A publish that failed may still have landed (its confirm was lost in
+    // a broker restart); it counts as received if it arrives, never as lost.
+    let confirmed: Arc<Vec<AtomicU64>> = Arc::new(
+        (0..args.count.div_ceil(64))
+            .map(|_| AtomicU64::new(0))
+            .collect(),
+    );
     let permits = Arc::new(tokio::sync::Semaphore::new(args.in_flight.max(1)));
     let started = Instant::now();
     let spread = args.delay_max - args.delay_min;
@@ -241,15 +253,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         last_due = last_due.max(due);
         let message = bench_message(&run_id, seq, delay, due, args.body_bytes);
         let permit = permits.clone().acquire_owned().await?;
-        let (sink, target, failures, bar) = (
+        let (sink, target, failures, bar, confirmed) = (
             sink.clone(),
             target.clone(),
             failures.clone(),
             pub_bar.clone(),
+            confirmed.clone(),
         );
         tokio::spawn(async move {
             match sink.publish(&message, &target).await {
-                Ok(PublishOutcome::Delivered) => bar.inc(1),
+                Ok(PublishOutcome::Delivered) => {
+                    confirmed[(seq / 64) as usize].fetch_or(1 << (seq % 64), Ordering::Relaxed);
+                    bar.inc(1);
+                }
                 _ => {
                     failures.fetch_add(1, Ordering::Relaxed);
                 }
@@ -277,14 +293,21 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     recv_bar.finish();
 
     let published = args.count - failures.load(Ordering::Relaxed);
-    let report = summarise(&tally.lock().expect("tally"), published, publish_secs);
+    let report = summarise(
+        &tally.lock().expect("tally"),
+        &confirmed,
+        published,
+        failures.load(Ordering::Relaxed),
+        publish_secs,
+    );
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         println!(
-            "published {} ({:.0} msg/s), received {} ({:.0} msg/s)\nlateness p50 {} ms, p99 {} ms, max {} ms\nlost {}, early {}, duplicates {}",
+            "published {} ({:.0} msg/s; {} not confirmed), received {} ({:.0} msg/s)\nlateness p50 {} ms, p99 {} ms, max {} ms\nlost {}, early {}, duplicates {}",
             report.published,
             report.publish_rate,
+            report.publish_failures,
             report.received,
             report.delivery_rate,
             report.lateness_p50_ms,
@@ -314,7 +337,18 @@ fn number(value: Option<&Value>) -> Option<i64> {
     }
 }
 
-fn summarise(t: &Tally, published: u64, publish_secs: f64) -> BenchReport {
+fn summarise(
+    t: &Tally,
+    confirmed: &[AtomicU64],
+    published: u64,
+    failures: u64,
+    publish_secs: f64,
+) -> BenchReport {
+    let lost = confirmed
+        .iter()
+        .zip(&t.seen)
+        .map(|(c, seen)| (c.load(Ordering::Relaxed) & !seen).count_ones() as u64)
+        .sum();
     let span = match (t.first, t.last) {
         (Some(a), Some(b)) if b > a => b.duration_since(a).as_secs_f64(),
         _ => 0.0,
@@ -328,7 +362,8 @@ fn summarise(t: &Tally, published: u64, publish_secs: f64) -> BenchReport {
         } else {
             0.0
         },
-        lost: published.saturating_sub(t.received),
+        lost,
+        publish_failures: failures,
         early: t.early,
         duplicates: t.duplicates,
         lateness_p50_ms: t.lateness.value_at_quantile(0.5),

@@ -1,0 +1,231 @@
+#!/usr/bin/env bash
+# The fault campaign: delayd under steady load while faults are injected,
+# every message accounted for by `delayd bench` (delivered once, duplicated,
+# lost or early). One scenario per fault, each on a fresh WAL:
+#
+#   kill9       kill -9 of delayd at a random moment, then a restart
+#   sigterm     SIGTERM with publishes in flight, then a restart
+#   broker      RabbitMQ restarted (rabbitmqctl stop_app / start_app)
+#   connections rabbitmqctl close_all_connections
+#   disk        the WAL's disk (a small tmpfs) filled up, then freed
+#   kafka       Apache Kafka restarted under a Kafka route
+#
+#   bash scripts/faults.sh            # the long run: 100 kill -9 cycles, 10 of the rest
+#   bash scripts/faults.sh --short    # a few cycles of each (part of scripts/test.sh)
+#   SCENARIOS="kill9 disk" CYCLES=20 RATE=300 bash scripts/faults.sh
+#
+# Pass: 0 lost and 0 early in every scenario, duplicates at most 0.1 % of
+# the messages. Lost counts only publishes the broker confirmed; early is
+# judged against the bench's own clock at publish, before delayd saw the
+# message, so it can only under-count lateness, never invent an early one.
+# Needs root for the tmpfs of the disk scenario. It restarts the local
+# brokers, so run it alone, not beside the integration tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+short=false
+[ "${1:-}" = "--short" ] && short=true
+if $short; then
+    default_cycles=2 kill_cycles=3 rate="${RATE:-200}"
+else
+    default_cycles=10 kill_cycles=100 rate="${RATE:-500}"
+fi
+cycles="${CYCLES:-}"
+scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka}"
+http=127.0.0.1:9465
+
+bash scripts/rabbitmq.sh >/dev/null
+bash scripts/kafka.sh >/dev/null
+cargo build --release --quiet
+delayd="$PWD/target/release/delayd"
+work="$(mktemp -d /var/tmp/delayd-faults.XXXXXX)"
+pid=""
+failed=0
+passed=0
+
+cleanup() {
+    stop_delayd 9
+    if mountpoint -q "$work/disk" 2>/dev/null; then umount "$work/disk"; fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+log() { echo "faults: $*" >&2; }
+
+# --- delayd ------------------------------------------------------------
+
+write_config() { # scenario, wal dir
+    local s="$1" wal="$2"
+    local segment=""
+    [ "$s" = disk ] && segment=$'segment_bytes = 262144\n'
+    {
+        cat <<EOF
+[wal]
+dir = "$wal"
+create_dir = true
+$segment
+[http]
+listen = "$http"
+
+[log]
+level = "warn"
+
+[brokers.rabbit]
+kind = "amqp"
+url = "amqp://guest:guest@127.0.0.1:5672/%2f"
+
+[brokers.kafka]
+kind = "kafka"
+bootstrap = "127.0.0.1:9092"
+consumer_properties = { "session.timeout.ms" = "6000", "heartbeat.interval.ms" = "1000" }
+
+EOF
+        if [ "$s" = kafka ]; then
+            cat <<EOF
+[[routes]]
+name = "faults-kafka"
+from = { broker = "kafka", topics = ["faults.kafka.delay"], group = "delayd-faults" }
+to = { broker = "kafka", topic = "faults.kafka.out" }
+EOF
+        else
+            cat <<EOF
+[[routes]]
+name = "faults-$s"
+from = { broker = "rabbit", queue = "delayd.faults.$s", exchange = "faults.$s.delayed", prefetch = 200 }
+to = { broker = "rabbit", exchange = "faults.$s.out" }
+EOF
+        fi
+    } >"$work/$s.toml"
+}
+
+start_delayd() { # scenario
+    (cd "$work" && exec "$delayd" run --config "$work/$1.toml" >>"$work/$1.log" 2>&1) &
+    pid=$!
+    for _ in $(seq 1 150); do
+        curl -sf "http://$http/healthz" >/dev/null && return 0
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.2
+    done
+    log "delayd did not start; its log:"
+    tail -n 30 "$work/$1.log" >&2
+    return 1
+}
+
+stop_delayd() { # signal
+    [ -z "$pid" ] && return 0
+    kill "-$1" "$pid" 2>/dev/null || true
+    for _ in $(seq 1 300); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -9 "$pid" 2>/dev/null || true
+    { wait "$pid"; } 2>/dev/null || true
+    pid=""
+}
+
+# --- faults --------------------------------------------------------------
+
+pause() { sleep "$(awk -v s="$RANDOM" 'BEGIN { printf "%.2f", 0.5 + (s % 250) / 100 }')"; }
+
+inject_kill9() { pause; stop_delayd 9; start_delayd "$1"; }
+inject_sigterm() { pause; stop_delayd TERM; start_delayd "$1"; }
+# (set -e does not hold inside `if run_scenario`: failures are returned.)
+inject_broker() {
+    pause
+    rabbitmqctl -q stop_app >/dev/null
+    sleep 3
+    rabbitmqctl -q start_app >/dev/null
+    rabbitmqctl -q await_startup >/dev/null 2>&1 || true
+}
+inject_connections() {
+    pause
+    rabbitmqctl -q close_all_connections "fault campaign" >/dev/null 2>&1 || true
+}
+inject_disk() {
+    pause
+    # Fill what is left of the tmpfs, hold it full, then free it.
+    dd if=/dev/zero of="$work/disk/filler" bs=64k >/dev/null 2>&1 || true
+    sleep 3
+    rm -f "$work/disk/filler"
+}
+inject_kafka() { pause; bash scripts/kafka.sh restart >/dev/null; }
+
+# --- one scenario ----------------------------------------------------------
+
+run_scenario() { # scenario, cycles
+    local s="$1" n="$2" wal="$work/$1-wal"
+    if [ "$s" = disk ]; then
+        mkdir -p "$work/disk"
+        mount -t tmpfs -o size=8m tmpfs "$work/disk"
+        wal="$work/disk/wal"
+    fi
+    write_config "$s" "$wal"
+    if [ "$s" = kafka ]; then
+        # The topics exist before delayd subscribes (as in a deploy).
+        "$delayd" bench --quiet --kafka 127.0.0.1:9092 --topic faults.kafka.delay \
+            --target-topic faults.kafka.out --create-topics 4 --count 1 --publish-only \
+            >/dev/null 2>&1
+    fi
+    start_delayd "$s" || return 1
+    # About 4 s per cycle, plus a few seconds of load on either side.
+    local count=$((rate * (4 * n + 6)))
+    local bench=(--quiet --json --count "$count" --rate "$rate" --delay-min 1000
+        --delay-max 5000 --drain-timeout 90s --body-bytes 512)
+    if [ "$s" = kafka ]; then
+        bench+=(--kafka 127.0.0.1:9092 --topic faults.kafka.delay
+            --target-topic faults.kafka.out --create-topics 4)
+    else
+        bench+=(--exchange "faults.$s.delayed" --queue "faults.$s.q"
+            --bind-to "faults.$s.out")
+    fi
+    local start=$SECONDS
+    "$delayd" bench "${bench[@]}" >"$work/$s.json" 2>"$work/$s.bench.log" &
+    local bench_pid=$!
+    sleep 3
+    for i in $(seq 1 "$n"); do
+        if ! "inject_$s" "$s"; then
+            log "$s: cycle $i failed"
+            kill "$bench_pid" 2>/dev/null || true
+            stop_delayd 9
+            if [ "$s" = disk ]; then umount "$work/disk"; fi
+            return 1
+        fi
+        log "$s: cycle $i/$n done"
+    done
+    wait "$bench_pid" || true
+    local took=$((SECONDS - start))
+    local pending
+    pending="$(curl -s "http://$http/metrics" | awk '/^delayd_pending_messages_total/ {print $2}')"
+    stop_delayd TERM
+    if [ "$s" = disk ]; then umount "$work/disk"; fi
+    python3 - "$s" "$n" "$took" "${pending:-?}" "$work/$s.json" <<'EOF'
+import json, sys
+s, n, took, pending, path = sys.argv[1:]
+try:
+    r = json.load(open(path))
+except Exception as e:
+    print(f"{s:12} FAIL: no bench report ({e})")
+    sys.exit(1)
+dup_rate = r["duplicates"] / max(r["published"], 1)
+ok = r["lost"] == 0 and r["early"] == 0 and dup_rate <= 0.001
+print(f"{s:12} {'ok  ' if ok else 'FAIL'} cycles {n:>3}  published {r['published']:>7}"
+      f" (+{r['publish_failures']} unconfirmed)  received {r['received']:>7}  lost {r['lost']}"
+      f"  early {r['early']}  duplicates {r['duplicates']} ({100 * dup_rate:.3f} %)"
+      f"  p99 {r['lateness_p99_ms']} ms  max {r['lateness_max_ms']} ms  {took} s")
+sys.exit(0 if ok else 1)
+EOF
+}
+
+for s in $scenarios; do
+    n="${cycles:-$default_cycles}"
+    [ "$s" = kill9 ] && n="${cycles:-$kill_cycles}"
+    if run_scenario "$s" "$n"; then
+        passed=$((passed + 1))
+    else
+        failed=$((failed + 1))
+        log "$s failed; delayd's log: $work/$s.log (kept)"
+        cp "$work/$s.log" "/var/tmp/delayd-faults-$s.log" 2>/dev/null || true
+    fi
+done
+echo "faults: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
