@@ -197,7 +197,14 @@ run_scenario() { # scenario, cycles
     local pending
     pending="$(curl -s "http://$http/metrics" | awk '/^delayd_pending_messages_total/ {print $2}')"
     stop_delayd TERM
-    if [ "$s" = disk ]; then umount "$work/disk"; fi
+    if [ "$s" = disk ]; then
+        umount "$work/disk"
+        # The scenario proves something only if the disk really filled.
+        if ! grep -q "DISK FULL\|WAL write failed" "$work/$s.log"; then
+            log "disk: delayd never saw a full disk"
+            return 1
+        fi
+    fi
     python3 - "$s" "$n" "$took" "${pending:-?}" "$work/$s.json" <<'EOF'
 import json, sys
 s, n, took, pending, path = sys.argv[1:]
