@@ -12,7 +12,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -958,4 +958,59 @@ async fn readyz_is_ready_before_the_first_publish() {
     .await;
     assert!(body.contains("\"ready\":true"), "{body}");
     s.client.close().await;
+}
+
+/// Messages due at the same instant leave in arrival order per routing key
+/// (as from a TTL queue), also when many keys share the route and the sink
+/// publishes on several channels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn equal_due_times_keep_arrival_order_per_routing_key() {
+    const KEYS: usize = 20;
+    const PER_KEY: usize = 30;
+    let s = setup("keyorder", DelaydOptions::default()).await;
+    let due = now_ms() + 2500;
+    let mut publishes = Vec::new();
+    for seq in 0..PER_KEY {
+        for key in 0..KEYS {
+            let props = BasicProperties::default()
+                .with_message_id(format!("{key}.{seq}").into())
+                .with_headers(table(vec![(
+                    "x-deliver-at",
+                    AMQPValue::LongLongInt(due as i64),
+                )]));
+            publishes.push(
+                s.client
+                    .publish_unconfirmed(&s.names.from_exchange, &format!("key.{key}"), b"o", props)
+                    .await,
+            );
+        }
+    }
+    for confirm in publishes {
+        common::assert_confirmed(confirm).await;
+    }
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut by_key: HashMap<String, Vec<usize>> = HashMap::new();
+    let mut seen = HashSet::new();
+    while seen.len() < KEYS * PER_KEY {
+        let Some(got) = receiver.next(deadline).await else {
+            panic!("{} of {} arrived", seen.len(), KEYS * PER_KEY);
+        };
+        assert!(got.at_ms >= due, "early by {} ms", due - got.at_ms);
+        let id = got.message_id().expect("message_id").to_owned();
+        if !seen.insert(id.clone()) {
+            continue;
+        }
+        let (key, seq) = id.split_once('.').expect("key.seq");
+        by_key
+            .entry(key.to_owned())
+            .or_default()
+            .push(seq.parse().expect("seq"));
+    }
+    let inversions: usize = by_key
+        .values()
+        .map(|seqs| seqs.windows(2).filter(|w| w[0] > w[1]).count())
+        .sum();
+    assert_eq!(inversions, 0, "order per routing key: {by_key:?}");
+    receiver.close().await;
 }

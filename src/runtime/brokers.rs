@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use delayd_adapters::amqp::{AmqpSink, BrokerConnections, SinkConfig};
 use delayd_adapters::kafka::{KafkaClientConfig, KafkaSink};
-use delayd_adapters::{BoxFuture, Message, PublishOutcome, Sink, SinkError, Target};
+use delayd_adapters::{BoxFuture, Message, PublishOutcome, SinkError, Target};
 
 use crate::config::{BrokerConfig, Config};
 
@@ -97,9 +97,9 @@ impl Brokers {
         self.by_name.get(name)
     }
 
-    /// Start publishing now and return what the broker did with it. A Kafka
-    /// record is queued before this returns, so calls made in order reach a
-    /// partition in order.
+    /// Start publishing now and return what the broker did with it. The
+    /// publish is queued before this returns, so calls made in order reach a
+    /// Kafka partition, or an AMQP channel (one per routing key), in order.
     pub fn publish(
         &self,
         broker: &str,
@@ -108,10 +108,9 @@ impl Brokers {
     ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
         match self.get(broker) {
             Some(BrokerHandle::Kafka { sink, .. }) => sink.enqueue(&message, &target),
-            Some(BrokerHandle::Amqp { sink, .. }) => {
-                let sink = sink.clone();
-                Box::pin(async move { sink.publish(&message, &target).await })
-            }
+            // Both queue the publish before returning: calls made in fire
+            // order reach the broker in that order (per key).
+            Some(BrokerHandle::Amqp { sink, .. }) => sink.enqueue(&message, &target),
             None => {
                 let e = SinkError::Permanent(format!("no broker named {broker:?}"));
                 Box::pin(async move { Err(e) })

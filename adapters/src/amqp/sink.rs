@@ -90,12 +90,30 @@ struct Job {
     reply: Reply,
 }
 
-/// Publishes waiting for a channel worker.
+/// Publishes waiting for one channel worker.
 #[derive(Default)]
 struct Queue {
     jobs: Mutex<VecDeque<Job>>,
     ready: Arc<Notify>,
+}
+
+/// What the sink and its workers share: a queue per worker, and the
+/// exchanges recently reported missing.
+struct Shared {
+    queues: Vec<Queue>,
     missing: MissingExchanges,
+}
+
+impl Shared {
+    /// The queue (and so the channel) of an exchange and routing key: the
+    /// same key always goes through the same channel, so publishes with one
+    /// routing key reach the broker in the order they were queued.
+    fn queue_for(&self, exchange: &str, routing_key: &str) -> &Queue {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (exchange, routing_key).hash(&mut h);
+        &self.queues[(h.finish() % self.queues.len() as u64) as usize]
+    }
 }
 
 /// After the broker reports an exchange missing, publishes to it fail at
@@ -146,7 +164,7 @@ impl MissingExchanges {
 pub struct AmqpSink {
     broker: Arc<Broker>,
     config: SinkConfig,
-    queue: Arc<Queue>,
+    shared: Arc<Shared>,
     /// Workers are spawned on the first publish (inside the caller's runtime).
     workers: OnceLock<()>,
 }
@@ -176,8 +194,11 @@ impl AmqpSink {
         };
         Self {
             broker,
+            shared: Arc::new(Shared {
+                queues: (0..config.channels).map(|_| Queue::default()).collect(),
+                missing: MissingExchanges::default(),
+            }),
             config,
-            queue: Arc::new(Queue::default()),
             workers: OnceLock::new(),
         }
     }
@@ -200,17 +221,27 @@ impl AmqpSink {
         message: &Message,
         target: &Target,
     ) -> Result<PublishOutcome, SinkError> {
-        let exchange = short_string(&target.destination, "exchange name").map_err(permanent)?;
-        let routing_key = target
-            .routing_key
-            .as_deref()
-            .unwrap_or(&message.routing_key);
-        let routing_key = short_string(routing_key, "routing key").map_err(permanent)?;
-        let properties = message_properties(message).map_err(permanent)?;
-        self.start_workers();
+        self.enqueue(message, target).await
+    }
+
+    /// Queues the publish before returning (calls made in order reach the
+    /// broker in that order, per routing key); the future says what the
+    /// broker did with it.
+    pub fn enqueue(
+        &self,
+        message: &Message,
+        target: &Target,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        let job = match self.job(message, target) {
+            Ok(job) => job,
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
         let (reply, outcome) = oneshot::channel();
+        self.start_workers();
+        let queue = self.shared.queue_for(job.0.as_str(), job.1.as_str());
         {
-            let mut jobs = self.queue.jobs.lock().unwrap_or_else(|e| e.into_inner());
+            let mut jobs = queue.jobs.lock().unwrap_or_else(|e| e.into_inner());
+            let (exchange, routing_key, properties) = job;
             jobs.push_back(Job {
                 exchange,
                 routing_key,
@@ -219,19 +250,38 @@ impl AmqpSink {
                 reply,
             });
         }
-        self.queue.ready.notify_one();
-        outcome
-            .await
-            .map_err(|_| SinkError::Transient("sink worker stopped".to_owned()))?
+        queue.ready.notify_one();
+        Box::pin(async move {
+            outcome
+                .await
+                .map_err(|_| SinkError::Transient("sink worker stopped".to_owned()))?
+        })
+    }
+
+    /// Exchange, routing key and properties, or why AMQP cannot carry them.
+    fn job(
+        &self,
+        message: &Message,
+        target: &Target,
+    ) -> Result<(ShortString, ShortString, BasicProperties), SinkError> {
+        let exchange = short_string(&target.destination, "exchange name").map_err(permanent)?;
+        let routing_key = target
+            .routing_key
+            .as_deref()
+            .unwrap_or(&message.routing_key);
+        let routing_key = short_string(routing_key, "routing key").map_err(permanent)?;
+        let properties = message_properties(message).map_err(permanent)?;
+        Ok((exchange, routing_key, properties))
     }
 
     fn start_workers(&self) {
         self.workers.get_or_init(|| {
-            for _ in 0..self.config.channels {
+            for (index, queue) in self.shared.queues.iter().enumerate() {
                 let worker = Worker {
                     broker: self.broker.clone(),
-                    queue: Arc::downgrade(&self.queue),
-                    ready: self.queue.ready.clone(),
+                    shared: Arc::downgrade(&self.shared),
+                    index,
+                    ready: queue.ready.clone(),
                     config: self.config.clone(),
                     channel: None,
                 };
@@ -243,17 +293,19 @@ impl AmqpSink {
 
 impl Drop for AmqpSink {
     fn drop(&mut self) {
-        // Wake the workers so they notice the queue is gone and stop.
-        for _ in 0..self.config.channels {
-            self.queue.ready.notify_one();
+        // Wake the workers so they notice the queues are gone and stop.
+        for queue in &self.shared.queues {
+            queue.ready.notify_one();
         }
     }
 }
 
-/// Owns one confirm-mode channel and publishes batches on it.
+/// Owns one confirm-mode channel and publishes the batches of its queue on it.
 struct Worker {
     broker: Arc<Broker>,
-    queue: std::sync::Weak<Queue>,
+    shared: std::sync::Weak<Shared>,
+    /// Its queue in `shared.queues`.
+    index: usize,
     ready: Arc<Notify>,
     config: SinkConfig,
     channel: Option<Channel>,
@@ -274,19 +326,16 @@ impl Worker {
     async fn next_batch(&self) -> Option<Vec<Job>> {
         loop {
             let notified = self.ready.notified();
-            let queue = self.queue.upgrade()?;
+            let shared = self.shared.upgrade()?;
             {
+                let queue = &shared.queues[self.index];
                 let mut jobs = queue.jobs.lock().unwrap_or_else(|e| e.into_inner());
                 if !jobs.is_empty() {
                     let n = jobs.len().min(self.config.batch);
-                    let batch: Vec<Job> = jobs.drain(..n).collect();
-                    if !jobs.is_empty() {
-                        queue.ready.notify_one(); // more work for another worker
-                    }
-                    return Some(batch);
+                    return Some(jobs.drain(..n).collect());
                 }
             }
-            drop(queue);
+            drop(shared);
             notified.await;
         }
     }
@@ -316,10 +365,11 @@ impl Worker {
     /// closes it because one message's exchange does not exist), publish its
     /// messages again one by one, so only the culprit keeps failing.
     async fn publish_batch(&mut self, batch: Vec<Job>) {
-        let Some(queue) = self.queue.upgrade() else {
+        let Some(shared) = self.shared.upgrade() else {
             return fail(batch, "sink stopped");
         };
-        let batch = fail_known_missing(&queue.missing, batch);
+        let missing = &shared.missing;
+        let batch = fail_known_missing(missing, batch);
         if batch.is_empty() {
             return;
         }
@@ -327,11 +377,11 @@ impl Worker {
             Ok(()) => {}
             Err((batch, _)) if batch.len() > 1 => {
                 for job in batch {
-                    if let Some(why) = queue.missing.check(&job.exchange) {
+                    if let Some(why) = missing.check(&job.exchange) {
                         fail(vec![job], &why);
                     } else if let Err((single, why)) = self.try_batch(vec![job]).await {
                         if let Some(job) = single.first() {
-                            queue.missing.note(&job.exchange, &why);
+                            missing.note(&job.exchange, &why);
                         }
                         fail(single, &why);
                     }
@@ -339,7 +389,7 @@ impl Worker {
             }
             Err((batch, why)) => {
                 if let [job] = batch.as_slice() {
-                    queue.missing.note(&job.exchange, &why);
+                    missing.note(&job.exchange, &why);
                 }
                 fail(batch, &why)
             }
@@ -556,7 +606,7 @@ impl Sink for AmqpSink {
         message: &'a Message,
         target: &'a Target,
     ) -> BoxFuture<'a, Result<PublishOutcome, SinkError>> {
-        Box::pin(self.publish_message(message, target))
+        self.enqueue(message, target)
     }
 }
 
@@ -633,7 +683,9 @@ mod tests {
             );
         }
         // Nothing is left queued.
-        assert!(sink.queue.jobs.lock().unwrap().is_empty());
+        for queue in &sink.shared.queues {
+            assert!(queue.jobs.lock().unwrap().is_empty());
+        }
     }
 
     #[tokio::test]
