@@ -25,8 +25,6 @@ fn rabbitmqctl(args: &[&str]) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: due messages get per-message back-off while the broker is down \
-            (durability issue, item 3); run with --ignored"]
 async fn a_broker_restart_before_the_delays_expire_keeps_due_order() {
     let names = Names::new("restart");
     let _cleanup = names.cleanup();

@@ -96,9 +96,14 @@ pub enum PublishOutcome {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
-    /// Worth retrying: connection lost, nack, timeout.
+    /// Worth retrying: nack, timeout, a channel closed under this publish.
     #[error("transient publish failure: {0}")]
     Transient(String),
+    /// The broker cannot be reached (no connection): nothing is wrong with
+    /// the message, and every other publish to this broker fails the same
+    /// way until it is back.
+    #[error("broker unavailable: {0}")]
+    Unavailable(String),
     /// Retrying will not help (the message is malformed for this broker).
     #[error("permanent publish failure: {0}")]
     Permanent(String),

@@ -36,6 +36,11 @@ pub enum Outcome {
     Done,
     /// Try again later, after back-off.
     Retry(String),
+    /// The route's target broker cannot be reached. The route's due messages
+    /// wait, in due order, while one of them probes the broker now and then
+    /// (250 ms, doubling to 5 s); once a probe gets through they all go at
+    /// once, in due order. Other routes are not held up.
+    Unavailable(String),
 }
 
 /// Where due messages go. Implemented by the runtime with the broker sinks.
@@ -74,7 +79,10 @@ pub(crate) async fn run(
             let mut state = inner.state();
             let room = permits.available_permits() + 1;
             pop_due(&mut state, now, room.min(BATCH), &mut batch);
-            for e in &batch {
+            hold_blocked(&mut state, now, &mut batch);
+            let probes = batch.len();
+            state.take_probes(now, &mut batch);
+            for (i, e) in batch.iter().enumerate() {
                 let attempt = state.attempts.get(&e.id).copied().unwrap_or(0);
                 state.in_flight.insert(
                     e.id,
@@ -82,6 +90,7 @@ pub(crate) async fn run(
                         slot: e.data,
                         deadline: e.deadline,
                         attempt,
+                        probe: i >= probes,
                     },
                 );
             }
@@ -200,13 +209,29 @@ pub(crate) async fn run(
     inner.publish_gauges();
 }
 
-/// The earliest deadline in the wheel or the held set.
+/// The earliest deadline in the wheel or the held set, or probe time.
 fn next_deadline(state: &super::State) -> Option<u64> {
     let next_held = state.held.keys().next().map(|k| k.0);
-    match (state.wheel.next_deadline(), next_held) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
+    [state.wheel.next_deadline(), next_held, state.next_probe()]
+        .into_iter()
+        .flatten()
+        .min()
+}
+
+/// Due messages of blocked routes wait with their route instead of going out.
+fn hold_blocked(state: &mut super::State, now: u64, batch: &mut Vec<Expired<Slot>>) {
+    if state.blocked.is_empty() {
+        return;
     }
+    let mut kept = Vec::with_capacity(batch.len());
+    for e in batch.drain(..) {
+        if state.is_blocked(e.data.route) {
+            state.block(now, e, false);
+        } else {
+            kept.push(e);
+        }
+    }
+    *batch = kept;
 }
 
 /// Move due entries from the wheel (and from the held set) into `out`. An
@@ -266,9 +291,17 @@ async fn complete(
     let Some(flight) = state.in_flight.remove(&id) else {
         return;
     };
+    let route_id = flight.slot.route;
+    if !matches!(outcome, Outcome::Unavailable(_)) && state.is_blocked(route_id) {
+        // The target answered (a probe, or a publish that started before
+        // the route was blocked): what waits goes out now, in due order.
+        state.unblock(route_id);
+        tracing::info!(route = %route, "target reachable again; releasing held messages");
+        inner.wake.notify_one();
+    }
     match outcome {
         Outcome::Done => {
-            state.counts[flight.slot.route as usize] -= 1;
+            state.counts[route_id as usize] -= 1;
             state.attempts.remove(&id);
             if let Some(hash) = key {
                 state.keys.remove(hash, id);
@@ -279,12 +312,25 @@ async fn complete(
                 tracing::error!(id, error = %e, "cannot write Done record");
             }
         }
+        Outcome::Unavailable(reason) => {
+            if !state.is_blocked(route_id) {
+                tracing::warn!(route = %route, %reason, "target unreachable; holding the route's due messages until it is back");
+            }
+            let now = inner.clock.now_ms();
+            let entry = Expired {
+                id,
+                deadline: flight.deadline,
+                data: flight.slot,
+            };
+            state.block(now, entry, flight.probe);
+            drop(state);
+            inner.wake.notify_one();
+        }
         Outcome::Retry(reason) => {
             let attempt = flight.attempt + 1;
             let backoff = backoff(&inner.config, attempt);
-            let backoff_ms = u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX);
-            let at = inner.clock.now_ms().saturating_add(backoff_ms);
-            tracing::warn!(id, route = %route, attempt, retry_in_ms = backoff_ms, %reason, "publish failed; will retry");
+            let at = inner.clock.now_ms() + backoff.as_millis() as u64;
+            tracing::warn!(id, route = %route, attempt, retry_in_ms = backoff.as_millis() as u64, %reason, "publish failed; will retry");
             metrics::counter!("delayd_publish_retries_total", "route" => route.to_string())
                 .increment(1);
             state.attempts.insert(id, attempt);

@@ -24,6 +24,8 @@ pub struct InFlight {
     pub slot: Slot,
     pub deadline: u64,
     pub attempt: u32,
+    /// Sent to find out whether its blocked route's target is back.
+    pub probe: bool,
 }
 
 /// Where a pending message is right now.
@@ -33,6 +35,22 @@ pub enum Phase {
     Waiting,
     Publishing,
 }
+
+/// A route whose target broker cannot be reached: its due messages wait
+/// here, in (deadline, id) order, until a probe message gets through.
+#[derive(Debug, Default)]
+pub struct Blocked {
+    pub waiting: BTreeMap<(u64, u64), Slot>,
+    /// When the next probe may go out, and the wait after that one.
+    pub probe_at: u64,
+    pub backoff_ms: u64,
+    /// A probe is being published: the rest stay here until it settles.
+    pub probing: bool,
+}
+
+/// First wait between probes of an unreachable broker, and the longest.
+pub const PROBE_INITIAL_MS: u64 = 250;
+pub const PROBE_MAX_MS: u64 = 5000;
 
 pub struct State {
     pub wheel: TimingWheel<Slot>,
@@ -50,6 +68,9 @@ pub struct State {
     pub keys: KeyIndex,
     /// Deliveries admitted under the backpressure limits and being stored.
     pub reserved: u64,
+    /// Routes whose target is unreachable, and where each waiting id is.
+    pub blocked: HashMap<u16, Blocked>,
+    blocked_ids: HashMap<u64, (u16, u64)>,
 }
 
 impl State {
@@ -65,6 +86,8 @@ impl State {
             unconfirmed: Unconfirmed::new(dedup_window),
             keys: KeyIndex::default(),
             reserved: 0,
+            blocked: HashMap::new(),
+            blocked_ids: HashMap::new(),
         }
     }
 
@@ -116,15 +139,19 @@ impl State {
 
     /// Take a waiting message out (cancel or recovery Done). In-flight ones stay.
     pub fn disarm(&mut self, id: u64) -> Option<Expired<Slot>> {
-        let found = self.wheel.cancel(id).or_else(|| {
-            let key = *self.held.keys().find(|(_, held_id)| *held_id == id)?;
-            let data = self.held.remove(&key)?;
-            Some(Expired {
-                id,
-                deadline: key.0,
-                data,
+        let found = self
+            .wheel
+            .cancel(id)
+            .or_else(|| {
+                let key = *self.held.keys().find(|(_, held_id)| *held_id == id)?;
+                let data = self.held.remove(&key)?;
+                Some(Expired {
+                    id,
+                    deadline: key.0,
+                    data,
+                })
             })
-        })?;
+            .or_else(|| self.unblock_one(id))?;
         self.counts[found.data.route as usize] -= 1;
         self.attempts.remove(&id);
         Some(found)
@@ -138,15 +165,95 @@ impl State {
         if let Some(f) = self.in_flight.get(&id) {
             return Some((f.slot, f.deadline, Phase::Publishing));
         }
+        if let Some((slot, deadline)) = self.blocked_slot(id) {
+            return Some((slot, deadline, Phase::Waiting));
+        }
         self.held
             .iter()
             .find(|((_, held_id), _)| *held_id == id)
             .map(|(&(deadline, _), &slot)| (slot, deadline, Phase::Waiting))
     }
 
+    /// Hold a due message of `route` until the route's target is reachable.
+    /// `probe` says it was the route's probe (its failure doubles the wait).
+    pub fn block(&mut self, now: u64, entry: Expired<Slot>, probe: bool) {
+        let route = entry.data.route;
+        let blocked = self.blocked.entry(route).or_insert_with(|| Blocked {
+            probe_at: now + PROBE_INITIAL_MS,
+            backoff_ms: PROBE_INITIAL_MS,
+            ..Blocked::default()
+        });
+        if probe {
+            blocked.probing = false;
+            blocked.backoff_ms = (blocked.backoff_ms * 2).min(PROBE_MAX_MS);
+            blocked.probe_at = now + blocked.backoff_ms;
+        }
+        blocked
+            .waiting
+            .insert((entry.deadline, entry.id), entry.data);
+        self.blocked_ids.insert(entry.id, (route, entry.deadline));
+    }
+
+    pub fn is_blocked(&self, route: u16) -> bool {
+        self.blocked.contains_key(&route)
+    }
+
+    /// Routes whose probe is due: take the first waiting message of each.
+    pub fn take_probes(&mut self, now: u64, out: &mut Vec<Expired<Slot>>) {
+        for blocked in self.blocked.values_mut() {
+            if blocked.probing || blocked.probe_at > now {
+                continue;
+            }
+            if let Some(((deadline, id), data)) = blocked.waiting.pop_first() {
+                self.blocked_ids.remove(&id);
+                blocked.probing = true;
+                out.push(Expired { id, deadline, data });
+            }
+        }
+    }
+
+    /// The earliest probe time of a blocked route not probing now.
+    pub fn next_probe(&self) -> Option<u64> {
+        self.blocked
+            .values()
+            .filter(|b| !b.probing)
+            .map(|b| b.probe_at)
+            .min()
+    }
+
+    /// The route's target answered: its waiting messages go back into the
+    /// wheel with their deadlines (past ones fire at once, in order).
+    pub fn unblock(&mut self, route: u16) {
+        let Some(blocked) = self.blocked.remove(&route) else {
+            return;
+        };
+        for ((deadline, id), slot) in blocked.waiting {
+            self.blocked_ids.remove(&id);
+            // Still counted against the route: insert without re-counting.
+            let _ = self.wheel.insert(id, deadline, slot);
+        }
+    }
+
+    fn blocked_slot(&self, id: u64) -> Option<(Slot, u64)> {
+        let &(route, deadline) = self.blocked_ids.get(&id)?;
+        let slot = *self.blocked.get(&route)?.waiting.get(&(deadline, id))?;
+        Some((slot, deadline))
+    }
+
+    fn unblock_one(&mut self, id: u64) -> Option<Expired<Slot>> {
+        let (route, deadline) = self.blocked_ids.remove(&id)?;
+        let data = self
+            .blocked
+            .get_mut(&route)?
+            .waiting
+            .remove(&(deadline, id))?;
+        Some(Expired { id, deadline, data })
+    }
+
     /// Whether `id` is pending (waiting, held back or being published).
     pub fn is_pending(&self, id: u64) -> bool {
-        self.wheel.get(id).is_some()
+        self.blocked_ids.contains_key(&id)
+            || self.wheel.get(id).is_some()
             || self.in_flight.contains_key(&id)
             || self.held.keys().any(|&(_, held_id)| held_id == id)
     }
@@ -167,6 +274,16 @@ impl State {
         if let Some(f) = self.in_flight.get_mut(&id) {
             f.slot.pos = pos;
             return true;
+        }
+        if let Some(&(route, deadline)) = self.blocked_ids.get(&id) {
+            if let Some(slot) = self
+                .blocked
+                .get_mut(&route)
+                .and_then(|b| b.waiting.get_mut(&(deadline, id)))
+            {
+                slot.pos = pos;
+                return true;
+            }
         }
         if let Some(slot) = self
             .held
@@ -194,6 +311,11 @@ impl State {
             .in_flight
             .iter()
             .map(|(&id, f)| (id, f.deadline, f.slot, Phase::Publishing));
-        waiting.chain(held).chain(flying)
+        let blocked = self.blocked.values().flat_map(|b| {
+            b.waiting
+                .iter()
+                .map(|(&(d, id), &s)| (id, d, s, Phase::Waiting))
+        });
+        waiting.chain(held).chain(flying).chain(blocked)
     }
 }

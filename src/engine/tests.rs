@@ -674,3 +674,90 @@ async fn compaction_keeps_a_record_that_is_durable_but_not_yet_armed() {
     assert_eq!(info.due_ms, far);
     assert!(matches!(record, Record::Schedule { message, .. } if message == vec![7; 300]));
 }
+
+/// Answers `Unavailable` for route "down" while `down` is set; records
+/// what it delivers.
+struct Outage {
+    tx: mpsc::UnboundedSender<Fired>,
+    down: std::sync::atomic::AtomicBool,
+    refused: std::sync::atomic::AtomicUsize,
+}
+
+impl Dispatch for Outage {
+    fn deliver(&self, fired: Fired) -> BoxFuture<'static, Outcome> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if &*fired.route == "down" && self.down.load(SeqCst) {
+            self.refused.fetch_add(1, SeqCst);
+            return Box::pin(async { Outcome::Unavailable("connection refused".into()) });
+        }
+        let _ = self.tx.send(fired);
+        Box::pin(async { Outcome::Done })
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_target_holds_its_route_in_due_order_and_not_the_others() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let outage = Arc::new(Outage {
+        tx,
+        down: true.into(),
+        refused: 0.into(),
+    });
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (engine, dispatch, shutdown) = (engine.clone(), outage.clone(), shutdown.clone());
+        tokio::spawn(async move { engine.run(dispatch, shutdown, Duration::from_secs(5)).await })
+    };
+    // Due over the next 300 ms, scheduled out of order; equal due times too.
+    let base = now() + 100;
+    let mut want = Vec::new();
+    for (i, offset) in [200u64, 0, 100, 300, 100, 50].into_iter().enumerate() {
+        let id = engine
+            .schedule("down", base + offset, format!("m{i}").into_bytes())
+            .await
+            .unwrap();
+        want.push((base + offset, id));
+    }
+    want.sort();
+    let other = engine
+        .schedule("up", base + 150, b"other".to_vec())
+        .await
+        .unwrap();
+    // The other route is not held up by the outage.
+    let f = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .expect("the other route fires")
+        .unwrap();
+    assert_eq!(f.id, other);
+    // Wait until every "down" message has fallen due and been held.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while now() < base + 600 || engine.pending() != 6 {
+        assert!(std::time::Instant::now() < deadline, "not held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let refused = outage.refused.load(SeqCst);
+    // Probes, not a retry per message with its own back-off.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let probes = outage.refused.load(SeqCst) - refused;
+    assert!(probes <= 3, "{probes} refused publishes in 600 ms");
+    outage.down.store(false, SeqCst);
+    let mut got = Vec::new();
+    while got.len() < want.len() {
+        let f = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("released after the target is back")
+            .unwrap();
+        assert!(f.fired_ms >= f.due_ms, "early");
+        got.push((f.due_ms, f.id));
+    }
+    assert_eq!(
+        got, want,
+        "released in due order, arrival order for equal due times"
+    );
+    assert_eq!(engine.pending(), 0);
+    shutdown.cancel();
+    task.await.unwrap();
+}

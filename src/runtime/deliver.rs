@@ -87,6 +87,7 @@ impl Dispatch for Deliverer {
                         Outcome::Retry(format!("unknown target: {e}"))
                     }
                     Err(SinkError::Transient(e)) => Outcome::Retry(e),
+                    Err(SinkError::Unavailable(e)) => Outcome::Unavailable(e),
                     Err(SinkError::Permanent(e)) => {
                         let reason = format!("cannot publish: {e}");
                         tracing::warn!(id = fired.id, %reason, "message cannot be published");
@@ -154,6 +155,9 @@ pub async fn park(
             "the {kind} destination {:?} is itself unroutable",
             dest.target
         )),
+        Err(SinkError::Unavailable(e)) => {
+            Outcome::Unavailable(format!("cannot publish to the {kind} destination: {e}"))
+        }
         Err(e) => Outcome::Retry(format!("cannot publish to the {kind} destination: {e}")),
     };
     if let (Outcome::Retry(_), Some(queue)) = (&outcome, &dest.declare_queue) {

@@ -327,7 +327,7 @@ impl Intake {
                     tracing::warn!(route = %self.route.name(), error = %e, kind, "ack of message sent aside failed");
                 }
             }
-            Outcome::Retry(reason) => {
+            Outcome::Retry(reason) | Outcome::Unavailable(reason) => {
                 tracing::error!(route = %self.route.name(), %reason, kind, "cannot publish the message aside; requeueing it");
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 let _ = ack.requeue().await;

@@ -383,7 +383,7 @@ impl Worker {
                         if let Some(job) = single.first() {
                             missing.note(&job.exchange, &why);
                         }
-                        fail(single, &why);
+                        self.fail(single, &why);
                     }
                 }
             }
@@ -391,7 +391,7 @@ impl Worker {
                 if let [job] = batch.as_slice() {
                     missing.note(&job.exchange, &why);
                 }
-                fail(batch, &why)
+                self.fail(batch, &why)
             }
         }
     }
@@ -400,7 +400,7 @@ impl Worker {
         let channel = match self.channel().await {
             Ok(c) => c,
             Err(e) => {
-                fail(batch, &e.to_string());
+                self.fail(batch, &e.to_string());
                 return Ok(());
             }
         };
@@ -450,7 +450,7 @@ impl Worker {
                     "no publisher confirm within {:?}",
                     self.config.confirm_timeout
                 );
-                fail(batch, &why);
+                self.fail(batch, &why);
                 return Ok(());
             }
         };
@@ -499,6 +499,18 @@ impl Worker {
         match failure {
             Some(why) if !unsettled.is_empty() => Err((unsettled, why)),
             _ => Ok(()),
+        }
+    }
+
+    /// Fail publishes: [`SinkError::Unavailable`] while the connection is
+    /// down (the core holds the route's messages, in order, until it is
+    /// back), else [`SinkError::Transient`] (retried per message).
+    fn fail(&self, batch: Vec<Job>, why: &str) {
+        if self.broker.is_connected() {
+            return fail(batch, why);
+        }
+        for job in batch {
+            let _ = job.reply.send(Err(SinkError::Unavailable(why.to_owned())));
         }
     }
 
@@ -672,13 +684,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn broker_down_is_transient_and_backs_off() {
+    async fn broker_down_is_unavailable_and_backs_off() {
         let sink = unreachable_sink();
         let message = Message::with_body("x");
         for _ in 0..3 {
             let outcome = sink.publish(&message, &Target::queue("q")).await;
             assert!(
-                matches!(outcome, Err(SinkError::Transient(_))),
+                matches!(outcome, Err(SinkError::Unavailable(_))),
                 "{outcome:?}"
             );
         }
