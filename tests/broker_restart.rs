@@ -29,8 +29,9 @@ async fn a_broker_restart_before_the_delays_expire_keeps_due_order() {
     let names = Names::new("restart");
     let _cleanup = names.cleanup();
     let client = Client::connect("delayd-it-restart").await;
+    // Durable: the target must outlive the restart.
     client
-        .declare_target(&names.to_exchange, &names.target_queue)
+        .declare_durable_target(&names.to_exchange, &names.target_queue)
         .await;
     let _delayd = Delayd::start(&names, DelaydOptions::default()).await;
     // The plugin's delays, published out of order.

@@ -815,6 +815,42 @@ impl Client {
             .await;
     }
 
+    /// Declares a durable topic exchange and a durable queue bound to it
+    /// with `#`: both survive a broker restart.
+    pub async fn declare_durable_target(&self, exchange: &str, queue: &str) {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        self.channel
+            .exchange_declare(
+                exchange.into(),
+                ExchangeKind::Topic,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("exchange.declare {exchange}: {e}"));
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        self.channel
+            .queue_declare(queue.into(), durable, FieldTable::default())
+            .await
+            .unwrap_or_else(|e| panic!("queue.declare {queue}: {e}"));
+        self.channel
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("queue.bind {queue} to {exchange}: {e}"));
+    }
+
     /// Declares `queue` (non-durable) with `arguments`, e.g. a dead-letter
     /// exchange, and binds it to `exchange` with `key`.
     pub async fn declare_bound_queue(
