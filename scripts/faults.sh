@@ -234,5 +234,5 @@ for s in $scenarios; do
         cp "$work/$s.log" "/var/tmp/delayd-faults-$s.log" 2>/dev/null || true
     fi
 done
-echo "faults: $passed passed, $failed failed"
+echo "faults: $passed scenarios ok, $failed failed"
 [ "$failed" -eq 0 ]

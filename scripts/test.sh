@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # The test command: starts the brokers the integration tests need (RabbitMQ,
-# and Apache Kafka in KRaft mode), then runs every test in the workspace.
+# and Apache Kafka in KRaft mode), runs every test in the workspace, then the
+# short fault campaign (scripts/faults.sh --short: a few cycles of each fault
+# under load, every message accounted for). Arguments go to the test
+# binaries, and then the fault campaign is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/rabbitmq.sh
 bash scripts/kafka.sh
 cargo test --workspace --all-features --no-fail-fast -- --test-threads=2 "$@"
+if [ "$#" -eq 0 ]; then
+    bash scripts/faults.sh --short
+fi

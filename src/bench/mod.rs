@@ -287,9 +287,28 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         close.await;
         return Ok(());
     }
+    // Wait for every message, or at least every confirmed one (an
+    // unconfirmed publish may never arrive), until the drain timeout.
     let wait_until = last_due + args.drain_timeout.as_millis() as u64;
-    let remaining = wait_until.saturating_sub(SystemClock.now_ms());
-    let _ = tokio::time::timeout(Duration::from_millis(remaining), consumer).await;
+    let all_confirmed_seen = || {
+        let t = tally.lock().expect("tally");
+        confirmed
+            .iter()
+            .zip(&t.seen)
+            .all(|(c, seen)| c.load(Ordering::Relaxed) & !seen == 0)
+    };
+    let mut consumer = consumer;
+    loop {
+        let now = SystemClock.now_ms();
+        if now >= wait_until || (now >= last_due && all_confirmed_seen()) {
+            consumer.abort();
+            break;
+        }
+        let tick = Duration::from_millis((wait_until - now).min(200));
+        if tokio::time::timeout(tick, &mut consumer).await.is_ok() {
+            break;
+        }
+    }
     recv_bar.finish();
 
     let published = args.count - failures.load(Ordering::Relaxed);
