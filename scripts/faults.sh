@@ -36,8 +36,14 @@ http=127.0.0.1:9465
 
 bash scripts/rabbitmq.sh >/dev/null
 bash scripts/kafka.sh >/dev/null
-cargo build --release --quiet
-delayd="$PWD/target/release/delayd"
+if $short; then
+    # The test command has just built the debug binary: no release build.
+    cargo build --quiet
+    delayd="$PWD/target/debug/delayd"
+else
+    cargo build --release --quiet
+    delayd="$PWD/target/release/delayd"
+fi
 work="$(mktemp -d /var/tmp/delayd-faults.XXXXXX)"
 pid=""
 failed=0
