@@ -968,7 +968,8 @@ async fn equal_due_times_keep_arrival_order_per_routing_key() {
     const KEYS: usize = 20;
     const PER_KEY: usize = 30;
     let s = setup("keyorder", DelaydOptions::default()).await;
-    let due = now_ms() + 2500;
+    // Far enough ahead that all are stored before they fall due.
+    let due = now_ms() + 8000;
     let mut publishes = Vec::new();
     for seq in 0..PER_KEY {
         for key in 0..KEYS {
@@ -988,6 +989,11 @@ async fn equal_due_times_keep_arrival_order_per_routing_key() {
     for confirm in publishes {
         common::assert_confirmed(confirm).await;
     }
+    wait_for("all stored", DEADLINE, || async {
+        (s.delayd.pending() == (KEYS * PER_KEY) as u64).then_some(())
+    })
+    .await;
+    assert!(now_ms() < due, "not all stored before they fell due");
     let mut receiver = s.client.consume(&s.names.target_queue).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut by_key: HashMap<String, Vec<usize>> = HashMap::new();

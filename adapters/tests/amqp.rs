@@ -718,7 +718,8 @@ async fn source_and_sink_recover_after_the_broker_closes_every_connection() {
     assert_eq!(outcome.unwrap(), PublishOutcome::Delivered);
 
     // Publishes keep running while the connections are closed: each one is
-    // delivered or fails transiently, never anything else.
+    // delivered or fails transiently (or as unavailable while the connection
+    // is down), never anything else.
     let stop = Arc::new(AtomicBool::new(false));
     let background = {
         let sink = sink.clone();
@@ -729,7 +730,10 @@ async fn source_and_sink_recover_after_the_broker_closes_every_connection() {
             while !stop.load(Ordering::Relaxed) {
                 match sink.publish(&Message::with_body("bg"), &target).await {
                     Ok(PublishOutcome::Delivered) => delivered += 1,
-                    Err(delayd_adapters::SinkError::Transient(_)) => transient += 1,
+                    Err(
+                        delayd_adapters::SinkError::Transient(_)
+                        | delayd_adapters::SinkError::Unavailable(_),
+                    ) => transient += 1,
                     other => panic!("unexpected publish result {other:?}"),
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -770,7 +774,10 @@ async fn source_and_sink_recover_after_the_broker_closes_every_connection() {
                 assert_eq!(outcome, PublishOutcome::Delivered);
                 break;
             }
-            Err(delayd_adapters::SinkError::Transient(_)) => transient += 1,
+            Err(
+                delayd_adapters::SinkError::Transient(_)
+                | delayd_adapters::SinkError::Unavailable(_),
+            ) => transient += 1,
             Err(error) => panic!("unexpected error {error}"),
         }
         assert!(start.elapsed() < DEADLINE, "sink never recovered");

@@ -55,6 +55,9 @@ pub trait Dispatch: Send + Sync + 'static {
 /// Pops at most this many per lock hold, so producers are not starved.
 const BATCH: usize = 256;
 
+/// Most entries one pop takes to finish a group of equal deadlines.
+const MAX_GROUP: usize = 16 * BATCH;
+
 pub(crate) async fn run(
     inner: Arc<Inner>,
     dispatch: Arc<dyn Dispatch>,
@@ -252,6 +255,22 @@ fn pop_due(state: &mut super::State, now: u64, max: usize, out: &mut Vec<Expired
     }
     let start = out.len();
     state.wheel.poll_expired(now, max - out.len(), out);
+    // The wheel gives equal deadlines in the order they were armed, which
+    // is not quite id order (appends complete concurrently). A batch that
+    // stopped inside a group of equal deadlines takes the rest of the group
+    // (up to a cap), so the sort below orders the whole group by id.
+    if out.len() == max {
+        if let Some(last) = out.last().map(|e| e.deadline) {
+            while out.len() < MAX_GROUP {
+                if state.wheel.poll_expired(now, 1, out) == 0 {
+                    break;
+                }
+                if out.last().is_some_and(|e| e.deadline != last) {
+                    break;
+                }
+            }
+        }
+    }
     let mut i = start;
     while i < out.len() {
         if out[i].deadline > now {

@@ -761,3 +761,54 @@ async fn an_unreachable_target_holds_its_route_in_due_order_and_not_the_others()
     shutdown.cancel();
     task.await.unwrap();
 }
+
+#[tokio::test]
+async fn equal_deadlines_fire_in_id_order_whatever_order_they_were_armed_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let due = now() + 300;
+    let mut appended = Vec::new();
+    for i in 0..600u32 {
+        let (route, _, rx) = engine
+            .queue_schedule("r", due, i.to_le_bytes().to_vec())
+            .unwrap();
+        appended.push((route, rx.await.unwrap().unwrap()));
+    }
+    // Armed in an order unlike id order, as concurrent appends can be.
+    for (route, a) in appended
+        .iter()
+        .rev()
+        .step_by(2)
+        .chain(appended.iter().step_by(2))
+    {
+        let slot = Slot {
+            pos: a.pos,
+            route: *route,
+        };
+        engine.state().arm(a.id, due, slot);
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let collector = Arc::new(Collector {
+        tx,
+        failures: StdMutex::new(Default::default()),
+    });
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (engine, shutdown) = (engine.clone(), shutdown.clone());
+        let dispatch: Arc<dyn Dispatch> = collector;
+        tokio::spawn(async move { engine.run(dispatch, shutdown, Duration::from_secs(5)).await })
+    };
+    let mut ids = Vec::new();
+    while ids.len() < 600 {
+        let f = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("fired")
+            .unwrap();
+        ids.push(f.id);
+    }
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    assert_eq!(ids, sorted, "fire order for one deadline is id order");
+    shutdown.cancel();
+    task.await.unwrap();
+}
