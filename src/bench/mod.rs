@@ -104,7 +104,10 @@ pub struct BenchReport {
     /// may still arrive).
     pub publish_failures: u64,
     pub early: u64,
+    /// Copies beyond the first (not counting the bench's own redeliveries).
     pub duplicates: u64,
+    /// Copies the broker redelivered to the bench after its ack was lost.
+    pub redelivered_to_bench: u64,
     pub lateness_p50_ms: u64,
     pub lateness_p99_ms: u64,
     pub lateness_max_ms: u64,
@@ -118,6 +121,9 @@ struct Tally {
     seen: Vec<u64>, // bitset of sequence numbers
     received: u64,
     duplicates: u64,
+    /// Seen again, flagged redelivered by the broker: the bench's ack was
+    /// lost, not a duplicate from delayd.
+    redelivered_to_bench: u64,
     early: u64,
     lateness: Histogram<u64>,
     first: Option<Instant>,
@@ -157,6 +163,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         seen: vec![0; args.count.div_ceil(64) as usize],
         received: 0,
         duplicates: 0,
+        redelivered_to_bench: 0,
         early: 0,
         lateness: Histogram::new(3)?,
         first: None,
@@ -185,9 +192,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let run_id = run_id.clone();
         let recv_bar = recv_bar.clone();
         let count = args.count;
+        // AMQP flags a broker redelivery (the bench's own ack was lost), which
+        // is not a second copy published by delayd. Kafka flags every record.
+        let amqp = args.kafka.is_none();
         tokio::spawn(async move {
             loop {
                 let Ok(d) = source.next().await else { break };
+                let redelivered = amqp && d.redelivered;
                 let h = &d.message.headers;
                 let ours = h.get(RUN).and_then(|v| v.as_text()) == Some(run_id.as_str());
                 // Settled in the background: a Kafka ack resolves only once
@@ -203,7 +214,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let mut t = tally.lock().expect("tally");
                 let (word, bit) = ((seq as u64 / 64) as usize, seq as u64 % 64);
                 if word >= t.seen.len() || t.seen[word] & (1 << bit) != 0 {
-                    t.duplicates += 1;
+                    if redelivered {
+                        t.redelivered_to_bench += 1;
+                    } else {
+                        t.duplicates += 1;
+                    }
                     continue;
                 }
                 t.seen[word] |= 1 << bit;
@@ -385,6 +400,7 @@ fn summarise(
         publish_failures: failures,
         early: t.early,
         duplicates: t.duplicates,
+        redelivered_to_bench: t.redelivered_to_bench,
         lateness_p50_ms: t.lateness.value_at_quantile(0.5),
         lateness_p99_ms: t.lateness.value_at_quantile(0.99),
         lateness_max_ms: t.lateness.max(),

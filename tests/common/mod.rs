@@ -839,11 +839,15 @@ impl Client {
             .queue_declare(queue.into(), durable, FieldTable::default())
             .await
             .unwrap_or_else(|e| panic!("queue.declare {queue}: {e}"));
+        self.bind(queue, exchange, "#").await;
+    }
+
+    async fn bind(&self, queue: &str, exchange: &str, key: &str) {
         self.channel
             .queue_bind(
                 queue.into(),
                 exchange.into(),
-                "#".into(),
+                key.into(),
                 QueueBindOptions::default(),
                 FieldTable::default(),
             )
@@ -864,16 +868,7 @@ impl Client {
             .queue_declare(queue.into(), QueueDeclareOptions::default(), arguments)
             .await
             .unwrap_or_else(|e| panic!("queue.declare {queue}: {e}"));
-        self.channel
-            .queue_bind(
-                queue.into(),
-                exchange.into(),
-                key.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("queue.bind {queue} to {exchange}: {e}"));
+        self.bind(queue, exchange, key).await;
     }
 
     /// (ready messages, consumers) of `queue`, or `None` if it does not
