@@ -15,7 +15,8 @@
 #   SCENARIOS="kill9 disk" CYCLES=20 RATE=300 bash scripts/faults.sh
 #
 # Pass: 0 lost and 0 early in every scenario, duplicates at most 0.1 % of
-# the messages. Lost counts only publishes the broker confirmed; early is
+# the messages received (1 % in the short run, whose few thousand messages
+# make a handful of duplicates a large share). Lost counts only publishes the broker confirmed; early is
 # judged against the bench's own clock at publish, before delayd saw the
 # message, so it can only under-count lateness, never invent an early one.
 # Needs root for the tmpfs of the disk scenario. It restarts the local
@@ -25,10 +26,13 @@ cd "$(dirname "$0")/.."
 
 short=false
 [ "${1:-}" = "--short" ] && short=true
+# Duplicates allowed, in per mille of the messages received: a fault cuts
+# off the confirms of the publishes in flight, a handful each time, which
+# over the few thousand messages of a short run can pass 0.1 %.
 if $short; then
-    default_cycles=2 kill_cycles=3 rate="${RATE:-200}"
+    default_cycles=2 kill_cycles=3 rate="${RATE:-200}" dup_permille=10
 else
-    default_cycles=10 kill_cycles=100 rate="${RATE:-500}"
+    default_cycles=10 kill_cycles=100 rate="${RATE:-500}" dup_permille=1
 fi
 cycles="${CYCLES:-}"
 scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka}"
@@ -202,8 +206,6 @@ run_scenario() { # scenario, cycles
     done
     wait "$bench_pid" || true
     local took=$((SECONDS - start))
-    local pending
-    pending="$(curl -s "http://$http/metrics" | awk '/^delayd_pending_messages_total/ {print $2}')"
     stop_delayd TERM
     if [ "$s" = disk ]; then
         umount "$work/disk"
@@ -213,16 +215,16 @@ run_scenario() { # scenario, cycles
             return 1
         fi
     fi
-    python3 - "$s" "$n" "$took" "${pending:-?}" "$work/$s.json" <<'EOF'
+    python3 - "$s" "$n" "$took" "$dup_permille" "$work/$s.json" <<'EOF'
 import json, sys
-s, n, took, pending, path = sys.argv[1:]
+s, n, took, dup_permille, path = sys.argv[1:]
 try:
     r = json.load(open(path))
 except Exception as e:
     print(f"{s:12} FAIL: no bench report ({e})")
     sys.exit(1)
-dup_rate = r["duplicates"] / max(r["published"], 1)
-ok = r["lost"] == 0 and r["early"] == 0 and dup_rate <= 0.001
+dup_rate = r["duplicates"] / max(r["received"], 1)
+ok = r["lost"] == 0 and r["early"] == 0 and dup_rate <= int(dup_permille) / 1000
 print(f"{s:12} {'ok  ' if ok else 'FAIL'} cycles {n:>3}  published {r['published']:>7}"
       f" (+{r['publish_failures']} unconfirmed)  received {r['received']:>7}  lost {r['lost']}"
       f"  early {r['early']}  duplicates {r['duplicates']} ({100 * dup_rate:.3f} %,"
