@@ -245,7 +245,7 @@ fn pop_due(state: &mut super::State, now: u64, max: usize, out: &mut Vec<Expired
         if deadline > now || out.len() >= max {
             break;
         }
-        if let Some(slot) = state.held.remove(&(deadline, id)) {
+        if let Some(slot) = state.unhold(deadline, id) {
             out.push(Expired {
                 id,
                 deadline,
@@ -275,7 +275,7 @@ fn pop_due(state: &mut super::State, now: u64, max: usize, out: &mut Vec<Expired
     while i < out.len() {
         if out[i].deadline > now {
             let e = out.remove(i);
-            state.held.insert((e.deadline, e.id), e.data);
+            state.hold(e.deadline, e.id, e.data);
         } else {
             i += 1;
         }

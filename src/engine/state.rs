@@ -58,6 +58,8 @@ pub struct State {
     /// Popped from the wheel while the wall clock is behind their deadline
     /// (the clock stepped back): they wait here, keyed by (deadline, id).
     pub held: BTreeMap<(u64, u64), Slot>,
+    /// Id → deadline of every held entry, so finding one is O(1).
+    held_at: HashMap<u64, u64>,
     /// Publish attempts so far, for messages re-armed after a failure.
     pub attempts: HashMap<u64, u32>,
     pub counts: Vec<u64>,
@@ -79,6 +81,7 @@ impl State {
             wheel: TimingWheel::new(now_ms),
             in_flight: HashMap::new(),
             held: BTreeMap::new(),
+            held_at: HashMap::new(),
             attempts: HashMap::new(),
             counts: Vec::new(),
             routes: Vec::new(),
@@ -143,13 +146,9 @@ impl State {
             .wheel
             .cancel(id)
             .or_else(|| {
-                let key = *self.held.keys().find(|(_, held_id)| *held_id == id)?;
-                let data = self.held.remove(&key)?;
-                Some(Expired {
-                    id,
-                    deadline: key.0,
-                    data,
-                })
+                let deadline = *self.held_at.get(&id)?;
+                let data = self.unhold(deadline, id)?;
+                Some(Expired { id, deadline, data })
             })
             .or_else(|| self.unblock_one(id))?;
         self.counts[found.data.route as usize] -= 1;
@@ -168,10 +167,21 @@ impl State {
         if let Some((slot, deadline)) = self.blocked_slot(id) {
             return Some((slot, deadline, Phase::Waiting));
         }
-        self.held
-            .iter()
-            .find(|((_, held_id), _)| *held_id == id)
-            .map(|(&(deadline, _), &slot)| (slot, deadline, Phase::Waiting))
+        let deadline = *self.held_at.get(&id)?;
+        let slot = *self.held.get(&(deadline, id))?;
+        Some((slot, deadline, Phase::Waiting))
+    }
+
+    /// Hold back an entry the clock has not reached (it stepped back).
+    pub fn hold(&mut self, deadline: u64, id: u64, slot: Slot) {
+        self.held.insert((deadline, id), slot);
+        self.held_at.insert(id, deadline);
+    }
+
+    /// Take a held entry out.
+    pub fn unhold(&mut self, deadline: u64, id: u64) -> Option<Slot> {
+        self.held_at.remove(&id);
+        self.held.remove(&(deadline, id))
     }
 
     /// Hold a due message of `route` until the route's target is reachable.
@@ -255,7 +265,7 @@ impl State {
         self.blocked_ids.contains_key(&id)
             || self.wheel.get(id).is_some()
             || self.in_flight.contains_key(&id)
-            || self.held.keys().any(|&(_, held_id)| held_id == id)
+            || self.held_at.contains_key(&id)
     }
 
     /// Drop key-index entries of messages that are no longer pending.
@@ -285,14 +295,11 @@ impl State {
                 return true;
             }
         }
-        if let Some(slot) = self
-            .held
-            .iter_mut()
-            .find(|((_, held_id), _)| *held_id == id)
-            .map(|(_, s)| s)
-        {
-            slot.pos = pos;
-            return true;
+        if let Some(&deadline) = self.held_at.get(&id) {
+            if let Some(slot) = self.held.get_mut(&(deadline, id)) {
+                slot.pos = pos;
+                return true;
+            }
         }
         false
     }

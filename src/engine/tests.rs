@@ -812,3 +812,43 @@ async fn equal_deadlines_fire_in_id_order_whatever_order_they_were_armed_in() {
     shutdown.cancel();
     task.await.unwrap();
 }
+
+#[test]
+fn held_entries_are_found_relocated_and_cancelled_by_id() {
+    let mut state = State::new(0, 0);
+    let route = state.intern("r").unwrap();
+    let slot = |offset| Slot {
+        pos: WalPos { segment: 0, offset },
+        route,
+    };
+    // Popped while the clock was behind their deadlines: held back.
+    for id in 0..1000u64 {
+        state.arm(id, 5_000 + id, slot(id as u32));
+        let e = state.wheel.cancel(id).unwrap();
+        state.hold(e.deadline, e.id, e.data);
+    }
+    assert_eq!(
+        state.locate(500).map(|(s, d, _)| (s, d)),
+        Some((slot(500), 5_500))
+    );
+    assert!(state.relocate(
+        500,
+        WalPos {
+            segment: 1,
+            offset: 7
+        }
+    ));
+    assert_eq!(
+        state.locate(500).unwrap().0.pos,
+        WalPos {
+            segment: 1,
+            offset: 7
+        }
+    );
+    assert!(state.is_pending(999));
+    let cancelled = state.disarm(999).expect("a held entry can be cancelled");
+    assert_eq!((cancelled.id, cancelled.deadline), (999, 5_999));
+    assert!(!state.is_pending(999));
+    assert_eq!(state.pending(), 999);
+    assert_eq!(state.held.len(), 999);
+}
