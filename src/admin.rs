@@ -100,7 +100,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/counts", get(counts))
         .layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .merge(api)
@@ -143,6 +143,18 @@ async fn require_token(State(state): State<AdminState>, request: Request, next: 
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Live unless the WAL stopped after a fatal error (the process is on its
+/// way out; an orchestrator should restart it).
+async fn healthz(State(state): State<AdminState>) -> Response {
+    match state.engine.wal().halt().reason() {
+        None => "ok\n".into_response(),
+        Some(reason) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the WAL stopped: {reason}"),
+        ),
+    }
 }
 
 async fn readyz(State(state): State<AdminState>) -> Response {

@@ -668,6 +668,109 @@ async fn stored_messages_are_delivered_while_the_disk_is_full() {
     client.close().await;
 }
 
+/// Backpressure must not spend a quorum queue's delivery limit. With
+/// `x-delivery-limit = 3` the broker drops a message returned more than three
+/// times; delayd at `max_pending` used to nack-requeue every delivery it had
+/// no room for, at each pause, and lost messages this way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backpressure_on_a_quorum_queue_with_a_delivery_limit_loses_nothing() {
+    const COUNT: usize = 40;
+    let s = setup(
+        "quorum-limit",
+        DelaydOptions {
+            max_pending: 4,
+            prefetch: 20,
+            from_extra: r#", queue_type = "quorum", queue_arguments = { "x-delivery-limit" = 3 }"#
+                .into(),
+            ..DelaydOptions::default()
+        },
+    )
+    .await;
+    let mut sent = BTreeMap::new();
+    for i in 0..COUNT {
+        let id = format!("quorum-{i}");
+        sent.insert(id.clone(), now_ms());
+        s.client
+            .publish(
+                &s.names.from_exchange,
+                "k",
+                id.as_bytes(),
+                delayed(&id, 300),
+            )
+            .await;
+    }
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
+    for received in receive_each_once(&mut receiver, &sent, 300).await {
+        assert_eq!(
+            received.delivery.data,
+            received.message_id().unwrap_or_default().as_bytes()
+        );
+    }
+    // The queue really is a quorum queue with the limit (a classic queue
+    // would not drop anything, and the test would prove nothing).
+    let info = std::process::Command::new("rabbitmqctl")
+        .args(["list_queues", "-q", "name", "type", "arguments"])
+        .output()
+        .expect("rabbitmqctl list_queues");
+    let listing = String::from_utf8_lossy(&info.stdout);
+    let line = listing
+        .lines()
+        .find(|l| l.starts_with(&s.names.from_queue))
+        .unwrap_or_else(|| panic!("no queue {} in:\n{listing}", s.names.from_queue));
+    assert!(
+        line.contains("quorum") && line.contains("x-delivery-limit"),
+        "{line}"
+    );
+    receiver.close().await;
+}
+
+/// A fatal WAL error stops delayd even when nothing is consumed. The WAL
+/// volume goes away while messages wait; when they fire, their Done records
+/// need a new segment, which cannot be created. delayd must exit non-zero
+/// (it used to log the error and run on, `/healthz` saying ok).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wal_failure_without_intake_traffic_stops_delayd() {
+    const COUNT: usize = 3;
+    let s = Names::new("wal-fatal");
+    let _cleanup = s.cleanup();
+    let client = Client::connect("delayd-it-wal-fatal").await;
+    client.declare_target(&s.to_exchange, &s.target_queue).await;
+    let opts = DelaydOptions::default();
+    // Each message fills a 4 KiB segment, so the next append starts a new one.
+    let mut delayd = Delayd::start_consuming(
+        |wal, http| {
+            config_toml(&s, wal, http, &opts).replace("[wal]\n", "[wal]\nsegment_bytes = 4096\n")
+        },
+        &s.from_queue,
+    )
+    .await;
+    let body = vec![b'x'; 5000];
+    let mut sent = BTreeMap::new();
+    for i in 0..COUNT {
+        let id = format!("fatal-{i}");
+        sent.insert(id.clone(), now_ms());
+        client
+            .publish(&s.from_exchange, "k", &body, delayed(&id, 1500))
+            .await;
+    }
+    wait_pending(&delayd, COUNT as u64).await;
+    let wal_dir = delayd.wal_dir();
+    std::fs::rename(&wal_dir, wal_dir.with_extension("gone")).expect("move the WAL away");
+
+    // The messages still go out (they were stored); then delayd stops.
+    let mut receiver = client.consume(&s.target_queue).await;
+    receive_each_once(&mut receiver, &sent, 1500).await;
+    let status = delayd.wait_exit("of the WAL failure", DEADLINE).await;
+    assert!(
+        !status.success(),
+        "delayd exited with {status} after a fatal WAL error"
+    );
+    let log = delayd.log_tail(40);
+    assert!(log.contains("the WAL stopped"), "no reason logged:\n{log}");
+    receiver.close().await;
+    client.close().await;
+}
+
 // ----------------------------------------------------------- wal inspect
 
 #[test]

@@ -20,6 +20,7 @@ pub(super) async fn endpoints(args: &BenchArgs) -> anyhow::Result<Endpoints> {
         ensure_bound_queue(
             &conns.consume,
             queue,
+            &delayd_adapters::FieldTable::default(),
             Some((bind_to, ExchangeType::Topic, &["#".to_string()])),
         )
         .await

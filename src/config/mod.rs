@@ -289,12 +289,29 @@ pub struct FromConfig {
     /// AMQP: unacknowledged deliveries per consumer (basic.qos).
     #[serde(default)]
     pub prefetch: Option<u16>,
+    /// AMQP: type of `queue` when delayd declares it: "classic" or "quorum"
+    /// (unset: the vhost's default). Sets the `x-queue-type` argument.
+    #[serde(default)]
+    pub queue_type: Option<String>,
+    /// AMQP: further arguments of the queue's declaration, such as
+    /// `x-delivery-limit` (integers, strings or booleans).
+    #[serde(default)]
+    pub queue_arguments: BTreeMap<String, QueueArgument>,
     /// Kafka: topics to consume.
     #[serde(default)]
     pub topics: Vec<String>,
     /// Kafka: consumer group.
     #[serde(default)]
     pub group: Option<String>,
+}
+
+/// One value of `from.queue_arguments`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum QueueArgument {
+    Bool(bool),
+    Int(i64),
+    Str(String),
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]

@@ -261,3 +261,29 @@ fn the_wal_directory_is_not_created_by_default() {
     let c = Config::from_toml_str(&GOOD.replace("[wal]\n", "[wal]\ncreate_dir = true\n")).unwrap();
     assert!(c.wal.create_dir);
 }
+
+#[test]
+fn queue_type_and_arguments_parse_and_are_checked() {
+    let quorum = GOOD.replace(
+        "exchange_type = \"topic\" }",
+        "exchange_type = \"topic\", queue_type = \"quorum\", queue_arguments = { \"x-delivery-limit\" = 5, \"x-single-active-consumer\" = true } }",
+    );
+    let c = Config::from_toml_str(&quorum).unwrap();
+    assert_eq!(c.routes[0].from.queue_type.as_deref(), Some("quorum"));
+    assert_eq!(
+        c.routes[0].from.queue_arguments["x-delivery-limit"],
+        QueueArgument::Int(5)
+    );
+    assert_eq!(
+        c.routes[0].from.queue_arguments["x-single-active-consumer"],
+        QueueArgument::Bool(true)
+    );
+    let e = Config::from_toml_str(&quorum.replace("\"quorum\"", "\"stream\""))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("routes[0].from.queue_type"), "{e}");
+    let e = Config::from_toml_str(&quorum.replace("x-delivery-limit", "x-queue-type"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("routes[0].from.queue_arguments"), "{e}");
+}

@@ -196,6 +196,20 @@ impl Config {
                 if route.from.prefetch == Some(0) {
                     return Err(err(key("from.prefetch"), "must be at least 1".into()));
                 }
+                if let Some(kind) = &route.from.queue_type {
+                    if !matches!(kind.as_str(), "classic" | "quorum") {
+                        return Err(err(
+                            key("from.queue_type"),
+                            format!("unknown queue type {kind:?} (expected classic or quorum)"),
+                        ));
+                    }
+                    if route.from.queue_arguments.contains_key("x-queue-type") {
+                        return Err(err(
+                            key("from.queue_arguments"),
+                            "x-queue-type is set by from.queue_type; give it once".into(),
+                        ));
+                    }
+                }
             }
             if route.mode != Mode::Delay && matches!(from, BrokerConfig::Kafka { .. }) {
                 return Err(err(

@@ -3,8 +3,8 @@
 //! The intake asks for an [`Admission`] before it stores a delivery. The
 //! count of admissions being stored is added to the pending count, so with
 //! any number of concurrent stores the pending count never passes
-//! `max_pending`. A refused delivery goes back to the broker and the intake
-//! pauses its source until [`Engine::relieved`]: below 90% of each limit,
+//! `max_pending`. A refused delivery is held unacked (see the intake) and the
+//! intake pauses its source until [`Engine::relieved`]: below 90% of each limit,
 //! so it does not flap around the limit.
 
 use std::sync::Arc;

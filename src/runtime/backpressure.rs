@@ -5,9 +5,11 @@
 //! `engine.max_disk`) or a WAL write hits ENOSPC, and resumes when the engine
 //! is relieved. Messages wait in the broker meanwhile; none is dropped.
 //!
-//! A full disk has no counter to watch, so it is probed: after
-//! [`DISK_PROBE`] the intake resumes, and the next store either succeeds
-//! (clearing the state) or fails again and pauses once more.
+//! A full disk has no counter to watch, so it is probed: each delivery whose
+//! store failed with ENOSPC is held (unacked) and stored again every
+//! [`DISK_PROBE`]; the first that succeeds clears the state and the sources
+//! resume. Nothing is requeued meanwhile, so a quorum queue's delivery limit
+//! is never spent on a full disk.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -38,7 +40,8 @@ impl Backpressure {
     /// Whether a source paused for `why` may consume again.
     pub fn relieved(&self, engine: &Engine, why: Pressure) -> bool {
         match self.disk_full_at() {
-            Some(at) => at.elapsed() >= DISK_PROBE,
+            // The held deliveries probe; one stored clears the state.
+            Some(_) => false,
             None if why == Pressure::DiskFull => engine.pressure().is_none(),
             None => engine.relieved(),
         }

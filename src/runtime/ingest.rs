@@ -24,17 +24,10 @@ use super::backpressure::Backpressure;
 use super::brokers::Brokers;
 use super::deliver::park;
 
-/// A delivery whose WAL record is queued (or that is invalid, or that must
-/// go back to the broker).
+/// A delivery whose WAL record is queued (or that is invalid, or that waits
+/// for room).
 enum Started {
-    Storing {
-        message: delayd_adapters::Message,
-        due: u64,
-        stored: BoxFuture<'static, Result<Stored, EngineError>>,
-        /// Counts against `max_pending` until the record is armed.
-        admission: Admission,
-        ack: Box<dyn AckHandle>,
-    },
+    Store(Attempt),
     Invalid {
         message: delayd_adapters::Message,
         ack: Box<dyn AckHandle>,
@@ -44,12 +37,35 @@ enum Started {
         message: delayd_adapters::Message,
         ack: Box<dyn AckHandle>,
     },
-    /// At a backpressure limit.
-    Refused {
-        why: Pressure,
-        ack: Box<dyn AckHandle>,
-    },
 }
+
+/// One try at storing a delivery.
+enum Attempt {
+    Storing {
+        held: Held,
+        stored: BoxFuture<'static, Result<Stored, EngineError>>,
+        /// Counts against `max_pending` until the record is armed.
+        admission: Admission,
+    },
+    /// At a backpressure limit: held unacked until there is room.
+    Refused { why: Pressure, held: Held },
+}
+
+/// A delivery delayd keeps unacknowledged until it is stored. It is never
+/// handed back to the broker to be tried later: every requeue counts against
+/// a quorum queue's `x-delivery-limit`, past which the broker drops or
+/// dead-letters the message. The prefetch bounds how many are held.
+struct Held {
+    message: delayd_adapters::Message,
+    due: u64,
+    redelivered: bool,
+    ack: Box<dyn AckHandle>,
+}
+
+/// How long a delivery whose store failed for a passing reason waits
+/// before it is stored again.
+const STORE_RETRY: Duration = Duration::from_millis(500);
+
 /// While paused, how often the intake looks whether it may resume.
 const RECHECK: Duration = Duration::from_millis(100);
 
@@ -112,9 +128,10 @@ impl Intake {
             );
             let started = span.in_scope(|| this.start(delivery));
             let this = this.clone();
+            let stop = stop.clone();
             tokio::spawn(
                 async move {
-                    this.finish(started).await;
+                    this.finish(started, &stop).await;
                     drop(permit);
                 }
                 .instrument(span),
@@ -200,21 +217,15 @@ impl Intake {
         match self.route.plan(&mut message, now) {
             Ok(Plan::Park) => Started::Park { message, ack },
             Ok(Plan::Due(due)) => {
-                // At a limit the message goes back to the broker; the intake
-                // loop pauses the source before taking more.
-                let admission = match self.engine.admit() {
-                    Ok(a) => a,
-                    Err(why) => return Started::Refused { why, ack },
-                };
-                let encoded = delayd_adapters::encode(&message);
-                let stored = self.engine.store(route, due, encoded, redelivered);
-                Started::Storing {
+                let held = Held {
                     message,
                     due,
-                    stored: Box::pin(stored),
-                    admission,
+                    redelivered,
                     ack,
-                }
+                };
+                // At a limit the delivery waits, unacked; the intake loop
+                // pauses the source before taking more.
+                Started::Store(self.admit(held))
             }
             Err(reason) => {
                 tracing::warn!(route, %reason, "invalid delay; sending to the invalid destination");
@@ -224,81 +235,130 @@ impl Intake {
         }
     }
 
-    /// Wait for the record to be durable, then ack (or park, or requeue).
-    async fn finish(&self, started: Started) {
+    /// Queue the WAL record of a held delivery.
+    fn store(&self, held: Held, admission: Admission) -> Attempt {
+        let encoded = delayd_adapters::encode(&held.message);
+        let stored = self
+            .engine
+            .store(self.route.name(), held.due, encoded, held.redelivered);
+        Attempt::Storing {
+            held,
+            stored: Box::pin(stored),
+            admission,
+        }
+    }
+
+    /// Wait for the record to be durable, then ack (or park). A delivery
+    /// that cannot be stored yet (a limit, a full disk, a passing error) is
+    /// held and stored again later; only shutdown or a fatal WAL error hands
+    /// it back to the broker.
+    async fn finish(&self, started: Started, stop: &CancellationToken) {
         let route = self.route.name();
-        let (mut message, due, stored, admission, ack) = match started {
-            Started::Invalid { message, ack } => return self.reject(message, ack).await,
+        let mut attempt = match started {
+            Started::Store(attempt) => attempt,
+            Started::Invalid { message, ack } => return self.reject(message, ack, stop).await,
             Started::Park { message, ack } => {
                 tracing::info!(route, "out of retry attempts; parking the message");
                 return self
-                    .send_aside(message, ack, &self.route.park, "parked")
+                    .send_aside(message, ack, &self.route.park, "parked", stop)
                     .await;
             }
-            Started::Refused { why, ack } => {
-                tracing::debug!(route, reason = %why, "at a backpressure limit; returning the message to the broker");
-                metrics::counter!("delayd_backpressure_requeued_total", "route" => route.to_owned())
-                    .increment(1);
-                if let Err(e) = ack.requeue().await {
-                    tracing::warn!(route, error = %e, "requeue failed; the broker redelivers the message");
-                }
-                return;
-            }
-            Started::Storing {
-                message,
-                due,
-                stored,
-                admission,
-                ack,
-            } => (message, due, stored, admission, ack),
         };
-        let result = stored.await;
-        drop(admission);
-        match result {
-            Ok(stored) => {
-                self.pressure.stored();
-                if let Stored::New(id) = stored {
-                    metrics::counter!("delayd_scheduled_total", "route" => route.to_owned())
+        loop {
+            let (held, stored, admission) = match attempt {
+                Attempt::Storing {
+                    held,
+                    stored,
+                    admission,
+                } => (held, stored, admission),
+                Attempt::Refused { why, held } => {
+                    tracing::debug!(route, reason = %why, "at a backpressure limit; holding the delivery until there is room");
+                    metrics::counter!("delayd_backpressure_held_total", "route" => route.to_owned())
                         .increment(1);
-                    tracing::debug!(route, id, due, "scheduled");
+                    let Some(held) = self.hold(held, RECHECK, stop).await else {
+                        return;
+                    };
+                    attempt = self.admit(held);
+                    continue;
                 }
-                match ack.ack().await {
-                    Ok(()) => {
-                        if let Stored::New(id) = stored {
-                            self.engine.confirm_ack(id);
-                        }
-                    }
-                    // Stored, but the broker will redeliver it: dedup catches that.
-                    Err(e) => tracing::warn!(route, error = %e, "ack failed after store"),
+            };
+            let result = stored.await;
+            drop(admission);
+            let wait = match result {
+                Ok(stored) => return self.stored(stored, held).await,
+                Err(EngineError::Wal(WalError::TooLarge { size, max })) => {
+                    let reason =
+                        format!("message of {size} bytes exceeds wal.max_message_bytes ({max})");
+                    tracing::warn!(route, %reason, "sending to the invalid destination");
+                    let mut message = held.message;
+                    rewrite::with_error(&mut message, &reason);
+                    return self.reject(message, held.ack, stop).await;
+                }
+                Err(EngineError::Wal(e)) if e.is_fatal() => {
+                    tracing::error!(route, error = %e, "WAL failed; stopping");
+                    let _ = held.ack.requeue().await;
+                    self.fatal.cancel();
+                    return;
+                }
+                Err(EngineError::Wal(WalError::DiskFull(dir))) => {
+                    tracing::error!(route, dir = %dir.display(), "DISK FULL: cannot store message; holding it until there is space");
+                    metrics::counter!("delayd_store_failures_total", "route" => route.to_owned())
+                        .increment(1);
+                    self.pressure.disk_full();
+                    super::backpressure::DISK_PROBE
+                }
+                Err(e) => {
+                    tracing::error!(route, error = %e, "cannot store message; holding it to try again");
+                    metrics::counter!("delayd_store_failures_total", "route" => route.to_owned())
+                        .increment(1);
+                    STORE_RETRY
+                }
+            };
+            let Some(held) = self.hold(held, wait, stop).await else {
+                return;
+            };
+            attempt = self.admit(held);
+        }
+    }
+
+    /// Store a held delivery if a limit lets it in now.
+    fn admit(&self, held: Held) -> Attempt {
+        match self.engine.admit() {
+            Ok(admission) => self.store(held, admission),
+            Err(why) => Attempt::Refused { why, held },
+        }
+    }
+
+    /// Keep `held` for `wait`. At shutdown it goes back to the broker (the
+    /// channel would return it anyway) and `None` is returned.
+    async fn hold(&self, held: Held, wait: Duration, stop: &CancellationToken) -> Option<Held> {
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => Some(held),
+            _ = stop.cancelled() => {
+                if let Err(e) = held.ack.requeue().await {
+                    tracing::debug!(route = %self.route.name(), error = %e, "returning a held delivery at shutdown");
+                }
+                None
+            }
+        }
+    }
+
+    /// The record is durable: ack the delivery.
+    async fn stored(&self, stored: Stored, held: Held) {
+        let route = self.route.name();
+        self.pressure.stored();
+        if let Stored::New(id) = stored {
+            metrics::counter!("delayd_scheduled_total", "route" => route.to_owned()).increment(1);
+            tracing::debug!(route, id, due = held.due, "scheduled");
+        }
+        match held.ack.ack().await {
+            Ok(()) => {
+                if let Stored::New(id) = stored {
+                    self.engine.confirm_ack(id);
                 }
             }
-            Err(EngineError::Wal(WalError::TooLarge { size, max })) => {
-                let reason =
-                    format!("message of {size} bytes exceeds wal.max_message_bytes ({max})");
-                tracing::warn!(route, %reason, "sending to the invalid destination");
-                rewrite::with_error(&mut message, &reason);
-                self.reject(message, ack).await;
-            }
-            Err(EngineError::Wal(WalError::DiskFull(dir))) => {
-                tracing::error!(route, dir = %dir.display(), "DISK FULL: cannot store message; returning it to the broker");
-                metrics::counter!("delayd_store_failures_total", "route" => route.to_owned())
-                    .increment(1);
-                self.pressure.disk_full();
-                let _ = ack.requeue().await;
-            }
-            Err(EngineError::Wal(e)) if e.is_fatal() => {
-                tracing::error!(route, error = %e, "WAL failed; stopping");
-                let _ = ack.requeue().await;
-                self.fatal.cancel();
-            }
-            Err(e) => {
-                // A passing failure: the broker keeps it.
-                tracing::error!(route, error = %e, "cannot store message; requeueing it");
-                metrics::counter!("delayd_store_failures_total", "route" => route.to_owned())
-                    .increment(1);
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                let _ = ack.requeue().await;
-            }
+            // Stored, but the broker will redeliver it: dedup catches that.
+            Err(e) => tracing::warn!(route, error = %e, "ack failed after store"),
         }
     }
 
@@ -306,31 +366,43 @@ impl Intake {
     async fn reject(
         &self,
         message: delayd_adapters::Message,
-        ack: Box<dyn delayd_adapters::AckHandle>,
+        ack: Box<dyn AckHandle>,
+        stop: &CancellationToken,
     ) {
-        self.send_aside(message, ack, &self.route.invalid, "invalid")
+        self.send_aside(message, ack, &self.route.invalid, "invalid", stop)
             .await
     }
 
     /// Publish to an invalid or park destination (`kind` names it in logs
-    /// and the `delayd_{kind}_total` metric); ack only once that is confirmed.
+    /// and the `delayd_{kind}_total` metric); ack only once that is
+    /// confirmed. Until then the delivery is held and published again (no
+    /// requeue: see [`Held`]).
     async fn send_aside(
         &self,
         message: delayd_adapters::Message,
-        ack: Box<dyn delayd_adapters::AckHandle>,
+        ack: Box<dyn AckHandle>,
         dest: &Destination,
         kind: &'static str,
+        stop: &CancellationToken,
     ) {
-        match park(&self.brokers, dest, &message, &self.route, kind).await {
-            Outcome::Done => {
-                if let Err(e) = ack.ack().await {
-                    tracing::warn!(route = %self.route.name(), error = %e, kind, "ack of message sent aside failed");
+        loop {
+            match park(&self.brokers, dest, &message, &self.route, kind).await {
+                Outcome::Done => {
+                    if let Err(e) = ack.ack().await {
+                        tracing::warn!(route = %self.route.name(), error = %e, kind, "ack of message sent aside failed");
+                    }
+                    return;
+                }
+                Outcome::Retry(reason) | Outcome::Unavailable(reason) => {
+                    tracing::error!(route = %self.route.name(), %reason, kind, "cannot publish the message aside; holding it to try again");
                 }
             }
-            Outcome::Retry(reason) | Outcome::Unavailable(reason) => {
-                tracing::error!(route = %self.route.name(), %reason, kind, "cannot publish the message aside; requeueing it");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                let _ = ack.requeue().await;
+            tokio::select! {
+                _ = tokio::time::sleep(STORE_RETRY) => {}
+                _ = stop.cancelled() => {
+                    let _ = ack.requeue().await;
+                    return;
+                }
             }
         }
     }

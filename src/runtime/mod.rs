@@ -132,9 +132,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         intakes.push(tokio::spawn(intake.run(source, intake_stop.clone())));
     }
 
+    // A fatal WAL error stops delayd even when nothing is being consumed
+    // (a Done write after a delivery, a segment that cannot be created).
+    let halt = engine.wal().halt().clone();
     let failed = tokio::select! {
         _ = shutdown.cancelled() => false,
         _ = fatal.cancelled() => true,
+        reason = halt.stopped() => {
+            tracing::error!(%reason, "the WAL stopped after a fatal error; shutting down");
+            true
+        }
     };
     tracing::info!("shutting down: no longer consuming");
     ready.store(false, Ordering::Release);
@@ -181,6 +188,7 @@ fn start_source(
             if let Some(prefetch) = route.from.prefetch {
                 source_cfg.prefetch = prefetch;
             }
+            source_cfg.queue_arguments = queue_arguments(&route.from);
             let source = AmqpSource::start(connections.consume.clone(), source_cfg)
                 .with_context(|| format!("route {name}: cannot start consuming"))?;
             Ok(Box::new(source))
@@ -197,6 +205,25 @@ fn start_source(
         }
         None => anyhow::bail!("route {name}: no broker {:?}", route.from.broker),
     }
+}
+
+/// `from.queue_type` and `from.queue_arguments` as the queue's arguments.
+fn queue_arguments(from: &crate::config::FromConfig) -> delayd_adapters::FieldTable {
+    use crate::config::QueueArgument;
+    use delayd_adapters::Value;
+    let mut table = delayd_adapters::FieldTable::default();
+    if let Some(kind) = &from.queue_type {
+        table.insert("x-queue-type", Value::LongString(kind.clone().into_bytes()));
+    }
+    for (name, value) in &from.queue_arguments {
+        let value = match value {
+            QueueArgument::Bool(b) => Value::Bool(*b),
+            QueueArgument::Int(i) => Value::I64(*i),
+            QueueArgument::Str(s) => Value::LongString(s.clone().into_bytes()),
+        };
+        table.insert(name.clone(), value);
+    }
+    table
 }
 
 /// Look the routes' Kafka target topics up before the first publish, so a

@@ -64,6 +64,7 @@
 //! The directory is fsynced after every create and delete.
 
 mod frame;
+mod halt;
 mod lock;
 mod reader;
 mod recovery;
@@ -71,6 +72,7 @@ mod segments;
 mod writer;
 
 pub use frame::{Record, RecordRef, SCHEDULE_OVERHEAD};
+pub use halt::Halt;
 pub use lock::{live_holder, LOCK_FILE};
 pub use reader::{inspect_segment, FrameSummary, SegmentScan};
 pub use recovery::{Corruption, RecoveryReport};
@@ -152,8 +154,9 @@ pub enum WalError {
     },
     #[error("no space left for the WAL in {0} (writes resume when space frees up)")]
     DiskFull(PathBuf),
-    #[error("WAL fsync failed on {path}: {source}; the log is stopped and delayd must exit")]
+    #[error("WAL {op} failed on {path}: {source}; the log is stopped and delayd must exit")]
     Fatal {
+        op: &'static str,
         path: PathBuf,
         #[source]
         source: std::io::Error,
@@ -355,7 +358,7 @@ impl Wal {
             }
         }
         if deleted > 0 {
-            segments::sync_dir(&self.shared.config.dir)?;
+            segments::sync_dir(&self.shared.config.dir).map_err(|e| self.check_fatal(e))?;
         }
         Ok(deleted)
     }
@@ -387,7 +390,7 @@ impl Wal {
     pub fn remove_compacted(&self, segment: u32) -> Result<(), WalError> {
         if let Some(path) = self.segments().remove(segment) {
             std::fs::remove_file(&path).map_err(|e| WalError::io(&path, e))?;
-            segments::sync_dir(&self.shared.config.dir)?;
+            segments::sync_dir(&self.shared.config.dir).map_err(|e| self.check_fatal(e))?;
         }
         Ok(())
     }
@@ -401,9 +404,24 @@ impl Wal {
         self.shared.writer.fsyncs()
     }
 
-    /// True once an fsync failed: the process must exit.
+    /// True once a fatal error stopped the log: the process must exit.
     pub fn is_stopped(&self) -> bool {
         self.shared.writer.is_stopped()
+    }
+
+    /// The fatal-error latch, to wait on or to read the reason from.
+    pub fn halt(&self) -> &Halt {
+        self.shared.writer.halt()
+    }
+
+    /// Pass an error on, stopping the log first if it is fatal (a failed
+    /// directory fsync during garbage collection, say).
+    fn check_fatal(&self, e: WalError) -> WalError {
+        if let WalError::Fatal { .. } = e {
+            tracing::error!(error = %e, "stopping the log");
+            self.halt().stop(&e);
+        }
+        e
     }
 
     /// Wait for everything sent so far to be durable, then stop the writer.

@@ -178,6 +178,7 @@ fn truncate(path: &PathBuf, len: u64) -> Result<(), WalError> {
         .map_err(|e| WalError::io(path, e))?;
     file.set_len(len).map_err(|e| WalError::io(path, e))?;
     file.sync_all().map_err(|source| WalError::Fatal {
+        op: "fsync after truncation",
         path: path.clone(),
         source,
     })

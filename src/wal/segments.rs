@@ -24,6 +24,7 @@ pub fn parse_segment_name(name: &str) -> Option<u64> {
 pub fn sync_dir(dir: &Path) -> Result<(), WalError> {
     let d = File::open(dir).map_err(|e| WalError::io(dir, e))?;
     d.sync_all().map_err(|source| WalError::Fatal {
+        op: "directory fsync",
         path: dir.to_path_buf(),
         source,
     })

@@ -3,7 +3,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use tokio::sync::oneshot;
 
 use super::frame;
+use super::halt::Halt;
 use super::segments::{segment_name, sync_dir, SegmentTable};
 use super::{Appended, WalConfig, WalError, WalPos};
 
@@ -60,7 +61,7 @@ enum Command {
 
 pub struct Writer {
     tx: Mutex<Option<mpsc::Sender<Command>>>,
-    stopped: Arc<AtomicBool>,
+    halt: Halt,
     fsyncs: Arc<AtomicU64>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -71,7 +72,7 @@ impl Writer {
         segments: Arc<Mutex<SegmentTable>>,
         next_seq: u64,
     ) -> Result<Self, WalError> {
-        let stopped = Arc::new(AtomicBool::new(false));
+        let halt = Halt::default();
         let fsyncs = Arc::new(AtomicU64::new(0));
         let mut state = WriterState {
             fsyncs: fsyncs.clone(),
@@ -82,7 +83,7 @@ impl Writer {
             head_bytes: 0,
             next_seq,
             buf: Vec::with_capacity(1 << 20),
-            stopped: stopped.clone(),
+            halt: halt.clone(),
         };
         state.rotate()?;
         let (tx, rx) = mpsc::channel();
@@ -92,7 +93,7 @@ impl Writer {
             .map_err(|e| WalError::Invalid(format!("cannot start WAL writer thread: {e}")))?;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
-            stopped,
+            halt,
             fsyncs,
             thread: Mutex::new(Some(thread)),
         })
@@ -114,7 +115,11 @@ impl Writer {
     }
 
     pub fn is_stopped(&self) -> bool {
-        self.stopped.load(Ordering::Acquire)
+        self.halt.is_stopped()
+    }
+
+    pub fn halt(&self) -> &Halt {
+        &self.halt
     }
 
     /// Group commits (fdatasyncs) done so far.
@@ -150,7 +155,7 @@ struct WriterState {
     head_bytes: u64,
     next_seq: u64,
     buf: Vec<u8>,
-    stopped: Arc<AtomicBool>,
+    halt: Halt,
 }
 
 /// One record of a batch, waiting for the batch's fsync.
@@ -193,7 +198,7 @@ impl WriterState {
     }
 
     fn is_stopped(&self) -> bool {
-        self.stopped.load(Ordering::Acquire)
+        self.halt.is_stopped()
     }
 
     fn write_batch(&mut self, batch: &mut Vec<(AppendRequest, Reply)>) {
@@ -208,7 +213,21 @@ impl WriterState {
         }
         if self.head_bytes >= self.config.segment_bytes {
             if let Err(e) = self.rotate() {
+                // A full disk passes; anything else (the directory gone, a
+                // failed directory fsync) leaves no safe place to write.
+                let e = match e {
+                    WalError::DiskFull(_) => e,
+                    WalError::Io { path, source } => WalError::Fatal {
+                        op: "segment create",
+                        path,
+                        source,
+                    },
+                    other => other,
+                };
                 tracing::error!(error = %e, "cannot start a new WAL segment");
+                if e.is_fatal() {
+                    self.halt.stop(&e);
+                }
                 fail_all(batch.drain(..).map(|(_, r)| r), &e);
                 return;
             }
@@ -277,23 +296,27 @@ impl WriterState {
                 file.seek(std::io::SeekFrom::Start(self.head_bytes))
                     .map(|_| ())
             }) {
-                tracing::error!(error = %e, path = %path.display(), "cannot cut back a failed WAL write; stopping the log");
-                self.stopped.store(true, Ordering::Release);
-                return Err(WalError::Fatal {
+                let err = WalError::Fatal {
+                    op: "cut-back of a failed write",
                     path: path.clone(),
                     source: e,
-                });
+                };
+                tracing::error!(error = %err, "stopping the log");
+                self.halt.stop(&err);
+                return Err(err);
             }
             return Err(err);
         }
         let started = std::time::Instant::now();
         if let Err(source) = file.sync_data() {
-            tracing::error!(error = %source, path = %path.display(), "WAL fdatasync failed; stopping the log");
-            self.stopped.store(true, Ordering::Release);
-            return Err(WalError::Fatal {
+            let err = WalError::Fatal {
+                op: "fdatasync",
                 path: path.clone(),
                 source,
-            });
+            };
+            tracing::error!(error = %err, "stopping the log");
+            self.halt.stop(&err);
+            return Err(err);
         }
         self.fsyncs.fetch_add(1, Ordering::Relaxed);
         metrics::histogram!("delayd_wal_fsync_seconds").record(started.elapsed().as_secs_f64());

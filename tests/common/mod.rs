@@ -243,6 +243,8 @@ pub struct DelaydOptions {
     /// TOML lines appended to the route after `to` (route keys first, then
     /// sub-tables such as `[routes.retry]`).
     pub route_extra: String,
+    /// Keys added to the route's inline `from` table (`, key = value`...).
+    pub from_extra: String,
 }
 
 impl Default for DelaydOptions {
@@ -256,6 +258,7 @@ impl Default for DelaydOptions {
             mode: "delay".into(),
             to_routing_key: None,
             route_extra: String::new(),
+            from_extra: String::new(),
         }
     }
 }
@@ -309,7 +312,7 @@ url = {url}
 [[routes]]
 name = {route}
 mode = {mode}
-from = {{ broker = "rabbit", queue = {queue}, exchange = {exchange}, exchange_type = "topic", prefetch = {prefetch} }}
+from = {{ broker = "rabbit", queue = {queue}, exchange = {exchange}, exchange_type = "topic", prefetch = {prefetch}{from_extra} }}
 to = {{ broker = "rabbit", exchange = {to}{to_key} }}
 {extra}
 "#,
@@ -320,6 +323,7 @@ to = {{ broker = "rabbit", exchange = {to}{to_key} }}
             .map(|k| format!(", routing_key = {}", toml_string(k)))
             .unwrap_or_default(),
         extra = opts.route_extra,
+        from_extra = opts.from_extra,
         wal_dir = toml_string(wal_dir),
         grace = toml_string(&opts.shutdown_grace),
         url = toml_string(&amqp_url()),
@@ -509,6 +513,11 @@ impl Delayd {
             .status()
             .expect("cannot run kill");
         assert!(status.success(), "kill -TERM {pid} failed: {status}");
+        self.wait_exit("of SIGTERM", within).await
+    }
+
+    /// Waits up to `within` for the process to exit by itself.
+    pub async fn wait_exit(&mut self, after: &str, within: Duration) -> ExitStatus {
         let start = Instant::now();
         loop {
             let child = self.child.as_mut().expect("delayd is not running");
@@ -518,7 +527,7 @@ impl Delayd {
             }
             assert!(
                 start.elapsed() < within,
-                "delayd did not exit within {within:?} of SIGTERM; log:\n{}",
+                "delayd did not exit within {within:?} {after}; log:\n{}",
                 self.log_tail(200)
             );
             tokio::time::sleep(POLL).await;

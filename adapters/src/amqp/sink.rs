@@ -212,7 +212,7 @@ impl AmqpSink {
     /// on the publish connection. An existing queue with other arguments is
     /// accepted as it is.
     pub async fn declare_queue(&self, queue: &str) -> Result<(), AmqpError> {
-        ensure_queue(&self.broker, queue).await
+        ensure_queue(&self.broker, queue, &crate::FieldTable::default()).await
     }
 
     /// Publishes `message` to `target`; see [`Sink::publish`] and the module docs.

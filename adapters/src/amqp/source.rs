@@ -68,6 +68,10 @@ pub struct SourceConfig {
     /// Consumer tags are this prefix, a dot and a counter (visible in the
     /// management UI). Default `delayd`.
     pub consumer_tag_prefix: String,
+    /// Arguments of the queue's declaration (`x-queue-type = "quorum"`,
+    /// `x-delivery-limit`, ...). Empty: a classic queue, or whatever the
+    /// vhost's default queue type is.
+    pub queue_arguments: crate::FieldTable,
 }
 
 impl SourceConfig {
@@ -80,6 +84,7 @@ impl SourceConfig {
             binding_keys: Vec::new(),
             prefetch: 1000,
             consumer_tag_prefix: "delayd".to_owned(),
+            queue_arguments: crate::FieldTable::default(),
         }
     }
 
@@ -594,7 +599,7 @@ async fn try_setup(
         .exchange
         .as_deref()
         .map(|e| (e, config.exchange_type, keys.as_slice()));
-    ensure_bound_queue(broker, &config.queue, exchange).await?;
+    ensure_bound_queue(broker, &config.queue, &config.queue_arguments, exchange).await?;
     let channel = broker.try_channel().await?;
     channel
         .basic_qos(config.prefetch, BasicQosOptions { global: false })

@@ -21,7 +21,7 @@ use lapin::{Channel, ErrorKind, ExchangeKind};
 use tracing::{debug, warn};
 
 use super::connection::{AmqpError, Broker};
-use super::convert::short_string;
+use super::convert::{short_string, table_to_amqp};
 
 /// Type of an exchange delayd declares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -117,13 +117,18 @@ async fn close(channel: Channel) {
     }
 }
 
-/// Declares a durable queue on `channel`.
-pub async fn declare_queue_on(channel: &Channel, queue: &str) -> Result<(), AmqpError> {
+/// Declares a durable queue with `arguments` on `channel`.
+pub async fn declare_queue_on(
+    channel: &Channel,
+    queue: &str,
+    arguments: &crate::FieldTable,
+) -> Result<(), AmqpError> {
+    let arguments = table_to_amqp(arguments)?;
     channel
         .queue_declare(
             short_string(queue, "queue name")?,
             QueueDeclareOptions::durable(),
-            FieldTable::default(),
+            arguments,
         )
         .await
         .map(drop)
@@ -174,11 +179,16 @@ pub async fn bind_queue_on(
         )))
 }
 
-/// Makes sure the durable queue `queue` exists, on a channel of its own.
-/// A queue that exists with other arguments is accepted as it is.
-pub async fn ensure_queue(broker: &Broker, queue: &str) -> Result<(), AmqpError> {
+/// Makes sure the durable queue `queue` exists (declared with `arguments`),
+/// on a channel of its own. A queue that exists with other arguments is
+/// accepted as it is.
+pub async fn ensure_queue(
+    broker: &Broker,
+    queue: &str,
+    arguments: &crate::FieldTable,
+) -> Result<(), AmqpError> {
     let channel = open(broker, "queue").await?;
-    match declare_queue_on(&channel, queue).await {
+    match declare_queue_on(&channel, queue, arguments).await {
         Ok(()) => {
             close(channel).await;
             Ok(())
@@ -215,9 +225,10 @@ pub async fn ensure_queue(broker: &Broker, queue: &str) -> Result<(), AmqpError>
 pub async fn ensure_bound_queue(
     broker: &Broker,
     queue: &str,
+    arguments: &crate::FieldTable,
     exchange: Option<(&str, ExchangeType, &[String])>,
 ) -> Result<(), AmqpError> {
-    ensure_queue(broker, queue).await?;
+    ensure_queue(broker, queue, arguments).await?;
     let Some((exchange, kind, binding_keys)) = exchange else {
         return Ok(());
     };
