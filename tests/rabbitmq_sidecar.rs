@@ -535,6 +535,72 @@ async fn unroutable_goes_to_unroutable_queue() {
     client.close().await;
 }
 
+/// A republish the broker refuses for good is parked, not retried forever
+/// (every try cost a channel). Here the producer logs in as another user and
+/// sets `user_id` to it, as RabbitMQ requires; delayd republishes as guest,
+/// so the broker answers 406 PRECONDITION_FAILED. The message lands in the
+/// unroutable queue with the broker's reason, body unchanged, and `user_id`
+/// kept in a header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_broker_refuses_is_parked_with_its_reason() {
+    const USER: &str = "delayd-it-producer";
+    const PASSWORD: &str = "delayd-it-producer";
+    let rabbitmqctl = |args: &[&str]| {
+        std::process::Command::new("rabbitmqctl")
+            .args(args)
+            .output()
+            .expect("rabbitmqctl")
+    };
+    // add_user fails if the user exists (an earlier run): then it is there.
+    rabbitmqctl(&["add_user", USER, PASSWORD]);
+    let perms = rabbitmqctl(&["set_permissions", "-p", "/", USER, ".*", ".*", ".*"]);
+    assert!(perms.status.success(), "set_permissions: {perms:?}");
+
+    let names = Names::new("refused");
+    let _cleanup = names.cleanup();
+    let client = Client::connect("delayd-it-refused").await;
+    client
+        .declare_target(&names.to_exchange, &names.target_queue)
+        .await;
+    let delayd = Delayd::start(&names, DelaydOptions::default()).await;
+    let producer = Client::connect_as("delayd-it-refused-producer", USER, PASSWORD).await;
+    let id = format!("refused.{}", common::unique_suffix());
+    let props = BasicProperties::default()
+        .with_message_id(id.as_str().into())
+        .with_user_id(USER.into())
+        .with_headers(table(vec![("x-delay", AMQPValue::LongInt(200))]));
+    producer
+        .publish(&names.from_exchange, ROUTING_KEY, b"refused body", props)
+        .await;
+
+    wait_for("the unroutable queue to exist", DEADLINE, || async {
+        client.queue_counts(UNROUTABLE_QUEUE).await
+    })
+    .await;
+    let mut receiver = client.consume(UNROUTABLE_QUEUE).await;
+    let found = receiver.collect_by_message_id(&[id.as_str()]).await;
+    receiver.close().await;
+    let received = &found[0];
+    let error = received
+        .header_text("x-delayd-error")
+        .unwrap_or_else(|| panic!("no x-delayd-error in {:?}", received.properties()));
+    assert!(
+        error.contains("PRECONDITION_FAILED"),
+        "x-delayd-error {error:?}"
+    );
+    assert_eq!(
+        received.header_text("x-delayd-user-id").as_deref(),
+        Some(USER)
+    );
+    assert_eq!(received.delivery.data, b"refused body", "body unchanged");
+    wait_for("nothing pending", DEADLINE, || async {
+        (delayd.pending() == 0).then_some(())
+    })
+    .await;
+    producer.close().await;
+    client.close().await;
+}
+
 // ------------------------------------------------------------ load helpers
 
 /// The `x-delay` of load message `seq`: 1 to 4 s, spread over the range.

@@ -47,6 +47,24 @@ pub fn with_error(message: &mut Message, reason: &str) {
     );
 }
 
+/// Make a message the broker refused fit for the unroutable destination:
+/// the properties RabbitMQ checks against the publisher (`user_id` must be
+/// the login, `expiration` a number of ms) move into `x-delayd-user-id` and
+/// `x-delayd-expiration` headers, so nothing of them is lost.
+pub fn strip_checked_properties(message: &mut Message) {
+    if let Some(user_id) = message.properties.user_id.take() {
+        message
+            .headers
+            .insert("x-delayd-user-id", Value::LongString(user_id.into_bytes()));
+    }
+    if let Some(expiration) = message.properties.expiration.take() {
+        message.headers.insert(
+            "x-delayd-expiration",
+            Value::LongString(expiration.into_bytes()),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -89,9 +89,11 @@ impl Dispatch for Deliverer {
                     Err(SinkError::Transient(e)) => Outcome::Retry(e),
                     Err(SinkError::Unavailable(e)) => Outcome::Unavailable(e),
                     Err(SinkError::Permanent(e)) => {
+                        // Retrying cannot help: park it with the broker's reason.
                         let reason = format!("cannot publish: {e}");
-                        tracing::warn!(id = fired.id, %reason, "message cannot be published");
+                        tracing::warn!(id = fired.id, %reason, "message cannot be published; parking it");
                         rewrite::with_error(&mut message, &reason);
+                        rewrite::strip_checked_properties(&mut message);
                         park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                     }
                 }

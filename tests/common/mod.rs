@@ -782,8 +782,20 @@ pub struct Client {
 
 impl Client {
     pub async fn try_connect(name: &str) -> Result<Client, lapin::Error> {
+        Client::try_connect_to(&amqp_url(), name).await
+    }
+
+    /// Connects as `user` (password `password`) to the test broker.
+    pub async fn connect_as(name: &str, user: &str, password: &str) -> Client {
+        let url = amqp_url().replacen("guest:guest", &format!("{user}:{password}"), 1);
+        Client::try_connect_to(&url, name)
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to RabbitMQ as {user}: {e}"))
+    }
+
+    async fn try_connect_to(url: &str, name: &str) -> Result<Client, lapin::Error> {
         let props = ConnectionProperties::default().with_connection_name(name.into());
-        let connection = Connection::connect(&amqp_url(), props).await?;
+        let connection = Connection::connect(url, props).await?;
         let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())

@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::protocol::AMQPSoftError;
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation};
 use tokio::sync::{oneshot, Notify};
@@ -51,7 +52,7 @@ use tracing::{debug, warn};
 
 use super::connection::{AmqpError, Broker};
 use super::convert::{message_properties, short_string, ConvertError};
-use super::topology::ensure_queue;
+use super::topology::{ensure_queue, is_soft_error};
 use crate::message::Message;
 use crate::traits::{BoxFuture, PublishOutcome, Sink, SinkError, Target};
 
@@ -379,24 +380,37 @@ impl Worker {
                 for job in batch {
                     if let Some(why) = missing.check(&job.exchange) {
                         fail(vec![job], &why);
-                    } else if let Err((single, why)) = self.try_batch(vec![job]).await {
-                        if let Some(job) = single.first() {
-                            missing.note(&job.exchange, &why);
-                        }
-                        self.fail(single, &why);
+                    } else if let Err((single, failure)) = self.try_batch(vec![job]).await {
+                        self.fail_single(missing, single, failure);
                     }
                 }
             }
-            Err((batch, why)) => {
-                if let [job] = batch.as_slice() {
-                    missing.note(&job.exchange, &why);
-                }
-                self.fail(batch, &why)
-            }
+            Err((batch, failure)) => self.fail_single(missing, batch, failure),
         }
     }
 
-    async fn try_batch(&mut self, batch: Vec<Job>) -> Result<(), (Vec<Job>, String)> {
+    /// A publish that failed on its own: the broker refusing this message
+    /// (406, 403) is [`SinkError::Permanent`], so it is parked rather than
+    /// retried forever (each try costs a channel); a missing exchange is
+    /// remembered; anything else is retried.
+    fn fail_single(&self, missing: &MissingExchanges, batch: Vec<Job>, failure: Failure) {
+        if let [job] = batch.as_slice() {
+            missing.note(&job.exchange, &failure.why);
+            if failure.refused {
+                warn!(exchange = %job.exchange, routing_key = %job.routing_key,
+                      why = %failure.why, "the broker refuses this message");
+                for job in batch {
+                    let _ = job
+                        .reply
+                        .send(Err(SinkError::Permanent(failure.why.clone())));
+                }
+                return;
+            }
+        }
+        self.fail(batch, &failure.why)
+    }
+
+    async fn try_batch(&mut self, batch: Vec<Job>) -> Result<(), (Vec<Job>, Failure)> {
         let channel = match self.channel().await {
             Ok(c) => c,
             Err(e) => {
@@ -429,7 +443,8 @@ impl Worker {
                 Err(error) => {
                     self.channel_failed("basic.publish", &error);
                     // Published ones may or may not land: all retry (at-least-once).
-                    return Err((batch, format!("basic.publish failed: {error}")));
+                    let failure = Failure::new(format!("basic.publish failed: {error}"), &error);
+                    return Err((batch, failure));
                 }
             }
         }
@@ -456,7 +471,7 @@ impl Worker {
         };
         let failure = results.iter().find_map(|r| r.as_ref().err()).map(|error| {
             self.channel_failed("publisher confirm", error);
-            format!("publisher confirm failed: {error}")
+            Failure::new(format!("publisher confirm failed: {error}"), error)
         });
         // Every return of this batch is attached to one of its confirms.
         let failed: Vec<bool> = results.iter().map(|r| r.is_err()).collect();
@@ -523,6 +538,23 @@ impl Worker {
             debug!(endpoint = %self.broker.endpoint(), %error, "{what} failed; connection down");
         }
         self.channel = None;
+    }
+}
+
+/// Why a batch failed under its channel.
+struct Failure {
+    why: String,
+    /// The broker closed the channel refusing the content: 406
+    /// PRECONDITION_FAILED (a `user_id` that is not the login, an
+    /// `expiration` that is not a number) or 403 ACCESS_REFUSED.
+    refused: bool,
+}
+
+impl Failure {
+    fn new(why: String, error: &lapin::Error) -> Self {
+        let refused = is_soft_error(error, AMQPSoftError::PRECONDITIONFAILED)
+            || is_soft_error(error, AMQPSoftError::ACCESSREFUSED);
+        Self { why, refused }
     }
 }
 
