@@ -2,7 +2,7 @@
 //! (list, get, cancel by id or by key). Bound to loopback by default; `/v1`
 //! can require a bearer token. Every error is JSON: `{"error": "..."}`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -13,7 +13,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use delayd_adapters::{FieldTable, Value};
+use delayd_adapters::{Consuming, FieldTable, Value};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use serde_json::json;
@@ -34,7 +34,11 @@ pub struct AdminState {
     metrics: Option<PrometheusHandle>,
     pressure: Option<Arc<Backpressure>>,
     routes: Option<Arc<HashMap<String, Arc<Route>>>>,
+    consuming: Option<RouteConsuming>,
 }
+
+/// Each route's consuming state, filled in as the routes' sources start.
+pub type RouteConsuming = Arc<std::sync::Mutex<BTreeMap<String, Option<Consuming>>>>;
 
 impl AdminState {
     pub fn new(
@@ -51,7 +55,14 @@ impl AdminState {
             metrics: crate::telemetry::metrics_handle(),
             pressure: None,
             routes: None,
+            consuming: None,
         }
+    }
+
+    /// Ready only once every route of `consuming` consumes.
+    pub fn with_consuming(mut self, consuming: RouteConsuming) -> Self {
+        self.consuming = Some(consuming);
+        self
     }
 
     /// Show the backpressure state in `/readyz`.
@@ -160,7 +171,30 @@ async fn healthz(State(state): State<AdminState>) -> Response {
 async fn readyz(State(state): State<AdminState>) -> Response {
     let brokers = state.brokers.status();
     let all_up = brokers.iter().all(|b| b.ready);
-    let ready = state.ready.load(Ordering::Acquire) && all_up && !state.engine.wal().is_stopped();
+    // A route is ready once its queue, exchange, binding and consumer exist:
+    // before that a message published to it can be dropped unbound.
+    let routes: BTreeMap<String, &'static str> = state
+        .consuming
+        .as_ref()
+        .map(|c| {
+            c.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .map(|(name, c)| {
+                    let what = match c {
+                        Some(c) if c.get() => "consuming",
+                        _ => "starting",
+                    };
+                    (name.clone(), what)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let all_consuming = routes.values().all(|s| *s == "consuming");
+    let ready = state.ready.load(Ordering::Acquire)
+        && all_up
+        && all_consuming
+        && !state.engine.wal().is_stopped();
     // Backpressure does not make delayd unready: it is healthy and its
     // consumers wait on purpose; sending it no traffic would not help.
     let paused = state
@@ -173,6 +207,7 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         "ready": ready,
         "wal": if state.engine.wal().is_stopped() { "stopped" } else { "recovered" },
         "brokers": brokers,
+        "routes": routes,
         "pending": state.engine.pending(),
         "wal_bytes": state.engine.space().bytes,
         "backpressure": !paused.is_empty(),

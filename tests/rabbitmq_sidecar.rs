@@ -1026,6 +1026,72 @@ async fn readyz_is_ready_before_the_first_publish() {
     s.client.close().await;
 }
 
+/// `/readyz` is 200 only once every route consumes: its exchange, queue,
+/// binding and consumer exist. Here the route's exchange cannot be declared
+/// (it exists with another type) while the broker connection is fine; delayd
+/// used to say ready, and a message published then was dropped unbound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_waits_until_every_route_consumes() {
+    let names = Names::new("readyz-route");
+    let _cleanup = names.cleanup();
+    let client = Client::connect("delayd-it-readyz-route").await;
+    client
+        .declare_target(&names.to_exchange, &names.target_queue)
+        .await;
+    // delayd declares a topic exchange; a direct one is in the way.
+    client
+        .channel
+        .exchange_declare(
+            names.from_exchange.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            lapin::options::ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare the conflicting exchange");
+    let opts = DelaydOptions::default();
+    let delayd = Delayd::start_consuming(
+        |wal, http| common::config_toml(&names, wal, http, &opts),
+        "",
+    )
+    .await;
+
+    let body = wait_for("the consuming connection to be up", DEADLINE, || async {
+        let body = delayd.readyz();
+        (body["brokers"][0]["consume"] == "connected").then_some(body)
+    })
+    .await;
+    let (status, _) = delayd.http_get("/readyz").expect("GET /readyz");
+    assert_eq!(status, 503, "ready while the route cannot consume: {body}");
+    assert_eq!(body["routes"][names.route.as_str()], "starting", "{body}");
+
+    // The conflict goes: delayd declares, binds and consumes, then is ready.
+    client
+        .channel
+        .exchange_delete(
+            names.from_exchange.as_str().into(),
+            lapin::options::ExchangeDeleteOptions::default(),
+        )
+        .await
+        .expect("delete the conflicting exchange");
+    wait_for("/readyz to answer 200", DEADLINE, || async {
+        matches!(delayd.http_get("/readyz"), Ok((200, _))).then_some(())
+    })
+    .await;
+    let id = format!("readyz-route.{}", common::unique_suffix());
+    let props = BasicProperties::default()
+        .with_message_id(id.as_str().into())
+        .with_headers(table(vec![("x-delay", AMQPValue::LongInt(100))]));
+    client
+        .publish(&names.from_exchange, ROUTING_KEY, b"ready", props)
+        .await;
+    let mut receiver = client.consume(&names.target_queue).await;
+    let found = receiver.collect_by_message_id(&[id.as_str()]).await;
+    assert_eq!(found[0].delivery.data, b"ready");
+    receiver.close().await;
+    client.close().await;
+}
+
 /// Messages due at the same instant leave in arrival order per routing key
 /// (as from a TTL queue), also when many keys share the route and the sink
 /// publishes on several channels.

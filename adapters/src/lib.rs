@@ -25,5 +25,6 @@ pub use amqp::{
 pub use codec::{check_nesting, decode, encode, lookup_key, CodecError};
 pub use message::{FieldTable, Message, Properties, Value};
 pub use traits::{
-    AckHandle, BoxFuture, Delivery, PublishOutcome, Sink, SinkError, Source, SourceError, Target,
+    AckHandle, BoxFuture, Consuming, Delivery, PublishOutcome, Sink, SinkError, Source,
+    SourceError, Target,
 };

@@ -2,6 +2,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::message::Message;
 
@@ -69,6 +71,23 @@ pub enum SourceError {
     Other(String),
 }
 
+/// Whether a source is consuming, shared with whoever reports readiness.
+/// AMQP: its queue, exchange and binding are declared and its consumer is
+/// registered (or deliberately paused) on a live channel. Kafka: it is
+/// subscribed (records wait in the topic until the group assigns them).
+#[derive(Debug, Clone, Default)]
+pub struct Consuming(Arc<AtomicBool>);
+
+impl Consuming {
+    pub fn set(&self, on: bool) {
+        self.0.store(on, Ordering::Release);
+    }
+
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
 /// A stream of deliveries from one route's ingress (queue or topics).
 /// Implementations reconnect on their own; `next` only returns an error when
 /// the source is shut down or cannot recover.
@@ -78,6 +97,8 @@ pub trait Source: Send {
     fn pause(&mut self) -> BoxFuture<'_, Result<(), SourceError>>;
     /// Resume after [`Source::pause`].
     fn resume(&mut self) -> BoxFuture<'_, Result<(), SourceError>>;
+    /// The source's consuming state, to watch from elsewhere.
+    fn consuming(&self) -> Consuming;
     /// Stop for good once every delivery handed out has been settled:
     /// commit what can be committed and leave the broker cleanly.
     fn close(self: Box<Self>) -> BoxFuture<'static, ()> {

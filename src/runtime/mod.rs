@@ -80,6 +80,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
     let ready = Arc::new(AtomicBool::new(true));
     let pressure = Arc::new(Backpressure::default());
+    let consuming: admin::RouteConsuming = Arc::new(std::sync::Mutex::new(
+        config
+            .routes
+            .iter()
+            .map(|r| (r.name.clone(), None))
+            .collect(),
+    ));
     let admin_task = if config.http.listen.is_empty() {
         None
     } else {
@@ -90,7 +97,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             admin::token(&config.http)?,
         )
         .with_backpressure(pressure.clone())
-        .with_routes(routes.clone());
+        .with_routes(routes.clone())
+        .with_consuming(consuming.clone());
         let listener = tokio::net::TcpListener::bind(&config.http.listen)
             .await
             .with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
@@ -120,6 +128,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     for route_cfg in &config.routes {
         let route = routes[&route_cfg.name].clone();
         let source = start_source(&brokers, route_cfg)?;
+        consuming
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(route_cfg.name.clone(), Some(source.consuming()));
         let intake = ingest::Intake {
             route,
             engine: engine.clone(),

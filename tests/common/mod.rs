@@ -456,11 +456,9 @@ impl Delayd {
     }
 
     /// Waits until the admin API answers `/healthz` and delayd has a consumer
-    /// on its source queue.
-    ///
-    /// `/readyz` is not used: it stays 503 until delayd has published at
-    /// least once, because its publishing connection opens lazily (see the
-    /// report of `readyz_is_ready_before_the_first_publish`).
+    /// on its source queue (seen by the broker, not by delayd's own report).
+    /// `/readyz` is not used, so tests can start a delayd that cannot be
+    /// ready (see `readyz_waits_until_every_route_consumes`).
     pub async fn wait_ready(&mut self) {
         let start = Instant::now();
         loop {

@@ -41,7 +41,7 @@ use tracing::{debug, info, warn};
 use super::connection::{AmqpError, Backoff, Broker};
 use super::convert::{message_from_delivery, short_string};
 use super::topology::{ensure_bound_queue, ExchangeType};
-use crate::traits::{AckHandle, BoxFuture, Delivery, Source, SourceError};
+use crate::traits::{AckHandle, BoxFuture, Consuming, Delivery, Source, SourceError};
 
 /// What an [`AmqpSource`] consumes and how.
 #[derive(Debug, Clone)]
@@ -112,6 +112,7 @@ enum Command {
 /// A [`Source`] reading one RabbitMQ queue. See the module docs.
 pub struct AmqpSource {
     queue: String,
+    consuming: Consuming,
     deliveries: mpsc::UnboundedReceiver<Delivery>,
     commands: mpsc::UnboundedSender<Command>,
     /// `None` once [`Source::close`] has taken it.
@@ -158,7 +159,9 @@ impl AmqpSource {
         let (deliveries_tx, deliveries) = mpsc::unbounded_channel();
         let (commands, commands_rx) = mpsc::unbounded_channel();
         let queue = config.queue.clone();
+        let consuming = Consuming::default();
         let worker = Worker {
+            consuming: consuming.clone(),
             broker,
             config,
             deliveries: deliveries_tx,
@@ -171,6 +174,7 @@ impl AmqpSource {
         let task = tokio::spawn(worker.run());
         Ok(Self {
             queue,
+            consuming,
             deliveries,
             commands,
             task: Some(task),
@@ -211,6 +215,10 @@ impl Source for AmqpSource {
 
     fn resume(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {
         Box::pin(self.command(Command::Resume))
+    }
+
+    fn consuming(&self) -> Consuming {
+        self.consuming.clone()
     }
 
     /// Closes the channel and waits (at most [`CLOSE_WAIT`]) until the task
@@ -370,6 +378,7 @@ impl AckHandle for AmqpAck {
 
 /// The background task behind an [`AmqpSource`].
 struct Worker {
+    consuming: Consuming,
     broker: Arc<Broker>,
     config: SourceConfig,
     deliveries: mpsc::UnboundedSender<Delivery>,
@@ -428,7 +437,10 @@ impl Worker {
                 .unwrap_or_else(|e| e.into_inner())
                 .settled
                 .clear();
-            match self.consume(channel, consumer).await {
+            self.consuming.set(true);
+            let end = self.consume(channel, consumer).await;
+            self.consuming.set(false);
+            match end {
                 End::Stop => return,
                 End::Reconnect => {
                     let next = self.backoff.next_delay();

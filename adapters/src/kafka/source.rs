@@ -44,7 +44,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::convert::message_from_record;
 use super::offsets::{OffsetTracker, TopicPartition};
 use super::{KafkaClientConfig, Role};
-use crate::traits::{AckHandle, BoxFuture, Delivery, Source, SourceError};
+use crate::traits::{AckHandle, BoxFuture, Consuming, Delivery, Source, SourceError};
 
 /// What a [`KafkaSource`] consumes and how.
 #[derive(Debug, Clone)]
@@ -255,6 +255,7 @@ pub struct KafkaSource {
     rx: mpsc::Receiver<Delivery>,
     commands: std_mpsc::Sender<Command>,
     stop: Arc<AtomicBool>,
+    consuming: Consuming,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -313,10 +314,15 @@ impl KafkaSource {
             .name(format!("kafka-{}", config.group))
             .spawn(move || poller.run())
             .map_err(|e| KafkaError::Subscription(format!("cannot start poll thread: {e}")))?;
+        // Subscribed: records published from now on wait in the topic
+        // until the group assigns their partition.
+        let consuming = Consuming::default();
+        consuming.set(true);
         Ok(Self {
             rx,
             commands,
             stop,
+            consuming,
             thread: Some(thread),
         })
     }
@@ -325,6 +331,10 @@ impl KafkaSource {
 impl Source for KafkaSource {
     fn next(&mut self) -> BoxFuture<'_, Result<Delivery, SourceError>> {
         Box::pin(async move { self.rx.recv().await.ok_or(SourceError::Closed) })
+    }
+
+    fn consuming(&self) -> Consuming {
+        self.consuming.clone()
     }
 
     fn pause(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {
