@@ -8,11 +8,56 @@ pub const MIN_LEN: u32 = 9;
 pub const SCHEDULE_OVERHEAD: usize = 8 + 8 + 2;
 
 pub const SEGMENT_MAGIC: &[u8; 8] = b"DELAYDWL";
-pub const SEGMENT_VERSION: u32 = 1;
+/// Version 2 salts every frame's CRC and ends each batch with a Commit frame.
+/// Version 1 segments (no salt, no Commit) are still read.
+pub const SEGMENT_VERSION: u32 = 2;
 pub const SEGMENT_HEADER_BYTES: u64 = 16;
 
 const TYPE_SCHEDULE: u8 = 1;
 const TYPE_DONE: u8 = 2;
+const TYPE_COMMIT: u8 = 3;
+
+/// The segment's CRC salt: a random `u32` from the header of a version 2
+/// segment, mixed into every frame's CRC so that bytes a producer wrote into
+/// a message body can never pass for a frame (the producer cannot know the
+/// salt). `None` for version 1 segments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Salt(Option<u32>);
+
+impl Salt {
+    pub const UNSALTED: Salt = Salt(None);
+
+    pub fn new(salt: u32) -> Self {
+        Salt(Some(salt))
+    }
+
+    /// A fresh random salt for a new segment.
+    pub fn random() -> Self {
+        use std::hash::BuildHasher;
+        // RandomState is keyed from the OS's random source; hashing the
+        // time through it gives a value no producer can predict.
+        let hash = std::hash::RandomState::new().hash_one(std::time::SystemTime::now());
+        Salt(Some((hash ^ (hash >> 32)) as u32))
+    }
+
+    /// The salt as written in a header (0 for none).
+    pub fn value(self) -> u32 {
+        self.0.unwrap_or(0)
+    }
+
+    pub fn is_salted(self) -> bool {
+        self.0.is_some()
+    }
+
+    /// CRC32C over (salt, if any), `len` and the bytes `len` counts.
+    fn crc(self, len: &[u8], rest: &[u8]) -> u32 {
+        let start = match self.0 {
+            Some(salt) => crc32c::crc32c_append(crc32c::crc32c(&salt.to_le_bytes()), len),
+            None => crc32c::crc32c(len),
+        };
+        crc32c::crc32c_append(start, rest)
+    }
+}
 
 /// An owned record, as read back from disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,6 +123,7 @@ impl RecordRef<'_> {
 /// Append a Schedule frame to `out`.
 pub fn put_schedule(
     out: &mut Vec<u8>,
+    salt: Salt,
     seq: u64,
     id: u64,
     due_ms: u64,
@@ -91,15 +137,23 @@ pub fn put_schedule(
     out.extend_from_slice(&(route.len() as u16).to_le_bytes());
     out.extend_from_slice(route.as_bytes());
     out.extend_from_slice(message);
-    finish(out, start);
+    finish(out, start, salt);
 }
 
 /// Append a Done frame to `out`.
-pub fn put_done(out: &mut Vec<u8>, seq: u64, id: u64, segment: u64) {
+pub fn put_done(out: &mut Vec<u8>, salt: Salt, seq: u64, id: u64, segment: u64) {
     let start = begin(out, MIN_LEN as usize + 16, TYPE_DONE, seq);
     out.extend_from_slice(&id.to_le_bytes());
     out.extend_from_slice(&segment.to_le_bytes());
-    finish(out, start);
+    finish(out, start, salt);
+}
+
+/// Append the Commit frame that ends a batch whose first frame has
+/// `batch_first_seq`.
+pub fn put_commit(out: &mut Vec<u8>, salt: Salt, seq: u64, batch_first_seq: u64) {
+    let start = begin(out, MIN_LEN as usize + 8, TYPE_COMMIT, seq);
+    out.extend_from_slice(&batch_first_seq.to_le_bytes());
+    finish(out, start, salt);
 }
 
 fn begin(out: &mut Vec<u8>, len: usize, kind: u8, seq: u64) -> usize {
@@ -112,9 +166,25 @@ fn begin(out: &mut Vec<u8>, len: usize, kind: u8, seq: u64) -> usize {
     start
 }
 
-fn finish(out: &mut [u8], start: usize) {
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[start..start + 4]), &out[start + 8..]);
+fn finish(out: &mut [u8], start: usize, salt: Salt) {
+    let crc = salt.crc(&out[start..start + 4], &out[start + 8..]);
     out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// A parsed frame: a record, or the Commit that ends a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parsed<'a> {
+    Record(RecordRef<'a>),
+    Commit { seq: u64, batch_first_seq: u64 },
+}
+
+impl Parsed<'_> {
+    pub fn seq(&self) -> u64 {
+        match self {
+            Parsed::Record(r) => r.seq(),
+            Parsed::Commit { seq, .. } => *seq,
+        }
+    }
 }
 
 /// Why bytes at an offset are not a valid frame.
@@ -144,9 +214,9 @@ impl std::fmt::Display for FrameError {
     }
 }
 
-/// Parse the frame at the start of `buf`. Returns the record and the frame's
-/// total size in bytes.
-pub fn parse(buf: &[u8], max_len: u32) -> Result<(RecordRef<'_>, usize), FrameError> {
+/// Parse the frame at the start of `buf`, in a segment with `salt`. Returns
+/// the frame and its total size in bytes.
+pub fn parse(buf: &[u8], max_len: u32, salt: Salt) -> Result<(Parsed<'_>, usize), FrameError> {
     if buf.len() < HEADER_BYTES {
         return Err(if buf.iter().all(|&b| b == 0) {
             FrameError::Zero
@@ -166,28 +236,37 @@ pub fn parse(buf: &[u8], max_len: u32) -> Result<(RecordRef<'_>, usize), FrameEr
         return Err(FrameError::Short);
     }
     let stored_crc = u32::from_le_bytes(buf[4..8].try_into().expect("4 bytes"));
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&buf[0..4]), &buf[8..total]);
+    let crc = salt.crc(&buf[0..4], &buf[8..total]);
     if crc != stored_crc {
         return Err(FrameError::BadCrc);
     }
     let kind = buf[8];
     let seq = u64::from_le_bytes(buf[9..17].try_into().expect("8 bytes"));
     let payload = &buf[17..total];
-    let record = match kind {
-        TYPE_SCHEDULE => parse_schedule(seq, payload)?,
+    let parsed = match kind {
+        TYPE_SCHEDULE => Parsed::Record(parse_schedule(seq, payload)?),
         TYPE_DONE => {
             if payload.len() != 16 {
                 return Err(FrameError::BadPayload("Done payload is not 16 bytes"));
             }
-            RecordRef::Done {
+            Parsed::Record(RecordRef::Done {
                 seq,
                 id: u64::from_le_bytes(payload[0..8].try_into().expect("8 bytes")),
                 segment: u64::from_le_bytes(payload[8..16].try_into().expect("8 bytes")),
+            })
+        }
+        TYPE_COMMIT if salt.is_salted() => {
+            if payload.len() != 8 {
+                return Err(FrameError::BadPayload("Commit payload is not 8 bytes"));
+            }
+            Parsed::Commit {
+                seq,
+                batch_first_seq: u64::from_le_bytes(payload.try_into().expect("8 bytes")),
             }
         }
         other => return Err(FrameError::BadType(other)),
     };
-    Ok((record, total))
+    Ok((parsed, total))
 }
 
 fn parse_schedule(seq: u64, payload: &[u8]) -> Result<RecordRef<'_>, FrameError> {
@@ -212,22 +291,46 @@ fn parse_schedule(seq: u64, payload: &[u8]) -> Result<RecordRef<'_>, FrameError>
     })
 }
 
-pub fn segment_header() -> [u8; SEGMENT_HEADER_BYTES as usize] {
+pub fn segment_header(salt: u32) -> [u8; SEGMENT_HEADER_BYTES as usize] {
     let mut h = [0u8; SEGMENT_HEADER_BYTES as usize];
     h[..8].copy_from_slice(SEGMENT_MAGIC);
     h[8..12].copy_from_slice(&SEGMENT_VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&salt.to_le_bytes());
     h
+}
+
+/// The salt a segment header declares, or `None` if it is not a header of
+/// a version this code reads.
+pub fn header_salt(buf: &[u8]) -> Option<Salt> {
+    if buf.len() < SEGMENT_HEADER_BYTES as usize || &buf[..8] != SEGMENT_MAGIC {
+        return None;
+    }
+    let word = |at: usize| u32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
+    match word(8) {
+        1 => Some(Salt::UNSALTED),
+        2 => Some(Salt::new(word(12))),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const SALT: Salt = Salt(Some(0x5eed_1234));
+
+    fn record(buf: &[u8], salt: Salt) -> Result<(RecordRef<'_>, usize), FrameError> {
+        match parse(buf, 1 << 20, salt)? {
+            (Parsed::Record(r), size) => Ok((r, size)),
+            (other, _) => panic!("not a record: {other:?}"),
+        }
+    }
+
     #[test]
     fn schedule_round_trip() {
         let mut buf = Vec::new();
-        put_schedule(&mut buf, 7, 5, 1234, "orders", b"hello");
-        let (rec, size) = parse(&buf, 1 << 20).unwrap();
+        put_schedule(&mut buf, SALT, 7, 5, 1234, "orders", b"hello");
+        let (rec, size) = record(&buf, SALT).unwrap();
         assert_eq!(size, buf.len());
         assert_eq!(
             rec,
@@ -242,10 +345,10 @@ mod tests {
     }
 
     #[test]
-    fn done_round_trip() {
+    fn done_and_commit_round_trip() {
         let mut buf = Vec::new();
-        put_done(&mut buf, 9, 5, 1);
-        let (rec, _) = parse(&buf, 1 << 20).unwrap();
+        put_done(&mut buf, SALT, 9, 5, 1);
+        let (rec, size) = record(&buf, SALT).unwrap();
         assert_eq!(
             rec,
             RecordRef::Done {
@@ -254,27 +357,69 @@ mod tests {
                 segment: 1
             }
         );
+        put_commit(&mut buf, SALT, 10, 9);
+        assert_eq!(
+            parse(&buf[size..], 1 << 20, SALT).unwrap().0,
+            Parsed::Commit {
+                seq: 10,
+                batch_first_seq: 9
+            }
+        );
+    }
+
+    #[test]
+    fn a_frame_from_another_salt_or_none_is_rejected() {
+        let mut buf = Vec::new();
+        put_schedule(&mut buf, SALT, 1, 1, 99, "r", b"payload");
+        assert_eq!(
+            parse(&buf, 1 << 20, Salt::new(0x5eed_1235)).unwrap_err(),
+            FrameError::BadCrc
+        );
+        assert_eq!(
+            parse(&buf, 1 << 20, Salt::UNSALTED).unwrap_err(),
+            FrameError::BadCrc
+        );
+        // Version 1 frames (no salt) still read.
+        let mut v1 = Vec::new();
+        put_done(&mut v1, Salt::UNSALTED, 3, 2, 1);
+        assert!(record(&v1, Salt::UNSALTED).is_ok());
     }
 
     #[test]
     fn every_flipped_bit_is_detected() {
         let mut buf = Vec::new();
-        put_schedule(&mut buf, 1, 1, 99, "r", b"payload bytes");
+        put_schedule(&mut buf, SALT, 1, 1, 99, "r", b"payload bytes");
         for bit in 0..buf.len() * 8 {
             let mut bad = buf.clone();
             bad[bit / 8] ^= 1 << (bit % 8);
-            assert!(parse(&bad, 1 << 20).is_err(), "bit {bit} not detected");
+            assert!(
+                parse(&bad, 1 << 20, SALT).is_err(),
+                "bit {bit} not detected"
+            );
         }
     }
 
     #[test]
     fn zeros_and_short_input() {
-        assert_eq!(parse(&[0; 32], 1024).unwrap_err(), FrameError::Zero);
-        assert_eq!(parse(&[0; 3], 1024).unwrap_err(), FrameError::Zero);
+        assert_eq!(parse(&[0; 32], 1024, SALT).unwrap_err(), FrameError::Zero);
+        assert_eq!(parse(&[0; 3], 1024, SALT).unwrap_err(), FrameError::Zero);
         let mut buf = Vec::new();
-        put_done(&mut buf, 1, 1, 1);
+        put_done(&mut buf, SALT, 1, 1, 1);
         for cut in 1..buf.len() {
-            assert!(parse(&buf[..cut], 1024).is_err());
+            assert!(parse(&buf[..cut], 1024, SALT).is_err());
         }
+    }
+
+    #[test]
+    fn header_declares_the_salt() {
+        let h = segment_header(42);
+        assert_eq!(header_salt(&h), Some(Salt::new(42)));
+        let mut v1 = h;
+        v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(header_salt(&v1), Some(Salt::UNSALTED));
+        let mut v9 = h;
+        v9[8..12].copy_from_slice(&9u32.to_le_bytes());
+        assert_eq!(header_salt(&v9), None);
+        assert_eq!(header_salt(&h[..8]), None);
     }
 }

@@ -5,7 +5,7 @@
 //! The log is a directory of segment files named `wal-<first_seq>.log`, where
 //! `first_seq` is the 20-digit, zero-padded sequence number of the segment's
 //! first frame, so names sort in log order. Each segment starts with a 16-byte
-//! header (`b"DELAYDWL"`, format version `u32` LE, 4 reserved zero bytes) and
+//! header (`b"DELAYDWL"`, format version `u32` LE, a random `salt u32` LE) and
 //! then holds frames back to back:
 //!
 //! ```text
@@ -15,8 +15,11 @@
 //! ```
 //!
 //! All integers are little-endian. `len` counts `type + seq + payload`;
-//! `crc` is CRC32C over `len`, `type`, `seq` and `payload`. `seq` increases by
-//! one per frame across the whole log. Record types:
+//! `crc` is CRC32C over the segment's `salt`, `len`, `type`, `seq` and
+//! `payload`. The salt is drawn at random for each segment and never leaves
+//! it, so bytes a producer puts in a message body can never pass for a frame
+//! when recovery scans forward after a damaged one. `seq` increases across
+//! the whole log (one per frame; a torn tail can leave a gap). Record types:
 //!
 //! - `1 Schedule`: `id u64 | due_ms u64 | route_len u16 | route | message`.
 //!   `id` is the `seq` of the message's first Schedule frame and never changes,
@@ -24,12 +27,18 @@
 //! - `2 Done`: `id u64 | segment u64`: the message left delayd (delivered,
 //!   cancelled or dead-lettered); `segment` is the `first_seq` of the segment
 //!   that held its Schedule frame when it was written.
+//! - `3 Commit`: `batch_first_seq u64`: ends every batch the writer writes
+//!   (see below), naming the seq of the batch's first frame.
+//!
+//! Version 1 segments (no salt: the CRC starts at `len`; no Commit frames)
+//! are still read.
 //!
 //! # Writing
 //!
 //! One writer thread owns the head segment. Appenders send records over a
 //! channel; the writer takes every record that is waiting (a batch), writes
-//! them with one `write`, issues one `fdatasync`, and only then tells each
+//! them and a Commit frame with one `write`, issues one `fdatasync`, and only
+//! then tells each
 //! appender its record is durable (group commit). A segment is sealed when it
 //! passes `segment_bytes`; the new file and the directory are fsynced before
 //! any record in it is acknowledged.
@@ -37,10 +46,17 @@
 //! # Crash rules
 //!
 //! - Only records whose batch was fsynced were acknowledged, so only the last
-//!   segment can end in a torn write. On recovery a bad frame (short, zero
-//!   length, over-long, bad CRC, sequence going backwards) in the last segment
-//!   with no valid frame after it is a torn tail: the file is truncated there
-//!   and fsynced. A zero-filled (preallocated) tail is a torn tail too.
+//!   batch of the last segment can be torn. On recovery a bad frame (short,
+//!   zero length, over-long, bad CRC, sequence going backwards) in the last
+//!   segment with no valid frame after it is a torn tail: the file is
+//!   truncated there and fsynced. A zero-filled (preallocated) tail is a torn
+//!   tail too. The kernel may write a batch's pages back in any order, so the
+//!   last batch can also be torn with its later pages on disk and earlier ones
+//!   not: a bad frame followed only by frames of the last batch (no Commit
+//!   after it, or just the final one, whose batch began at or before the bad
+//!   frame) is cut off the same way, whatever `on_corruption` says. Bytes that
+//!   rotted inside the last batch after it was acknowledged look the same;
+//!   nothing on disk tells the two apart.
 //! - A bad frame anywhere else is corruption: it is reported with segment and
 //!   offset and counted, then either skipped (delayd resynchronises on the next
 //!   valid frame) or refused (recovery fails), as `on_corruption` says. It
@@ -315,7 +331,7 @@ impl Wal {
 
     /// Read the Schedule frame at `pos`.
     pub fn read(&self, pos: WalPos) -> Result<Record, WalError> {
-        let (file, path) = self
+        let (file, path, salt) = self
             .segments()
             .file(pos.segment)
             .ok_or(WalError::NoSegment(pos.segment))?;
@@ -324,12 +340,13 @@ impl Wal {
             &path,
             pos.offset as u64,
             self.shared.config.max_frame_len(),
+            salt,
         )
     }
 
     /// Every frame of a sealed segment with its offset (for compaction and inspection).
     pub fn scan_segment(&self, segment: u32) -> Result<Vec<(u32, Record)>, WalError> {
-        let (file, path) = self
+        let (file, path, _) = self
             .segments()
             .file(segment)
             .ok_or(WalError::NoSegment(segment))?;

@@ -5,19 +5,20 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::frame::{self, FrameError, Record, RecordRef};
+use super::frame::{self, FrameError, Parsed, Record, RecordRef, Salt};
 use super::WalError;
 
 /// Most frames (a message with its headers) fit in this many bytes, so one
 /// `pread` usually reads the whole frame; a longer one takes a second.
 const FIRST_READ: usize = 4096;
 
-/// Read the frame at `offset` of a segment.
+/// Read the record at `offset` of a segment whose header has `salt`.
 pub fn read_frame_at(
     file: &File,
     path: &Path,
     offset: u64,
     max_len: u32,
+    salt: Salt,
 ) -> Result<Record, WalError> {
     let corrupt = |reason: String| WalError::Corrupt {
         segment: path.to_path_buf(),
@@ -42,8 +43,11 @@ pub fn read_frame_at(
         file.read_exact_at(&mut buf[got..], offset + got as u64)
             .map_err(|e| WalError::io(path, e))?;
     }
-    let (record, _) = frame::parse(&buf[..total], max_len).map_err(|e| corrupt(e.to_string()))?;
-    Ok(record.to_owned())
+    match frame::parse(&buf[..total], max_len, salt) {
+        Ok((Parsed::Record(record), _)) => Ok(record.to_owned()),
+        Ok((Parsed::Commit { .. }, _)) => Err(corrupt("a Commit frame, not a record".into())),
+        Err(e) => Err(corrupt(e.to_string())),
+    }
 }
 
 /// Fill `buf` from `offset` as far as the file goes; returns the bytes read.
@@ -77,6 +81,7 @@ pub fn scan_file(file: &File, path: &Path, max_len: u32) -> Result<Vec<(u32, Rec
     for item in Scanner::new(&buf, max_len) {
         match item {
             ScanItem::Frame { offset, record } => out.push((offset as u32, record.to_owned())),
+            ScanItem::Commit { .. } => {}
             ScanItem::Bad { offset, reason, .. } => {
                 tracing::warn!(segment = %path.display(), offset, %reason, "skipping bad WAL frame")
             }
@@ -90,6 +95,11 @@ pub enum ScanItem<'a> {
         offset: u64,
         record: RecordRef<'a>,
     },
+    /// The end of a batch whose first frame had `batch_first_seq`.
+    Commit {
+        seq: u64,
+        batch_first_seq: u64,
+    },
     /// A bad frame at `offset`; scanning resumes at `resumes_at` (the next
     /// valid frame) or, if `None`, nothing valid follows.
     Bad {
@@ -100,21 +110,26 @@ pub enum ScanItem<'a> {
 }
 
 /// Walks the frames of a segment buffer, resynchronising after bad ones.
+/// With a salted segment, resynchronising cannot land on frame-shaped bytes
+/// inside a message body: their CRC would need the segment's salt.
 pub struct Scanner<'a> {
     buf: &'a [u8],
     offset: usize,
     last_seq: u64,
     max_len: u32,
+    salt: Salt,
 }
 
 impl<'a> Scanner<'a> {
-    /// Scan `buf`, a whole segment including its header.
+    /// Scan `buf`, a whole segment including its header (whose salt is used;
+    /// a header of no known version scans as unsalted).
     pub fn new(buf: &'a [u8], max_len: u32) -> Self {
         Self {
             buf,
             offset: (frame::SEGMENT_HEADER_BYTES as usize).min(buf.len()),
             last_seq: 0,
             max_len,
+            salt: frame::header_salt(buf).unwrap_or(Salt::UNSALTED),
         }
     }
 
@@ -127,8 +142,8 @@ impl<'a> Scanner<'a> {
         self.last_seq
     }
 
-    fn valid_at(&self, at: usize) -> Result<(RecordRef<'a>, usize), FrameError> {
-        let (record, size) = frame::parse(&self.buf[at..], self.max_len)?;
+    fn valid_at(&self, at: usize) -> Result<(Parsed<'a>, usize), FrameError> {
+        let (record, size) = frame::parse(&self.buf[at..], self.max_len, self.salt)?;
         if record.seq() <= self.last_seq {
             return Err(FrameError::BadPayload("sequence number went backwards"));
         }
@@ -145,12 +160,19 @@ impl<'a> Iterator for Scanner<'a> {
         }
         let at = self.offset;
         match self.valid_at(at) {
-            Ok((record, size)) => {
-                self.last_seq = record.seq();
+            Ok((parsed, size)) => {
+                self.last_seq = parsed.seq();
                 self.offset += size;
-                Some(ScanItem::Frame {
-                    offset: at as u64,
-                    record,
+                let offset = at as u64;
+                Some(match parsed {
+                    Parsed::Record(record) => ScanItem::Frame { offset, record },
+                    Parsed::Commit {
+                        seq,
+                        batch_first_seq,
+                    } => ScanItem::Commit {
+                        seq,
+                        batch_first_seq,
+                    },
                 })
             }
             Err(reason) => {
@@ -163,6 +185,77 @@ impl<'a> Iterator for Scanner<'a> {
                 })
             }
         }
+    }
+}
+
+/// Where the last segment's torn tail starts, if its bad bytes are a torn
+/// write rather than corruption: the index in `items` of the first bad item.
+///
+/// Only the last batch can be torn (every earlier one was fsynced before a
+/// later one was written), and the kernel may have persisted its pages in
+/// any order. So a bad region is a torn tail when nothing valid follows it,
+/// or, in a salted segment, when everything valid after it belongs to the
+/// last batch: no Commit follows except one, the last frame, whose batch
+/// began at or before the bad region (`prev_seq` is the seq before the
+/// segment's first frame). Bytes that rotted inside the last batch after it
+/// was acknowledged look the same; nothing on disk tells them apart.
+pub fn torn_tail(items: &[ScanItem<'_>], salt: Salt, prev_seq: u64) -> Option<usize> {
+    let first_bad = items
+        .iter()
+        .position(|i| matches!(i, ScanItem::Bad { .. }))?;
+    let nothing_valid_after = items[first_bad..].iter().all(|i| {
+        matches!(
+            i,
+            ScanItem::Bad {
+                resumes_at: None,
+                ..
+            }
+        )
+    });
+    if nothing_valid_after {
+        return Some(first_bad);
+    }
+    if !salt.is_salted() {
+        return None;
+    }
+    let seq_before = items[..first_bad]
+        .iter()
+        .rev()
+        .find_map(|i| match i {
+            ScanItem::Frame { record, .. } => Some(record.seq()),
+            ScanItem::Commit { seq, .. } => Some(*seq),
+            ScanItem::Bad { .. } => None,
+        })
+        .unwrap_or(prev_seq);
+    // Trailing bytes with nothing valid after them do not count.
+    let end = items
+        .iter()
+        .rposition(|i| {
+            !matches!(
+                i,
+                ScanItem::Bad {
+                    resumes_at: None,
+                    ..
+                }
+            )
+        })
+        .map_or(items.len(), |i| i + 1);
+    let commits: Vec<(usize, u64)> = items[first_bad..end]
+        .iter()
+        .enumerate()
+        .filter_map(|(k, i)| match i {
+            ScanItem::Commit {
+                batch_first_seq, ..
+            } => Some((first_bad + k, *batch_first_seq)),
+            _ => None,
+        })
+        .collect();
+    match commits.as_slice() {
+        [] => Some(first_bad),
+        [(at, batch_first_seq)] if *at + 1 == end && *batch_first_seq <= seq_before + 1 => {
+            Some(first_bad)
+        }
+        _ => None,
     }
 }
 
@@ -191,9 +284,7 @@ pub fn inspect_segment(path: &Path, max_len: u32, is_last: bool) -> Result<Segme
     let file = File::open(path).map_err(|e| WalError::io(path, e))?;
     let buf = read_all(&file, path)?;
     let mut scan = SegmentScan::default();
-    let header_ok =
-        buf.len() >= frame::SEGMENT_HEADER_BYTES as usize && &buf[..8] == frame::SEGMENT_MAGIC;
-    if !header_ok {
+    let Some(salt) = frame::header_salt(&buf) else {
         scan.corruption.push(super::Corruption {
             segment: path.to_path_buf(),
             offset: 0,
@@ -201,11 +292,30 @@ pub fn inspect_segment(path: &Path, max_len: u32, is_last: bool) -> Result<Segme
             skipped_bytes: buf.len() as u64,
         });
         return Ok(scan);
-    }
-    for item in Scanner::new(&buf, max_len) {
+    };
+    let items: Vec<ScanItem<'_>> = Scanner::new(&buf, max_len).collect();
+    let first_seq = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(super::segments::parse_segment_name)
+        .unwrap_or(1);
+    let torn = if is_last {
+        torn_tail(&items, salt, first_seq.saturating_sub(1))
+    } else {
+        None
+    };
+    for (index, item) in items.into_iter().enumerate() {
+        if let (Some(cut), ScanItem::Bad { offset, .. }) = (torn, &item) {
+            if index == cut {
+                scan.torn_tail_bytes = buf.len() as u64 - offset;
+            }
+        }
+        if torn.is_some_and(|cut| index >= cut) {
+            continue;
+        }
         match item {
             ScanItem::Frame { offset, record } => {
-                let next = scan_end(&buf, offset as usize, max_len);
+                let next = scan_end(&buf, offset as usize, max_len, salt);
                 let size = (next - offset as usize) as u32;
                 scan.frames.push(match record {
                     RecordRef::Schedule {
@@ -226,11 +336,7 @@ pub fn inspect_segment(path: &Path, max_len: u32, is_last: bool) -> Result<Segme
                     },
                 });
             }
-            ScanItem::Bad {
-                offset,
-                resumes_at: None,
-                ..
-            } if is_last => scan.torn_tail_bytes = buf.len() as u64 - offset,
+            ScanItem::Commit { .. } => {}
             ScanItem::Bad {
                 offset,
                 reason,
@@ -246,8 +352,8 @@ pub fn inspect_segment(path: &Path, max_len: u32, is_last: bool) -> Result<Segme
     Ok(scan)
 }
 
-fn scan_end(buf: &[u8], offset: usize, max_len: u32) -> usize {
-    frame::parse(&buf[offset..], max_len)
+fn scan_end(buf: &[u8], offset: usize, max_len: u32, salt: Salt) -> usize {
+    frame::parse(&buf[offset..], max_len, salt)
         .map(|(_, size)| offset + size)
         .unwrap_or(offset)
 }

@@ -48,7 +48,7 @@ pub fn recover(
         let is_last = index + 1 == count;
         let file = File::open(&path).map_err(|e| WalError::io(&path, e))?;
         let buf = reader::read_all(&file, &path)?;
-        if !header_ok(&buf) {
+        let Some(salt) = frame::header_salt(&buf) else {
             if is_last && buf[..buf.len().min(16)].iter().all(|&b| b == 0) {
                 // Created but its header never reached the disk: nothing in it.
                 tracing::warn!(segment = %path.display(), "removing WAL segment with a torn header");
@@ -64,12 +64,34 @@ pub fn recover(
             };
             handle_corruption(config, &mut report, corruption)?;
             continue;
-        }
-        let ordinal = table.add(first_seq, path.clone(), Arc::new(file), buf.len() as u64);
+        };
+        let ordinal = table.add(
+            first_seq,
+            path.clone(),
+            Arc::new(file),
+            buf.len() as u64,
+            salt,
+        );
         let mut frames = 0u64;
         let mut cut_at = None;
         let mut scanner = Scanner::new(&buf, config.max_frame_len()).with_last_seq(last_seq);
-        for item in scanner.by_ref() {
+        let items: Vec<ScanItem<'_>> = scanner.by_ref().collect();
+        let torn = if is_last {
+            reader::torn_tail(&items, salt, first_seq.saturating_sub(1))
+        } else {
+            None
+        };
+        for (index, item) in items.into_iter().enumerate() {
+            if torn == Some(index) {
+                if let ScanItem::Bad { offset, reason, .. } = &item {
+                    tracing::warn!(segment = %path.display(), offset, %reason, "truncating torn WAL tail");
+                    cut_at = Some(*offset);
+                }
+            }
+            if torn.is_some_and(|cut| index >= cut) {
+                // Part of the last batch, which was never acknowledged.
+                continue;
+            }
             match item {
                 ScanItem::Frame { offset, record } => {
                     frames += 1;
@@ -89,14 +111,7 @@ pub fn recover(
                     }
                     visit(record, pos);
                 }
-                ScanItem::Bad {
-                    offset,
-                    reason,
-                    resumes_at: None,
-                } if is_last => {
-                    tracing::warn!(segment = %path.display(), offset, %reason, "truncating torn WAL tail");
-                    cut_at = Some(offset);
-                }
+                ScanItem::Commit { .. } => {}
                 ScanItem::Bad {
                     offset,
                     reason,
@@ -134,12 +149,6 @@ pub fn recover(
     report.next_seq = last_seq + 1;
     report.elapsed = started.elapsed();
     Ok((table, report))
-}
-
-fn header_ok(buf: &[u8]) -> bool {
-    buf.len() >= frame::SEGMENT_HEADER_BYTES as usize
-        && &buf[..8] == frame::SEGMENT_MAGIC
-        && buf[8..12] == frame::SEGMENT_VERSION.to_le_bytes()
 }
 
 fn handle_corruption(

@@ -6,6 +6,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::frame::Salt;
 use super::WalError;
 
 pub fn segment_name(first_seq: u64) -> String {
@@ -34,6 +35,7 @@ struct Segment {
     first_seq: u64,
     path: PathBuf,
     file: Arc<File>,
+    salt: Salt,
     bytes: u64,
     schedules: u64,
     live: u64,
@@ -59,7 +61,14 @@ pub struct SegmentTable {
 }
 
 impl SegmentTable {
-    pub fn add(&mut self, first_seq: u64, path: PathBuf, file: Arc<File>, bytes: u64) -> u32 {
+    pub fn add(
+        &mut self,
+        first_seq: u64,
+        path: PathBuf,
+        file: Arc<File>,
+        bytes: u64,
+        salt: Salt,
+    ) -> u32 {
         let ordinal = self.next_ordinal;
         self.next_ordinal += 1;
         self.by_first_seq.insert(first_seq, ordinal);
@@ -69,6 +78,7 @@ impl SegmentTable {
                 first_seq,
                 path,
                 file,
+                salt,
                 bytes,
                 schedules: 0,
                 live: 0,
@@ -145,10 +155,11 @@ impl SegmentTable {
         self.by_first_seq.get(&first_seq).copied()
     }
 
-    pub fn file(&self, ordinal: u32) -> Option<(Arc<File>, PathBuf)> {
+    /// A segment's file, path and CRC salt, for reading frames.
+    pub fn file(&self, ordinal: u32) -> Option<(Arc<File>, PathBuf, Salt)> {
         self.segments
             .get(&ordinal)
-            .map(|s| (s.file.clone(), s.path.clone()))
+            .map(|s| (s.file.clone(), s.path.clone(), s.salt))
     }
 
     /// Sealed segments with no live Schedule whose Dones are no longer needed.
@@ -221,7 +232,7 @@ mod tests {
         for i in 0..n {
             let path = dir.path().join(segment_name(i * 100 + 1));
             let file = Arc::new(File::create(&path).unwrap());
-            t.add(i * 100 + 1, path, file, 1000);
+            t.add(i * 100 + 1, path, file, 1000, Salt::UNSALTED);
         }
         (t, dir)
     }

@@ -146,21 +146,17 @@ fn torn_tail_at_every_byte_offset_keeps_every_complete_frame() {
     close(wal);
     let seg = segments_of(dir.path()).pop().unwrap();
     let full = std::fs::read(&seg).unwrap();
-    // Offsets where each frame ends, from a clean scan.
-    let mut frame_ends = Vec::new();
-    for item in reader::Scanner::new(&full, cfg.max_frame_len()) {
-        if let reader::ScanItem::Frame { offset, record } = item {
-            let size = match record {
-                RecordRef::Schedule { route, message, .. } => {
-                    frame::HEADER_BYTES
-                        + frame::MIN_LEN as usize
-                        + SCHEDULE_OVERHEAD
-                        + route.len()
-                        + message.len()
-                }
-                RecordRef::Done { .. } => frame::HEADER_BYTES + frame::MIN_LEN as usize + 16,
-            };
-            frame_ends.push((offset as usize + size, record.seq()));
+    // Where each frame ends, from a clean parse: (end, Some(id)) for a
+    // Schedule, (end, None) for the Commit that ends each batch.
+    let salt = frame::header_salt(&full).unwrap();
+    let (mut frame_ends, mut all_ends) = (Vec::new(), Vec::new());
+    let mut at = frame::SEGMENT_HEADER_BYTES as usize;
+    while at < full.len() {
+        let (parsed, size) = frame::parse(&full[at..], cfg.max_frame_len(), salt).unwrap();
+        at += size;
+        all_ends.push(at);
+        if let frame::Parsed::Record(record) = parsed {
+            frame_ends.push((at, record.seq()));
         }
     }
     let tail_start = frame_ends[2].0; // cut anywhere in the last frames
@@ -188,9 +184,9 @@ fn torn_tail_at_every_byte_offset_keeps_every_complete_frame() {
             "cut at {cut}: {:?}",
             report.corruptions
         );
-        let complete = frame_ends
+        let complete = all_ends
             .iter()
-            .map(|(e, _)| *e)
+            .copied()
             .filter(|e| *e <= cut)
             .max()
             .unwrap_or(16);
@@ -452,4 +448,111 @@ fn a_missing_directory_is_refused_unless_create_dir() {
     .unwrap();
     assert!(live.is_empty());
     schedule(&wal, 1, b"x");
+}
+
+/// Bytes shaped like a v1 frame (CRC over len, type, seq, payload; no salt)
+/// holding a Schedule with a huge seq: what a producer can put in a body.
+fn forged_frame(seq: u64, id: u64) -> Vec<u8> {
+    let mut payload = Vec::new();
+    payload.extend_from_slice(&id.to_le_bytes());
+    payload.extend_from_slice(&1u64.to_le_bytes());
+    payload.extend_from_slice(&1u16.to_le_bytes());
+    payload.extend_from_slice(b"r");
+    payload.extend_from_slice(b"forged");
+    let len = (1 + 8 + payload.len()) as u32;
+    let mut rest = vec![1u8];
+    rest.extend_from_slice(&seq.to_le_bytes());
+    rest.extend_from_slice(&payload);
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&len.to_le_bytes()), &rest);
+    let mut out = len.to_le_bytes().to_vec();
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&rest);
+    out
+}
+
+/// A damaged frame makes recovery resynchronise byte by byte. A frame a
+/// producer embedded in a message body must not be taken for a real one: it
+/// would add a message nobody sent, and its huge seq would make every later
+/// frame look like it went backwards.
+#[test]
+fn a_frame_forged_inside_a_message_body_is_never_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _, _) = open_live(config(dir.path())).unwrap();
+    let mut body = b"prefix".to_vec();
+    body.extend_from_slice(&forged_frame(u64::MAX - 10, 777_777));
+    body.extend_from_slice(b"suffix");
+    let carrier = schedule(&wal, 5, &body).id;
+    let after: Vec<u64> = (0..30).map(|i| schedule(&wal, i, &[7; 100]).id).collect();
+    close(wal);
+    // Damage the carrier's CRC: its frame is bad, the scan resynchronises.
+    let first = segments_of(dir.path())[0].clone();
+    let mut bytes = std::fs::read(&first).unwrap();
+    bytes[16 + 4] ^= 0xff;
+    std::fs::write(&first, &bytes).unwrap();
+
+    let (_, live, report) = open_live(config(dir.path())).unwrap();
+    assert!(
+        !live.contains_key(&777_777),
+        "the forged message was recovered"
+    );
+    assert!(!live.contains_key(&carrier));
+    assert_eq!(live.keys().copied().collect::<Vec<_>>(), after);
+    assert_eq!(report.corruptions.len(), 1, "{:?}", report.corruptions);
+}
+
+/// The last batch can be torn with its later pages on disk and its earlier
+/// ones not (the kernel writes pages back in any order). That batch was never
+/// acknowledged, so recovery cuts it off, under `refuse` too. A bad frame in
+/// an earlier, acknowledged batch is still corruption.
+#[test]
+fn a_torn_last_batch_with_later_pages_on_disk_recovers_under_refuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = WalConfig {
+        segment_bytes: 1 << 20,
+        on_corruption: OnCorruption::Refuse,
+        ..WalConfig::new(dir.path())
+    };
+    let (wal, _, _) = open_live(cfg.clone()).unwrap();
+    let kept: Vec<u64> = (0..5).map(|i| schedule(&wal, i, b"small").id).collect();
+    let before_last = std::fs::metadata(segments_of(dir.path()).pop().unwrap())
+        .unwrap()
+        .len() as usize;
+    schedule(&wal, 9, &[b'x'; 10_000]);
+    close(wal);
+    let seg = segments_of(dir.path()).pop().unwrap();
+    let clean = std::fs::read(&seg).unwrap();
+
+    // The last batch's first page never reached the disk; the rest did.
+    let trial = tempfile::tempdir().unwrap();
+    let mut torn = clean.clone();
+    torn[before_last..before_last + 4096].fill(0);
+    std::fs::write(trial.path().join(seg.file_name().unwrap()), &torn).unwrap();
+    let trial_cfg = WalConfig {
+        dir: trial.path().to_path_buf(),
+        ..cfg.clone()
+    };
+    let (wal, live, report) =
+        open_live(trial_cfg.clone()).expect("a torn last batch is no corruption");
+    assert_eq!(live.keys().copied().collect::<Vec<_>>(), kept);
+    assert_eq!(report.truncated_bytes, (clean.len() - before_last) as u64);
+    assert!(report.corruptions.is_empty(), "{:?}", report.corruptions);
+    let after = schedule(&wal, 1, b"after").id;
+    close(wal);
+    let (_, live, _) = open_live(trial_cfg).unwrap();
+    assert!(live.contains_key(&after));
+
+    // The same damage in the second batch, which later batches follow.
+    let trial = tempfile::tempdir().unwrap();
+    let mut rotten = clean.clone();
+    let second = frame::SEGMENT_HEADER_BYTES as usize + (before_last - 16) / 5;
+    rotten[second..second + 8].fill(0);
+    std::fs::write(trial.path().join(seg.file_name().unwrap()), &rotten).unwrap();
+    match open_live(WalConfig {
+        dir: trial.path().to_path_buf(),
+        ..cfg
+    }) {
+        Err(WalError::Corrupt { .. }) => {}
+        Err(other) => panic!("wrong error: {other}"),
+        Ok(_) => panic!("corruption in an acknowledged batch was cut off as a torn tail"),
+    }
 }

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::oneshot;
 
-use super::frame;
+use super::frame::{self, Salt};
 use super::halt::Halt;
 use super::segments::{segment_name, sync_dir, SegmentTable};
 use super::{Appended, WalConfig, WalError, WalPos};
@@ -81,6 +81,7 @@ impl Writer {
             file: None,
             head: 0,
             head_bytes: 0,
+            salt: Salt::UNSALTED,
             next_seq,
             buf: Vec::with_capacity(1 << 20),
             halt: halt.clone(),
@@ -153,6 +154,8 @@ struct WriterState {
     file: Option<(File, PathBuf)>,
     head: u32,
     head_bytes: u64,
+    /// The head segment's CRC salt.
+    salt: Salt,
     next_seq: u64,
     buf: Vec<u8>,
     halt: Halt,
@@ -233,6 +236,8 @@ impl WriterState {
             }
         }
         self.buf.clear();
+        let salt = self.salt;
+        let batch_first_seq = self.next_seq;
         let mut pending = Vec::with_capacity(batch.len());
         for (req, reply) in batch.drain(..) {
             let seq = self.next_seq;
@@ -250,11 +255,11 @@ impl WriterState {
                     message,
                 } => {
                     let id = id.unwrap_or(seq);
-                    frame::put_schedule(&mut self.buf, seq, id, due_ms, &route, &message);
+                    frame::put_schedule(&mut self.buf, salt, seq, id, due_ms, &route, &message);
                     (id, None)
                 }
                 AppendRequest::Done { id, segment } => {
-                    frame::put_done(&mut self.buf, seq, id, segment);
+                    frame::put_done(&mut self.buf, salt, seq, id, segment);
                     (id, Some(segment))
                 }
             };
@@ -264,6 +269,10 @@ impl WriterState {
                 done_target,
             });
         }
+        // The Commit tells recovery where this batch began, so a batch torn
+        // with its later pages on disk and earlier ones not is recognised.
+        frame::put_commit(&mut self.buf, salt, self.next_seq, batch_first_seq);
+        self.next_seq += 1;
         match self.flush() {
             Ok(()) => {
                 {
@@ -335,7 +344,8 @@ impl WriterState {
             .read(true)
             .open(&path)
             .map_err(|e| WalError::io(&path, e))?;
-        let header = frame::segment_header();
+        let salt = Salt::random();
+        let header = frame::segment_header(salt.value());
         let written = file.write_all(&header).and_then(|_| file.sync_all());
         if let Err(e) = written {
             let _ = std::fs::remove_file(&path);
@@ -352,8 +362,10 @@ impl WriterState {
             path.clone(),
             Arc::new(reader),
             frame::SEGMENT_HEADER_BYTES,
+            salt,
         );
         self.head_bytes = frame::SEGMENT_HEADER_BYTES;
+        self.salt = salt;
         self.file = Some((file, path));
         Ok(())
     }
