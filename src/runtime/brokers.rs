@@ -175,7 +175,9 @@ impl Brokers {
                                 (true, true) => "connected",
                                 (true, false) => "disconnected",
                             },
-                            publish: if connections.publish.is_connected() {
+                            publish: if connections.publish.is_blocked() {
+                                "blocked"
+                            } else if connections.publish.is_connected() {
                                 "connected"
                             } else {
                                 "idle"

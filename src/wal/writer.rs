@@ -300,7 +300,10 @@ impl WriterState {
         if let Err(e) = file.write_all(&self.buf) {
             let err = WalError::io(path, e);
             tracing::error!(error = %err, "WAL write failed; batch rejected");
-            if let Err(e) = file.set_len(self.head_bytes).and_then(|_| {
+            // The cut is made durable at once: the segment may be sealed
+            // next, and a sealed segment must not end in half a batch.
+            let cut = file.set_len(self.head_bytes).and_then(|_| file.sync_all());
+            if let Err(e) = cut.and_then(|_| {
                 use std::io::Seek;
                 file.seek(std::io::SeekFrom::Start(self.head_bytes))
                     .map(|_| ())

@@ -72,6 +72,9 @@ pub enum AmqpError {
     Convert(#[from] super::convert::ConvertError),
 }
 
+/// How long [`Broker::close`] waits for the broker's close-ok.
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
 /// Exponential back-off: `initial`, doubling, capped at `max`.
 #[derive(Debug, Clone)]
 pub struct Backoff {
@@ -209,6 +212,16 @@ impl Broker {
             .unwrap_or(false)
     }
 
+    /// Whether the broker has blocked this connection (`connection.blocked`:
+    /// a memory or disk alarm). It then reads nothing more from it, so a
+    /// publish would hang until the alarm clears.
+    pub fn is_blocked(&self) -> bool {
+        self.status
+            .lock()
+            .map(|s| s.as_ref().is_some_and(|s| s.connected() && s.blocked()))
+            .unwrap_or(false)
+    }
+
     /// Opens a channel with a single attempt: on the current connection if it
     /// is up, else on a new one. Refuses with [`AmqpError::BackingOff`] while
     /// the delay after a failed attempt runs.
@@ -306,12 +319,20 @@ impl Broker {
     }
 
     /// Closes the connection (if any); the next channel request reconnects.
+    /// Waits at most [`CLOSE_WAIT`] for the broker: a blocked connection is
+    /// never read, so its close would never be answered.
     pub async fn close(&self) {
         let mut state = self.state.lock().await;
         if let Some(connection) = state.connection.take() {
             if connection.status().connected() {
-                if let Err(error) = connection.close(200, "delayd shutting down".into()).await {
-                    debug!(%error, "closing AMQP connection");
+                let close = connection.close(200, "delayd shutting down".into());
+                match tokio::time::timeout(CLOSE_WAIT, close).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => debug!(%error, "closing AMQP connection"),
+                    Err(_) => {
+                        warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                                    "the broker did not answer connection.close in time; dropping the connection")
+                    }
                 }
             }
             info!(endpoint = %self.endpoint, name = %self.options.connection_name,

@@ -411,6 +411,17 @@ impl Worker {
     }
 
     async fn try_batch(&mut self, batch: Vec<Job>) -> Result<(), (Vec<Job>, Failure)> {
+        if self.broker.is_blocked() {
+            // A resource alarm: the broker reads nothing from this
+            // connection, so a publish would hang. The core holds the route.
+            for job in batch {
+                let _ = job.reply.send(Err(SinkError::Unavailable(
+                    "the broker blocked publishing (connection.blocked: a memory or disk alarm)"
+                        .to_owned(),
+                )));
+            }
+            return Ok(());
+        }
         let channel = match self.channel().await {
             Ok(c) => c,
             Err(e) => {
@@ -436,8 +447,18 @@ impl Worker {
                 job.properties.clone(),
             )
         });
+        // The time limit covers sending too: a connection the broker blocks
+        // after the check above is not read, so the sends themselves hang.
+        let limit = tokio::time::Instant::now() + self.config.confirm_timeout;
+        let sent = match tokio::time::timeout_at(limit, join_in_order(sends)).await {
+            Ok(sent) => sent,
+            Err(_) => {
+                self.timed_out(batch);
+                return Ok(());
+            }
+        };
         let mut confirms = Vec::with_capacity(batch.len());
-        for sent in join_in_order(sends).await {
+        for sent in sent {
             match sent {
                 Ok(confirm) => confirms.push(confirm),
                 Err(error) => {
@@ -448,7 +469,7 @@ impl Worker {
                 }
             }
         }
-        let waited = tokio::time::timeout(self.config.confirm_timeout, async {
+        let waited = tokio::time::timeout_at(limit, async {
             let mut results = Vec::with_capacity(confirms.len());
             for confirm in confirms {
                 results.push(confirm.await);
@@ -459,13 +480,7 @@ impl Worker {
         let results = match waited {
             Ok(results) => results,
             Err(_) => {
-                warn!(timeout = ?self.config.confirm_timeout, "no publisher confirms in time; dropping the channel");
-                self.channel = None;
-                let why = format!(
-                    "no publisher confirm within {:?}",
-                    self.config.confirm_timeout
-                );
-                self.fail(batch, &why);
+                self.timed_out(batch);
                 return Ok(());
             }
         };
@@ -517,11 +532,22 @@ impl Worker {
         }
     }
 
+    /// No confirm within `confirm_timeout`: drop the channel, fail the batch.
+    fn timed_out(&mut self, batch: Vec<Job>) {
+        warn!(timeout = ?self.config.confirm_timeout, "no publisher confirms in time; dropping the channel");
+        self.channel = None;
+        let why = format!(
+            "no publisher confirm within {:?}",
+            self.config.confirm_timeout
+        );
+        self.fail(batch, &why);
+    }
+
     /// Fail publishes: [`SinkError::Unavailable`] while the connection is
     /// down (the core holds the route's messages, in order, until it is
     /// back), else [`SinkError::Transient`] (retried per message).
     fn fail(&self, batch: Vec<Job>, why: &str) {
-        if self.broker.is_connected() {
+        if self.broker.is_connected() && !self.broker.is_blocked() {
             return fail(batch, why);
         }
         for job in batch {
