@@ -127,6 +127,9 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
             let still_here = state.locate(id).is_some_and(|(slot, _, _)| slot.pos == old);
             if still_here && state.relocate(id, new) {
                 inner.wal.mark_dead(old);
+                // Should the removal below not happen (a crash), the copy's
+                // segment must outlive the original's (see `Wal::keep_after`).
+                inner.wal.keep_after(new.segment, old.segment);
             } else {
                 // It finished while being copied: retire the copy too.
                 late_dones.push(inner.wal.append_done(id, new)?);

@@ -156,6 +156,7 @@ impl Engine {
         let mut recent =
             std::collections::VecDeque::with_capacity(config.dedup_window.min(1 << 16));
         let mut too_many_routes = false;
+        let mut superseded = Vec::new();
         let (wal, report) = Wal::open(config.wal.clone(), |record, pos| match record {
             RecordRef::Schedule {
                 id,
@@ -168,7 +169,7 @@ impl Engine {
                     too_many_routes = true;
                     return;
                 };
-                state.arm(
+                let replaced = state.arm(
                     id,
                     due_ms,
                     Slot {
@@ -176,6 +177,11 @@ impl Engine {
                         route: route_id,
                     },
                 );
+                // A compaction copy whose original is still on disk (the
+                // compaction was cut short before removing its segment).
+                if let Some(old) = replaced.filter(|o| o.pos.segment != pos.segment) {
+                    superseded.push((pos.segment, old.pos.segment));
+                }
                 if let Some(key) = delayd_adapters::lookup_key(message) {
                     state.keys.insert(key_hash(route_id, key), id);
                 }
@@ -195,6 +201,9 @@ impl Engine {
         }
         for (id, fp, pos) in recent {
             state.unconfirmed.add(id, fp, pos);
+        }
+        for (copy, original) in superseded {
+            wal.keep_after(copy, original);
         }
         // Done records removed messages without naming their key.
         state.sweep_keys();
@@ -256,6 +265,7 @@ impl Engine {
             {
                 let mut state = engine.state();
                 state.arm(appended.id, due_ms, slot);
+
                 if let Some(hash) = key {
                     state.keys.insert(hash, appended.id);
                 }

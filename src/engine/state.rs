@@ -131,13 +131,17 @@ impl State {
     }
 
     /// Arm a message: into the wheel, counted against its route.
-    pub fn arm(&mut self, id: u64, deadline: u64, slot: Slot) {
-        if let Some(old) = self.wheel.cancel(id) {
+    /// Arm `id` (replacing an earlier arming of it, as a compaction copy
+    /// replaces the original at recovery). Returns the replaced slot.
+    pub fn arm(&mut self, id: u64, deadline: u64, slot: Slot) -> Option<Slot> {
+        let old = self.wheel.cancel(id);
+        if let Some(old) = &old {
             self.counts[old.data.route as usize] -= 1;
         }
         if self.wheel.insert(id, deadline, slot).is_ok() {
             self.counts[slot.route as usize] += 1;
         }
+        old.map(|o| o.data)
     }
 
     /// Take a waiting message out (cancel or recovery Done). In-flight ones stay.

@@ -852,3 +852,57 @@ fn held_entries_are_found_relocated_and_cancelled_by_id() {
     assert_eq!(state.pending(), 999);
     assert_eq!(state.held.len(), 999);
 }
+
+/// A crash between a compaction's copy and the removal of the compacted
+/// segment leaves two Schedules of one message on disk: the original and the
+/// copy. Once the message is cancelled (or delivered), the copy's segment and
+/// the Done that names it must outlive the original's segment, or the
+/// original comes back after a restart and a cancelled message fires.
+#[tokio::test]
+async fn a_compaction_cut_short_before_removal_never_resurrects_a_cancelled_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.gc_interval = Duration::from_secs(3600); // collection only when asked
+    let far = now() + 3_600_000;
+    let wait = |rx: tokio::sync::oneshot::Receiver<Result<crate::wal::Appended, WalError>>| {
+        rx.blocking_recv().unwrap().unwrap()
+    };
+    // The log as an interrupted compaction leaves it: `y` in the first
+    // segment (kept by `z`), its copy in a later one, the first not removed.
+    let (y, z) = tokio::task::spawn_blocking({
+        let wal_cfg = cfg.wal.clone();
+        move || {
+            let (wal, _) = Wal::open(wal_cfg, |_, _| {}).unwrap();
+            let y = wait(wal.append_schedule(far, "r", b"y".to_vec()).unwrap());
+            // Big enough to fill the first segment: the copy lands in the next.
+            let z = wait(wal.append_schedule(far, "r", vec![b'z'; 9000]).unwrap());
+            let copy = wait(wal.append_copy(y.id, far, "r", b"y".to_vec()).unwrap());
+            assert_ne!(copy.pos.segment, y.pos.segment);
+            wal.close().unwrap();
+            (y.id, z.id)
+        }
+    })
+    .await
+    .unwrap();
+
+    let (engine, _) = Engine::open(cfg.clone(), Arc::new(SystemClock)).unwrap();
+    assert_eq!(engine.pending(), 2);
+    assert!(engine.cancel(y).await.unwrap());
+    // More segments, all dead, so every segment but the first one (which
+    // `z` keeps) could be collected.
+    for _ in 0..3 {
+        let id = engine.schedule("r", far, vec![1; 9000]).await.unwrap();
+        assert!(engine.cancel(id).await.unwrap());
+    }
+    engine.compact_now().await.unwrap();
+    engine.close().await.unwrap();
+    drop(engine);
+
+    let (engine, _) = Engine::open(cfg, Arc::new(SystemClock)).unwrap();
+    assert!(
+        engine.read(y).unwrap().is_none(),
+        "the cancelled message is back"
+    );
+    assert!(engine.read(z).unwrap().is_some());
+    assert_eq!(engine.pending(), 1);
+}

@@ -78,6 +78,12 @@
 //! under a threshold is compacted: its live Schedules, and the Dones still
 //! needed, are appended again at the head, fsynced, and the segment is deleted.
 //! The directory is fsynced after every create and delete.
+//!
+//! A crash between a compaction's copy and the deletion leaves a message's
+//! Schedule twice on disk. The copy's segment then may not be deleted before
+//! the original's (recovery notices the pair; a running compaction records it
+//! at once): a Done names only the copy's segment, and deleting it first would
+//! let the original come back.
 
 mod frame;
 mod halt;
@@ -322,6 +328,14 @@ impl Wal {
         self.shared
             .writer
             .send(AppendRequest::done(id, schedule_segment_first_seq))
+    }
+
+    /// Keep segment `copy` (and so every Done naming it) until segment
+    /// `original` is gone. `copy` holds a compaction copy of a Schedule that
+    /// `original` still holds too: if `copy` went first, a Done for that
+    /// message would go with it, and the original would come back.
+    pub fn keep_after(&self, copy: u32, original: u32) {
+        self.segments().keep_after(copy, original);
     }
 
     /// Count a Schedule as dead without writing a Done (its Done already exists).

@@ -124,6 +124,24 @@ impl SegmentTable {
         }
     }
 
+    /// `copy` may not be deleted before `original`, nor before any segment
+    /// `original` must outlive (when `original` was itself a copy's home
+    /// and is being compacted away, its constraints move on to `copy`).
+    pub fn keep_after(&mut self, copy: u32, original: u32) {
+        if copy == original {
+            return;
+        }
+        let Some(source) = self.segments.get(&original) else {
+            return;
+        };
+        let mut refs = source.refs.clone();
+        refs.insert(source.first_seq);
+        if let Some(s) = self.segments.get_mut(&copy) {
+            refs.remove(&s.first_seq);
+            s.refs.extend(refs);
+        }
+    }
+
     pub fn mark_dead(&mut self, ordinal: u32) {
         if let Some(s) = self.segments.get_mut(&ordinal) {
             s.live = s.live.saturating_sub(1);
@@ -259,6 +277,23 @@ mod tests {
         let mut d = t.deletable();
         d.sort();
         assert_eq!(d, vec![0, 1]);
+    }
+
+    #[test]
+    fn a_copy_outlives_its_original_also_when_compacted_again() {
+        let (mut t, _dir) = table_with(3);
+        t.seal_all();
+        t.record_schedule(0); // a message that keeps the original alive
+                              // 1 holds a copy of a message whose original 0 still holds; the copy
+                              // is compacted again into 2, and 1 removed.
+        t.keep_after(1, 0);
+        t.keep_after(2, 1);
+        t.remove(1);
+        assert_eq!(t.deletable(), Vec::<u32>::new(), "2 went before 0");
+        t.mark_dead(0);
+        let mut d = t.deletable();
+        d.sort();
+        assert_eq!(d, vec![0, 2]);
     }
 
     #[test]
