@@ -174,5 +174,60 @@ fn big(_: &mut Criterion) {
     engine.wal().close().unwrap();
 }
 
-criterion_group!(benches, wal_append, recovery, big);
+/// Paging through the admin listing while the engine holds `n` pending
+/// (`DELAYD_BENCH_LIST`, default 2M; 0 skips): how long another thread waits
+/// for the engine lock meanwhile (what the dispatcher, and so lateness,
+/// would feel), printed once.
+fn listing(_: &mut Criterion) {
+    let n: u64 = std::env::var("DELAYD_BENCH_LIST")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_000_000);
+    if n == 0 {
+        return;
+    }
+    let dir = prepared_wal(n, false);
+    let engine = open_engine(dir.path());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let probe = {
+        let (engine, stop) = (engine.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut waits = hdrhistogram::Histogram::<u64>::new(3).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let started = Instant::now();
+                std::hint::black_box(engine.pending());
+                waits.record(started.elapsed().as_micros() as u64).unwrap();
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            waits
+        })
+    };
+    let started = Instant::now();
+    let mut pages = 0u64;
+    let mut query = delayd::engine::ListQuery {
+        route: None,
+        due_from: None,
+        due_to: None,
+        after: None,
+        limit: 1000,
+    };
+    while started.elapsed() < Duration::from_secs(5) {
+        let page = engine.list(&query);
+        query.after = page.last().map(|p| (p.due_ms, p.id));
+        pages += 1;
+    }
+    let took = started.elapsed().as_secs_f64();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let waits = probe.join().unwrap();
+    eprintln!(
+        "listing with {n} pending: {:.1} pages/s of 1000; lock wait of another thread p50 {} us, p99 {} us, max {} us",
+        pages as f64 / took,
+        waits.value_at_quantile(0.5),
+        waits.value_at_quantile(0.99),
+        waits.max()
+    );
+    engine.wal().close().unwrap();
+}
+
+criterion_group!(benches, wal_append, recovery, big, listing);
 criterion_main!(benches);

@@ -724,6 +724,45 @@ async fn backpressure_on_a_quorum_queue_with_a_delivery_limit_loses_nothing() {
     receiver.close().await;
 }
 
+/// Big messages with a byte budget of 1 MiB (`engine.max_bytes_in_flight`)
+/// on both sides: each 700 KB message is stored, and later published, about
+/// one at a time, and all arrive byte-equal, none early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_messages_pass_a_small_byte_budget_intact() {
+    const COUNT: usize = 12;
+    let s = Names::new("byte-budget");
+    let _cleanup = s.cleanup();
+    let client = Client::connect("delayd-it-byte-budget").await;
+    client.declare_target(&s.to_exchange, &s.target_queue).await;
+    let opts = DelaydOptions::default();
+    let delayd = Delayd::start_consuming(
+        |wal, http| {
+            config_toml(&s, wal, http, &opts)
+                .replace("[engine]\n", "[engine]\nmax_bytes_in_flight = 1048576\n")
+        },
+        &s.from_queue,
+    )
+    .await;
+    let mut sent = BTreeMap::new();
+    let body = |i: usize| -> Vec<u8> { (0..700_000).map(|j| (i * 31 + j) as u8).collect() };
+    for i in 0..COUNT {
+        let id = format!("big-{i}");
+        sent.insert(id.clone(), now_ms());
+        client
+            .publish(&s.from_exchange, "k", &body(i), delayed(&id, 800))
+            .await;
+    }
+    let mut receiver = client.consume(&s.target_queue).await;
+    for received in receive_each_once(&mut receiver, &sent, 800).await {
+        let id = received.message_id().unwrap_or_default().to_owned();
+        let i: usize = id["big-".len()..].parse().unwrap();
+        assert!(received.delivery.data == body(i), "{id} changed");
+    }
+    wait_pending(&delayd, 0).await;
+    receiver.close().await;
+    client.close().await;
+}
+
 /// A fatal WAL error stops delayd even when nothing is consumed. The WAL
 /// volume goes away while messages wait; when they fire, their Done records
 /// need a new segment, which cannot be created. delayd must exit non-zero

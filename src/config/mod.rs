@@ -89,6 +89,10 @@ impl Default for HttpSection {
 pub struct EngineSection {
     /// Most messages being published at once.
     pub max_in_flight: usize,
+    /// Most bytes of message bodies being stored at once (intake, all routes
+    /// together) and, separately, being published at once. One message
+    /// bigger than this is taken alone. Default 64 MiB.
+    pub max_bytes_in_flight: u64,
     /// Messages per second for those already overdue at start-up.
     pub overdue_rate: u32,
     /// Longest delay accepted; longer ones are invalid. Default 10 years.
@@ -115,6 +119,7 @@ impl Default for EngineSection {
     fn default() -> Self {
         Self {
             max_in_flight: 1024,
+            max_bytes_in_flight: 64 << 20,
             overdue_rate: 5000,
             max_delay: Duration::from_secs(10 * 365 * 24 * 3600),
             retry_initial: Duration::from_millis(200),

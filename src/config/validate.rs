@@ -98,6 +98,12 @@ impl Config {
                 "must be at least 1".into(),
             ));
         }
+        if self.engine.max_bytes_in_flight == 0 {
+            return Err(err(
+                "engine.max_bytes_in_flight".into(),
+                "must be at least 1".into(),
+            ));
+        }
         if self.engine.max_disk > 0 && self.engine.max_disk < 2 * self.wal.segment_bytes {
             return Err(err(
                 "engine.max_disk".into(),

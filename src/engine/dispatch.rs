@@ -65,6 +65,9 @@ pub(crate) async fn run(
     grace: Duration,
 ) {
     let permits = Arc::new(Semaphore::new(inner.config.max_in_flight.max(1)));
+    // Semaphore permits are u32: the byte budget is capped at 4 GiB.
+    let budget = inner.config.max_bytes_in_flight.clamp(1, u32::MAX as usize);
+    let bytes = Arc::new(Semaphore::new(budget));
     let mut limiter = RateLimiter::new(inner.config.overdue_rate);
     let mut batch: Vec<Expired<Slot>> = Vec::with_capacity(BATCH);
     let mut last_gauges = 0u64;
@@ -126,8 +129,10 @@ pub(crate) async fn run(
             inner.planned_wake.store(0, Ordering::Release);
             continue;
         }
-        // Read the batch back in one blocking call, in fire order.
-        let wanted: Vec<(Expired<Slot>, WalPos, Arc<str>, u32)> = {
+        // Read the batch back in fire order, a few blocking calls of at most
+        // a quarter of the byte budget each, so big messages are not all
+        // read into memory at once.
+        let mut wanted: std::collections::VecDeque<(Expired<Slot>, WalPos, Arc<str>, u32)> = {
             let state = inner.state();
             batch
                 .drain(..)
@@ -137,68 +142,91 @@ pub(crate) async fn run(
                 })
                 .collect()
         };
-        let wal = inner.wal.clone();
-        let positions: Vec<WalPos> = wanted.iter().map(|w| w.1).collect();
-        let records = tokio::task::spawn_blocking(move || {
-            positions
-                .into_iter()
-                .map(|p| wal.read(p))
-                .collect::<Vec<_>>()
-        })
-        .await
-        .unwrap_or_default();
         let mut first = Some(first);
-        let mut records = records.into_iter();
-        for (entry, pos, route, attempt) in wanted {
-            if entry.deadline <= inner.overdue_until {
-                limiter.wait().await;
-            }
-            let permit = match first.take() {
-                Some(p) => p,
-                None => match permits.clone().acquire_owned().await {
-                    Ok(p) => p,
-                    Err(_) => return,
-                },
-            };
-            let fired_ms = inner.clock.now_ms();
-            // `deliver` is called here, in fire order; the publish completes in its own task.
-            let mut key = None;
-            let delivery = match records.next() {
-                Some(Ok(Record::Schedule {
-                    due_ms, message, ..
-                })) => {
-                    key = delayd_adapters::lookup_key(&message)
-                        .map(|k| super::key_hash(entry.data.route, k));
-                    if attempt == 0 {
-                        let late = fired_ms.saturating_sub(due_ms) as f64 / 1000.0;
-                        metrics::histogram!("delayd_lateness_seconds", "route" => route.to_string())
-                            .record(late);
-                    }
-                    dispatch.deliver(Fired {
-                        id: entry.id,
-                        route: route.clone(),
-                        due_ms,
-                        fired_ms,
-                        message,
-                        attempt,
-                    })
-                }
-                Some(Ok(Record::Done { .. })) => {
-                    failed(format!("WAL position {pos:?} holds a Done"))
-                }
-                Some(Err(e)) => failed(format!("cannot read message from the WAL: {e}")),
-                None => failed("WAL read task failed".to_string()),
-            };
-            tokio::spawn(complete(
-                inner.clone(),
-                Settle {
+        while !wanted.is_empty() {
+            let wal = inner.wal.clone();
+            let positions: Vec<WalPos> = wanted.iter().map(|w| w.1).collect();
+            let chunk = (budget as u64 / 4).max(1);
+            let records = tokio::task::spawn_blocking(move || read_chunk(&wal, positions, chunk))
+                .await
+                .unwrap_or_default();
+            if records.is_empty() {
+                // The read task failed: settle one so the loop moves on.
+                let (entry, _, route, _) = wanted.pop_front().expect("not empty");
+                let permit = match first.take() {
+                    Some(p) => p,
+                    None => match permits.clone().acquire_owned().await {
+                        Ok(p) => p,
+                        Err(_) => return,
+                    },
+                };
+                let settle = Settle {
                     id: entry.id,
                     route,
-                    key,
-                },
-                delivery,
-                permit,
-            ));
+                    key: None,
+                };
+                let delivery = failed("WAL read task failed".to_string());
+                tokio::spawn(complete(inner.clone(), settle, delivery, (permit, None)));
+                continue;
+            }
+            for record in records {
+                let (entry, pos, route, attempt) = wanted.pop_front().expect("read in order");
+                if entry.deadline <= inner.overdue_until {
+                    limiter.wait().await;
+                }
+                let permit = match first.take() {
+                    Some(p) => p,
+                    None => match permits.clone().acquire_owned().await {
+                        Ok(p) => p,
+                        Err(_) => return,
+                    },
+                };
+                // Room for its bytes too, while earlier ones are published.
+                let size = match &record {
+                    Ok(Record::Schedule { message, .. }) => message.len().clamp(1, budget),
+                    _ => 1,
+                };
+                let byte_permit = match bytes.clone().acquire_many_owned(size as u32).await {
+                    Ok(p) => p,
+                    Err(_) => return,
+                };
+                let fired_ms = inner.clock.now_ms();
+                // `deliver` is called here, in fire order; the publish completes in its own task.
+                let mut key = None;
+                let delivery = match record {
+                    Ok(Record::Schedule {
+                        due_ms, message, ..
+                    }) => {
+                        key = delayd_adapters::lookup_key(&message)
+                            .map(|k| super::key_hash(entry.data.route, k));
+                        if attempt == 0 {
+                            let late = fired_ms.saturating_sub(due_ms) as f64 / 1000.0;
+                            metrics::histogram!("delayd_lateness_seconds", "route" => route.to_string())
+                                .record(late);
+                        }
+                        dispatch.deliver(Fired {
+                            id: entry.id,
+                            route: route.clone(),
+                            due_ms,
+                            fired_ms,
+                            message,
+                            attempt,
+                        })
+                    }
+                    Ok(Record::Done { .. }) => failed(format!("WAL position {pos:?} holds a Done")),
+                    Err(e) => failed(format!("cannot read message from the WAL: {e}")),
+                };
+                tokio::spawn(complete(
+                    inner.clone(),
+                    Settle {
+                        id: entry.id,
+                        route,
+                        key,
+                    },
+                    delivery,
+                    (permit, Some(byte_permit)),
+                ));
+            }
         }
     }
     // Let in-flight publishes finish (their Done records get written).
@@ -285,6 +313,28 @@ fn pop_due(state: &mut super::State, now: u64, max: usize, out: &mut Vec<Expired
     out.sort_by_key(|e| (e.deadline, e.id));
 }
 
+/// Read records at `positions` in order until their bytes reach `chunk`
+/// (at least one).
+fn read_chunk(
+    wal: &crate::wal::Wal,
+    positions: Vec<WalPos>,
+    chunk: u64,
+) -> Vec<Result<Record, crate::wal::WalError>> {
+    let mut out = Vec::new();
+    let mut total = 0u64;
+    for pos in positions {
+        let record = wal.read(pos);
+        if let Ok(Record::Schedule { message, .. }) = &record {
+            total += message.len() as u64;
+        }
+        out.push(record);
+        if total >= chunk {
+            break;
+        }
+    }
+    out
+}
+
 fn failed(reason: String) -> BoxFuture<'static, Outcome> {
     Box::pin(async move { Outcome::Retry(reason) })
 }
@@ -302,7 +352,9 @@ async fn complete(
     inner: Arc<Inner>,
     settle: Settle,
     delivery: BoxFuture<'static, Outcome>,
-    _permit: OwnedSemaphorePermit,
+    // Released once settled: a slot of `max_in_flight` and the message's
+    // share of `max_bytes_in_flight`.
+    _permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
 ) {
     let Settle { id, route, key } = settle;
     let outcome = delivery.await;

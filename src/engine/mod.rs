@@ -51,6 +51,10 @@ pub struct EngineConfig {
     pub wal: WalConfig,
     /// Most messages being published at once.
     pub max_in_flight: usize,
+    /// Most bytes of stored messages being published at once (read back,
+    /// decoded, handed to a broker). One message bigger than this goes out
+    /// alone.
+    pub max_bytes_in_flight: usize,
     /// Messages per second for those already overdue when delayd started.
     pub overdue_rate: u32,
     /// First retry delay after a failed publish; doubles up to `retry_max`.
@@ -71,6 +75,7 @@ impl EngineConfig {
         Self {
             wal,
             max_in_flight: 1024,
+            max_bytes_in_flight: 64 << 20,
             overdue_rate: 5000,
             retry_initial: Duration::from_millis(200),
             retry_max: Duration::from_secs(30),
@@ -124,6 +129,78 @@ pub struct ListQuery {
     pub due_to: Option<u64>,
     pub after: Option<(u64, u64)>,
     pub limit: usize,
+}
+
+/// Slab nodes of the wheel examined per lock hold while listing.
+const LIST_CHUNK: usize = 1 << 16;
+
+/// The `limit` smallest (due, id) keys a listing has been offered so far.
+struct Page<'q> {
+    query: &'q ListQuery,
+    route: Option<u16>,
+    limit: usize,
+    /// A bounded max-heap: the largest kept key is on top.
+    heap: BinaryHeap<(u64, u64, Slot, Phase)>,
+    /// Ids in `heap`: a message seen waiting and then publishing (it fired
+    /// mid-walk) is kept once.
+    ids: std::collections::HashSet<u64>,
+}
+
+impl<'q> Page<'q> {
+    fn new(query: &'q ListQuery, route: Option<u16>) -> Self {
+        Self {
+            query,
+            route,
+            limit: query.limit.max(1),
+            heap: BinaryHeap::new(),
+            ids: std::collections::HashSet::new(),
+        }
+    }
+
+    /// Consider one message; false once `(due, id)` is past everything the
+    /// page can still take (so an ordered source can stop).
+    fn offer(&mut self, id: u64, due: u64, slot: Slot, phase: Phase) -> bool {
+        let q = self.query;
+        if q.due_from.is_some_and(|f| due < f)
+            || q.due_to.is_some_and(|t| due > t)
+            || q.after.is_some_and(|a| (due, id) <= a)
+        {
+            return true;
+        }
+        let full = self.heap.len() >= self.limit;
+        if full
+            && self
+                .heap
+                .peek()
+                .is_some_and(|top| (due, id) >= (top.0, top.1))
+        {
+            return false;
+        }
+        if self.route.is_some_and(|r| r != slot.route) || !self.ids.insert(id) {
+            return true;
+        }
+        if full {
+            if let Some(top) = self.heap.pop() {
+                self.ids.remove(&top.1);
+            }
+        }
+        self.heap.push((due, id, slot, phase));
+        true
+    }
+
+    fn finish(self, state: &State) -> Vec<PendingInfo> {
+        let mut rows: Vec<(u64, u64, Slot, Phase)> = self.heap.into_vec();
+        rows.sort_by_key(|r| (r.0, r.1));
+        rows.into_iter()
+            .map(|(due, id, slot, phase)| PendingInfo {
+                id,
+                route: state.route_name(slot.route),
+                due_ms: due,
+                phase,
+                pos: slot.pos,
+            })
+            .collect()
+    }
 }
 
 /// Handle to the engine. Cheap to clone.
@@ -485,46 +562,62 @@ impl Engine {
         Ok(Some((info, record)))
     }
 
-    /// Pending messages matching the query, ordered by (due, id).
+    /// Pending messages in (due, id) order after `query.after`, at most
+    /// `query.limit`. The wheel is walked a chunk of slab nodes per lock
+    /// hold, so paging through millions of pending messages never keeps the
+    /// dispatcher waiting long; the ordered side sets (held, blocked) are
+    /// read by range. A message that moves between them during the walk
+    /// (it fires, say) is listed once.
     pub fn list(&self, query: &ListQuery) -> Vec<PendingInfo> {
-        let state = self.state();
         let route = match &query.route {
-            Some(name) => match state.route_id(name) {
+            Some(name) => match self.state().route_id(name) {
                 Some(r) => Some(r),
                 None => return Vec::new(),
             },
             None => None,
         };
-        let limit = query.limit.max(1);
-        // Keep the `limit` smallest (due, id) keys with a bounded max-heap.
-        let mut heap: BinaryHeap<(u64, u64, Slot, Phase)> = BinaryHeap::new();
-        for (id, due, slot, phase) in state.all() {
-            if route.is_some_and(|r| r != slot.route)
-                || query.due_from.is_some_and(|f| due < f)
-                || query.due_to.is_some_and(|t| due > t)
-                || query.after.is_some_and(|a| (due, id) <= a)
-            {
-                continue;
-            }
-            if heap.len() < limit {
-                heap.push((due, id, slot, phase));
-            } else if heap.peek().is_some_and(|top| (due, id) < (top.0, top.1)) {
-                heap.pop();
-                heap.push((due, id, slot, phase));
+        let mut page = Page::new(query, route);
+        let mut from = Some(0);
+        while let Some(start) = from {
+            let state = self.state();
+            from = state.wheel.scan(start, LIST_CHUNK, |e| {
+                page.offer(e.id, e.deadline, e.data, Phase::Waiting);
+            });
+            drop(state);
+            if from.is_some() {
+                std::thread::yield_now();
             }
         }
-        let mut out: Vec<PendingInfo> = heap
-            .into_iter()
-            .map(|(due, id, slot, phase)| PendingInfo {
-                id,
-                route: state.route_name(slot.route),
-                due_ms: due,
-                phase,
-                pos: slot.pos,
-            })
-            .collect();
-        out.sort_by_key(|p| (p.due_ms, p.id));
-        out
+        let state = self.state();
+        let after = query.after.unwrap_or((0, 0));
+        let lower = after.max((query.due_from.unwrap_or(0), 0));
+        let ordered = state
+            .held
+            .range(lower..)
+            .take_while(|((due, _), _)| query.due_to.is_none_or(|t| *due <= t));
+        for (&(due, id), &slot) in ordered {
+            if !page.offer(id, due, slot, Phase::Waiting) {
+                break;
+            }
+        }
+        for (&route_id, blocked) in &state.blocked {
+            if route.is_some_and(|r| r != route_id) {
+                continue;
+            }
+            let ordered = blocked
+                .waiting
+                .range(lower..)
+                .take_while(|((due, _), _)| query.due_to.is_none_or(|t| *due <= t));
+            for (&(due, id), &slot) in ordered {
+                if !page.offer(id, due, slot, Phase::Waiting) {
+                    break;
+                }
+            }
+        }
+        for (&id, f) in &state.in_flight {
+            page.offer(id, f.deadline, f.slot, Phase::Publishing);
+        }
+        page.finish(&state)
     }
 
     /// Pending messages per route, O(routes).

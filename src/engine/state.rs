@@ -307,26 +307,4 @@ impl State {
         }
         false
     }
-
-    /// Every pending message: (id, deadline, slot, phase), any order.
-    pub fn all(&self) -> impl Iterator<Item = (u64, u64, Slot, Phase)> + '_ {
-        let waiting = self
-            .wheel
-            .iter()
-            .map(|e| (e.id, e.deadline, e.data, Phase::Waiting));
-        let held = self
-            .held
-            .iter()
-            .map(|(&(d, id), &s)| (id, d, s, Phase::Waiting));
-        let flying = self
-            .in_flight
-            .iter()
-            .map(|(&id, f)| (id, f.deadline, f.slot, Phase::Publishing));
-        let blocked = self.blocked.values().flat_map(|b| {
-            b.waiting
-                .iter()
-                .map(|(&(d, id), &s)| (id, d, s, Phase::Waiting))
-        });
-        waiting.chain(held).chain(flying).chain(blocked)
-    }
 }

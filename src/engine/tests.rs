@@ -906,3 +906,87 @@ async fn a_compaction_cut_short_before_removal_never_resurrects_a_cancelled_mess
     assert!(engine.read(z).unwrap().is_some());
     assert_eq!(engine.pending(), 1);
 }
+
+/// Holds every publish until the test lets it finish, one by one, and
+/// records the most bytes ever handed over and not yet finished.
+#[derive(Default)]
+struct Gate {
+    delivered: StdMutex<Vec<tokio::sync::oneshot::Sender<()>>>,
+    outstanding: std::sync::atomic::AtomicUsize,
+    peak: std::sync::atomic::AtomicUsize,
+}
+
+impl Dispatch for Arc<Gate> {
+    fn deliver(&self, fired: Fired) -> BoxFuture<'static, Outcome> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let size = fired.message.len();
+        let now = self.outstanding.fetch_add(size, SeqCst) + size;
+        self.peak.fetch_max(now, SeqCst);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.delivered.lock().unwrap().push(tx);
+        let gate = self.clone();
+        Box::pin(async move {
+            let _ = rx.await;
+            gate.outstanding.fetch_sub(size, SeqCst);
+            Outcome::Done
+        })
+    }
+}
+
+#[tokio::test]
+async fn bytes_being_published_stay_within_max_bytes_in_flight() {
+    const SIZE: usize = 30_000;
+    const COUNT: usize = 10;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.wal.segment_bytes = 1 << 20;
+    cfg.max_bytes_in_flight = 100_000;
+    let (engine, _) = Engine::open(cfg, Arc::new(SystemClock)).unwrap();
+    let due = now();
+    for i in 0..COUNT {
+        engine
+            .schedule("r", due, vec![i as u8; SIZE])
+            .await
+            .unwrap();
+    }
+    let gate = Arc::new(Gate::default());
+    let shutdown = CancellationToken::new();
+    let task = {
+        let engine = engine.clone();
+        let dispatch: Arc<dyn Dispatch> = Arc::new(gate.clone());
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { engine.run(dispatch, shutdown, Duration::from_secs(5)).await })
+    };
+    // Let them finish one at a time, each once the next one is handed over
+    // or, at the end, when nothing more is to come.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut released = 0;
+    while released < COUNT {
+        let next = loop {
+            if let Some(tx) = gate
+                .delivered
+                .lock()
+                .unwrap()
+                .get_mut(released)
+                .map(|tx| std::mem::replace(tx, tokio::sync::oneshot::channel().0))
+            {
+                break tx;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "only {released} delivered"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        };
+        let _ = next.send(());
+        released += 1;
+    }
+    let peak = gate.peak.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(peak <= 100_000, "{peak} bytes in flight at once");
+    while engine.pending() > 0 {
+        assert!(std::time::Instant::now() < deadline, "still pending");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    shutdown.cancel();
+    task.await.unwrap();
+}

@@ -110,7 +110,7 @@ impl Brokers {
             Some(BrokerHandle::Kafka { sink, .. }) => sink.enqueue(&message, &target),
             // Both queue the publish before returning: calls made in fire
             // order reach the broker in that order (per key).
-            Some(BrokerHandle::Amqp { sink, .. }) => sink.enqueue(&message, &target),
+            Some(BrokerHandle::Amqp { sink, .. }) => sink.enqueue_owned(message, &target),
             None => {
                 let e = SinkError::Permanent(format!("no broker named {broker:?}"));
                 Box::pin(async move { Err(e) })

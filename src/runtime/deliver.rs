@@ -33,26 +33,34 @@ impl Dispatch for Deliverer {
             );
             return Box::pin(async move { Outcome::Retry(reason) });
         };
-        let mut message = match delayd_adapters::decode(&fired.message) {
+        let message = match prepared(&route, &fired) {
             Ok(m) => m,
             Err(e) => {
                 // Our own encoding failed to decode: keep the raw bytes visible.
-                let mut raw = Message::with_body(fired.message.clone());
+                let mut raw = Message::with_body(fired.message);
                 rewrite::with_error(&mut raw, &format!("stored message cannot be decoded: {e}"));
                 return Box::pin(async move {
                     park(&brokers, &route.unroutable, &raw, &route, "unroutable").await
                 });
             }
         };
-        let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
-        route.for_delivery(&mut message, fired.id, now_ms);
-        prepare_for_target(&route, &mut message);
         let target = route.target_for(&message);
-        let publish = brokers.publish(&route.to.broker, message.clone(), target.clone());
+        let routing_key = message.routing_key.clone();
+        // The message moves into the publish (no copy of its body); the
+        // stored bytes stay for the rare message that must be parked.
+        let publish = brokers.publish(&route.to.broker, message, target.clone());
         let span = tracing::debug_span!("deliver", id = fired.id, route = %route.name());
         Box::pin(
             async move {
-                match publish.await {
+                let aside = |reason: &str| {
+                    let mut message = prepared(&route, &fired)
+                        .unwrap_or_else(|_| Message::with_body(fired.message.clone()));
+                    rewrite::with_error(&mut message, reason);
+                    message
+                };
+                let result = publish.await;
+                let is_unknown = matches!(result, Err(SinkError::UnknownTarget(_)));
+                match result {
                     Ok(PublishOutcome::Delivered) => {
                         metrics::counter!("delayd_fired_total", "route" => route.name().to_owned())
                             .increment(1);
@@ -60,28 +68,23 @@ impl Dispatch for Deliverer {
                         Outcome::Done
                     }
                     Ok(PublishOutcome::Unroutable) => {
-                        let key = target
-                            .routing_key
-                            .as_deref()
-                            .unwrap_or(&message.routing_key);
+                        let key = target.routing_key.as_deref().unwrap_or(&routing_key);
                         let reason = format!(
                             "unroutable: exchange {:?} has no queue bound for routing key {key:?}",
                             target.destination
                         );
                         tracing::warn!(id = fired.id, %reason, "message unroutable");
-                        rewrite::with_error(&mut message, &reason);
+                        let message = aside(&reason);
                         park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                     }
-                    Err(SinkError::UnknownTarget(e))
-                        if fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS =>
+                    Err(SinkError::UnknownTarget(e)) | Err(SinkError::Transient(e))
+                        if fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS
+                            && (is_unknown || e.contains("NOT_FOUND")) =>
                     {
-                        park_unknown(&brokers, &route, &mut message, fired.id, &e).await
-                    }
-                    Err(SinkError::Transient(e))
-                        if e.contains("NOT_FOUND")
-                            && fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS =>
-                    {
-                        park_unknown(&brokers, &route, &mut message, fired.id, &e).await
+                        let reason = format!("unknown target: {e}");
+                        tracing::warn!(id = fired.id, %reason, "target missing; parking the message");
+                        let message = aside(&reason);
+                        park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                     }
                     Err(SinkError::UnknownTarget(e)) => {
                         Outcome::Retry(format!("unknown target: {e}"))
@@ -92,7 +95,7 @@ impl Dispatch for Deliverer {
                         // Retrying cannot help: park it with the broker's reason.
                         let reason = format!("cannot publish: {e}");
                         tracing::warn!(id = fired.id, %reason, "message cannot be published; parking it");
-                        rewrite::with_error(&mut message, &reason);
+                        let mut message = aside(&reason);
                         rewrite::strip_checked_properties(&mut message);
                         park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                     }
@@ -116,19 +119,14 @@ fn prepare_for_target(route: &Route, message: &mut Message) {
     }
 }
 
-/// The target has been missing for several attempts: an unknown target, not
-/// a blip during a redeploy.
-async fn park_unknown(
-    brokers: &Brokers,
-    route: &Route,
-    message: &mut Message,
-    id: u64,
-    error: &str,
-) -> Outcome {
-    let reason = format!("unknown target: {error}");
-    tracing::warn!(id, %reason, "target missing; parking the message");
-    rewrite::with_error(message, &reason);
-    park(brokers, &route.unroutable, message, route, "unroutable").await
+/// The stored message as it goes out: decoded, rewritten for delivery
+/// (`x-delay` negated, the delayd id added) and mapped for the target broker.
+fn prepared(route: &Route, fired: &Fired) -> Result<Message, delayd_adapters::CodecError> {
+    let mut message = delayd_adapters::decode(&fired.message)?;
+    let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
+    route.for_delivery(&mut message, fired.id, now_ms);
+    prepare_for_target(route, &mut message);
+    Ok(message)
 }
 
 /// Publish to an invalid/unroutable destination, counting it.

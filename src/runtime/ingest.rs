@@ -79,6 +79,11 @@ pub struct Intake {
     pub fatal: CancellationToken,
     /// Shared backpressure state (limits, full disk, paused routes).
     pub pressure: Arc<Backpressure>,
+    /// Bytes of message bodies being stored, shared by every route's intake
+    /// (`engine.max_bytes_in_flight`): a delivery waits, unacked, for room.
+    pub bytes: Arc<Semaphore>,
+    /// The budget `bytes` started with.
+    pub byte_budget: usize,
 }
 
 impl Intake {
@@ -120,6 +125,19 @@ impl Intake {
             let Ok(permit) = permits.clone().acquire_owned().await else {
                 break;
             };
+            // Room for its bytes (one message bigger than the budget goes alone).
+            let size = delivery.message.body.len().clamp(1, this.byte_budget) as u32;
+            let byte_permit = tokio::select! {
+                p = this.bytes.clone().acquire_many_owned(size) => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+                _ = stop.cancelled() => {
+                    // Not taken: the broker gets it back when the channel closes.
+                    drop(delivery);
+                    break;
+                }
+            };
             let span = tracing::debug_span!(
                 "intake",
                 route = %route,
@@ -132,7 +150,7 @@ impl Intake {
             tokio::spawn(
                 async move {
                     this.finish(started, &stop).await;
-                    drop(permit);
+                    drop((permit, byte_permit));
                 }
                 .instrument(span),
             );

@@ -39,6 +39,7 @@ pub fn engine_config(config: &Config) -> EngineConfig {
     wal.create_dir = config.wal.create_dir;
     EngineConfig {
         max_in_flight: config.engine.max_in_flight,
+        max_bytes_in_flight: config.engine.max_bytes_in_flight.clamp(1, u32::MAX as u64) as usize,
         overdue_rate: config.engine.overdue_rate,
         retry_initial: config.engine.retry_initial,
         retry_max: config.engine.retry_max,
@@ -125,6 +126,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // Messages in.
     let intake_stop = CancellationToken::new();
     let mut intakes = Vec::new();
+    let byte_budget = config.engine.max_bytes_in_flight.clamp(1, u32::MAX as u64) as usize;
+    let intake_bytes = Arc::new(tokio::sync::Semaphore::new(byte_budget));
     for route_cfg in &config.routes {
         let route = routes[&route_cfg.name].clone();
         let source = start_source(&brokers, route_cfg)?;
@@ -139,6 +142,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             concurrency: route_cfg.from.prefetch.unwrap_or(1000) as usize,
             fatal: fatal.clone(),
             pressure: pressure.clone(),
+            bytes: intake_bytes.clone(),
+            byte_budget,
         };
         tracing::info!(route = %route_cfg.name, "route started");
         intakes.push(tokio::spawn(intake.run(source, intake_stop.clone())));

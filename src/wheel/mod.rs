@@ -402,6 +402,30 @@ impl<T: Copy> TimingWheel<T> {
         self.index.iter().map(move |i| self.nodes.node(i).expired())
     }
 
+    /// Visit the pending entries among slab nodes `from..from + max`, and
+    /// return where the next call should start (`None` at the end). Nodes
+    /// never move, so a scan in steps (releasing a lock between them) sees
+    /// every entry pending throughout it exactly once, whatever is inserted,
+    /// fired or cancelled in between.
+    pub fn scan(
+        &self,
+        from: usize,
+        max: usize,
+        mut visit: impl FnMut(Expired<T>),
+    ) -> Option<usize> {
+        let end = from.saturating_add(max).min(self.nodes.len());
+        for idx in from..end {
+            let idx = idx as u32;
+            let node = self.nodes.node(idx);
+            // Free nodes hold a free-list link in `id`; cancelled ones wait
+            // for their slot to drop them. Only the index knows who is live.
+            if !self.nodes.is_cancelled(idx) && self.lookup(node.id) == Some(idx) {
+                visit(node.expired());
+            }
+        }
+        (end < self.nodes.len()).then_some(end)
+    }
+
     /// Heap memory held, from vector capacities (the overdue map is estimated).
     pub fn heap_bytes(&self) -> usize {
         let overdue_node = std::mem::size_of::<(u64, Slot)>() + 8;

@@ -458,3 +458,47 @@ fn cascades_reconstruct_deadlines_across_32_bit_boundaries() {
         .collect();
     assert_eq!(got, want);
 }
+
+/// A scan in steps, with inserts, cancels and expiries between the steps,
+/// sees every entry pending throughout exactly once and nothing that was
+/// never pending.
+#[test]
+fn a_scan_in_steps_sees_each_entry_pending_throughout_once() {
+    let mut w = TimingWheel::new(0);
+    for id in 0..5000u64 {
+        w.insert(id, 10 + id % 700, pos(id)).unwrap();
+    }
+    let mut seen: HashMap<u64, u32> = HashMap::new();
+    let mut touched = std::collections::HashSet::new();
+    let mut next_id = 10_000u64;
+    let mut from = Some(0);
+    let mut now = 0;
+    while let Some(start) = from {
+        from = w.scan(start, 97, |e| *seen.entry(e.id).or_default() += 1);
+        // Between steps: some fire, some are cancelled, new ones arrive
+        // (reusing freed nodes).
+        now += 3;
+        let mut fired = Vec::new();
+        w.poll_expired(now, 20, &mut fired);
+        touched.extend(fired.iter().map(|e| e.id));
+        for id in (start as u64..start as u64 + 5).filter(|id| id % 2 == 0) {
+            if w.cancel(id).is_some() {
+                touched.insert(id);
+            }
+        }
+        for _ in 0..7 {
+            w.insert(next_id, now + 50, pos(next_id)).unwrap();
+            touched.insert(next_id);
+            next_id += 1;
+        }
+    }
+    for id in 0..5000u64 {
+        if !touched.contains(&id) {
+            assert_eq!(seen.get(&id), Some(&1), "id {id}");
+        }
+    }
+    for (id, n) in &seen {
+        assert_eq!(*n, 1, "id {id} seen {n} times");
+        assert!(*id < 5000 || touched.contains(id), "id {id} never pending");
+    }
+}

@@ -233,7 +233,16 @@ impl AmqpSink {
         message: &Message,
         target: &Target,
     ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
-        let job = match self.job(message, target) {
+        self.enqueue_owned(message.clone(), target)
+    }
+
+    /// [`AmqpSink::enqueue`] taking the message, so its body is not copied.
+    pub fn enqueue_owned(
+        &self,
+        message: Message,
+        target: &Target,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        let job = match self.job(&message, target) {
             Ok(job) => job,
             Err(e) => return Box::pin(async move { Err(e) }),
         };
@@ -247,7 +256,7 @@ impl AmqpSink {
                 exchange,
                 routing_key,
                 properties,
-                body: message.body.clone(),
+                body: message.body,
                 reply,
             });
         }
