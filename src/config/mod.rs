@@ -89,6 +89,11 @@ impl Default for HttpSection {
 pub struct EngineSection {
     /// Most messages being published at once.
     pub max_in_flight: usize,
+    /// On SIGTERM, give every waiting message back to its route's ingress
+    /// (marked with its due time) for another instance to fire, instead of
+    /// keeping it in the local WAL. For instances whose disk does not
+    /// outlive them. Default false.
+    pub handoff: bool,
     /// Most bytes of message bodies being stored at once (intake, all routes
     /// together) and, separately, being published at once. One message
     /// bigger than this is taken alone. Default 64 MiB.
@@ -119,6 +124,7 @@ impl Default for EngineSection {
     fn default() -> Self {
         Self {
             max_in_flight: 1024,
+            handoff: false,
             max_bytes_in_flight: 64 << 20,
             overdue_rate: 5000,
             max_delay: Duration::from_secs(10 * 365 * 24 * 3600),

@@ -131,8 +131,14 @@ pub struct ListQuery {
     pub limit: usize,
 }
 
-/// Slab nodes of the wheel examined per lock hold while listing.
-const LIST_CHUNK: usize = 1 << 16;
+/// Slab nodes of the wheel examined per lock hold while listing (well
+/// under a millisecond).
+const LIST_CHUNK: usize = 1 << 13;
+
+/// Between two chunks of a walk the lock is let go this long: the std mutex
+/// is not fair, and without a pause the walking thread takes it straight
+/// back while the dispatcher, woken, is still being scheduled.
+const LIST_PAUSE: Duration = Duration::from_micros(20);
 
 /// The `limit` smallest (due, id) keys a listing has been offered so far.
 struct Page<'q> {
@@ -451,7 +457,71 @@ impl Engine {
         Ok(true)
     }
 
+    /// Take a message out for good because it was handed to another
+    /// instance (its copy is safe in the broker): Done, as for a cancel.
+    pub async fn retire_handed_off(&self, id: u64) -> Result<bool, EngineError> {
+        let engine = self.clone();
+        let queued = tokio::task::spawn_blocking(move || engine.retire_queued(id, "handed_off"))
+            .await
+            .map_err(|_| EngineError::WriterGone)??;
+        let Some(done) = queued else {
+            return Ok(false);
+        };
+        done.await.map_err(|_| EngineError::WriterGone)??;
+        Ok(true)
+    }
+
+    /// Every message waiting to fire (not those being published), in (due,
+    /// id) order. The wheel is walked a chunk per lock hold.
+    pub fn waiting(&self) -> Vec<PendingInfo> {
+        let mut out = Vec::new();
+        let mut from = Some(0);
+        while let Some(start) = from {
+            let state = self.state();
+            from = state.wheel.scan(start, LIST_CHUNK, |e| {
+                out.push(PendingInfo {
+                    id: e.id,
+                    route: state.route_name(e.data.route),
+                    due_ms: e.deadline,
+                    phase: Phase::Waiting,
+                    pos: e.data.pos,
+                });
+            });
+            drop(state);
+            if from.is_some() {
+                std::thread::sleep(LIST_PAUSE);
+            }
+        }
+        let state = self.state();
+        let side = state
+            .held
+            .iter()
+            .chain(state.blocked.values().flat_map(|b| b.waiting.iter()));
+        for (&(due, id), &slot) in side {
+            out.push(PendingInfo {
+                id,
+                route: state.route_name(slot.route),
+                due_ms: due,
+                phase: Phase::Waiting,
+                pos: slot.pos,
+            });
+        }
+        drop(state);
+        out.sort_by_key(|p| (p.due_ms, p.id));
+        out.dedup_by_key(|p| p.id);
+        out
+    }
+
     fn cancel_queued(&self, id: u64) -> Result<Option<AppendReceiver>, EngineError> {
+        self.retire_queued(id, "cancelled")
+    }
+
+    /// Disarm `id` and queue its Done, counting it in `delayd_{why}_total`.
+    fn retire_queued(
+        &self,
+        id: u64,
+        why: &'static str,
+    ) -> Result<Option<AppendReceiver>, EngineError> {
         // The key hash comes from the stored record, read outside the lock.
         let hash = self.key_hash_of(id);
         let mut state = self.state();
@@ -466,7 +536,7 @@ impl Engine {
         }
         // Written under the lock so it is ordered before any compaction copy.
         let done = self.inner.wal.append_done(id, entry.data.pos)?;
-        metrics::counter!("delayd_cancelled_total", "route" => state.route_name(entry.data.route).to_string())
+        metrics::counter!(format!("delayd_{why}_total"), "route" => state.route_name(entry.data.route).to_string())
             .increment(1);
         Ok(Some(done))
     }
@@ -585,7 +655,7 @@ impl Engine {
             });
             drop(state);
             if from.is_some() {
-                std::thread::yield_now();
+                std::thread::sleep(LIST_PAUSE);
             }
         }
         let state = self.state();

@@ -3,6 +3,7 @@
 
 pub mod bridge;
 pub mod delay;
+pub mod handoff;
 pub mod retry;
 pub mod rewrite;
 pub mod ttl;

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::engine::{Admission, Engine, EngineError, Outcome, Pressure, Stored};
-use crate::route::{rewrite, Destination, Plan, Route};
+use crate::route::{handoff, rewrite, Destination, Plan, Route};
 use crate::wal::WalError;
 
 use super::backpressure::Backpressure;
@@ -232,7 +232,13 @@ impl Intake {
             ack,
         } = delivery;
         let now = self.engine.now_ms();
-        match self.route.plan(&mut message, now) {
+        // A copy another instance handed back keeps its due time, whatever
+        // the route's mode says (see `route::handoff`).
+        let plan = match handoff::receive(&mut message) {
+            Some(due) => Ok(Plan::Due(due)),
+            None => self.route.plan(&mut message, now),
+        };
+        match plan {
             Ok(Plan::Park) => Started::Park { message, ack },
             Ok(Plan::Due(due)) => {
                 let held = Held {

@@ -9,6 +9,7 @@
 mod backpressure;
 mod brokers;
 mod deliver;
+mod handoff;
 mod ingest;
 
 pub use backpressure::Backpressure;
@@ -169,6 +170,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!("finishing in-flight publishes");
     dispatch_stop.cancel();
     let _ = dispatcher.await;
+    if config.engine.handoff && !failed {
+        let report =
+            handoff::hand_off(&engine, &routes, &brokers, config.engine.shutdown_grace).await;
+        tracing::info!(
+            handed_off = report.handed,
+            left_in_wal = report.left,
+            "hand-off finished"
+        );
+    }
     let closed = engine.close().await;
     shutdown.cancel();
     if let Some(task) = admin_task {

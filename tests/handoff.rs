@@ -1,0 +1,110 @@
+//! Hand-off on shutdown (`engine.handoff = true`): two instances share a
+//! route; one is stopped with SIGTERM while it holds pending messages. It
+//! gives them back to the route's queue marked with their due times, the
+//! other instance takes them, and every message arrives once, none early,
+//! byte-equal, without hand-off headers.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::{config_toml, now_ms, wait_for, Client, Delayd, DelaydOptions, Names, DEADLINE};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::BasicProperties;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_instance_hands_its_messages_to_another() {
+    const COUNT: usize = 300;
+    let names = Names::new("handoff");
+    let _cleanup = names.cleanup();
+    let client = Client::connect("delayd-it-handoff").await;
+    client
+        .declare_target(&names.to_exchange, &names.target_queue)
+        .await;
+    let opts = DelaydOptions {
+        prefetch: 50,
+        ..DelaydOptions::default()
+    };
+    let with_handoff = |wal: &std::path::Path, http| {
+        config_toml(&names, wal, http, &opts).replace("[engine]\n", "[engine]\nhandoff = true\n")
+    };
+    let mut leaving = Delayd::start_consuming(with_handoff, &names.from_queue).await;
+    let staying = Delayd::start_consuming(
+        |wal, http| config_toml(&names, wal, http, &opts),
+        &names.from_queue,
+    )
+    .await;
+    wait_for("two consumers on the route's queue", DEADLINE, || async {
+        let (_, consumers) = client.queue_counts(&names.from_queue).await?;
+        (consumers == 2).then_some(())
+    })
+    .await;
+
+    // Delays of 4-7 s, each message with its own body and headers.
+    let mut sent = BTreeMap::new();
+    for i in 0..COUNT {
+        let delay = 4000 + (i as i64 * 37) % 3000;
+        let mut headers = FieldTable::default();
+        headers.insert(ShortString::from("x-delay"), AMQPValue::LongLongInt(delay));
+        headers.insert(ShortString::from("n"), AMQPValue::LongInt(i as i32));
+        let id = format!("handoff-{i}");
+        let props = BasicProperties::default()
+            .with_message_id(id.as_str().into())
+            .with_headers(headers);
+        sent.insert(id, (now_ms(), delay as u64, i));
+        client
+            .publish(
+                &names.from_exchange,
+                "k",
+                format!("body {i}").as_bytes(),
+                props,
+            )
+            .await;
+    }
+    wait_for("all stored by the two", DEADLINE, || async {
+        (leaving.pending() + staying.pending() == COUNT as u64).then_some(())
+    })
+    .await;
+    let held = leaving.pending();
+    assert!(
+        held > 0,
+        "the leaving instance holds nothing; the test proves nothing"
+    );
+
+    let status = leaving.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", leaving.log_tail(40));
+    let log = leaving.log_tail(40);
+    assert!(
+        log.contains(&format!("handed_off={held}")) && log.contains("left_in_wal=0"),
+        "not all {held} handed off:\n{log}"
+    );
+
+    let mut receiver = client.consume(&names.target_queue).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut arrived = BTreeMap::new();
+    while arrived.len() < COUNT {
+        let received = receiver
+            .next(deadline)
+            .await
+            .unwrap_or_else(|| panic!("only {} of {COUNT} arrived", arrived.len()));
+        let id = received.message_id().unwrap_or_default().to_owned();
+        let (at, delay, i) = sent[&id];
+        assert!(received.at_ms >= at + delay, "{id} arrived early");
+        assert_eq!(received.delivery.data, format!("body {i}").as_bytes());
+        let headers = received.properties().headers().clone().unwrap_or_default();
+        for key in headers.inner().keys() {
+            assert!(
+                !key.as_str().starts_with("x-delayd-handoff") && key.as_str() != "x-deliver-at",
+                "{id} carries {key}"
+            );
+        }
+        assert!(
+            arrived.insert(id.clone(), ()).is_none(),
+            "{id} arrived twice"
+        );
+    }
+    receiver.close().await;
+    client.close().await;
+    drop(staying);
+}
