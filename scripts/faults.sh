@@ -9,6 +9,9 @@
 #   connections rabbitmqctl close_all_connections
 #   disk        the WAL's disk (a small tmpfs) filled up, then freed
 #   kafka       Apache Kafka restarted under a Kafka route
+#   handoff     the pod replaced: SIGTERM with engine.handoff = true, the WAL
+#               directory deleted, a fresh instance started (a sidecar with no
+#               volume in a rolling update)
 #
 #   bash scripts/faults.sh            # the long run: 100 kill -9 cycles, 10 of the rest
 #   bash scripts/faults.sh --short    # a few cycles of each (part of scripts/test.sh)
@@ -35,7 +38,7 @@ else
     default_cycles=10 kill_cycles=100 rate="${RATE:-500}" dup_permille=1
 fi
 cycles="${CYCLES:-}"
-scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka}"
+scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka handoff}"
 http=127.0.0.1:9465
 
 bash scripts/rabbitmq.sh >/dev/null
@@ -66,8 +69,9 @@ log() { echo "faults: $*" >&2; }
 
 write_config() { # scenario, wal dir
     local s="$1" wal="$2"
-    local segment=""
+    local segment="" engine=""
     [ "$s" = disk ] && segment=$'segment_bytes = 262144\n'
+    [ "$s" = handoff ] && engine=$'[engine]\nhandoff = true\n'
     {
         cat <<EOF
 [wal]
@@ -77,6 +81,7 @@ $segment
 [http]
 listen = "$http"
 
+$engine
 [log]
 level = "warn"
 
@@ -159,6 +164,13 @@ inject_disk() {
     rm -f "$work/disk/filler"
 }
 inject_kafka() { pause; bash scripts/kafka.sh restart >/dev/null; }
+inject_handoff() {
+    pause
+    stop_delayd TERM
+    # The pod and its disk are gone; what it held is back in the queue.
+    rm -rf "$work/handoff-wal"
+    start_delayd "$1"
+}
 
 # --- one scenario ----------------------------------------------------------
 
