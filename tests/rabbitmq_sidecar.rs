@@ -92,6 +92,21 @@ async fn every_x_delay_type_arrives_after_its_delay() {
         ("double", Some(AMQPValue::Double(1300.9)), 1300),
         ("numeric-string", Some(long_string("300")), 300),
         ("float-string", Some(long_string("250.9")), 250),
+        (
+            "decimal",
+            Some(AMQPValue::DecimalValue(lapin::types::DecimalValue {
+                scale: 1,
+                value: 4005,
+            })),
+            400,
+        ),
+        (
+            "byte-array",
+            Some(AMQPValue::ByteArray(lapin::types::ByteArray::from(
+                b"450".to_vec(),
+            ))),
+            450,
+        ),
         ("absent", None, 0),
         ("zero", Some(AMQPValue::LongInt(0)), 0),
         ("negative", Some(AMQPValue::LongInt(-500)), 0),
@@ -144,6 +159,13 @@ async fn every_x_delay_type_arrives_after_its_delay() {
             "{case}: received at {} ms, {} ms before its due time {due}",
             received.at_ms,
             due - received.at_ms
+        );
+        // Generous on a noisy 2-core machine, but finite: a regression that
+        // made every delivery seconds late fails here.
+        assert!(
+            received.at_ms < due + LATE_MS,
+            "{case}: received {} ms after its due time",
+            received.at_ms - due
         );
         assert_eq!(received.delivery.data, case.as_bytes(), "{case}: body");
         assert_eq!(
@@ -200,6 +222,84 @@ async fn deliver_at_timestamp_is_epoch_seconds() {
         received.at_ms - due
     );
     assert_eq!(received.delivery.data, b"at");
+    s.client.close().await;
+}
+
+/// How late a message may arrive in these tests before it counts as a bug.
+const LATE_MS: u64 = 5000;
+
+/// `x-deliver-at` in each form a producer sends: epoch ms, RFC 3339 text,
+/// in the past (at once), and together with an `x-delay` it wins over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliver_at_in_every_form_and_over_x_delay() {
+    let s = setup("deliver-at-forms", DelaydOptions::default()).await;
+    let now = now_ms();
+    let rfc3339 = |ms: u64| {
+        chrono::DateTime::from_timestamp_millis(ms as i64)
+            .unwrap()
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    };
+    // (case, headers, due time in epoch ms)
+    let cases: Vec<(&str, FieldTable, u64)> = vec![
+        (
+            "epoch-ms",
+            table(vec![(
+                "x-deliver-at",
+                AMQPValue::LongLongInt((now + 1500) as i64),
+            )]),
+            now + 1500,
+        ),
+        (
+            "rfc3339",
+            table(vec![("x-deliver-at", long_string(&rfc3339(now + 1700)))]),
+            now + 1700,
+        ),
+        (
+            "past",
+            table(vec![(
+                "x-deliver-at",
+                AMQPValue::LongLongInt((now - 10_000) as i64),
+            )]),
+            now,
+        ),
+        (
+            "wins-over-x-delay",
+            table(vec![
+                ("x-delay", AMQPValue::LongInt(60_000)),
+                ("x-deliver-at", AMQPValue::LongLongInt((now + 1200) as i64)),
+            ]),
+            now + 1200,
+        ),
+    ];
+    for (case, headers, _) in &cases {
+        let props = BasicProperties::default()
+            .with_message_id((*case).into())
+            .with_headers(headers.clone());
+        s.client
+            .publish(&s.names.from_exchange, ROUTING_KEY, case.as_bytes(), props)
+            .await;
+    }
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
+    let ids: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    let found = receiver.collect_by_message_id(&ids).await;
+    receiver.close().await;
+    for (case, _, due) in &cases {
+        let received = found
+            .iter()
+            .find(|r| r.message_id() == Some(case))
+            .expect("collected");
+        assert!(
+            received.at_ms >= *due,
+            "{case}: {} ms early",
+            due - received.at_ms
+        );
+        assert!(
+            received.at_ms < due + LATE_MS,
+            "{case}: {} ms late",
+            received.at_ms - due
+        );
+        assert_eq!(received.delivery.data, case.as_bytes());
+    }
     s.client.close().await;
 }
 
