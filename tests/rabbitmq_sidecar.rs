@@ -930,15 +930,6 @@ impl LoadRun {
 
 // ------------------------------------------------------------- 5. SIGKILL
 
-/// The sum of a metric's samples on delayd's `/metrics` (0 if absent).
-fn metric(delayd: &Delayd, name: &str) -> f64 {
-    let (_, text) = delayd.http_get("/metrics").expect("GET /metrics");
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_under_load_loses_nothing_acked() {
     const TOTAL: usize = 3000;
@@ -963,7 +954,7 @@ async fn sigkill_under_load_loses_nothing_acked() {
     // Deliveries stored but unacked at the kill come back from the broker
     // marked redelivered; delayd recognises them rather than storing twice
     // (the collector checked that every duplicate is one stored record).
-    let deduplicated = metric(&s.delayd, "delayd_redeliveries_deduplicated_total");
+    let deduplicated = s.delayd.metric("delayd_redeliveries_deduplicated_total");
     println!(
         "sigkill: {TOTAL} messages, SIGKILL after {killed_at} published \
          ({stored_before_kill} pending in delayd), {duplicates} duplicates, \

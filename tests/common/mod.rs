@@ -559,6 +559,15 @@ impl Delayd {
         (status, json)
     }
 
+    /// The sum of a metric's samples on `/metrics` (0 if absent).
+    pub fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.http_get("/metrics").expect("GET /metrics");
+        text.lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .fold(0.0, |a, b| a + b)
+    }
+
     /// The `/readyz` JSON (answered with 200 or 503 alike).
     pub fn readyz(&self) -> serde_json::Value {
         self.api("GET", "/readyz", None).1
