@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     assert_confirmed, delayd_command, now_ms, toml_string, wait_for, Client, Delayd, DelaydOptions,
-    Names, Received, Setup, DEADLINE, INVALID_QUEUE, UNROUTABLE_QUEUE,
+    Names, Received, Setup, DEADLINE, UNROUTABLE_QUEUE,
 };
 use lapin::options::QueueDeleteOptions;
 use lapin::types::{
@@ -63,6 +63,18 @@ fn assert_delayd_id(received: &Received) -> u64 {
         .unwrap_or_else(|| panic!("no long-string x-delayd-id in {:?}", received.properties()));
     id.parse()
         .unwrap_or_else(|e| panic!("x-delayd-id {id:?} is not a number: {e}"))
+}
+
+/// Like [`setup`], with an invalid queue of the test's own (so tests running
+/// side by side never read each other's invalid messages). Returns its name.
+async fn with_own_invalid_queue(test: &str, mut opts: DelaydOptions) -> (Setup, String) {
+    let names = Names::new(test);
+    let invalid = format!("{}.invalid", names.from_queue);
+    opts.route_extra.push_str(&format!(
+        "invalid = {{ queue = {} }}\n",
+        common::toml_string(&invalid)
+    ));
+    (Setup::start(names, &[&invalid], opts).await, invalid)
 }
 
 /// A test's route with its target queue declared, and delayd consuming.
@@ -416,7 +428,7 @@ async fn bodies_properties_and_headers_arrive_byte_equal() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_delay_goes_to_invalid_queue_with_reason() {
-    let s = setup("invalid", DelaydOptions::default()).await;
+    let (s, invalid) = with_own_invalid_queue("invalid", DelaydOptions::default()).await;
     let suffix = common::unique_suffix();
     let text_id = format!("invalid-text.{suffix}");
     let bool_id = format!("invalid-bool.{suffix}");
@@ -446,10 +458,10 @@ async fn invalid_delay_goes_to_invalid_queue_with_reason() {
 
     // delayd declares the queue when it parks the first invalid message.
     wait_for("the invalid queue to exist", DEADLINE, || async {
-        s.client.queue_counts(INVALID_QUEUE).await
+        s.client.queue_counts(&invalid).await
     })
     .await;
-    let mut receiver = s.client.consume(INVALID_QUEUE).await;
+    let mut receiver = s.client.consume(&invalid).await;
     let found = receiver
         .collect_by_message_id(&[text_id.as_str(), bool_id.as_str(), timestamp_id.as_str()])
         .await;
@@ -566,7 +578,7 @@ async fn oversized_message_goes_to_invalid_queue() {
         max_message_bytes: 4096,
         ..DelaydOptions::default()
     };
-    let s = setup("oversized", opts).await;
+    let (s, invalid) = with_own_invalid_queue("oversized", opts).await;
     let id = format!("oversized.{}", common::unique_suffix());
     let body: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
     let props = BasicProperties::default()
@@ -576,10 +588,10 @@ async fn oversized_message_goes_to_invalid_queue() {
         .publish(&s.names.from_exchange, ROUTING_KEY, &body, props)
         .await;
     wait_for("the invalid queue to exist", DEADLINE, || async {
-        s.client.queue_counts(INVALID_QUEUE).await
+        s.client.queue_counts(&invalid).await
     })
     .await;
-    let mut receiver = s.client.consume(INVALID_QUEUE).await;
+    let mut receiver = s.client.consume(&invalid).await;
     let found = receiver.collect_by_message_id(&[id.as_str()]).await;
     receiver.close().await;
     let received = &found[0];
