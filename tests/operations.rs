@@ -390,9 +390,8 @@ fn a_public_listener_without_a_token_is_refused() {
     std::fs::write(
         &config,
         format!(
-            "[wal]\ndir = {:?}\n[http]\nlisten = \"0.0.0.0:{}\"\n",
+            "[wal]\ndir = {:?}\n[http]\nlisten = \"0.0.0.0:0\"\n",
             dir.path().join("wal").display().to_string(),
-            free_port()
         ),
     )
     .expect("write config");
@@ -625,7 +624,7 @@ async fn a_full_disk_pauses_consuming_and_loses_nothing_once_space_is_freed() {
 }
 
 /// Stored messages still go out while the disk is full. Their Done records
-/// do not fit (in every run seen here the writer logs "WAL write failed"):
+/// do not fit (the writer logs "WAL write failed", which the test requires):
 /// the messages have left, so delayd only logs it and keeps running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_messages_are_delivered_while_the_disk_is_full() {
@@ -657,6 +656,18 @@ async fn stored_messages_are_delivered_while_the_disk_is_full() {
     let mut receiver = client.consume(&s.target_queue).await;
     receive_each_once(&mut receiver, &sent, 3000).await;
     wait_pending(&delayd, 0).await;
+    // The disk really was full: their Done records did not fit.
+    wait_for(
+        "the full disk to show in delayd's log",
+        DEADLINE,
+        || async {
+            delayd
+                .log_tail(200)
+                .contains("WAL write failed")
+                .then_some(())
+        },
+    )
+    .await;
     let (status, _) = delayd.http_get("/healthz").expect("GET /healthz");
     assert_eq!(status, 200, "delayd is still up:\n{}", delayd.log_tail(30));
 
@@ -935,7 +946,7 @@ async fn a_second_delayd_on_the_same_wal_dir_is_refused() {
     let text: Vec<String> = text
         .lines()
         .map(|l| match l.starts_with("listen = ") {
-            true => format!("listen = \"127.0.0.1:{}\"", free_port()),
+            true => "listen = \"127.0.0.1:0\"".to_owned(),
             false => l.to_owned(),
         })
         .collect();

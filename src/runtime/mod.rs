@@ -104,7 +104,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&config.http.listen)
             .await
             .with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
-        tracing::info!(listen = %config.http.listen, "admin API listening");
+        // The bound address, so `listen = "127.0.0.1:0"` shows its port.
+        let bound = listener
+            .local_addr()
+            .map_or_else(|_| config.http.listen.clone(), |a| a.to_string());
+        tracing::info!(listen = %bound, "admin API listening");
         let stop = shutdown.clone();
         Some(tokio::spawn(admin::serve(listener, state, stop)))
     };

@@ -17,7 +17,7 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::future::Future;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -68,14 +68,6 @@ pub fn unique_suffix() -> String {
         .expect("system clock before 1970")
         .as_nanos();
     format!("{}.{n}.{nanos}", std::process::id())
-}
-
-/// A free TCP port on 127.0.0.1 (bound, read, released).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("cannot find a free port on 127.0.0.1")
-        .port()
 }
 
 /// Polls `check` every 50 ms until it returns `Some`, or panics with `what`
@@ -381,7 +373,9 @@ impl Delayd {
             .prefix("delayd-it.")
             .tempdir()
             .expect("cannot create a temporary directory");
-        let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        // Port 0: delayd binds a free port itself and logs it (a port picked
+        // here and released could be taken by another process first).
+        let http = SocketAddr::from(([127, 0, 0, 1], 0));
         let config_path = dir.path().join("delayd.toml");
         let wal_dir = dir.path().join("wal");
         std::fs::write(&config_path, config(&wal_dir, http)).expect("cannot write delayd.toml");
@@ -444,6 +438,19 @@ impl Delayd {
         self.child = Some(child);
     }
 
+    /// The admin address this start of delayd logged (`admin API
+    /// listening listen=ADDR`), once it has.
+    fn logged_http_addr(&self) -> Option<SocketAddr> {
+        let text = std::fs::read_to_string(&self.log).ok()?;
+        let marker = format!("===== delayd start #{} =====", self.starts);
+        let this_start = &text[text.rfind(&marker)?..];
+        let line = this_start
+            .lines()
+            .find(|l| l.contains("admin API listening"))?;
+        let addr = line.split("listen=").nth(1)?.split_whitespace().next()?;
+        addr.trim_matches('"').parse().ok()
+    }
+
     /// Panics (with the log) if the child has exited.
     fn assert_running(&mut self, during: &str) {
         let child = self.child.as_mut().expect("delayd is not running");
@@ -463,8 +470,11 @@ impl Delayd {
         let start = Instant::now();
         loop {
             self.assert_running("starting");
-            if matches!(self.http_get("/healthz"), Ok((200, _))) {
-                break;
+            if let Some(addr) = self.logged_http_addr() {
+                self.http = addr;
+                if matches!(self.http_get("/healthz"), Ok((200, _))) {
+                    break;
+                }
             }
             assert!(
                 start.elapsed() < DEADLINE,
