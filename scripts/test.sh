@@ -8,6 +8,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/rabbitmq.sh
 bash scripts/kafka.sh
+# docker-compose (v1, from Debian) validates docker-compose.yml; it needs no
+# Docker engine for `config`.
+if ! command -v docker-compose >/dev/null; then
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get install -y -qq docker-compose >/dev/null 2>&1 ||
+        { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq docker-compose >/dev/null; }
+fi
 cargo test --workspace --all-features --no-fail-fast -- --test-threads=2 "$@"
 if [ "$#" -eq 0 ]; then
     bash scripts/faults.sh --short
