@@ -25,6 +25,9 @@ fn payload(n: u64) -> Vec<u8> {
 
 /// Child mode: append forever, printing each acknowledged record.
 fn child(dir: &str) {
+    // libtest has printed "test <name> ... " with no newline: end that line,
+    // or the first line printed here would be read as garbage.
+    println!();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -46,8 +49,14 @@ fn child(dir: &str) {
                         .unwrap();
                     let _ = tx.send(format!("acked {} {n}", appended.id));
                     if i % 5 == 0 {
-                        // Announced first: a Done may be durable before its ack is printed.
-                        let _ = tx.send(format!("retiring {}", appended.id));
+                        // Announced first, straight into the pipe (the printer
+                        // task may lag): the Done may be durable before its
+                        // ack is printed.
+                        {
+                            let mut out = std::io::stdout().lock();
+                            writeln!(out, "retiring {}", appended.id).unwrap();
+                            out.flush().unwrap();
+                        }
                         wal.append_done(appended.id, appended.pos)
                             .unwrap()
                             .await
@@ -58,8 +67,9 @@ fn child(dir: &str) {
                 }
             });
         }
-        let mut out = std::io::stdout().lock();
+        // The lock is taken per line: workers print to stdout directly too.
         while let Some(line) = rx.recv().await {
+            let mut out = std::io::stdout().lock();
             writeln!(out, "{line}").unwrap();
             out.flush().unwrap();
         }

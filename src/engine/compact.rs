@@ -34,6 +34,7 @@ fn sweep_keys(inner: &Inner) {
 
 /// Delete what is dead, then compact at most one sparse segment.
 pub(crate) async fn once(inner: &Arc<Inner>) -> Result<(), EngineError> {
+    let _one_at_a_time = inner.compacting.lock().await;
     let wal = inner.wal.clone();
     tokio::task::spawn_blocking(move || wal.collect_garbage())
         .await

@@ -226,6 +226,10 @@ pub(crate) struct Inner {
     planned_wake: AtomicU64,
     /// Messages due at or before this (the start time) are rate limited.
     overdue_until: u64,
+    /// Held for a whole round of GC and compaction: two compactions of one
+    /// segment at once would each copy a message, and the second, finding
+    /// it moved by the first, would retire it by id (a lost message).
+    compacting: tokio::sync::Mutex<()>,
 }
 
 impl Engine {
@@ -300,6 +304,7 @@ impl Engine {
                 wake: Notify::new(),
                 planned_wake: AtomicU64::new(u64::MAX),
                 overdue_until: now,
+                compacting: tokio::sync::Mutex::new(()),
             }),
         };
         engine.publish_gauges();
