@@ -16,6 +16,10 @@ use std::time::{Duration, Instant};
 use delayd::engine::{Dispatch, Engine, EngineConfig, Fired, Outcome, SystemClock};
 use delayd::wal::{Record, WalConfig};
 
+#[path = "common/seed.rs"]
+mod seed;
+use seed::Seed;
+
 const CHILD_ENV: &str = "DELAYD_ENGINE_CRASH_CHILD";
 const FAR: u64 = 4_000_000_000_000; // year 2096: nothing fires
 
@@ -137,37 +141,14 @@ fn child(dir: &str) {
     });
 }
 
-/// A small deterministic generator (xorshift), seeded from the environment
-/// or the clock, so a failing run can be replayed.
-fn seed() -> u64 {
-    std::env::var("DELAYD_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        })
-}
-
-fn next(state: &mut u64) -> u64 {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    *state
-}
-
 #[test]
 fn sigkill_during_compaction_keeps_exactly_what_was_acknowledged() {
     if let Ok(dir) = std::env::var(CHILD_ENV) {
         child(&dir);
         return;
     }
-    let seed = seed();
-    println!("engine_crash: DELAYD_TEST_SEED={seed}");
-    let mut rng = seed;
+    let mut rng = Seed::from_env("engine_crash");
+    let seed = rng.seed;
     let dir = tempfile::tempdir().unwrap();
     let mut acked: BTreeMap<u64, (u64, u64)> = BTreeMap::new(); // id -> (n, due)
     let mut cancelled = HashSet::new();
@@ -177,7 +158,7 @@ fn sigkill_during_compaction_keeps_exactly_what_was_acknowledged() {
     // neither GC nor compaction ran and the test proved nothing about them.
     let mut seen_segments = HashSet::new();
     for round in 0..6 {
-        let target = 1000 + next(&mut rng) % 6000;
+        let target = rng.draw(1000..7000);
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",

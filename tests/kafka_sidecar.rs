@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use common::kafka::{self, create_topic, Producer, Reader, Record};
-use common::{now_ms, Delayd};
+use common::{now_ms, seeded, Delayd};
 use delayd_adapters::kafka::murmur2::partition_for_key;
 
 /// Headers delayd adds or rewrites on the way out.
@@ -206,11 +206,12 @@ async fn sigkill_under_load_loses_nothing_acknowledged() {
     let mut delayd = r.start("").await;
     let producer = Producer::new();
     let total = 1500u32;
+    let kill_at = seeded("kafka sigkill: kill at record", 100..1400) as u32;
     // Per record: the wall clock just before it was sent (delayd cannot have
     // seen it earlier), and its delay.
     let mut sent = Vec::new();
     for i in 0..total {
-        if i == total / 2 {
+        if i == kill_at {
             delayd.kill_9();
         }
         let delay = 1000 + u64::from(i % 20) * 100;

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_confirmed, delayd_command, now_ms, toml_string, wait_for, Client, Delayd, DelaydOptions,
-    Names, Received, Setup, DEADLINE, UNROUTABLE_QUEUE,
+    assert_confirmed, delayd_command, now_ms, seeded, toml_string, wait_for, Client, Delayd,
+    DelaydOptions, Names, Received, Setup, DEADLINE, UNROUTABLE_QUEUE,
 };
 use lapin::options::QueueDeleteOptions;
 use lapin::types::{
@@ -945,14 +945,15 @@ impl LoadRun {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_under_load_loses_nothing_acked() {
     const TOTAL: usize = 3000;
-    const KILL_AFTER: usize = 1000;
+    // Anywhere from the first deliveries to well into the load.
+    let kill_after = seeded("sigkill: kill after published", 200..2000) as usize;
     // Publishing goes on while delayd is down and restarting, up to here.
-    const HOLD_AT: usize = 1500;
+    let hold_at = kill_after + 500;
     let mut s = setup("sigkill", DelaydOptions::default()).await;
     // 500 messages/s: 6 s of publishing.
-    let load = LoadRun::start(&s, TOTAL, 50, HOLD_AT);
-    wait_for("1000 messages published", DEADLINE, || async {
-        (load.published() >= KILL_AFTER).then_some(())
+    let load = LoadRun::start(&s, TOTAL, 50, hold_at);
+    wait_for("the kill point", DEADLINE, || async {
+        (load.published() >= kill_after).then_some(())
     })
     .await;
     let stored_before_kill = s.delayd.pending();

@@ -14,8 +14,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    now_ms, rabbitmq_major, reject, toml_string, unique_suffix, wait_for, Client, DelaydOptions,
-    Names, Received, Setup, DEADLINE,
+    now_ms, rabbitmq_major, reject, seeded, toml_string, unique_suffix, wait_for, Client,
+    DelaydOptions, Names, Received, Setup, DEADLINE,
 };
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
@@ -591,8 +591,8 @@ async fn retry_parks_after_max_attempts() {
     r.s.client.close().await;
 }
 
-/// SIGKILL while rejected messages wait for their retry: after a restart
-/// every one of them comes back as attempt 2.
+/// SIGKILL while rejected messages wait for their retry or are being
+/// republished: after a restart every one of them comes back as attempt 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_retry_loses_nothing() {
     const N: usize = 30;
@@ -620,10 +620,18 @@ async fn killed_mid_retry_loses_nothing() {
         (delayd.pending() == N as u64).then_some(())
     })
     .await;
-    r.s.delayd.kill_9();
-    r.s.delayd.restart().await;
+    // Killed while retries are going out: after a seeded number of them
+    // arrived, with the rest due, being published or confirmed.
+    let kill_after = seeded("retry kill after arrivals", 0..N as u64 - 5) as usize;
     let mut seen = std::collections::BTreeSet::new();
     let deadline = Instant::now() + DEADLINE;
+    while seen.len() < kill_after {
+        let got = work.next(deadline).await.expect("a retry before the kill");
+        assert_eq!(attempt(&got), Some(2));
+        seen.insert(got.message_id().unwrap_or_default().to_owned());
+    }
+    r.s.delayd.kill_9();
+    r.s.delayd.restart().await;
     while seen.len() < N {
         let got = work
             .next(deadline)

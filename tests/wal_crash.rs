@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use delayd::wal::{RecordRef, Wal, WalConfig};
 
+#[path = "common/seed.rs"]
+mod seed;
+
 const CHILD_ENV: &str = "DELAYD_WAL_CRASH_CHILD";
 
 fn config(dir: &std::path::Path) -> WalConfig {
@@ -82,6 +85,7 @@ fn sigkill_mid_stream_loses_no_acknowledged_record() {
         child(&dir);
         return;
     }
+    let mut rng = seed::Seed::from_env("wal_crash");
     let dir = tempfile::tempdir().unwrap();
     let mut acked: BTreeMap<u64, u64> = BTreeMap::new(); // id -> n
     let mut done = std::collections::HashSet::new();
@@ -101,7 +105,7 @@ fn sigkill_mid_stream_loses_no_acknowledged_record() {
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let started = Instant::now();
-        let target = 3000 * (round + 1);
+        let target = rng.draw(500..9000);
         let mut new_acks = 0;
         let mut killed = false;
         // Read until enough acks, kill, then drain what the child printed before dying.
@@ -146,25 +150,35 @@ fn sigkill_mid_stream_loses_no_acknowledged_record() {
         .unwrap();
         assert!(
             report.corruptions.is_empty(),
-            "round {round}: {:?}",
+            "seed {} round {round}: {:?}",
+            rng.seed,
             report.corruptions
         );
         for (id, n) in &acked {
             if done.contains(id) {
                 assert!(
                     !live.contains_key(id),
-                    "round {round}: Done record {id} lost"
+                    "seed {} round {round}: Done record {id} lost",
+                    rng.seed
                 );
                 continue;
             }
             if retiring.contains(id) && !live.contains_key(id) {
                 continue; // its Done became durable just before the kill
             }
-            let (due, message) = live
-                .get(id)
-                .unwrap_or_else(|| panic!("round {round}: acknowledged record {id} lost"));
+            let (due, message) = live.get(id).unwrap_or_else(|| {
+                panic!(
+                    "seed {} round {round}: acknowledged record {id} lost",
+                    rng.seed
+                )
+            });
             assert_eq!(*due, *n);
-            assert_eq!(message, &payload(*n), "round {round}: record {id} changed");
+            assert_eq!(
+                message,
+                &payload(*n),
+                "seed {} round {round}: record {id} changed",
+                rng.seed
+            );
         }
         wal.close().unwrap();
     }

@@ -12,6 +12,7 @@
 #![allow(dead_code)]
 
 pub mod kafka;
+pub mod seed;
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -57,6 +58,15 @@ pub fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .expect("system clock before 1970")
         .as_millis() as u64
+}
+
+/// A number in `range` drawn for a kill point or similar, printed with
+/// `what` and the seed so a failing run can be replayed.
+pub fn seeded(what: &str, range: std::ops::Range<u64>) -> u64 {
+    let mut seed = seed::Seed::from_env(what);
+    let value = seed.draw(range);
+    println!("{what}: {value}");
+    value
 }
 
 /// A suffix no other test of this run (or of an earlier run) uses.
