@@ -228,7 +228,7 @@ async fn metrics(State(state): State<AdminState>) -> Response {
             state.engine.publish_gauges();
             (
                 [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                handle.render(),
+                crate::telemetry::render(handle),
             )
                 .into_response()
         }

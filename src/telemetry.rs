@@ -9,12 +9,21 @@ use crate::config::{LogFormat, LogSection};
 pub fn init_logging(log: &LogSection) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&log.level));
     let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+        .with_env_filter(quiet_bodies(filter))
         .with_writer(std::io::stderr);
     let _ = match log.format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Pretty => builder.try_init(),
     };
+}
+
+/// lapin logs every message the broker returns, body included, at WARN.
+/// Message bodies are the users' data: never in the log.
+fn quiet_bodies(filter: EnvFilter) -> EnvFilter {
+    match "lapin::returned_messages=error".parse() {
+        Ok(directive) => filter.add_directive(directive),
+        Err(_) => filter,
+    }
 }
 
 /// Install the Prometheus recorder and return the handle that renders it.
@@ -33,8 +42,20 @@ pub fn init_metrics() -> anyhow::Result<PrometheusHandle> {
             ],
         )?
         .install_recorder()?;
+    PROCESS.describe();
     let _ = HANDLE.set(handle.clone());
     Ok(handle)
+}
+
+/// The standard process metrics (`process_cpu_seconds_total`,
+/// `process_resident_memory_bytes`, open fds, ...), read from the OS.
+static PROCESS: std::sync::LazyLock<metrics_process::Collector> =
+    std::sync::LazyLock::new(metrics_process::Collector::default);
+
+/// Everything in Prometheus text, the process metrics read just now.
+pub fn render(handle: &PrometheusHandle) -> String {
+    PROCESS.collect();
+    handle.render()
 }
 
 static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();

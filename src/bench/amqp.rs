@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use delayd_adapters::amqp::topology::{ensure_bound_queue, exchange_exists};
+use delayd_adapters::amqp::topology::{bind_existing, ensure_bound_queue, exchange_exists};
 use delayd_adapters::amqp::{
     AmqpSink, AmqpSource, BrokerConnections, ExchangeType, SinkConfig, SourceConfig,
 };
@@ -17,14 +17,17 @@ pub(super) async fn endpoints(args: &BenchArgs) -> anyhow::Result<Endpoints> {
     };
     let conns = BrokerConnections::new(&args.url)?;
     if let Some(bind_to) = &args.bind_to {
-        ensure_bound_queue(
-            &conns.consume,
-            queue,
-            &delayd_adapters::FieldTable::default(),
-            Some((bind_to, ExchangeType::Topic, &["#".to_string()])),
-        )
-        .await
-        .with_context(|| format!("binding {queue} to {bind_to}"))?;
+        let no_arguments = delayd_adapters::FieldTable::default();
+        let every_key = ["#".to_string()];
+        // An existing exchange keeps its type (a plugin exchange would
+        // refuse a redeclaration as topic); a missing one becomes a topic.
+        let bound = if exchange_exists(&conns.consume, bind_to).await? {
+            bind_existing(&conns.consume, queue, &no_arguments, bind_to, &every_key).await
+        } else {
+            let topic = Some((bind_to.as_str(), ExchangeType::Topic, &every_key[..]));
+            ensure_bound_queue(&conns.consume, queue, &no_arguments, topic).await
+        };
+        bound.with_context(|| format!("binding {queue} to {bind_to}"))?;
     }
     // A missing exchange would close the publish channel on every message.
     if !exchange_exists(&conns.publish, exchange)

@@ -13,6 +13,7 @@
 
 mod amqp;
 mod kafka;
+pub mod scrape;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -42,9 +43,21 @@ pub struct BenchArgs {
     /// AMQP: queue to consume the delivered messages from.
     #[arg(long, required_unless_present = "kafka")]
     pub queue: Option<String>,
-    /// AMQP: declare `--queue` and bind it to this exchange (topic, key `#`) first.
+    /// AMQP: declare `--queue` and bind it to this exchange with key `#`
+    /// first. An exchange that exists is used as it is (a plugin exchange,
+    /// say); a missing one is declared as a topic exchange.
     #[arg(long)]
     pub bind_to: Option<String>,
+    /// AMQP: `--exchange` delays messages itself (the delayed-message
+    /// plugin's `x-delayed-message`). Such an exchange routes a message only
+    /// when it falls due, so the broker returns every mandatory publish as
+    /// unroutable: a confirmed publish counts as published all the same.
+    #[arg(long, conflicts_with = "kafka")]
+    pub delaying_exchange: bool,
+    /// delayd's `/metrics` (`http://127.0.0.1:9464/metrics`): scraped before
+    /// and after the run to report delayd's CPU per message and its RSS.
+    #[arg(long, value_name = "URL")]
+    pub metrics: Option<String>,
     /// Kafka instead of AMQP: the bootstrap servers (`host:port,...`).
     #[arg(long, conflicts_with_all = ["exchange", "queue", "bind_to"])]
     pub kafka: Option<String>,
@@ -111,6 +124,12 @@ pub struct BenchReport {
     pub lateness_p50_ms: u64,
     pub lateness_p99_ms: u64,
     pub lateness_max_ms: u64,
+    /// With `--metrics`: delayd's CPU time over the run per message received.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delayd_cpu_us_per_message: Option<f64>,
+    /// With `--metrics`: delayd's resident memory at the end of the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delayd_resident_bytes: Option<f64>,
 }
 
 const RUN: &str = "x-bench-run";
@@ -148,6 +167,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         args.rate > 0 && args.count > 0,
         "--rate and --count must be positive"
     );
+    let scraper = args
+        .metrics
+        .as_deref()
+        .map(scrape::Scraper::new)
+        .transpose()?;
+    let scraper = scraper.map(Arc::new);
+    let before = match &scraper {
+        Some(s) => Some(sample(s.clone()).await?),
+        None => None,
+    };
     let run_id = format!("{}-{}", std::process::id(), SystemClock.now_ms());
     // Consumer first, so nothing delivered early is missed.
     let Endpoints {
@@ -275,15 +304,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             pub_bar.clone(),
             confirmed.clone(),
         );
+        let delaying_exchange = args.delaying_exchange;
         tokio::spawn(async move {
-            match sink.publish(&message, &target).await {
-                Ok(PublishOutcome::Delivered) => {
-                    confirmed[(seq / 64) as usize].fetch_or(1 << (seq % 64), Ordering::Relaxed);
-                    bar.inc(1);
-                }
-                _ => {
-                    failures.fetch_add(1, Ordering::Relaxed);
-                }
+            let published = match sink.publish(&message, &target).await {
+                Ok(PublishOutcome::Delivered) => true,
+                Ok(PublishOutcome::Unroutable) => delaying_exchange,
+                Err(_) => false,
+            };
+            if published {
+                confirmed[(seq / 64) as usize].fetch_or(1 << (seq % 64), Ordering::Relaxed);
+                bar.inc(1);
+            } else {
+                failures.fetch_add(1, Ordering::Relaxed);
             }
             drop(permit);
         });
@@ -327,13 +359,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     recv_bar.finish();
 
     let published = args.count - failures.load(Ordering::Relaxed);
-    let report = summarise(
+    let mut report = summarise(
         &tally.lock().expect("tally"),
         &confirmed,
         published,
         failures.load(Ordering::Relaxed),
         publish_secs,
     );
+    if let (Some(scraper), Some(before)) = (scraper, before) {
+        let after = sample(scraper).await?;
+        report.delayd_cpu_us_per_message =
+            Some(scrape::cpu_us_per_message(before, after, report.received));
+        report.delayd_resident_bytes = Some(after.resident_bytes);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -351,8 +389,24 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             report.early,
             report.duplicates
         );
+        if let (Some(cpu), Some(rss)) = (
+            report.delayd_cpu_us_per_message,
+            report.delayd_resident_bytes,
+        ) {
+            println!(
+                "delayd: {cpu:.1} us CPU per message, {:.1} MB resident",
+                rss / 1e6
+            );
+        }
     }
     close.await;
+    anyhow::ensure!(
+        report.published > 0,
+        "the broker confirmed none of {} publishes as routed; an exchange that \
+         delays by itself (the plugin's x-delayed-message) returns every one: \
+         pass --delaying-exchange",
+        args.count
+    );
     anyhow::ensure!(
         report.lost == 0 && report.early == 0,
         "{} lost, {} early",
@@ -404,7 +458,13 @@ fn summarise(
         lateness_p50_ms: t.lateness.value_at_quantile(0.5),
         lateness_p99_ms: t.lateness.value_at_quantile(0.99),
         lateness_max_ms: t.lateness.max(),
+        delayd_cpu_us_per_message: None,
+        delayd_resident_bytes: None,
     }
+}
+
+async fn sample(scraper: Arc<scrape::Scraper>) -> anyhow::Result<scrape::ProcessSample> {
+    tokio::task::spawn_blocking(move || scraper.sample()).await?
 }
 
 fn bench_message(run_id: &str, seq: u64, delay: u64, due: u64, body_bytes: usize) -> Message {

@@ -856,6 +856,19 @@ impl Client {
             .unwrap_or_else(|e| panic!("exchange.declare {exchange}: {e}"));
     }
 
+    /// Declares a (non-durable) fanout exchange.
+    pub async fn declare_fanout_exchange(&self, exchange: &str) {
+        self.channel
+            .exchange_declare(
+                exchange.into(),
+                ExchangeKind::Fanout,
+                ExchangeDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("exchange.declare {exchange}: {e}"));
+    }
+
     /// Declares the topic exchange `exchange` and `queue` bound to it with `#`.
     pub async fn declare_target(&self, exchange: &str, queue: &str) {
         self.declare_exchange(exchange).await;

@@ -245,6 +245,28 @@ pub async fn ensure_bound_queue(
     result
 }
 
+/// Declare `queue` and bind it to `exchange`, which must exist already and
+/// is not declared (so its type and arguments stay as they are).
+pub async fn bind_existing(
+    broker: &Broker,
+    queue: &str,
+    arguments: &crate::FieldTable,
+    exchange: &str,
+    binding_keys: &[String],
+) -> Result<(), AmqpError> {
+    ensure_queue(broker, queue, arguments).await?;
+    let channel = open(broker, "binding").await?;
+    let mut result = Ok(());
+    for key in binding_keys {
+        result = bind_queue_on(&channel, queue, exchange, key).await;
+        if result.is_err() {
+            break;
+        }
+    }
+    close(channel).await;
+    result
+}
+
 /// Checks that `exchange` exists, without creating it.
 pub async fn exchange_exists(broker: &Broker, exchange: &str) -> Result<bool, AmqpError> {
     let channel = open(broker, "exchange check").await?;
