@@ -78,7 +78,7 @@ if [ "$pending" -gt 0 ]; then
         --target-topic bench.out --count "$pending" --rate 20000 --publish-only \
         --delay-min 7200000 --delay-max 7300000 >/dev/null 2>&1
     until curl -s http://127.0.0.1:9464/metrics |
-        grep -q "^delayd_pending_messages_total $pending\$"; do sleep 1; done
+        grep -q "^delayd_pending_messages{route=\"bench-kafka\"} $pending\$"; do sleep 1; done
     echo "$pending taken in $((SECONDS - start)) s; delayd RSS $(rss_mb "$pid") MB"
     for rate in $rates; do
         through_delayd "$pending pending, $rate/s" "$rate"

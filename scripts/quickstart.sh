@@ -24,7 +24,7 @@ $BIN bench --exchange orders.delayed --routing-key order.created \
     --count 20 --rate 10 --delay-min 2000 --delay-max 5000 --drain-timeout 20s
 
 echo "== delayd metrics"
-curl -fsS http://127.0.0.1:9464/metrics | grep -E '^delayd_(scheduled|fired)_total|^delayd_pending_messages_total' || true
+curl -fsS http://127.0.0.1:9464/metrics | grep -E '^delayd_(scheduled|fired)_total|^delayd_pending_messages' || true
 echo "== stopping delayd with SIGTERM"
 kill -TERM $PID
 wait $PID

@@ -43,8 +43,101 @@ pub fn init_metrics() -> anyhow::Result<PrometheusHandle> {
         )?
         .install_recorder()?;
     PROCESS.describe();
+    describe_metrics();
     let _ = HANDLE.set(handle.clone());
     Ok(handle)
+}
+
+/// HELP text for every metric delayd exports (docs/metrics.md has the
+/// same table). Counters end in `_total`; units are in the name.
+fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    let per_route = [
+        ("delayd_scheduled_total", "Messages stored and armed."),
+        ("delayd_fired_total", "Messages published to their target."),
+        (
+            "delayd_invalid_total",
+            "Messages sent to the route's invalid destination.",
+        ),
+        (
+            "delayd_unroutable_total",
+            "Due messages sent to the unroutable destination.",
+        ),
+        (
+            "delayd_parked_total",
+            "Retry-mode messages parked after their last attempt.",
+        ),
+        (
+            "delayd_cancelled_total",
+            "Messages cancelled through the admin API or a Kafka tombstone.",
+        ),
+        (
+            "delayd_handed_off_total",
+            "Messages retired after being handed back to their ingress.",
+        ),
+        (
+            "delayd_publish_retries_total",
+            "Publishes that failed and were re-armed with back-off.",
+        ),
+        (
+            "delayd_store_failures_total",
+            "Deliveries that could not be stored (held, not acked).",
+        ),
+        (
+            "delayd_backpressure_held_total",
+            "Deliveries held while the route was paused.",
+        ),
+    ];
+    for (name, help) in per_route {
+        describe_counter!(name, help);
+    }
+    describe_counter!(
+        "delayd_redeliveries_deduplicated_total",
+        "Broker redeliveries recognised as already stored."
+    );
+    describe_counter!(
+        "delayd_handoff_messages_total",
+        "Messages handed back to their ingress at shutdown."
+    );
+    describe_counter!(
+        "delayd_wal_fsyncs_total",
+        "Group commits (fdatasync) of the WAL."
+    );
+    describe_counter!(
+        "delayd_wal_written_bytes_total",
+        Unit::Bytes,
+        "Bytes written to the WAL."
+    );
+    describe_counter!("delayd_wal_compactions_total", "WAL segments compacted.");
+    describe_counter!(
+        "delayd_wal_corrupt_frames_total",
+        "Damaged WAL frames found by recovery."
+    );
+    describe_gauge!(
+        "delayd_pending_messages",
+        "Messages waiting or being published, per route."
+    );
+    describe_gauge!(
+        "delayd_backpressure",
+        "1 while the route's intake is paused."
+    );
+    describe_gauge!("delayd_wal_bytes", Unit::Bytes, "WAL size on disk.");
+    describe_gauge!(
+        "delayd_wal_live_bytes",
+        Unit::Bytes,
+        "WAL bytes still needed."
+    );
+    describe_gauge!("delayd_wal_segments", "WAL segment files.");
+    describe_histogram!(
+        "delayd_lateness_seconds",
+        Unit::Seconds,
+        "How long after its due time a message was handed to its target."
+    );
+    describe_histogram!(
+        "delayd_wal_fsync_seconds",
+        Unit::Seconds,
+        "Duration of one WAL group commit."
+    );
 }
 
 /// The standard process metrics (`process_cpu_seconds_total`,

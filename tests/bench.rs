@@ -88,7 +88,7 @@ async fn bench_through_delayd_reports_every_message_delivered_and_none_early() {
     assert!(
         metrics
             .lines()
-            .any(|l| l == "delayd_pending_messages_total 0"),
+            .any(|l| l == format!("delayd_pending_messages{{route=\"{}\"}} 0", names.route)),
         "stale pending gauge:\n{}",
         metrics
             .lines()

@@ -758,13 +758,10 @@ impl Inner {
     }
 
     fn publish_gauges(&self) {
-        let counts = self.state().counts_by_route();
-        let mut total = 0;
-        for (route, n) in counts {
-            total += n;
+        // Per route only: the total is `sum(delayd_pending_messages)`.
+        for (route, n) in self.state().counts_by_route() {
             metrics::gauge!("delayd_pending_messages", "route" => route.to_string()).set(n as f64);
         }
-        metrics::gauge!("delayd_pending_messages_total").set(total as f64);
         let space = self.wal.space();
         metrics::gauge!("delayd_wal_bytes").set(space.bytes as f64);
         metrics::gauge!("delayd_wal_live_bytes").set(space.live_bytes as f64);
