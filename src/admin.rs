@@ -2,8 +2,7 @@
 //! (list, get, cancel by id or by key). Bound to loopback by default; `/v1`
 //! can require a bearer token. Every error is JSON: `{"error": "..."}`.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::extract::rejection::QueryRejection;
@@ -13,95 +12,41 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use delayd_adapters::{Consuming, FieldTable, Value};
+use delayd_adapters::{FieldTable, Value};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::HttpSection;
 use crate::engine::{Engine, EngineError, ListQuery, PendingInfo};
 use crate::route::Route;
-use crate::runtime::{Backpressure, Brokers};
+use crate::status::{RouteIntake, RuntimeStatus};
 use crate::wal::Record;
 
 #[derive(Clone)]
 pub struct AdminState {
     engine: Engine,
-    brokers: Brokers,
-    ready: Arc<AtomicBool>,
+    status: Arc<dyn RuntimeStatus>,
     token: Option<Arc<str>>,
     metrics: Option<PrometheusHandle>,
-    pressure: Option<Arc<Backpressure>>,
     routes: Option<Arc<HashMap<String, Arc<Route>>>>,
-    consuming: Option<RouteConsuming>,
 }
 
-/// Each route's consuming state, filled in as the routes' sources start.
-pub type RouteConsuming = Arc<std::sync::Mutex<BTreeMap<String, Option<Consuming>>>>;
-
 impl AdminState {
-    pub fn new(
-        engine: Engine,
-        brokers: Brokers,
-        ready: Arc<AtomicBool>,
-        token: Option<String>,
-    ) -> Self {
+    pub fn new(engine: Engine, status: Arc<dyn RuntimeStatus>, token: Option<String>) -> Self {
         Self {
             engine,
-            brokers,
-            ready,
+            status,
             token: token.map(Arc::from),
             metrics: crate::telemetry::metrics_handle(),
-            pressure: None,
             routes: None,
-            consuming: None,
         }
     }
 
-    /// Ready only once every route of `consuming` consumes.
-    pub fn with_consuming(mut self, consuming: RouteConsuming) -> Self {
-        self.consuming = Some(consuming);
-        self
-    }
-
-    /// Show the backpressure state in `/readyz`.
-    pub fn with_backpressure(mut self, pressure: Arc<Backpressure>) -> Self {
-        self.pressure = Some(pressure);
-        self
-    }
-
-    /// Show each message's target in listings.
     pub fn with_routes(mut self, routes: Arc<HashMap<String, Arc<Route>>>) -> Self {
         self.routes = Some(routes);
         self
     }
-}
-
-/// The bearer token from config, `DELAYD_HTTP__TOKEN`, or `http.token_file`;
-/// an empty `http.token` counts as none.
-pub fn token(http: &HttpSection) -> anyhow::Result<Option<String>> {
-    // An empty token is no token (an unset-but-exported variable, say).
-    if let Some(t) = http
-        .token
-        .as_deref()
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-    {
-        return Ok(Some(t.to_owned()));
-    }
-    if let Some(path) = &http.token_file {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("http.token_file: cannot read {}: {e}", path.display()))?;
-        let t = text.lines().next().unwrap_or("").trim().to_owned();
-        anyhow::ensure!(
-            !t.is_empty(),
-            "http.token_file: {} is empty",
-            path.display()
-        );
-        return Ok(Some(t));
-    }
-    Ok(None)
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -169,39 +114,17 @@ async fn healthz(State(state): State<AdminState>) -> Response {
 }
 
 async fn readyz(State(state): State<AdminState>) -> Response {
-    let brokers = state.brokers.status();
+    let brokers = state.status.brokers();
     let all_up = brokers.iter().all(|b| b.ready);
     // A route is ready once its queue, exchange, binding and consumer exist:
     // before that a message published to it can be dropped unbound.
-    let routes: BTreeMap<String, &'static str> = state
-        .consuming
-        .as_ref()
-        .map(|c| {
-            c.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-                .map(|(name, c)| {
-                    let what = match c {
-                        Some(c) if c.get() => "consuming",
-                        _ => "starting",
-                    };
-                    (name.clone(), what)
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    let all_consuming = routes.values().all(|s| *s == "consuming");
-    let ready = state.ready.load(Ordering::Acquire)
-        && all_up
-        && all_consuming
-        && !state.engine.wal().is_stopped();
+    let routes = state.status.routes();
+    let all_consuming = routes.values().all(|s| *s == RouteIntake::Consuming);
+    let ready =
+        state.status.accepting() && all_up && all_consuming && !state.engine.wal().is_stopped();
     // Backpressure does not make delayd unready: it is healthy and its
     // consumers wait on purpose; sending it no traffic would not help.
-    let paused = state
-        .pressure
-        .as_ref()
-        .map(|p| p.paused())
-        .unwrap_or_default();
+    let paused = state.status.paused();
     let (max_pending, max_disk) = state.engine.limits();
     let body = json!({
         "ready": ready,

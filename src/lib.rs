@@ -19,6 +19,7 @@ pub mod inspect;
 pub mod messages;
 pub mod route;
 pub mod runtime;
+pub mod status;
 pub mod telemetry;
 pub mod wal;
 pub mod wheel;

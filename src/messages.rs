@@ -130,7 +130,7 @@ fn client(args: &MessagesArgs) -> anyhow::Result<Client> {
     };
     let token = match (&args.token, &config) {
         (Some(t), _) => Some(t.clone()),
-        (None, Some(c)) => crate::admin::token(&c.http)?,
+        (None, Some(c)) => c.http.bearer_token()?,
         (None, None) => None,
     };
     Ok(Client::new(addr, token))

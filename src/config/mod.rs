@@ -74,6 +74,37 @@ pub struct HttpSection {
     pub token_file: Option<PathBuf>,
 }
 
+impl HttpSection {
+    /// The bearer token: `token` (also `DELAYD_HTTP__TOKEN`), else the first
+    /// line of `token_file`. An empty `token` counts as none (an exported
+    /// but empty variable, say).
+    pub fn bearer_token(&self) -> Result<Option<String>, ConfigError> {
+        if let Some(t) = self
+            .token
+            .as_deref()
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+        {
+            return Ok(Some(t.to_owned()));
+        }
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let invalid = |message: String| ConfigError::Invalid {
+            key: "http.token_file".into(),
+            file: None,
+            message,
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?;
+        let t = text.lines().next().unwrap_or("").trim().to_owned();
+        if t.is_empty() {
+            return Err(invalid(format!("{} is empty", path.display())));
+        }
+        Ok(Some(t))
+    }
+}
+
 impl Default for HttpSection {
     fn default() -> Self {
         Self {

@@ -10,6 +10,7 @@ use delayd_adapters::kafka::{KafkaClientConfig, KafkaSink};
 use delayd_adapters::{BoxFuture, Message, PublishOutcome, SinkError, Target};
 
 use crate::config::{BrokerConfig, Config};
+use crate::status::BrokerStatus;
 
 pub enum BrokerHandle {
     Amqp {
@@ -36,17 +37,6 @@ pub struct Brokers {
 /// A parking destination is declared again after this long, in case it was
 /// deleted (a publish it cannot take also makes delayd forget it at once).
 const REDECLARE_AFTER: Duration = Duration::from_secs(30);
-
-/// Connection state of one broker, for `/readyz`.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct BrokerStatus {
-    pub name: String,
-    /// Consuming connection (only checked for brokers some route reads from).
-    pub consume: &'static str,
-    /// Publishing connection: opened on first publish, so "idle" is fine.
-    pub publish: &'static str,
-    pub ready: bool,
-}
 
 impl Brokers {
     pub fn from_config(config: &Config) -> anyhow::Result<Brokers> {

@@ -15,7 +15,7 @@ mod ingest;
 pub use backpressure::Backpressure;
 pub use brokers::{BrokerHandle, Brokers};
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -27,8 +27,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminState};
 use crate::config::Config;
+use crate::engine::Pressure;
 use crate::engine::{Dispatch, Engine, EngineConfig, SystemClock};
 use crate::route::Route;
+use crate::status::{BrokerStatus, RouteIntake, RuntimeStatus};
 use crate::wal::WalConfig;
 
 pub fn engine_config(config: &Config) -> EngineConfig {
@@ -80,27 +82,24 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .collect();
     let routes = Arc::new(routes);
 
-    let ready = Arc::new(AtomicBool::new(true));
     let pressure = Arc::new(Backpressure::default());
-    let consuming: admin::RouteConsuming = Arc::new(std::sync::Mutex::new(
-        config
-            .routes
-            .iter()
-            .map(|r| (r.name.clone(), None))
-            .collect(),
-    ));
+    let status = Arc::new(Status {
+        brokers: brokers.clone(),
+        pressure: pressure.clone(),
+        accepting: AtomicBool::new(true),
+        consuming: std::sync::Mutex::new(
+            config
+                .routes
+                .iter()
+                .map(|r| (r.name.clone(), None))
+                .collect(),
+        ),
+    });
     let admin_task = if config.http.listen.is_empty() {
         None
     } else {
-        let state = AdminState::new(
-            engine.clone(),
-            brokers.clone(),
-            ready.clone(),
-            admin::token(&config.http)?,
-        )
-        .with_backpressure(pressure.clone())
-        .with_routes(routes.clone())
-        .with_consuming(consuming.clone());
+        let state = AdminState::new(engine.clone(), status.clone(), config.http.bearer_token()?)
+            .with_routes(routes.clone());
         let listener = tokio::net::TcpListener::bind(&config.http.listen)
             .await
             .with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
@@ -136,7 +135,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     for route_cfg in &config.routes {
         let route = routes[&route_cfg.name].clone();
         let source = start_source(&brokers, route_cfg)?;
-        consuming
+        status
+            .consuming
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(route_cfg.name.clone(), Some(source.consuming()));
@@ -166,7 +166,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         }
     };
     tracing::info!("shutting down: no longer consuming");
-    ready.store(false, Ordering::Release);
+    status.accepting.store(false, Ordering::Release);
     intake_stop.cancel();
     for task in intakes {
         let _ = task.await;
@@ -298,4 +298,43 @@ fn spawn_signal_handler(shutdown: CancellationToken) {
         }
         shutdown.cancel();
     });
+}
+
+/// What `/readyz` reports, as the runtime sees it.
+struct Status {
+    brokers: Brokers,
+    pressure: Arc<Backpressure>,
+    /// False once shutdown has begun.
+    accepting: AtomicBool,
+    /// Each route's source once it started (None before).
+    consuming: std::sync::Mutex<BTreeMap<String, Option<delayd_adapters::Consuming>>>,
+}
+
+impl RuntimeStatus for Status {
+    fn brokers(&self) -> Vec<BrokerStatus> {
+        self.brokers.status()
+    }
+
+    fn routes(&self) -> BTreeMap<String, RouteIntake> {
+        self.consuming
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(name, c)| {
+                let intake = match c {
+                    Some(c) if c.get() => RouteIntake::Consuming,
+                    _ => RouteIntake::Starting,
+                };
+                (name.clone(), intake)
+            })
+            .collect()
+    }
+
+    fn paused(&self) -> BTreeMap<String, Pressure> {
+        self.pressure.paused()
+    }
+
+    fn accepting(&self) -> bool {
+        self.accepting.load(Ordering::Acquire)
+    }
 }
