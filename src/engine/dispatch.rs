@@ -1,6 +1,7 @@
 //! The dispatcher: pops due messages, publishes them with a bounded number in
 //! flight, writes Done on success and re-arms with back-off on failure.
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::wal::{Record, WalPos};
 use crate::wheel::Expired;
 
-use super::state::{InFlight, Slot};
+use super::state::Slot;
 use super::Inner;
 
 /// A due message, read back from the WAL.
@@ -64,253 +65,254 @@ pub(crate) async fn run(
     shutdown: CancellationToken,
     grace: Duration,
 ) {
-    let permits = Arc::new(Semaphore::new(inner.config.max_in_flight.max(1)));
-    // Semaphore permits are u32: the byte budget is capped at 4 GiB.
-    let budget = inner.config.max_bytes_in_flight.clamp(1, u32::MAX as usize);
-    let bytes = Arc::new(Semaphore::new(budget));
-    let mut limiter = RateLimiter::new(inner.config.overdue_rate);
+    let mut dispatcher = Dispatcher::new(inner, dispatch);
     let mut batch: Vec<Expired<Slot>> = Vec::with_capacity(BATCH);
     let mut last_gauges = 0u64;
-    loop {
-        if shutdown.is_cancelled() {
-            break;
-        }
+    while !shutdown.is_cancelled() {
         // Wait for room before popping, so popped messages never queue up here.
         let first = tokio::select! {
-            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            p = dispatcher.permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
             _ = shutdown.cancelled() => break,
         };
-        let now = inner.clock.now_ms();
-        let next = {
-            let mut state = inner.state();
-            let room = permits.available_permits() + 1;
-            pop_due(&mut state, now, room.min(BATCH), &mut batch);
-            hold_blocked(&mut state, now, &mut batch);
-            let probes = batch.len();
-            state.take_probes(now, &mut batch);
-            for (i, e) in batch.iter().enumerate() {
-                let attempt = state.attempts.get(&e.id).copied().unwrap_or(0);
-                state.in_flight.insert(
-                    e.id,
-                    InFlight {
-                        slot: e.data,
-                        deadline: e.deadline,
-                        attempt,
-                        probe: i >= probes,
-                    },
-                );
-            }
-            let next = next_deadline(&state);
-            // Published under the lock that computed it: an appender arming
-            // an earlier message after this sees it and wakes us; one that
-            // armed before is in `next`. Stored after the lock, a wake-up
-            // could be lost and the message be up to a second late.
-            let planned = if batch.is_empty() {
-                next.unwrap_or(u64::MAX)
-            } else {
-                0
-            };
-            inner.planned_wake.store(planned, Ordering::Release);
-            next
-        };
+        let now = dispatcher.inner.clock.now_ms();
+        let next = dispatcher.take_due(now, &mut batch);
         if now >= last_gauges + 1000 {
-            inner.publish_gauges();
+            dispatcher.inner.publish_gauges();
             last_gauges = now;
         }
         if batch.is_empty() {
             drop(first);
-            // At least once a second, so the pending gauges settle once idle.
-            let wait = next.map_or(1000, |d| d.saturating_sub(now).min(1000));
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(wait.max(1))) => {}
-                _ = inner.wake.notified() => {}
-                _ = shutdown.cancelled() => break,
+            if !dispatcher.sleep(now, next, &shutdown).await {
+                break;
             }
-            inner.planned_wake.store(0, Ordering::Release);
             continue;
         }
-        // Read the batch back in fire order, a few blocking calls of at most
-        // a quarter of the byte budget each, so big messages are not all
-        // read into memory at once.
-        let mut wanted: std::collections::VecDeque<(Expired<Slot>, WalPos, Arc<str>, u32)> = {
-            let state = inner.state();
+        if dispatcher.fire(&mut batch, first).await.is_err() {
+            return;
+        }
+    }
+    dispatcher.drain(grace).await;
+}
+
+/// The dispatcher's limits, kept across rounds.
+struct Dispatcher {
+    inner: Arc<Inner>,
+    dispatch: Arc<dyn Dispatch>,
+    /// One per message being published (`max_in_flight`).
+    permits: Arc<Semaphore>,
+    /// One per byte being published (`max_bytes_in_flight`).
+    bytes: Arc<Semaphore>,
+    budget: usize,
+    /// Paces messages that were already overdue at start-up.
+    limiter: RateLimiter,
+}
+
+/// A semaphore was closed: the dispatcher is going away.
+struct Closed;
+
+impl Dispatcher {
+    fn new(inner: Arc<Inner>, dispatch: Arc<dyn Dispatch>) -> Self {
+        let permits = Arc::new(Semaphore::new(inner.config.max_in_flight.max(1)));
+        // Semaphore permits are u32: the byte budget is capped at 4 GiB.
+        let budget = inner.config.max_bytes_in_flight.clamp(1, u32::MAX as usize);
+        let limiter = RateLimiter::new(inner.config.overdue_rate);
+        Self {
+            inner,
+            dispatch,
+            permits,
+            bytes: Arc::new(Semaphore::new(budget)),
+            budget,
+            limiter,
+        }
+    }
+
+    /// Under one lock hold: pop what is due (as much as there is room for),
+    /// hold back what waits for an unreachable target, add due probes, and
+    /// begin their flights. Returns the next deadline.
+    fn take_due(&self, now: u64, batch: &mut Vec<Expired<Slot>>) -> Option<u64> {
+        let mut state = self.inner.state();
+        let room = self.permits.available_permits() + 1;
+        state.pop_due(now, room.min(BATCH), MAX_GROUP, batch);
+        state.hold_blocked(now, batch);
+        let probes = batch.len();
+        state.take_probes(now, batch);
+        state.begin_flights(batch, probes);
+        let next = state.next_deadline();
+        // Published under the lock that computed it: an appender arming
+        // an earlier message after this sees it and wakes us; one that
+        // armed before is in `next`. Stored after the lock, a wake-up
+        // could be lost and the message be up to a second late.
+        let planned = if batch.is_empty() {
+            next.unwrap_or(u64::MAX)
+        } else {
+            0
+        };
+        self.inner.planned_wake.store(planned, Ordering::Release);
+        next
+    }
+
+    /// Nothing due: sleep until the next deadline, an earlier arrival, or
+    /// a second at most (so the gauges settle once idle). False on shutdown.
+    async fn sleep(&self, now: u64, next: Option<u64>, shutdown: &CancellationToken) -> bool {
+        let wait = next.map_or(1000, |d| d.saturating_sub(now).min(1000));
+        let go_on = tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(wait.max(1))) => true,
+            _ = self.inner.wake.notified() => true,
+            _ = shutdown.cancelled() => false,
+        };
+        self.inner.planned_wake.store(0, Ordering::Release);
+        go_on
+    }
+
+    /// Read the batch back in fire order, a few blocking calls of at most
+    /// a quarter of the byte budget each (so big messages are not all read
+    /// into memory at once), and hand each to the sink in that order.
+    async fn fire(
+        &mut self,
+        batch: &mut Vec<Expired<Slot>>,
+        first: OwnedSemaphorePermit,
+    ) -> Result<(), Closed> {
+        let mut wanted: VecDeque<Wanted> = {
+            let state = self.inner.state();
             batch
                 .drain(..)
-                .map(|e| {
-                    let attempt = state.in_flight.get(&e.id).map(|f| f.attempt).unwrap_or(0);
-                    (e, e.data.pos, state.route_name(e.data.route), attempt)
+                .map(|entry| Wanted {
+                    entry,
+                    route: state.route_name(entry.data.route),
+                    attempt: state.in_flight(entry.id).map_or(0, |f| f.attempt),
                 })
                 .collect()
         };
         let mut first = Some(first);
         while !wanted.is_empty() {
-            let wal = inner.wal.clone();
-            let positions: Vec<WalPos> = wanted.iter().map(|w| w.1).collect();
-            let chunk = (budget as u64 / 4).max(1);
+            let wal = self.inner.wal.clone();
+            let positions: Vec<WalPos> = wanted.iter().map(|w| w.entry.data.pos).collect();
+            let chunk = (self.budget as u64 / 4).max(1);
             let records = tokio::task::spawn_blocking(move || read_chunk(&wal, positions, chunk))
                 .await
                 .unwrap_or_default();
             if records.is_empty() {
                 // The read task failed: settle one so the loop moves on.
-                let (entry, _, route, _) = wanted.pop_front().expect("not empty");
-                let permit = match first.take() {
-                    Some(p) => p,
-                    None => match permits.clone().acquire_owned().await {
-                        Ok(p) => p,
-                        Err(_) => return,
-                    },
-                };
+                let w = wanted.pop_front().expect("not empty");
+                let permit = self.permit(&mut first).await?;
                 let settle = Settle {
-                    id: entry.id,
-                    route,
+                    id: w.entry.id,
+                    route: w.route,
                     key: None,
                 };
                 let delivery = failed("WAL read task failed".to_string());
-                tokio::spawn(complete(inner.clone(), settle, delivery, (permit, None)));
+                tokio::spawn(complete(
+                    self.inner.clone(),
+                    settle,
+                    delivery,
+                    (permit, None),
+                ));
                 continue;
             }
             for record in records {
-                let (entry, pos, route, attempt) = wanted.pop_front().expect("read in order");
-                if entry.deadline <= inner.overdue_until {
-                    limiter.wait().await;
+                let w = wanted.pop_front().expect("read in order");
+                if w.entry.deadline <= self.inner.overdue_until {
+                    self.limiter.wait().await;
                 }
-                let permit = match first.take() {
-                    Some(p) => p,
-                    None => match permits.clone().acquire_owned().await {
-                        Ok(p) => p,
-                        Err(_) => return,
-                    },
-                };
+                let permit = self.permit(&mut first).await?;
                 // Room for its bytes too, while earlier ones are published.
                 let size = match &record {
-                    Ok(Record::Schedule { message, .. }) => message.len().clamp(1, budget),
+                    Ok(Record::Schedule { message, .. }) => message.len().clamp(1, self.budget),
                     _ => 1,
                 };
-                let byte_permit = match bytes.clone().acquire_many_owned(size as u32).await {
-                    Ok(p) => p,
-                    Err(_) => return,
-                };
-                let fired_ms = inner.clock.now_ms();
-                // `deliver` is called here, in fire order; the publish completes in its own task.
-                let mut key = None;
-                let delivery = match record {
-                    Ok(Record::Schedule {
-                        due_ms, message, ..
-                    }) => {
-                        key = delayd_adapters::lookup_key(&message)
-                            .map(|k| super::key_hash(entry.data.route, k));
-                        if attempt == 0 {
-                            let late = fired_ms.saturating_sub(due_ms) as f64 / 1000.0;
-                            metrics::histogram!("delayd_lateness_seconds", "route" => route.to_string())
-                                .record(late);
-                        }
-                        dispatch.deliver(Fired {
-                            id: entry.id,
-                            route: route.clone(),
-                            due_ms,
-                            fired_ms,
-                            message,
-                            attempt,
-                        })
-                    }
-                    Ok(Record::Done { .. }) => failed(format!("WAL position {pos:?} holds a Done")),
-                    Err(e) => failed(format!("cannot read message from the WAL: {e}")),
-                };
-                tokio::spawn(complete(
-                    inner.clone(),
-                    Settle {
-                        id: entry.id,
-                        route,
-                        key,
-                    },
-                    delivery,
-                    (permit, Some(byte_permit)),
-                ));
+                let byte_permit = self
+                    .bytes
+                    .clone()
+                    .acquire_many_owned(size as u32)
+                    .await
+                    .map_err(|_| Closed)?;
+                self.deliver(w, record, (permit, Some(byte_permit)));
             }
         }
+        Ok(())
     }
-    // Let in-flight publishes finish (their Done records get written).
-    let all = inner.config.max_in_flight.max(1) as u32;
-    if tokio::time::timeout(grace, permits.acquire_many(all))
-        .await
-        .is_err()
-    {
-        tracing::warn!("shutdown grace period over with publishes still in flight; they will be retried after restart");
-    }
-    inner.publish_gauges();
-}
 
-/// The earliest deadline in the wheel or the held set, or probe time.
-fn next_deadline(state: &super::State) -> Option<u64> {
-    let next_held = state.held.keys().next().map(|k| k.0);
-    [state.wheel.next_deadline(), next_held, state.next_probe()]
-        .into_iter()
-        .flatten()
-        .min()
-}
-
-/// Due messages of blocked routes wait with their route instead of going out.
-fn hold_blocked(state: &mut super::State, now: u64, batch: &mut Vec<Expired<Slot>>) {
-    if state.blocked.is_empty() {
-        return;
-    }
-    let mut kept = Vec::with_capacity(batch.len());
-    for e in batch.drain(..) {
-        if state.is_blocked(e.data.route) {
-            state.block(now, e, false);
-        } else {
-            kept.push(e);
+    /// The batch's first permit (taken before popping), then one each.
+    async fn permit(
+        &self,
+        first: &mut Option<OwnedSemaphorePermit>,
+    ) -> Result<OwnedSemaphorePermit, Closed> {
+        match first.take() {
+            Some(p) => Ok(p),
+            None => self
+                .permits
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| Closed),
         }
     }
-    *batch = kept;
-}
 
-/// Move due entries from the wheel (and from the held set) into `out`. An
-/// entry whose deadline is ahead of the wall clock (the clock stepped back
-/// after the wheel advanced) is held until the clock reaches it.
-fn pop_due(state: &mut super::State, now: u64, max: usize, out: &mut Vec<Expired<Slot>>) {
-    while let Some((&(deadline, id), _)) = state.held.iter().next() {
-        if deadline > now || out.len() >= max {
-            break;
-        }
-        if let Some(slot) = state.unhold(deadline, id) {
-            out.push(Expired {
-                id,
-                deadline,
-                data: slot,
-            });
-        }
-    }
-    let start = out.len();
-    state.wheel.poll_expired(now, max - out.len(), out);
-    // The wheel gives equal deadlines in the order they were armed, which
-    // is not quite id order (appends complete concurrently). A batch that
-    // stopped inside a group of equal deadlines takes the rest of the group
-    // (up to a cap), so the sort below orders the whole group by id.
-    if out.len() == max {
-        if let Some(last) = out.last().map(|e| e.deadline) {
-            while out.len() < MAX_GROUP {
-                if state.wheel.poll_expired(now, 1, out) == 0 {
-                    break;
+    /// Call `deliver` now, in fire order; the publish completes in its own task.
+    fn deliver(
+        &self,
+        w: Wanted,
+        record: Result<Record, crate::wal::WalError>,
+        permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
+    ) {
+        let fired_ms = self.inner.clock.now_ms();
+        let Wanted {
+            entry,
+            route,
+            attempt,
+        } = w;
+        let mut key = None;
+        let delivery = match record {
+            Ok(Record::Schedule {
+                due_ms, message, ..
+            }) => {
+                key = delayd_adapters::lookup_key(&message)
+                    .map(|k| super::key_hash(entry.data.route, k));
+                if attempt == 0 {
+                    let late = fired_ms.saturating_sub(due_ms) as f64 / 1000.0;
+                    metrics::histogram!("delayd_lateness_seconds", "route" => route.to_string())
+                        .record(late);
                 }
-                if out.last().is_some_and(|e| e.deadline != last) {
-                    break;
-                }
+                self.dispatch.deliver(Fired {
+                    id: entry.id,
+                    route: route.clone(),
+                    due_ms,
+                    fired_ms,
+                    message,
+                    attempt,
+                })
             }
-        }
+            Ok(Record::Done { .. }) => {
+                failed(format!("WAL position {:?} holds a Done", entry.data.pos))
+            }
+            Err(e) => failed(format!("cannot read message from the WAL: {e}")),
+        };
+        let settle = Settle {
+            id: entry.id,
+            route,
+            key,
+        };
+        tokio::spawn(complete(self.inner.clone(), settle, delivery, permits));
     }
-    let mut i = start;
-    while i < out.len() {
-        if out[i].deadline > now {
-            let e = out.remove(i);
-            state.hold(e.deadline, e.id, e.data);
-        } else {
-            i += 1;
+
+    /// Let in-flight publishes finish (their Done records get written).
+    async fn drain(&self, grace: Duration) {
+        let all = self.inner.config.max_in_flight.max(1) as u32;
+        if tokio::time::timeout(grace, self.permits.acquire_many(all))
+            .await
+            .is_err()
+        {
+            tracing::warn!("shutdown grace period over with publishes still in flight; they will be retried after restart");
         }
+        self.inner.publish_gauges();
     }
-    // Messages due in the same millisecond go out in id (= WAL append =
-    // consumption) order, whatever order their appends completed in.
-    out.sort_by_key(|e| (e.deadline, e.id));
+}
+
+/// A popped entry on its way out, with what its delivery needs.
+struct Wanted {
+    entry: Expired<Slot>,
+    route: Arc<str>,
+    attempt: u32,
 }
 
 /// Read records at `positions` in order until their bytes reach `chunk`
@@ -359,7 +361,7 @@ async fn complete(
     let Settle { id, route, key } = settle;
     let outcome = delivery.await;
     let mut state = inner.state();
-    let Some(flight) = state.in_flight.remove(&id) else {
+    let Some(flight) = state.land(id) else {
         return;
     };
     let route_id = flight.slot.route;
@@ -372,8 +374,7 @@ async fn complete(
     }
     match outcome {
         Outcome::Done => {
-            state.counts[route_id as usize] -= 1;
-            state.attempts.remove(&id);
+            state.retire(id, &flight);
             if let Some(hash) = key {
                 state.keys.remove(hash, id);
             }
@@ -398,15 +399,13 @@ async fn complete(
             inner.wake.notify_one();
         }
         Outcome::Retry(reason) => {
-            let attempt = flight.attempt + 1;
-            let backoff = backoff(&inner.config, attempt);
+            let backoff = backoff(&inner.config, flight.attempt + 1);
             let at = inner.clock.now_ms() + backoff.as_millis() as u64;
+            let attempt = state.rearm_after_failure(id, &flight, at);
+            drop(state);
             tracing::warn!(id, route = %route, attempt, retry_in_ms = backoff.as_millis() as u64, %reason, "publish failed; will retry");
             metrics::counter!("delayd_publish_retries_total", "route" => route.to_string())
                 .increment(1);
-            state.attempts.insert(id, attempt);
-            let _ = state.wheel.insert(id, at, flight.slot);
-            drop(state);
             if at < inner.planned_wake.load(Ordering::Acquire) {
                 inner.wake.notify_one();
             }

@@ -294,7 +294,7 @@ impl Engine {
         }
         // Done records removed messages without naming their key.
         state.sweep_keys();
-        wal.set_live_counts(state.wheel.iter().map(|e| e.data.pos));
+        wal.set_live_counts(state.armed_positions());
         let engine = Engine {
             inner: Arc::new(Inner {
                 config,
@@ -483,7 +483,7 @@ impl Engine {
         let mut from = Some(0);
         while let Some(start) = from {
             let state = self.state();
-            from = state.wheel.scan(start, LIST_CHUNK, |e| {
+            from = state.scan_armed(start, LIST_CHUNK, |e| {
                 out.push(PendingInfo {
                     id: e.id,
                     route: state.route_name(e.data.route),
@@ -530,7 +530,7 @@ impl Engine {
         // The key hash comes from the stored record, read outside the lock.
         let hash = self.key_hash_of(id);
         let mut state = self.state();
-        if state.in_flight.contains_key(&id) {
+        if state.is_in_flight(id) {
             return Err(EngineError::InFlight(id));
         }
         let Some(entry) = state.disarm(id) else {
@@ -655,7 +655,7 @@ impl Engine {
         let mut from = Some(0);
         while let Some(start) = from {
             let state = self.state();
-            from = state.wheel.scan(start, LIST_CHUNK, |e| {
+            from = state.scan_armed(start, LIST_CHUNK, |e| {
                 page.offer(e.id, e.deadline, e.data, Phase::Waiting);
             });
             drop(state);
@@ -689,7 +689,7 @@ impl Engine {
                 }
             }
         }
-        for (&id, f) in &state.in_flight {
+        for (id, f) in state.flights() {
             page.offer(id, f.deadline, f.slot, Phase::Publishing);
         }
         page.finish(&state)

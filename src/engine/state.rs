@@ -53,16 +53,18 @@ pub const PROBE_INITIAL_MS: u64 = 250;
 pub const PROBE_MAX_MS: u64 = 5000;
 
 pub struct State {
-    pub wheel: TimingWheel<Slot>,
-    pub in_flight: HashMap<u64, InFlight>,
+    wheel: TimingWheel<Slot>,
+    /// Handed to the sink, not yet settled: still pending, not in the wheel.
+    in_flight: HashMap<u64, InFlight>,
     /// Popped from the wheel while the wall clock is behind their deadline
     /// (the clock stepped back): they wait here, keyed by (deadline, id).
     pub held: BTreeMap<(u64, u64), Slot>,
     /// Id → deadline of every held entry, so finding one is O(1).
     held_at: HashMap<u64, u64>,
     /// Publish attempts so far, for messages re-armed after a failure.
-    pub attempts: HashMap<u64, u32>,
-    pub counts: Vec<u64>,
+    attempts: HashMap<u64, u32>,
+    /// Pending messages per route: armed, held, blocked or in flight.
+    counts: Vec<u64>,
     pub routes: Vec<Arc<str>>,
     route_index: HashMap<Arc<str>, u16>,
     pub unconfirmed: Unconfirmed,
@@ -158,6 +160,159 @@ impl State {
         self.counts[found.data.route as usize] -= 1;
         self.attempts.remove(&id);
         Some(found)
+    }
+
+    /// Visit up to `max` armed entries from slab node `from` on; returns
+    /// where to go on, if anywhere (see [`TimingWheel::scan`]).
+    pub fn scan_armed(
+        &self,
+        from: usize,
+        max: usize,
+        visit: impl FnMut(Expired<Slot>),
+    ) -> Option<usize> {
+        self.wheel.scan(from, max, visit)
+    }
+
+    /// The WAL position of every armed message.
+    pub fn armed_positions(&self) -> impl Iterator<Item = WalPos> + '_ {
+        self.wheel.iter().map(|e| e.data.pos)
+    }
+
+    /// Take an entry out of the wheel alone, as a pop would (tests).
+    #[cfg(test)]
+    pub fn unarm_for_test(&mut self, id: u64) -> Option<Expired<Slot>> {
+        self.wheel.cancel(id)
+    }
+
+    /// Hand popped entries to the sink: each is in flight (still pending,
+    /// with its attempt count) until [`State::settle`]. The entries from
+    /// `probes_from` on are their blocked routes' probes.
+    pub fn begin_flights(&mut self, batch: &[Expired<Slot>], probes_from: usize) {
+        for (i, e) in batch.iter().enumerate() {
+            let attempt = self.attempts.get(&e.id).copied().unwrap_or(0);
+            let flight = InFlight {
+                slot: e.data,
+                deadline: e.deadline,
+                attempt,
+                probe: i >= probes_from,
+            };
+            debug_assert!(!self.in_flight.contains_key(&e.id), "{} flies twice", e.id);
+            self.in_flight.insert(e.id, flight);
+        }
+    }
+
+    pub fn in_flight(&self, id: u64) -> Option<&InFlight> {
+        self.in_flight.get(&id)
+    }
+
+    pub fn is_in_flight(&self, id: u64) -> bool {
+        self.in_flight.contains_key(&id)
+    }
+
+    /// Every message being published, with its flight.
+    pub fn flights(&self) -> impl Iterator<Item = (u64, &InFlight)> {
+        self.in_flight.iter().map(|(&id, f)| (id, f))
+    }
+
+    /// A publish finished: the flight ends. `None` if it had already ended.
+    pub fn land(&mut self, id: u64) -> Option<InFlight> {
+        self.in_flight.remove(&id)
+    }
+
+    /// A landed message left delayd: no longer pending on its route.
+    pub fn retire(&mut self, id: u64, flight: &InFlight) {
+        self.counts[flight.slot.route as usize] -= 1;
+        self.attempts.remove(&id);
+    }
+
+    /// A landed message failed: back into the wheel at `at`, one attempt
+    /// more. Returns that attempt number.
+    pub fn rearm_after_failure(&mut self, id: u64, flight: &InFlight, at: u64) -> u32 {
+        let attempt = flight.attempt + 1;
+        self.attempts.insert(id, attempt);
+        let _ = self.wheel.insert(id, at, flight.slot);
+        attempt
+    }
+
+    /// The earliest deadline in the wheel or the held set, or probe time.
+    pub fn next_deadline(&self) -> Option<u64> {
+        let next_held = self.held.keys().next().map(|k| k.0);
+        [self.wheel.next_deadline(), next_held, self.next_probe()]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Due messages of blocked routes wait with their route instead of going out.
+    pub fn hold_blocked(&mut self, now: u64, batch: &mut Vec<Expired<Slot>>) {
+        if self.blocked.is_empty() {
+            return;
+        }
+        let mut kept = Vec::with_capacity(batch.len());
+        for e in batch.drain(..) {
+            if self.is_blocked(e.data.route) {
+                self.block(now, e, false);
+            } else {
+                kept.push(e);
+            }
+        }
+        *batch = kept;
+    }
+
+    /// Move due entries from the wheel (and from the held set) into `out`. An
+    /// entry whose deadline is ahead of the wall clock (the clock stepped back
+    /// after the wheel advanced) is held until the clock reaches it. A batch
+    /// that ends inside a group of equal deadlines takes up to `max_group`
+    /// entries to finish it.
+    pub fn pop_due(
+        &mut self,
+        now: u64,
+        max: usize,
+        max_group: usize,
+        out: &mut Vec<Expired<Slot>>,
+    ) {
+        while let Some((&(deadline, id), _)) = self.held.iter().next() {
+            if deadline > now || out.len() >= max {
+                break;
+            }
+            if let Some(slot) = self.unhold(deadline, id) {
+                out.push(Expired {
+                    id,
+                    deadline,
+                    data: slot,
+                });
+            }
+        }
+        let start = out.len();
+        self.wheel.poll_expired(now, max - out.len(), out);
+        // The wheel gives equal deadlines in the order they were armed, which
+        // is not quite id order (appends complete concurrently). A batch that
+        // stopped inside a group of equal deadlines takes the rest of the group
+        // (up to a cap), so the sort below orders the whole group by id.
+        if out.len() == max {
+            if let Some(last) = out.last().map(|e| e.deadline) {
+                while out.len() < max_group {
+                    if self.wheel.poll_expired(now, 1, out) == 0 {
+                        break;
+                    }
+                    if out.last().is_some_and(|e| e.deadline != last) {
+                        break;
+                    }
+                }
+            }
+        }
+        let mut i = start;
+        while i < out.len() {
+            if out[i].deadline > now {
+                let e = out.remove(i);
+                self.hold(e.deadline, e.id, e.data);
+            } else {
+                i += 1;
+            }
+        }
+        // Messages due in the same millisecond go out in id (= WAL append =
+        // consumption) order, whatever order their appends completed in.
+        out.sort_by_key(|e| (e.deadline, e.id));
     }
 
     /// The message's current WAL position and phase, wherever it is.

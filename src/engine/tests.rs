@@ -824,7 +824,7 @@ fn held_entries_are_found_relocated_and_cancelled_by_id() {
     // Popped while the clock was behind their deadlines: held back.
     for id in 0..1000u64 {
         state.arm(id, 5_000 + id, slot(id as u32));
-        let e = state.wheel.cancel(id).unwrap();
+        let e = state.unarm_for_test(id).unwrap();
         state.hold(e.deadline, e.id, e.data);
     }
     assert_eq!(
