@@ -6,7 +6,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use delayd_adapters::BoxFuture;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -14,7 +13,7 @@ use crate::wal::{Record, WalPos};
 use crate::wheel::Expired;
 
 use super::state::Slot;
-use super::Inner;
+use super::{BoxFuture, Inner};
 
 /// A due message, read back from the WAL.
 #[derive(Debug, Clone)]
@@ -266,7 +265,7 @@ impl Dispatcher {
             Ok(Record::Schedule {
                 due_ms, message, ..
             }) => {
-                key = delayd_adapters::lookup_key(&message)
+                key = (self.inner.config.key_of)(&message)
                     .map(|k| super::key_hash(entry.data.route, k));
                 if attempt == 0 {
                     let late = fired_ms.saturating_sub(due_ms) as f64 / 1000.0;

@@ -68,6 +68,20 @@ pub struct EngineConfig {
     pub max_pending: u64,
     /// Backpressure: most WAL bytes on disk (0 = no limit).
     pub max_disk: u64,
+    /// The lookup key (AMQP `message_id`, Kafka key) of a stored message,
+    /// for cancel by key. The engine stores opaque bytes: the runtime says
+    /// how to read a key out of them (default: no keys).
+    pub key_of: KeyOf,
+}
+
+/// Reads the lookup key out of a stored message's bytes.
+pub type KeyOf = fn(&[u8]) -> Option<&[u8]>;
+
+/// A boxed future, as a [`Dispatch`] returns.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+fn no_key(_: &[u8]) -> Option<&[u8]> {
+    None
 }
 
 impl EngineConfig {
@@ -83,6 +97,7 @@ impl EngineConfig {
             gc_interval: Duration::from_secs(1),
             max_pending: 0,
             max_disk: 0,
+            key_of: no_key,
         }
     }
 }
@@ -269,7 +284,7 @@ impl Engine {
                 if let Some(old) = replaced.filter(|o| o.pos.segment != pos.segment) {
                     superseded.push((pos.segment, old.pos.segment));
                 }
-                if let Some(key) = delayd_adapters::lookup_key(message) {
+                if let Some(key) = (config.key_of)(message) {
                     state.keys.insert(key_hash(route_id, key), id);
                 }
                 if config.dedup_window > 0 {
@@ -375,7 +390,7 @@ impl Engine {
             .state()
             .intern(route)
             .ok_or(EngineError::TooManyRoutes)?;
-        let key = delayd_adapters::lookup_key(&message).map(|k| key_hash(route_id, k));
+        let key = (self.inner.config.key_of)(&message).map(|k| key_hash(route_id, k));
         let appended = self.inner.wal.append_schedule(due_ms, route, message)?;
         Ok((route_id, key, appended))
     }
@@ -559,7 +574,7 @@ impl Engine {
         let mut found = Vec::new();
         for id in candidates {
             if let Some((info, Record::Schedule { message, .. })) = self.read(id)? {
-                if &*info.route == route && delayd_adapters::lookup_key(&message) == Some(key) {
+                if &*info.route == route && (self.inner.config.key_of)(&message) == Some(key) {
                     found.push(id);
                 }
             }
@@ -611,7 +626,7 @@ impl Engine {
         };
         match self.inner.wal.read(pos) {
             Ok(Record::Schedule { message, .. }) => {
-                delayd_adapters::lookup_key(&message).map(|k| key_hash(route, k))
+                (self.inner.config.key_of)(&message).map(|k| key_hash(route, k))
             }
             // Moved by compaction meanwhile: the sweep removes the entry later.
             _ => None,

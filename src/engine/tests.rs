@@ -32,7 +32,7 @@ impl Dispatch for Collector {
     }
 }
 
-use delayd_adapters::BoxFuture;
+use super::BoxFuture;
 
 struct Running {
     engine: Engine,
@@ -49,6 +49,7 @@ fn config(dir: &std::path::Path) -> EngineConfig {
         retry_initial: Duration::from_millis(20),
         retry_max: Duration::from_millis(100),
         gc_interval: Duration::from_millis(50),
+        key_of: delayd_adapters::lookup_key,
         ..EngineConfig::new(wal)
     }
 }

@@ -49,6 +49,7 @@ pub fn engine_config(config: &Config) -> EngineConfig {
         dedup_window: config.engine.dedup_window,
         max_pending: config.engine.max_pending,
         max_disk: config.engine.max_disk,
+        key_of: delayd_adapters::lookup_key,
         ..EngineConfig::new(wal)
     }
 }
