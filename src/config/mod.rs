@@ -219,6 +219,34 @@ pub enum BrokerConfig {
     },
 }
 
+/// Type of a source exchange delayd declares (names as AMQP spells them).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ExchangeKind {
+    Direct,
+    #[default]
+    Topic,
+    Fanout,
+    Headers,
+}
+
+/// Type of a source queue delayd declares (its `x-queue-type`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueKind {
+    Classic,
+    Quorum,
+}
+
+impl QueueKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueKind::Classic => "classic",
+            QueueKind::Quorum => "quorum",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
@@ -327,14 +355,14 @@ pub struct FromConfig {
     pub exchange: Option<String>,
     /// AMQP: type of `exchange`: direct, topic (default), fanout or headers.
     #[serde(default)]
-    pub exchange_type: Option<String>,
+    pub exchange_type: ExchangeKind,
     /// AMQP: unacknowledged deliveries per consumer (basic.qos).
     #[serde(default)]
     pub prefetch: Option<u16>,
     /// AMQP: type of `queue` when delayd declares it: "classic" or "quorum"
     /// (unset: the vhost's default). Sets the `x-queue-type` argument.
     #[serde(default)]
-    pub queue_type: Option<String>,
+    pub queue_type: Option<QueueKind>,
     /// AMQP: further arguments of the queue's declaration, such as
     /// `x-delivery-limit` (integers, strings or booleans).
     #[serde(default)]

@@ -269,7 +269,7 @@ fn queue_type_and_arguments_parse_and_are_checked() {
         "exchange_type = \"topic\", queue_type = \"quorum\", queue_arguments = { \"x-delivery-limit\" = 5, \"x-single-active-consumer\" = true } }",
     );
     let c = Config::from_toml_str(&quorum).unwrap();
-    assert_eq!(c.routes[0].from.queue_type.as_deref(), Some("quorum"));
+    assert_eq!(c.routes[0].from.queue_type, Some(QueueKind::Quorum));
     assert_eq!(
         c.routes[0].from.queue_arguments["x-delivery-limit"],
         QueueArgument::Int(5)
@@ -281,7 +281,14 @@ fn queue_type_and_arguments_parse_and_are_checked() {
     let e = Config::from_toml_str(&quorum.replace("\"quorum\"", "\"stream\""))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("routes[0].from.queue_type"), "{e}");
+    assert!(e.contains("routes.0.from.queue_type"), "{e}");
+    // Spelled as AMQP spells them, as in the validation of old: not "TOPIC".
+    for bad in ["\"TOPIC\"", "\"x-delayed-message\""] {
+        let e = Config::from_toml_str(&GOOD.replace("\"topic\"", bad))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("exchange_type"), "{e}");
+    }
     let e = Config::from_toml_str(&quorum.replace("x-delivery-limit", "x-queue-type"))
         .unwrap_err()
         .to_string();

@@ -191,30 +191,16 @@ impl Config {
                         "an AMQP route needs the queue delayd consumes".into(),
                     ));
                 }
-                if let Some(kind) = &route.from.exchange_type {
-                    if !["direct", "topic", "fanout", "headers"].contains(&kind.as_str()) {
-                        return Err(err(
-                            key("from.exchange_type"),
-                            format!("{kind:?} is not one of direct, topic, fanout, headers"),
-                        ));
-                    }
-                }
                 if route.from.prefetch == Some(0) {
                     return Err(err(key("from.prefetch"), "must be at least 1".into()));
                 }
-                if let Some(kind) = &route.from.queue_type {
-                    if !matches!(kind.as_str(), "classic" | "quorum") {
-                        return Err(err(
-                            key("from.queue_type"),
-                            format!("unknown queue type {kind:?} (expected classic or quorum)"),
-                        ));
-                    }
-                    if route.from.queue_arguments.contains_key("x-queue-type") {
-                        return Err(err(
-                            key("from.queue_arguments"),
-                            "x-queue-type is set by from.queue_type; give it once".into(),
-                        ));
-                    }
+                if route.from.queue_type.is_some()
+                    && route.from.queue_arguments.contains_key("x-queue-type")
+                {
+                    return Err(err(
+                        key("from.queue_arguments"),
+                        "x-queue-type is set by from.queue_type; give it once".into(),
+                    ));
                 }
             }
             if route.mode != Mode::Delay && matches!(from, BrokerConfig::Kafka { .. }) {

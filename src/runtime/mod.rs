@@ -26,7 +26,7 @@ use delayd_adapters::Source;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminState};
-use crate::config::Config;
+use crate::config::{Config, ExchangeKind};
 use crate::engine::Pressure;
 use crate::engine::{Dispatch, Engine, EngineConfig, SystemClock};
 use crate::route::Route;
@@ -208,13 +208,12 @@ fn start_source(
             let queue = route.from.queue.clone().unwrap_or_default();
             let mut source_cfg = SourceConfig::new(queue);
             if let Some(exchange) = &route.from.exchange {
-                let kind: ExchangeType = route
-                    .from
-                    .exchange_type
-                    .as_deref()
-                    .unwrap_or("topic")
-                    .parse()
-                    .map_err(|e| anyhow::anyhow!("routes.{name}.from.exchange_type: {e}"))?;
+                let kind = match route.from.exchange_type {
+                    ExchangeKind::Direct => ExchangeType::Direct,
+                    ExchangeKind::Topic => ExchangeType::Topic,
+                    ExchangeKind::Fanout => ExchangeType::Fanout,
+                    ExchangeKind::Headers => ExchangeType::Headers,
+                };
                 source_cfg = source_cfg.with_exchange(exchange.clone(), kind);
             }
             if let Some(prefetch) = route.from.prefetch {
@@ -245,7 +244,7 @@ fn queue_arguments(from: &crate::config::FromConfig) -> delayd_adapters::FieldTa
     use delayd_adapters::Value;
     let mut table = delayd_adapters::FieldTable::default();
     if let Some(kind) = &from.queue_type {
-        table.insert("x-queue-type", Value::LongString(kind.clone().into_bytes()));
+        table.insert("x-queue-type", Value::LongString(kind.as_str().into()));
     }
     for (name, value) in &from.queue_arguments {
         let value = match value {
