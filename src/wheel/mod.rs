@@ -237,6 +237,12 @@ impl<T: Copy> TimingWheel<T> {
         Self::with_capacity(now_ms, 0)
     }
 
+    /// Nodes the slab has room for (tests of its growth policy).
+    #[cfg(test)]
+    fn slab_capacity(&self) -> usize {
+        self.nodes.nodes.capacity()
+    }
+
     /// A wheel that holds `capacity` entries without reallocating its slab or index.
     pub fn with_capacity(now_ms: u64, capacity: usize) -> Self {
         TimingWheel {

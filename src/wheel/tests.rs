@@ -502,3 +502,27 @@ fn a_scan_in_steps_sees_each_entry_pending_throughout_once() {
         assert!(*id < 5000 || touched.contains(id), "id {id} never pending");
     }
 }
+
+/// The slab is most of the wheel's memory: it grows by 1/8 while small and
+/// by 1/64 once past 65536 nodes, so its spare room stays a small fraction
+/// of what it holds (never the doubling of a plain Vec), and in few enough
+/// steps that an insert stays amortised O(1).
+#[test]
+fn the_slab_grows_by_a_small_fraction_in_few_steps() {
+    let mut w = TimingWheel::new(0);
+    let (mut last_cap, mut grew) = (w.slab_capacity(), 0);
+    for id in 0..200_000u64 {
+        w.insert(id, 1_000 + id, pos(id)).unwrap();
+        let cap = w.slab_capacity();
+        if cap != last_cap {
+            grew += 1;
+            let held = id as usize + 1;
+            let spare = cap - held;
+            let allowed = if held > 1 << 16 { held / 64 } else { held / 8 } + 16;
+            assert!(spare <= allowed + held / 512, "{held} held, room for {cap}");
+            last_cap = cap;
+        }
+    }
+    // About 70 steps of 1/8 up to 65536, then about 70 of 1/64.
+    assert!(grew <= 200, "the slab grew {grew} times for 200000 inserts");
+}
