@@ -647,6 +647,59 @@ async fn unroutable_goes_to_unroutable_queue() {
     client.close().await;
 }
 
+/// A target exchange that does not exist (a typo, a deploy not done yet):
+/// the sink reports it as an unknown target, delayd retries a few times
+/// with back-off (it may appear), then parks the message in the route's
+/// unroutable queue with the broker's reason, body unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_target_exchange_is_parked_after_a_few_tries() {
+    let names = Names::new("no-target");
+    let _cleanup = names.cleanup();
+    let unroutable = format!("{}.unroutable", names.from_queue);
+    let client = Client::connect("delayd-it-no-target").await;
+    // The queue exists so it can be read; the target exchange never does.
+    client
+        .declare_bound_queue(
+            &unroutable,
+            FieldTable::default(),
+            "amq.direct",
+            &unroutable,
+        )
+        .await;
+    let opts = DelaydOptions {
+        route_extra: format!(
+            "unroutable = {{ queue = {} }}\n",
+            common::toml_string(&unroutable)
+        ),
+        ..DelaydOptions::default()
+    };
+    let delayd = Delayd::start(&names, opts).await;
+    let id = format!("no-target.{}", common::unique_suffix());
+    let props = BasicProperties::default()
+        .with_message_id(id.as_str().into())
+        .with_headers(table(vec![("x-delay", AMQPValue::LongInt(100))]));
+    client
+        .publish(&names.from_exchange, ROUTING_KEY, b"to nowhere", props)
+        .await;
+
+    let mut receiver = client.consume(&unroutable).await;
+    let found = receiver.collect_by_message_id(&[id.as_str()]).await;
+    receiver.close().await;
+    let error = found[0]
+        .header_text("x-delayd-error")
+        .unwrap_or_else(|| panic!("no x-delayd-error in {:?}", found[0].properties()));
+    assert!(
+        error.contains("unknown target") && error.contains(&names.to_exchange),
+        "x-delayd-error {error:?} should say unknown target and name {}",
+        names.to_exchange
+    );
+    assert_eq!(found[0].delivery.data, b"to nowhere", "body unchanged");
+    // It was tried again before being parked (the exchange might appear).
+    let retries = delayd.metric("delayd_publish_retries_total");
+    assert!(retries >= 5.0, "parked after {retries} retries");
+    client.close().await;
+}
+
 /// A republish the broker refuses for good is parked, not retried forever
 /// (every try cost a channel). Here the producer logs in as another user and
 /// sets `user_id` to it, as RabbitMQ requires; delayd republishes as guest,

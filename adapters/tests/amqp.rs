@@ -399,15 +399,15 @@ async fn unroutable_messages_are_reported_even_among_concurrent_publishes() {
     assert_eq!(outcome.unwrap(), PublishOutcome::Unroutable);
 
     // A missing exchange: the broker closes that publish's channel; only
-    // that publish fails (transiently), the others go on.
+    // that publish fails, typed as an unknown target, the others go on.
     let outcome = sink
         .publish(&message, &Target::exchange(unique("missing-x")))
         .await;
     match outcome {
-        Err(delayd_adapters::SinkError::Transient(text)) => {
+        Err(delayd_adapters::SinkError::UnknownTarget(text)) => {
             assert!(text.contains("NOT_FOUND"), "{text}")
         }
-        other => panic!("expected a transient error, got {other:?}"),
+        other => panic!("expected an unknown target, got {other:?}"),
     }
 
     // Many publishes at once, routable and not interleaved: each gets its own
@@ -439,7 +439,7 @@ async fn unroutable_messages_are_reported_even_among_concurrent_publishes() {
     for task in tasks {
         let (i, routable, to_missing, outcome) = task.await.unwrap();
         let right = match (&outcome, to_missing, routable) {
-            (Err(delayd_adapters::SinkError::Transient(_)), true, _) => true,
+            (Err(delayd_adapters::SinkError::UnknownTarget(_)), true, _) => true,
             (Ok(PublishOutcome::Delivered), false, true) => {
                 routed += 1;
                 true
@@ -497,7 +497,7 @@ async fn publishes_to_a_missing_exchange_fail_with_not_found_and_the_sink_keeps_
         .collect();
     for publish in publishes {
         match publish.await.unwrap() {
-            Err(delayd_adapters::SinkError::Transient(why)) => assert!(
+            Err(delayd_adapters::SinkError::UnknownTarget(why)) => assert!(
                 why.contains("NOT_FOUND - no exchange") && why.contains(&missing),
                 "{why}"
             ),

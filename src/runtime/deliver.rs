@@ -59,7 +59,6 @@ impl Dispatch for Deliverer {
                     message
                 };
                 let result = publish.await;
-                let is_unknown = matches!(result, Err(SinkError::UnknownTarget(_)));
                 match result {
                     Ok(PublishOutcome::Delivered) => {
                         metrics::counter!("delayd_fired_total", "route" => route.name().to_owned())
@@ -77,9 +76,8 @@ impl Dispatch for Deliverer {
                         let message = aside(&reason);
                         park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                     }
-                    Err(SinkError::UnknownTarget(e)) | Err(SinkError::Transient(e))
-                        if fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS
-                            && (is_unknown || e.contains("NOT_FOUND")) =>
+                    Err(SinkError::UnknownTarget(e))
+                        if fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS =>
                     {
                         let reason = format!("unknown target: {e}");
                         tracing::warn!(id = fired.id, %reason, "target missing; parking the message");

@@ -148,8 +148,7 @@ impl MissingExchanges {
     /// Remember `exchange` as missing if `why` (a single publish's failure)
     /// says so.
     fn note(&self, exchange: &ShortString, why: &str) {
-        // RabbitMQ's reply text for a publish to a missing exchange.
-        if why.contains("NOT_FOUND - no exchange") {
+        if is_missing_exchange(why) {
             let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
             if map.len() >= 64 {
                 // Many names (per-message target overrides): forget the expired.
@@ -158,6 +157,11 @@ impl MissingExchanges {
             map.insert(exchange.clone(), (Instant::now(), why.to_owned()));
         }
     }
+}
+
+/// RabbitMQ's reply text for a publish to a missing exchange.
+fn is_missing_exchange(why: &str) -> bool {
+    why.contains("NOT_FOUND - no exchange")
 }
 
 /// A [`Sink`] publishing to one RabbitMQ broker. Share it between tasks
@@ -388,7 +392,7 @@ impl Worker {
             Err((batch, _)) if batch.len() > 1 => {
                 for job in batch {
                     if let Some(why) = missing.check(&job.exchange) {
-                        fail(vec![job], &why);
+                        let _ = job.reply.send(Err(SinkError::UnknownTarget(why)));
                     } else if let Err((single, failure)) = self.try_batch(vec![job]).await {
                         self.fail_single(missing, single, failure);
                     }
@@ -405,6 +409,14 @@ impl Worker {
     fn fail_single(&self, missing: &MissingExchanges, batch: Vec<Job>, failure: Failure) {
         if let [job] = batch.as_slice() {
             missing.note(&job.exchange, &failure.why);
+            if is_missing_exchange(&failure.why) {
+                for job in batch {
+                    let _ = job
+                        .reply
+                        .send(Err(SinkError::UnknownTarget(failure.why.clone())));
+                }
+                return;
+            }
             if failure.refused {
                 warn!(exchange = %job.exchange, routing_key = %job.routing_key,
                       why = %failure.why, "the broker refuses this message");
@@ -627,7 +639,9 @@ fn fail_known_missing(missing: &MissingExchanges, batch: Vec<Job>) -> Vec<Job> {
     let mut rest = Vec::with_capacity(batch.len());
     for job in batch {
         match missing.check(&job.exchange) {
-            Some(why) => fail(vec![job], &why),
+            Some(why) => {
+                let _ = job.reply.send(Err(SinkError::UnknownTarget(why)));
+            }
             None => rest.push(job),
         }
     }
