@@ -526,3 +526,30 @@ fn the_slab_grows_by_a_small_fraction_in_few_steps() {
     // About 70 steps of 1/8 up to 65536, then about 70 of 1/64.
     assert!(grew <= 200, "the slab grew {grew} times for 200000 inserts");
 }
+
+/// `heap_bytes` is what the RAM figures are built on: it counts at least the
+/// slab's nodes, and the whole wheel stays within delayd's budget of 64
+/// bytes per pending message.
+#[test]
+fn heap_bytes_counts_the_nodes_and_stays_within_budget() {
+    let mut w = TimingWheel::new(0);
+    assert!(w.is_empty());
+    let n = 100_000u64;
+    for id in 0..n {
+        w.insert(id, 1_000 + id * 37, pos(id)).unwrap();
+    }
+    assert!(!w.is_empty());
+    let bytes = w.heap_bytes();
+    let nodes = n as usize * std::mem::size_of::<Node<Pos>>();
+    assert!(
+        bytes >= nodes,
+        "{bytes} bytes for {nodes} bytes of nodes alone"
+    );
+    assert!(
+        bytes <= 64 * n as usize,
+        "{} bytes per entry",
+        bytes / n as usize
+    );
+    let shown = format!("{w:?}");
+    assert!(shown.contains("len: 100000"), "{shown}");
+}
