@@ -136,9 +136,25 @@ pub enum SinkError {
 
 /// Publishes messages to one broker. Safe to share between tasks.
 pub trait Sink: Send + Sync {
-    fn publish<'a>(
-        &'a self,
-        message: &'a Message,
-        target: &'a Target,
-    ) -> BoxFuture<'a, Result<PublishOutcome, SinkError>>;
+    /// Queue `message` for `target` before returning: publishes queued in
+    /// order reach the broker in that order (per AMQP routing key, per
+    /// Kafka partition). The future says what the broker did with it.
+    fn publish(
+        &self,
+        message: Message,
+        target: Target,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>>;
+
+    /// Make sure a parking destination exists: an AMQP queue, a Kafka topic.
+    fn declare_destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), SinkError>>;
+
+    /// Whether `target` exists, looked up ahead of the first publish so a
+    /// missing one is reported at start. A broker that cannot tell says yes.
+    fn target_exists<'a>(&'a self, _target: &'a Target) -> BoxFuture<'a, Result<bool, SinkError>> {
+        Box::pin(async { Ok(true) })
+    }
+
+    /// Wait (blocking) up to `timeout` for what is queued to reach the
+    /// broker, before the process exits.
+    fn flush(&self, _timeout: std::time::Duration) {}
 }

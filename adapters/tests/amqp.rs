@@ -341,7 +341,7 @@ async fn every_type_and_property_survives_consume_and_republish() {
 
     let sink = AmqpSink::new(rabbit.publish.clone(), SinkConfig::default());
     let outcome = sink
-        .publish(&stored, &Target::exchange(&exchange_out))
+        .publish(stored.clone(), Target::exchange(&exchange_out))
         .await
         .expect("publish");
     assert_eq!(outcome, PublishOutcome::Delivered);
@@ -391,17 +391,19 @@ async fn unroutable_messages_are_reported_even_among_concurrent_publishes() {
     let message = Message::with_body(b"hello".to_vec());
 
     // An exchange with no binding, and the default exchange to a missing queue.
-    let outcome = sink.publish(&message, &Target::exchange(&lonely)).await;
+    let outcome = sink
+        .publish(message.clone(), Target::exchange(&lonely))
+        .await;
     assert_eq!(outcome.unwrap(), PublishOutcome::Unroutable);
     let outcome = sink
-        .publish(&message, &Target::queue(unique("missing-queue")))
+        .publish(message.clone(), Target::queue(unique("missing-queue")))
         .await;
     assert_eq!(outcome.unwrap(), PublishOutcome::Unroutable);
 
     // A missing exchange: the broker closes that publish's channel; only
     // that publish fails, typed as an unknown target, the others go on.
     let outcome = sink
-        .publish(&message, &Target::exchange(unique("missing-x")))
+        .publish(message.clone(), Target::exchange(unique("missing-x")))
         .await;
     match outcome {
         Err(delayd_adapters::SinkError::UnknownTarget(text)) => {
@@ -429,7 +431,7 @@ async fn unroutable_messages_are_reported_even_among_concurrent_publishes() {
             } else {
                 &routed_exchange
             });
-            let outcome = sink.publish(&message, &target).await;
+            let outcome = sink.publish(message.clone(), target.clone()).await;
             (i, routable, to_missing, outcome)
         }));
     }
@@ -490,7 +492,7 @@ async fn publishes_to_a_missing_exchange_fail_with_not_found_and_the_sink_keeps_
         .map(|i| {
             let (sink, target) = (sink.clone(), Target::exchange(&missing));
             tokio::spawn(async move {
-                sink.publish(&Message::with_body(format!("m{i}")), &target)
+                sink.publish(Message::with_body(format!("m{i}")), target.clone())
                     .await
             })
         })
@@ -505,7 +507,7 @@ async fn publishes_to_a_missing_exchange_fail_with_not_found_and_the_sink_keeps_
         }
     }
     let outcome = sink
-        .publish(&Message::with_body("after"), &Target::queue(&queue))
+        .publish(Message::with_body("after"), Target::queue(&queue))
         .await;
     assert_eq!(outcome.unwrap(), PublishOutcome::Delivered);
     assert_eq!(get_one(&channel, &queue).await.data, b"after");
@@ -604,7 +606,7 @@ async fn declare_queue_creates_durable_queues_and_accepts_existing_ones() {
 
     // The sink still publishes after the refused declaration.
     let outcome = sink
-        .publish(&Message::with_body("x"), &Target::queue(&fresh))
+        .publish(Message::with_body("x"), Target::queue(&fresh))
         .await;
     assert_eq!(outcome.unwrap(), PublishOutcome::Delivered);
 
@@ -713,7 +715,7 @@ async fn source_and_sink_recover_after_the_broker_closes_every_connection() {
     let unacked = next(&mut source).await;
     assert_eq!(unacked.message.body, b"before");
     let outcome = sink
-        .publish(&Message::with_body("p1"), &Target::queue(&target_queue))
+        .publish(Message::with_body("p1"), Target::queue(&target_queue))
         .await;
     assert_eq!(outcome.unwrap(), PublishOutcome::Delivered);
 
@@ -728,7 +730,7 @@ async fn source_and_sink_recover_after_the_broker_closes_every_connection() {
         tokio::spawn(async move {
             let (mut delivered, mut transient) = (0u32, 0u32);
             while !stop.load(Ordering::Relaxed) {
-                match sink.publish(&Message::with_body("bg"), &target).await {
+                match sink.publish(Message::with_body("bg"), target.clone()).await {
                     Ok(PublishOutcome::Delivered) => delivered += 1,
                     Err(
                         delayd_adapters::SinkError::Transient(_)
@@ -767,7 +769,7 @@ async fn source_and_sink_recover_after_the_broker_closes_every_connection() {
     let mut transient = 0;
     loop {
         match sink
-            .publish(&Message::with_body("p2"), &Target::queue(&target_queue))
+            .publish(Message::with_body("p2"), Target::queue(&target_queue))
             .await
         {
             Ok(outcome) => {

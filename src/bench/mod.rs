@@ -306,7 +306,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
         let delaying_exchange = args.delaying_exchange;
         tokio::spawn(async move {
-            let published = match sink.publish(&message, &target).await {
+            let published = match sink.publish(message, target).await {
                 Ok(PublishOutcome::Delivered) => true,
                 Ok(PublishOutcome::Unroutable) => delaying_exchange,
                 Err(_) => false,

@@ -7,26 +7,23 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use delayd_adapters::amqp::{AmqpSink, BrokerConnections, SinkConfig};
 use delayd_adapters::kafka::{KafkaClientConfig, KafkaSink};
-use delayd_adapters::{BoxFuture, Message, PublishOutcome, SinkError, Target};
+use delayd_adapters::{BoxFuture, Message, PublishOutcome, Sink, SinkError, Target};
 
 use crate::config::{BrokerConfig, Config};
 use crate::status::BrokerStatus;
 
+/// What a route's source needs to consume from a broker.
 pub enum BrokerHandle {
-    Amqp {
-        connections: BrokerConnections,
-        sink: Arc<AmqpSink>,
-    },
-    Kafka {
-        client: KafkaClientConfig,
-        sink: KafkaSink,
-    },
+    Amqp { connections: BrokerConnections },
+    Kafka { client: KafkaClientConfig },
 }
 
 /// Every configured broker, connected lazily (and reconnected) by the adapters.
 #[derive(Clone, Default)]
 pub struct Brokers {
     by_name: Arc<HashMap<String, BrokerHandle>>,
+    /// Where due and parked messages go, by broker name.
+    sinks: Arc<HashMap<String, Arc<dyn Sink>>>,
     /// Brokers some route consumes from: their consume connection must be up.
     sources: Arc<HashSet<String>>,
     /// Parking queues/topics declared lately, by (broker, name): a flood of
@@ -41,16 +38,14 @@ const REDECLARE_AFTER: Duration = Duration::from_secs(30);
 impl Brokers {
     pub fn from_config(config: &Config) -> anyhow::Result<Brokers> {
         let mut by_name = HashMap::new();
+        let mut sinks: HashMap<String, Arc<dyn Sink>> = HashMap::new();
         for (name, broker) in &config.brokers {
-            let handle = match broker {
+            let (handle, sink): (BrokerHandle, Arc<dyn Sink>) = match broker {
                 BrokerConfig::Amqp { url } => {
                     let connections = BrokerConnections::new(url)
                         .with_context(|| format!("brokers.{name}.url"))?;
-                    let sink = Arc::new(AmqpSink::new(
-                        connections.publish.clone(),
-                        SinkConfig::default(),
-                    ));
-                    BrokerHandle::Amqp { connections, sink }
+                    let sink = AmqpSink::new(connections.publish.clone(), SinkConfig::default());
+                    (BrokerHandle::Amqp { connections }, Arc::new(sink))
                 }
                 BrokerConfig::Kafka {
                     bootstrap,
@@ -66,10 +61,11 @@ impl Brokers {
                     };
                     let sink = KafkaSink::new(&client)
                         .with_context(|| format!("brokers.{name}: cannot create the producer"))?;
-                    BrokerHandle::Kafka { client, sink }
+                    (BrokerHandle::Kafka { client }, Arc::new(sink))
                 }
             };
             by_name.insert(name.clone(), handle);
+            sinks.insert(name.clone(), sink);
         }
         let sources = config
             .routes
@@ -78,6 +74,7 @@ impl Brokers {
             .collect();
         Ok(Brokers {
             by_name: Arc::new(by_name),
+            sinks: Arc::new(sinks),
             sources: Arc::new(sources),
             declared: Arc::default(),
         })
@@ -96,11 +93,8 @@ impl Brokers {
         message: Message,
         target: Target,
     ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
-        match self.get(broker) {
-            Some(BrokerHandle::Kafka { sink, .. }) => sink.enqueue(&message, &target),
-            // Both queue the publish before returning: calls made in fire
-            // order reach the broker in that order (per key).
-            Some(BrokerHandle::Amqp { sink, .. }) => sink.enqueue_owned(message, &target),
+        match self.sinks.get(broker) {
+            Some(sink) => sink.publish(message, target),
             None => {
                 let e = SinkError::Permanent(format!("no broker named {broker:?}"));
                 Box::pin(async move { Err(e) })
@@ -119,9 +113,8 @@ impl Brokers {
         {
             return Ok(());
         }
-        match self.get(broker) {
-            Some(BrokerHandle::Amqp { sink, .. }) => sink.declare_queue(queue).await?,
-            Some(BrokerHandle::Kafka { sink, .. }) => sink.ensure_topic(queue).await?,
+        match self.sinks.get(broker) {
+            Some(sink) => sink.declare_destination(queue).await?,
             None => anyhow::bail!("no broker named {broker:?}"),
         }
         self.declared().insert(key, Instant::now());
@@ -140,9 +133,9 @@ impl Brokers {
 
     /// Look up a Kafka target topic ahead of the first publish (AMQP: no-op).
     pub async fn check_target(&self, broker: &str, target: &Target) -> Result<bool, SinkError> {
-        match self.get(broker) {
-            Some(BrokerHandle::Kafka { sink, .. }) => sink.topic_exists(&target.destination).await,
-            _ => Ok(true),
+        match self.sinks.get(broker) {
+            Some(sink) => sink.target_exists(target).await,
+            None => Ok(true),
         }
     }
 
@@ -190,16 +183,14 @@ impl Brokers {
 
     pub async fn close(&self) {
         for handle in self.by_name.values() {
-            match handle {
-                BrokerHandle::Amqp { connections, .. } => connections.close().await,
-                BrokerHandle::Kafka { sink, .. } => {
-                    let sink = sink.clone();
-                    let _ = tokio::task::spawn_blocking(move || {
-                        sink.flush(std::time::Duration::from_secs(5))
-                    })
-                    .await;
-                }
+            if let BrokerHandle::Amqp { connections } = handle {
+                connections.close().await;
             }
+        }
+        for sink in self.sinks.values() {
+            let sink = sink.clone();
+            let flushed = tokio::task::spawn_blocking(move || sink.flush(Duration::from_secs(5)));
+            let _ = flushed.await;
         }
     }
 }

@@ -220,27 +220,9 @@ impl AmqpSink {
         ensure_queue(&self.broker, queue, &crate::FieldTable::default()).await
     }
 
-    /// Publishes `message` to `target`; see [`Sink::publish`] and the module docs.
-    pub async fn publish_message(
-        &self,
-        message: &Message,
-        target: &Target,
-    ) -> Result<PublishOutcome, SinkError> {
-        self.enqueue(message, target).await
-    }
-
     /// Queues the publish before returning (calls made in order reach the
-    /// broker in that order, per routing key); the future says what the
-    /// broker did with it.
-    pub fn enqueue(
-        &self,
-        message: &Message,
-        target: &Target,
-    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
-        self.enqueue_owned(message.clone(), target)
-    }
-
-    /// [`AmqpSink::enqueue`] taking the message, so its body is not copied.
+    /// broker in that order, per routing key), taking the message so its
+    /// body is not copied; the future says what the broker did with it.
     pub fn enqueue_owned(
         &self,
         message: Message,
@@ -694,12 +676,20 @@ fn mark_returned(
 }
 
 impl Sink for AmqpSink {
-    fn publish<'a>(
-        &'a self,
-        message: &'a Message,
-        target: &'a Target,
-    ) -> BoxFuture<'a, Result<PublishOutcome, SinkError>> {
-        self.enqueue(message, target)
+    fn publish(
+        &self,
+        message: Message,
+        target: Target,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        self.enqueue_owned(message, &target)
+    }
+
+    fn declare_destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), SinkError>> {
+        Box::pin(async move {
+            self.declare_queue(name)
+                .await
+                .map_err(|e| SinkError::Transient(format!("cannot declare queue {name:?}: {e}")))
+        })
     }
 }
 
@@ -769,7 +759,7 @@ mod tests {
         let sink = unreachable_sink();
         let message = Message::with_body("x");
         for _ in 0..3 {
-            let outcome = sink.publish(&message, &Target::queue("q")).await;
+            let outcome = sink.publish(message.clone(), Target::queue("q")).await;
             assert!(
                 matches!(outcome, Err(SinkError::Unavailable(_))),
                 "{outcome:?}"
@@ -786,7 +776,7 @@ mod tests {
         let sink = unreachable_sink();
         let mut message = Message::with_body("x");
         message.routing_key = "k".repeat(256);
-        let outcome = sink.publish(&message, &Target::exchange("x")).await;
+        let outcome = sink.publish(message.clone(), Target::exchange("x")).await;
         assert!(
             matches!(outcome, Err(SinkError::Permanent(_))),
             "{outcome:?}"
@@ -796,7 +786,7 @@ mod tests {
         message
             .headers
             .insert("big", crate::message::Value::U64(u64::MAX));
-        let outcome = sink.publish(&message, &Target::queue("q")).await;
+        let outcome = sink.publish(message.clone(), Target::queue("q")).await;
         assert!(
             matches!(outcome, Err(SinkError::Permanent(_))),
             "{outcome:?}"

@@ -234,11 +234,23 @@ fn classify(e: KafkaError) -> Result<PublishOutcome, SinkError> {
 }
 
 impl Sink for KafkaSink {
-    fn publish<'a>(
-        &'a self,
-        message: &'a Message,
-        target: &'a Target,
-    ) -> BoxFuture<'a, Result<PublishOutcome, SinkError>> {
-        self.enqueue(message, target)
+    fn publish(
+        &self,
+        message: Message,
+        target: Target,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        self.enqueue(&message, &target)
+    }
+
+    fn declare_destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), SinkError>> {
+        Box::pin(self.ensure_topic(name))
+    }
+
+    fn target_exists<'a>(&'a self, target: &'a Target) -> BoxFuture<'a, Result<bool, SinkError>> {
+        Box::pin(self.topic_exists(&target.destination))
+    }
+
+    fn flush(&self, timeout: std::time::Duration) {
+        KafkaSink::flush(self, timeout);
     }
 }
