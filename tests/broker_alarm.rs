@@ -7,6 +7,7 @@
 //! In a test binary of its own: the alarm blocks every publisher on the
 //! broker, including other tests' clients.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::collections::BTreeMap;

@@ -7,6 +7,7 @@
 //! In a test binary of its own: restarting the broker would break the
 //! connections of any test running beside it.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::process::Command;

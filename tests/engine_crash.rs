@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use delayd::engine::{Dispatch, Engine, EngineConfig, Fired, Outcome, SystemClock};
 use delayd::wal::{Record, WalConfig};
 
-#[path = "common/seed.rs"]
+#[path = "it/common/seed.rs"]
 mod seed;
 use seed::Seed;
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use delayd::wal::{RecordRef, Wal, WalConfig};
 
-#[path = "common/seed.rs"]
+#[path = "it/common/seed.rs"]
 mod seed;
 
 const CHILD_ENV: &str = "DELAYD_WAL_CRASH_CHILD";

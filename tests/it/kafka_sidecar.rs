@@ -6,7 +6,7 @@
 //! three instances joining and leaving under load, invalid and unroutable
 //! topics created by delayd, cross-broker routes.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};

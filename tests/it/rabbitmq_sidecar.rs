@@ -10,7 +10,7 @@
 //!
 //! Run with `cargo test --test rabbitmq_sidecar -- --test-threads=2`.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsStr;
@@ -75,6 +75,23 @@ async fn with_own_invalid_queue(test: &str, mut opts: DelaydOptions) -> (Setup, 
         common::toml_string(&invalid)
     ));
     (Setup::start(names, &[&invalid], opts).await, invalid)
+}
+
+/// The message `id` parked in `queue` (read once the queue exists), with
+/// its `x-delayd-error`.
+async fn parked(client: &Client, queue: &str, id: &str) -> (Received, String) {
+    wait_for("the parking queue to exist", DEADLINE, || async {
+        client.queue_counts(queue).await
+    })
+    .await;
+    let mut receiver = client.consume(queue).await;
+    let mut found = receiver.collect_by_message_id(&[id]).await;
+    receiver.close().await;
+    let received = found.remove(0);
+    let error = received
+        .header_text("x-delayd-error")
+        .unwrap_or_else(|| panic!("no x-delayd-error in {:?}", received.properties()));
+    (received, error)
 }
 
 /// A test's route with its target queue declared, and delayd consuming.
@@ -627,17 +644,7 @@ async fn unroutable_goes_to_unroutable_queue() {
         .publish(&names.from_exchange, ROUTING_KEY, b"nobody listens", props)
         .await;
 
-    wait_for("the unroutable queue to exist", DEADLINE, || async {
-        client.queue_counts(UNROUTABLE_QUEUE).await
-    })
-    .await;
-    let mut receiver = client.consume(UNROUTABLE_QUEUE).await;
-    let found = receiver.collect_by_message_id(&[id.as_str()]).await;
-    receiver.close().await;
-    let received = &found[0];
-    let error = received
-        .header_text("x-delayd-error")
-        .unwrap_or_else(|| panic!("no x-delayd-error in {:?}", received.properties()));
+    let (received, error) = parked(&client, UNROUTABLE_QUEUE, &id).await;
     assert!(
         error.contains("unroutable") && error.contains(&names.to_exchange),
         "x-delayd-error {error:?} should say unroutable and name {}",
@@ -682,18 +689,13 @@ async fn a_missing_target_exchange_is_parked_after_a_few_tries() {
         .publish(&names.from_exchange, ROUTING_KEY, b"to nowhere", props)
         .await;
 
-    let mut receiver = client.consume(&unroutable).await;
-    let found = receiver.collect_by_message_id(&[id.as_str()]).await;
-    receiver.close().await;
-    let error = found[0]
-        .header_text("x-delayd-error")
-        .unwrap_or_else(|| panic!("no x-delayd-error in {:?}", found[0].properties()));
+    let (received, error) = parked(&client, &unroutable, &id).await;
     assert!(
         error.contains("unknown target") && error.contains(&names.to_exchange),
         "x-delayd-error {error:?} should say unknown target and name {}",
         names.to_exchange
     );
-    assert_eq!(found[0].delivery.data, b"to nowhere", "body unchanged");
+    assert_eq!(received.delivery.data, b"to nowhere", "body unchanged");
     // It was tried again before being parked (the exchange might appear).
     let retries = delayd.metric("delayd_publish_retries_total");
     assert!(retries >= 5.0, "parked after {retries} retries");
@@ -738,17 +740,7 @@ async fn a_message_the_broker_refuses_is_parked_with_its_reason() {
         .publish(&names.from_exchange, ROUTING_KEY, b"refused body", props)
         .await;
 
-    wait_for("the unroutable queue to exist", DEADLINE, || async {
-        client.queue_counts(UNROUTABLE_QUEUE).await
-    })
-    .await;
-    let mut receiver = client.consume(UNROUTABLE_QUEUE).await;
-    let found = receiver.collect_by_message_id(&[id.as_str()]).await;
-    receiver.close().await;
-    let received = &found[0];
-    let error = received
-        .header_text("x-delayd-error")
-        .unwrap_or_else(|| panic!("no x-delayd-error in {:?}", received.properties()));
+    let (received, error) = parked(&client, UNROUTABLE_QUEUE, &id).await;
     assert!(
         error.contains("PRECONDITION_FAILED"),
         "x-delayd-error {error:?}"

@@ -2,7 +2,7 @@
 //! its report counts every message it published and received, and it refuses
 //! an exchange that does not exist instead of publishing into nothing.
 
-mod common;
+use crate::common;
 
 use std::time::Instant;
 

@@ -7,7 +7,7 @@
 //! The API and backpressure tests run the real `delayd` binary against the
 //! real RabbitMQ at 127.0.0.1:5672 (see `common`).
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::OsStr;

@@ -4,7 +4,7 @@
 //! other instance takes them, and every message arrives once, none early,
 //! byte-equal, without hand-off headers.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

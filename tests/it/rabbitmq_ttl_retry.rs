@@ -9,7 +9,7 @@
 //!
 //! Run with `cargo test --all-features --test rabbitmq_ttl_retry`.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,16 @@
+//! The end-to-end tests against the real brokers, compiled as one binary
+//! (one link of the harness in `common` instead of one per file).
+//!
+//! Tests that must run alone stay binaries of their own: `broker_restart`
+//! restarts RabbitMQ and `broker_alarm` raises a resource alarm, which would
+//! disturb every test running beside them; `wal_crash` and `engine_crash`
+//! re-run their own binary as the child they kill.
+
+mod common;
+
+mod bench;
+mod handoff;
+mod kafka_sidecar;
+mod operations;
+mod rabbitmq_sidecar;
+mod rabbitmq_ttl_retry;
