@@ -8,14 +8,15 @@
 //! deletions in flight at the kill must neither lose nor bring back anything.
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use delayd::engine::{Dispatch, Engine, EngineConfig, Fired, Outcome, SystemClock};
 use delayd::wal::{Record, WalConfig};
 
+#[path = "it/common/child.rs"]
+mod child_process;
 #[path = "it/common/seed.rs"]
 mod seed;
 use seed::Seed;
@@ -56,11 +57,7 @@ struct Printer;
 
 impl Dispatch for Printer {
     fn deliver(&self, fired: Fired) -> delayd_adapters::BoxFuture<'static, Outcome> {
-        {
-            let mut out = std::io::stdout().lock();
-            writeln!(out, "delivered {}", fired.id).unwrap();
-            out.flush().unwrap();
-        }
+        child_process::say(&format!("delivered {}", fired.id));
         Box::pin(async { Outcome::Done })
     }
 }
@@ -120,11 +117,7 @@ fn child(dir: &str) {
                         // Announced first, and straight into the pipe (not
                         // through the printer task, which may lag behind): the
                         // Done may be durable before anything later is printed.
-                        {
-                            let mut out = std::io::stdout().lock();
-                            writeln!(out, "cancelling {victim}").unwrap();
-                            out.flush().unwrap();
-                        }
+                        child_process::say(&format!("cancelling {victim}"));
                         if engine.cancel(victim).await.unwrap() {
                             let _ = tx.send(format!("cancelled {victim}"));
                         }
@@ -134,9 +127,7 @@ fn child(dir: &str) {
         }
         // The lock is taken per line: workers print to stdout directly too.
         while let Some(line) = rx.recv().await {
-            let mut out = std::io::stdout().lock();
-            writeln!(out, "{line}").unwrap();
-            out.flush().unwrap();
+            child_process::say(&line);
         }
     });
 }
@@ -159,19 +150,11 @@ fn sigkill_during_compaction_keeps_exactly_what_was_acknowledged() {
     let mut seen_segments = HashSet::new();
     for round in 0..6 {
         let target = rng.draw(1000..7000);
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "sigkill_during_compaction_keeps_exactly_what_was_acknowledged",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, dir.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let (mut child, mut lines) = child_process::spawn(
+            "sigkill_during_compaction_keeps_exactly_what_was_acknowledged",
+            CHILD_ENV,
+            dir.path(),
+        );
         let started = Instant::now();
         let (mut new_acks, mut killed) = (0u64, false);
         while let Some(Ok(line)) = lines.next() {

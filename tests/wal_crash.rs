@@ -3,12 +3,13 @@
 //! survive, byte for byte, and every acknowledged Done must stay done.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+
 use std::time::{Duration, Instant};
 
 use delayd::wal::{RecordRef, Wal, WalConfig};
 
+#[path = "it/common/child.rs"]
+mod child_process;
 #[path = "it/common/seed.rs"]
 mod seed;
 
@@ -55,11 +56,7 @@ fn child(dir: &str) {
                         // Announced first, straight into the pipe (the printer
                         // task may lag): the Done may be durable before its
                         // ack is printed.
-                        {
-                            let mut out = std::io::stdout().lock();
-                            writeln!(out, "retiring {}", appended.id).unwrap();
-                            out.flush().unwrap();
-                        }
+                        child_process::say(&format!("retiring {}", appended.id));
                         wal.append_done(appended.id, appended.pos)
                             .unwrap()
                             .await
@@ -72,9 +69,7 @@ fn child(dir: &str) {
         }
         // The lock is taken per line: workers print to stdout directly too.
         while let Some(line) = rx.recv().await {
-            let mut out = std::io::stdout().lock();
-            writeln!(out, "{line}").unwrap();
-            out.flush().unwrap();
+            child_process::say(&line);
         }
     });
 }
@@ -91,19 +86,11 @@ fn sigkill_mid_stream_loses_no_acknowledged_record() {
     let mut done = std::collections::HashSet::new();
     let mut retiring = std::collections::HashSet::new();
     for round in 0..3 {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "sigkill_mid_stream_loses_no_acknowledged_record",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, dir.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let (mut child, mut lines) = child_process::spawn(
+            "sigkill_mid_stream_loses_no_acknowledged_record",
+            CHILD_ENV,
+            dir.path(),
+        );
         let started = Instant::now();
         let target = rng.draw(500..9000);
         let mut new_acks = 0;
