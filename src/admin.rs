@@ -18,6 +18,10 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::{
+    ApiErrorBody, Cancelled, CancelledIds, MessageDetail, MessagePage, MessageProperties,
+    MessageSummary, MessageTarget,
+};
 use crate::engine::{Engine, EngineError, ListQuery, PendingInfo};
 use crate::route::Route;
 use crate::status::{RouteIntake, RuntimeStatus};
@@ -78,7 +82,7 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState, stop: C
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    (status, Json(json!({ "error": message.into() }))).into_response()
+    ApiError::new(status, message).into_response()
 }
 
 async fn require_token(State(state): State<AdminState>, request: Request, next: Next) -> Response {
@@ -190,21 +194,20 @@ struct KeyParams {
 }
 
 impl KeyParams {
-    fn bytes(&self) -> Result<Option<Vec<u8>>, Box<Response>> {
+    fn bytes(&self) -> Result<Option<Vec<u8>>, ApiError> {
         let given = [&self.message_id, &self.key, &self.key_hex]
             .iter()
             .filter(|k| k.is_some())
             .count();
         if given > 1 {
-            return Err(Box::new(error(
-                StatusCode::BAD_REQUEST,
+            return Err(ApiError::bad_request(
                 "give only one of message_id, key, key_hex",
-            )));
+            ));
         }
         if let Some(hex) = &self.key_hex {
-            return unhex(hex).map(Some).ok_or_else(|| {
-                Box::new(error(StatusCode::BAD_REQUEST, "key_hex is not hexadecimal"))
-            });
+            return unhex(hex)
+                .map(Some)
+                .ok_or_else(|| ApiError::bad_request("key_hex is not hexadecimal"));
         }
         Ok(self
             .message_id
@@ -214,34 +217,86 @@ impl KeyParams {
     }
 }
 
-/// A malformed query string, answered as JSON.
-fn bad_query(e: QueryRejection) -> Response {
-    error(StatusCode::BAD_REQUEST, e.body_text())
+/// An error answer: a status and `{"error": "..."}`.
+struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn internal(error: impl std::fmt::Display) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string())
+    }
+
+    fn no_such_id(id: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            format!("no pending message with id {id}"),
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ApiErrorBody {
+            error: self.message,
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// A malformed query string is a 400 with axum's reason.
+impl From<QueryRejection> for ApiError {
+    fn from(e: QueryRejection) -> Self {
+        ApiError::bad_request(e.body_text())
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::InFlight(id) => ApiError::new(
+                StatusCode::CONFLICT,
+                format!("message {id} is being published and can no longer be cancelled"),
+            ),
+            other => ApiError::internal(other),
+        }
+    }
+}
+
+impl From<tokio::task::JoinError> for ApiError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        ApiError::internal(e)
+    }
 }
 
 async fn list(
     State(state): State<AdminState>,
     query: Result<Query<ListParams>, QueryRejection>,
-) -> Response {
-    let p = match query {
-        Ok(Query(p)) => p,
-        Err(e) => return bad_query(e),
-    };
+) -> Result<Json<MessagePage>, ApiError> {
+    let Query(p) = query?;
     let key = KeyParams {
         message_id: p.message_id,
         key: p.key,
         key_hex: p.key_hex,
     };
-    let key = match key.bytes() {
-        Ok(k) => k,
-        Err(r) => return *r,
-    };
-    if let Some(key) = key {
+    if let Some(key) = key.bytes()? {
         return list_by_key(&state, p.route, key).await;
     }
     let after = match p.cursor.as_deref().map(parse_cursor) {
         Some(Some(c)) => Some(c),
-        Some(None) => return error(StatusCode::BAD_REQUEST, "malformed cursor"),
+        Some(None) => return Err(ApiError::bad_request("malformed cursor")),
         None => None,
     };
     let limit = p.limit.unwrap_or(100).clamp(1, 1000);
@@ -254,35 +309,35 @@ async fn list(
     };
     let engine = state.engine.clone();
     let routes = state.routes.clone();
-    let result = tokio::task::spawn_blocking(move || {
+    let page = tokio::task::spawn_blocking(move || {
         let page = engine.list(&query);
-        let items: Vec<serde_json::Value> = page
+        let items = page
             .iter()
             .map(|info| summary(&engine, routes.as_deref(), info))
             .collect();
-        let next = (page.len() == limit)
+        let next_cursor = (page.len() == limit)
             .then(|| page.last().map(|l| format!("{}.{}", l.due_ms, l.id)))
             .flatten();
-        json!({ "items": items, "next_cursor": next })
+        MessagePage { items, next_cursor }
     })
-    .await;
-    match result {
-        Ok(body) => Json(body).into_response(),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-    }
+    .await?;
+    Ok(Json(page))
 }
 
 /// `GET /v1/messages?route=R&message_id=X`: the pending messages with that key.
-async fn list_by_key(state: &AdminState, route: Option<String>, key: Vec<u8>) -> Response {
+async fn list_by_key(
+    state: &AdminState,
+    route: Option<String>,
+    key: Vec<u8>,
+) -> Result<Json<MessagePage>, ApiError> {
     let Some(route) = route else {
-        return error(
-            StatusCode::BAD_REQUEST,
+        return Err(ApiError::bad_request(
             "a lookup by message_id or key needs route",
-        );
+        ));
     };
     let engine = state.engine.clone();
     let routes = state.routes.clone();
-    let result = tokio::task::spawn_blocking(move || {
+    let page = tokio::task::spawn_blocking(move || {
         let ids = engine.find_by_key(&route, &key)?;
         let mut items = Vec::new();
         for id in ids {
@@ -290,14 +345,13 @@ async fn list_by_key(state: &AdminState, route: Option<String>, key: Vec<u8>) ->
                 items.push(summary(&engine, routes.as_deref(), &info));
             }
         }
-        Ok::<_, EngineError>(json!({ "items": items, "next_cursor": null }))
+        Ok::<_, EngineError>(MessagePage {
+            items,
+            next_cursor: None,
+        })
     })
-    .await;
-    match result {
-        Ok(Ok(body)) => Json(body).into_response(),
-        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-    }
+    .await??;
+    Ok(Json(page))
 }
 
 fn parse_cursor(s: &str) -> Option<(u64, u64)> {
@@ -310,29 +364,38 @@ fn summary(
     engine: &Engine,
     routes: Option<&HashMap<String, Arc<Route>>>,
     info: &PendingInfo,
-) -> serde_json::Value {
-    let mut row = json!({
-        "id": info.id.to_string(),
-        "route": info.route,
-        "due_ms": info.due_ms,
-        "due": rfc3339(info.due_ms),
-        "phase": info.phase,
-    });
+) -> MessageSummary {
+    let mut row = MessageSummary {
+        id: info.id.to_string(),
+        route: info.route.to_string(),
+        due_ms: info.due_ms,
+        due: rfc3339(info.due_ms),
+        phase: info.phase,
+        size: None,
+        message_id: None,
+        key: None,
+        routing_key: None,
+        source: None,
+        target: None,
+    };
     if let Ok(Record::Schedule { message, .. }) = engine.wal().read(info.pos) {
-        row["size"] = json!(message.len());
+        row.size = Some(message.len());
         if let Ok(m) = delayd_adapters::decode(&message) {
-            row["message_id"] = json!(m.properties.message_id);
-            row["key"] = json!(m.key.as_deref().map(String::from_utf8_lossy));
-            row["routing_key"] = json!(m.routing_key);
-            row["source"] = json!(m.source);
             if let Some(route) = routes.and_then(|r| r.get(&*info.route)) {
                 let target = route.target_for(&m);
-                row["target"] = json!({
-                    "broker": route.to.broker,
-                    "destination": target.destination,
-                    "routing_key": target.routing_key.unwrap_or(m.routing_key),
+                row.target = Some(MessageTarget {
+                    broker: route.to.broker.clone(),
+                    destination: target.destination,
+                    routing_key: target.routing_key.unwrap_or_else(|| m.routing_key.clone()),
                 });
             }
+            row.message_id = m.properties.message_id;
+            row.key = m
+                .key
+                .as_deref()
+                .map(|k| String::from_utf8_lossy(k).into_owned());
+            row.routing_key = Some(m.routing_key);
+            row.source = Some(m.source);
         }
     }
     row
@@ -344,88 +407,68 @@ struct ShowParams {
     body: bool,
 }
 
-fn parse_id(id: &str) -> Result<u64, Box<Response>> {
-    id.parse().map_err(|_| {
-        Box::new(error(
-            StatusCode::NOT_FOUND,
-            format!("no pending message with id {id:?}"),
-        ))
-    })
+fn parse_id(id: &str) -> Result<u64, ApiError> {
+    id.parse()
+        .map_err(|_| ApiError::no_such_id(format!("{id:?}")))
 }
 
 async fn show(
     State(state): State<AdminState>,
     Path(id): Path<String>,
     query: Result<Query<ShowParams>, QueryRejection>,
-) -> Response {
-    let p = match query {
-        Ok(Query(p)) => p,
-        Err(e) => return bad_query(e),
-    };
-    let id = match parse_id(&id) {
-        Ok(id) => id,
-        Err(r) => return *r,
-    };
+) -> Result<Json<MessageDetail>, ApiError> {
+    let Query(p) = query?;
+    let id = parse_id(&id)?;
     let engine = state.engine.clone();
-    let found = tokio::task::spawn_blocking(move || engine.read(id)).await;
-    let (info, record) = match found {
-        Ok(Ok(Some(x))) => x,
-        Ok(Ok(None)) => {
-            return error(
-                StatusCode::NOT_FOUND,
-                format!("no pending message with id {id}"),
-            )
-        }
-        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    let found = tokio::task::spawn_blocking(move || engine.read(id)).await??;
+    let (info, record) = found.ok_or_else(|| ApiError::no_such_id(id))?;
+    let mut detail = MessageDetail {
+        summary: summary(&state.engine, state.routes.as_deref(), &info),
+        headers: None,
+        properties: None,
+        body: None,
+        body_hex: None,
     };
-    let mut out = summary(&state.engine, state.routes.as_deref(), &info);
     if let Record::Schedule { message, .. } = record {
         if let Ok(m) = delayd_adapters::decode(&message) {
-            out["headers"] = table_json(&m.headers);
-            out["properties"] = json!({
-                "content_type": m.properties.content_type,
-                "content_encoding": m.properties.content_encoding,
-                "delivery_mode": m.properties.delivery_mode,
-                "priority": m.properties.priority,
-                "correlation_id": m.properties.correlation_id,
-                "reply_to": m.properties.reply_to,
-                "expiration": m.properties.expiration,
-                "message_id": m.properties.message_id,
-                "timestamp": m.properties.timestamp,
-                "type": m.properties.kind,
-                "user_id": m.properties.user_id,
-                "app_id": m.properties.app_id,
+            detail.headers = Some(table_json(&m.headers));
+            let p_ = m.properties;
+            detail.properties = Some(MessageProperties {
+                content_type: p_.content_type,
+                content_encoding: p_.content_encoding,
+                delivery_mode: p_.delivery_mode,
+                priority: p_.priority,
+                correlation_id: p_.correlation_id,
+                reply_to: p_.reply_to,
+                expiration: p_.expiration,
+                message_id: p_.message_id,
+                timestamp: p_.timestamp,
+                kind: p_.kind,
+                user_id: p_.user_id,
+                app_id: p_.app_id,
             });
             if p.body {
-                match String::from_utf8(m.body.clone()) {
-                    Ok(text) => out["body"] = json!(text),
-                    Err(_) => out["body_hex"] = json!(hex(&m.body)),
+                match String::from_utf8(m.body) {
+                    Ok(text) => detail.body = Some(text),
+                    Err(e) => detail.body_hex = Some(hex(e.as_bytes())),
                 }
             }
         }
     }
-    Json(out).into_response()
+    Ok(Json(detail))
 }
 
-async fn cancel(State(state): State<AdminState>, Path(id): Path<String>) -> Response {
-    let id = match parse_id(&id) {
-        Ok(id) => id,
-        Err(r) => return *r,
-    };
-    let engine = state.engine.clone();
-    match engine.cancel(id).await {
-        Ok(true) => Json(json!({ "cancelled": id.to_string() })).into_response(),
-        Ok(false) => error(
-            StatusCode::NOT_FOUND,
-            format!("no pending message with id {id}"),
-        ),
-        Err(EngineError::InFlight(_)) => error(
-            StatusCode::CONFLICT,
-            format!("message {id} is being published and can no longer be cancelled"),
-        ),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+async fn cancel(
+    State(state): State<AdminState>,
+    Path(id): Path<String>,
+) -> Result<Json<Cancelled>, ApiError> {
+    let id = parse_id(&id)?;
+    if !state.engine.cancel(id).await? {
+        return Err(ApiError::no_such_id(id));
     }
+    Ok(Json(Cancelled {
+        cancelled: CancelledIds::One(id.to_string()),
+    }))
 }
 
 #[derive(Debug, Deserialize)]
@@ -441,48 +484,34 @@ struct CancelByKeyParams {
 async fn cancel_by_key(
     State(state): State<AdminState>,
     query: Result<Query<CancelByKeyParams>, QueryRejection>,
-) -> Response {
-    let p = match query {
-        Ok(Query(p)) => p,
-        Err(e) => return bad_query(e),
-    };
+) -> Result<Json<Cancelled>, ApiError> {
+    let Query(p) = query?;
     let key = KeyParams {
         message_id: p.message_id,
         key: p.key,
         key_hex: p.key_hex,
     };
-    let key = match key.bytes() {
-        Ok(Some(k)) => k,
-        Ok(None) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "give message_id, key or key_hex (and route), or DELETE /v1/messages/{id}",
-            )
-        }
-        Err(r) => return *r,
+    let Some(key) = key.bytes()? else {
+        return Err(ApiError::bad_request(
+            "give message_id, key or key_hex (and route), or DELETE /v1/messages/{id}",
+        ));
     };
     let Some(route) = p.route else {
-        return error(
-            StatusCode::BAD_REQUEST,
+        return Err(ApiError::bad_request(
             "a cancel by message_id or key needs route",
-        );
+        ));
     };
-    let shown = String::from_utf8_lossy(&key).into_owned();
-    match state.engine.cancel_by_key(&route, &key).await {
-        Ok(ids) if ids.is_empty() => error(
+    let ids = state.engine.cancel_by_key(&route, &key).await?;
+    if ids.is_empty() {
+        let shown = String::from_utf8_lossy(&key);
+        return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             format!("no pending message with key {shown:?} on route {route:?}"),
-        ),
-        Ok(ids) => {
-            let ids: Vec<String> = ids.iter().map(u64::to_string).collect();
-            Json(json!({ "cancelled": ids })).into_response()
-        }
-        Err(EngineError::InFlight(id)) => error(
-            StatusCode::CONFLICT,
-            format!("message {id} is being published and can no longer be cancelled"),
-        ),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        ));
     }
+    Ok(Json(Cancelled {
+        cancelled: CancelledIds::Many(ids.iter().map(u64::to_string).collect()),
+    }))
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {

@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod api;
 pub mod bench;
 pub mod client;
 pub mod config;

@@ -10,6 +10,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use serde_json::Value;
 
+use crate::api::{ApiErrorBody, Cancelled, CancelledIds, MessagePage};
 use crate::client::{encode_query_value, Client};
 use crate::config::Config;
 
@@ -96,20 +97,25 @@ pub fn run(args: MessagesArgs) -> anyhow::Result<()> {
         )
     })?;
     if !(200..300).contains(&response.status) {
-        let message = body["error"].as_str().unwrap_or("no message");
+        let message = serde_json::from_value::<ApiErrorBody>(body)
+            .map_or_else(|_| "no message".to_owned(), |b| b.error);
         anyhow::bail!("{} {method} {path}: {message}", response.status);
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&body)?);
         return Ok(());
     }
+    let unexpected = || format!("unexpected answer to {method} {path}");
     match &args.command {
-        MessagesCommand::List { .. } => print_list(&body),
+        MessagesCommand::List { .. } => {
+            print_list(&serde_json::from_value(body).with_context(unexpected)?)
+        }
         MessagesCommand::Get { .. } => println!("{}", serde_json::to_string_pretty(&body)?),
         MessagesCommand::Cancel { .. } => {
-            let ids: Vec<String> = match &body["cancelled"] {
-                Value::Array(ids) => ids.iter().map(text).collect(),
-                other => vec![text(other)],
+            let done: Cancelled = serde_json::from_value(body).with_context(unexpected)?;
+            let ids = match done.cancelled {
+                CancelledIds::One(id) => vec![id],
+                CancelledIds::Many(ids) => ids,
             };
             println!("cancelled {}", ids.join(" "));
         }
@@ -188,50 +194,34 @@ fn request(command: &MessagesCommand) -> (&'static str, String) {
     }
 }
 
-fn text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Null => "-".into(),
-        other => other.to_string(),
-    }
-}
-
-fn print_list(body: &Value) {
+fn print_list(page: &MessagePage) {
     println!(
         "{:<20} {:<16} {:<24} {:<10} {:>8} {:<24} target",
         "id", "route", "due", "phase", "size", "message_id/key"
     );
-    let empty = Vec::new();
-    let items = body["items"].as_array().unwrap_or(&empty);
-    for item in items {
-        let lookup = match &item["key"] {
-            Value::Null => text(&item["message_id"]),
-            key => text(key),
-        };
-        let target = &item["target"];
-        let target = if target.is_null() {
-            "-".to_owned()
-        } else {
-            format!(
-                "{}:{}/{}",
-                text(&target["broker"]),
-                text(&target["destination"]),
-                text(&target["routing_key"])
-            )
-        };
+    let dash = || "-".to_owned();
+    for item in &page.items {
+        let lookup = item.key.clone().or_else(|| item.message_id.clone());
+        let target = item.target.as_ref().map_or_else(dash, |t| {
+            format!("{}:{}/{}", t.broker, t.destination, t.routing_key)
+        });
+        let phase = serde_json::to_value(item.phase)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_else(dash);
         println!(
             "{:<20} {:<16} {:<24} {:<10} {:>8} {:<24} {}",
-            text(&item["id"]),
-            text(&item["route"]),
-            text(&item["due"]),
-            text(&item["phase"]),
-            text(&item["size"]),
-            lookup,
+            item.id,
+            item.route,
+            item.due,
+            phase,
+            item.size.map_or_else(dash, |s| s.to_string()),
+            lookup.unwrap_or_else(dash),
             target
         );
     }
-    println!("{} message(s)", items.len());
-    if let Some(next) = body["next_cursor"].as_str() {
+    println!("{} message(s)", page.items.len());
+    if let Some(next) = &page.next_cursor {
         println!("next page: --cursor {next}");
     }
 }
