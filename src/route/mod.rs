@@ -84,7 +84,23 @@ pub struct Route {
     pub unroutable: Destination,
     /// Where retry mode parks a message after its last attempt.
     pub park: Destination,
-    pub retry: Option<retry::Policy>,
+    pub mode: RouteMode,
+}
+
+/// How a route computes due times and rewrites due messages, compiled from
+/// its `mode` and the keys that go with it.
+#[derive(Debug, Clone)]
+pub enum RouteMode {
+    /// `x-delay` / `x-deliver-at`; republished with `x-delay` negated.
+    Delay,
+    /// The `expiration` property and/or the route's TTL; dead-lettered as
+    /// RabbitMQ would, naming `dead_letter_queue` in `x-death`.
+    Ttl {
+        message_ttl: Option<Duration>,
+        dead_letter_queue: String,
+    },
+    /// Back-off by attempt, parked after the last one.
+    Retry(retry::Policy),
 }
 
 impl Route {
@@ -129,7 +145,26 @@ impl Route {
             invalid,
             unroutable,
             park,
-            retry: route.retry.as_ref().map(retry::Policy::from_config),
+            mode: match route.mode {
+                Mode::Delay => RouteMode::Delay,
+                Mode::Ttl => RouteMode::Ttl {
+                    message_ttl: route.message_ttl,
+                    dead_letter_queue: route
+                        .dead_letter_queue
+                        .clone()
+                        .or_else(|| route.from.queue.clone())
+                        .unwrap_or_default(),
+                },
+                // Validation guarantees a policy; without one, park at once.
+                Mode::Retry => RouteMode::Retry(route.retry.as_ref().map_or(
+                    retry::Policy {
+                        backoff: retry::Backoff::List(Vec::new()),
+                        max_attempts: 1,
+                        work_queue: None,
+                    },
+                    retry::Policy::from_config,
+                )),
+            },
         }
     }
 
@@ -142,76 +177,57 @@ impl Route {
     /// count) on the message.
     pub fn plan(&self, message: &mut Message, now_ms: u64) -> Result<Plan, Unschedulable> {
         delayd_adapters::check_nesting(&message.headers)?;
-        match self.config.mode {
-            Mode::Delay => Ok(Plan::Due(delay::due_from_headers(
+        match &self.mode {
+            RouteMode::Delay => Ok(Plan::Due(delay::due_from_headers(
                 &message.headers,
                 now_ms,
                 self.max_delay,
             )?)),
-            Mode::Ttl => Ok(Plan::Due(ttl::due(
+            RouteMode::Ttl { message_ttl, .. } => Ok(Plan::Due(ttl::due(
                 message.properties.expiration.as_deref(),
-                self.config.message_ttl,
+                *message_ttl,
                 now_ms,
                 self.max_delay,
             )?)),
-            Mode::Retry => {
-                // Validation guarantees a policy; without one, park at once.
-                let fallback;
-                let policy = match &self.retry {
-                    Some(policy) => policy,
-                    None => {
-                        fallback = retry::Policy {
-                            backoff: retry::Backoff::List(Vec::new()),
-                            max_attempts: 1,
-                            work_queue: None,
-                        };
-                        &fallback
+            RouteMode::Retry(policy) => Ok(
+                match policy.decide(&message.headers, retry::random_unit()) {
+                    retry::Decision::Retry { delay, attempt } => {
+                        message
+                            .headers
+                            .insert(retry::X_DELAYD_ATTEMPT, Value::I64(attempt as i64));
+                        let delay = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+                        Plan::Due(now_ms.saturating_add(delay))
                     }
-                };
-                Ok(
-                    match policy.decide(&message.headers, retry::random_unit()) {
-                        retry::Decision::Retry { delay, attempt } => {
-                            message
-                                .headers
-                                .insert(retry::X_DELAYD_ATTEMPT, Value::I64(attempt as i64));
-                            let delay = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-                            Plan::Due(now_ms.saturating_add(delay))
-                        }
-                        retry::Decision::Park { attempts } => {
-                            let reason = format!(
+                    retry::Decision::Park { attempts } => {
+                        let reason = format!(
                             "gave up after {attempts} failed attempts (retry.max_attempts = {})",
                             policy.max_attempts
                         );
-                            message.headers.insert(
-                                retry::X_DELAYD_PARK_REASON,
-                                Value::LongString(reason.into_bytes()),
-                            );
-                            message
-                                .headers
-                                .insert(retry::X_DELAYD_ATTEMPTS, Value::I64(attempts as i64));
-                            Plan::Park
-                        }
-                    },
-                )
-            }
+                        message.headers.insert(
+                            retry::X_DELAYD_PARK_REASON,
+                            Value::LongString(reason.into_bytes()),
+                        );
+                        message
+                            .headers
+                            .insert(retry::X_DELAYD_ATTEMPTS, Value::I64(attempts as i64));
+                        Plan::Park
+                    }
+                },
+            ),
         }
     }
 
     /// Rewrite a due message for republishing, by the route's mode.
     pub fn for_delivery(&self, message: &mut Message, id: u64, now_ms: u64) {
-        match self.config.mode {
-            Mode::Delay => rewrite::for_delivery(message, id),
-            Mode::Ttl => {
-                let queue = self
-                    .config
-                    .dead_letter_queue
-                    .as_deref()
-                    .or(self.config.from.queue.as_deref())
-                    .unwrap_or_default();
+        match &self.mode {
+            RouteMode::Delay => rewrite::for_delivery(message, id),
+            RouteMode::Ttl {
+                dead_letter_queue, ..
+            } => {
                 ttl::dead_letter(
                     message,
                     ttl::Death {
-                        queue,
+                        queue: dead_letter_queue,
                         reason: ttl::EXPIRED,
                         time_s: now_ms / 1000,
                         replaces_routing_key: self.to.target.routing_key.is_some(),
@@ -219,7 +235,7 @@ impl Route {
                 );
                 rewrite::add_id(message, id);
             }
-            Mode::Retry => rewrite::add_id(message, id),
+            RouteMode::Retry(_) => rewrite::add_id(message, id),
         }
     }
 
