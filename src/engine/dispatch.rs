@@ -147,7 +147,24 @@ impl Dispatcher {
             0
         };
         self.inner.planned_wake.store(planned, Ordering::Release);
+        drop(state);
+        // Tests stop here, just after the lock, where a thread can be
+        // descheduled before it sleeps.
+        #[cfg(test)]
+        if batch.is_empty() {
+            self.pass_idle_gate();
+        }
         next
+    }
+
+    /// Tests only: wait at the gate a test set up, once.
+    #[cfg(test)]
+    fn pass_idle_gate(&self) {
+        let gate = self.inner.idle_gate.lock().expect("gate").take();
+        if let Some(gate) = gate {
+            gate.reached.store(true, Ordering::Release);
+            drop(gate.open.lock().expect("gate"));
+        }
     }
 
     /// Nothing due: sleep until the next deadline, an earlier arrival, or

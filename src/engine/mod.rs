@@ -28,6 +28,8 @@ pub use state::Phase;
 use std::collections::BinaryHeap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
+#[cfg(test)]
+use std::sync::Mutex as StdMutex;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -245,6 +247,18 @@ pub(crate) struct Inner {
     /// segment at once would each copy a message, and the second, finding
     /// it moved by the first, would retire it by id (a lost message).
     compacting: tokio::sync::Mutex<()>,
+    /// Tests only: where the dispatcher waits once, after planning an idle
+    /// round and before sleeping (see `dispatch::Dispatcher::run`).
+    #[cfg(test)]
+    idle_gate: StdMutex<Option<Arc<IdleGate>>>,
+}
+
+/// Tests only: holds the dispatcher between planning its sleep and sleeping.
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct IdleGate {
+    pub reached: std::sync::atomic::AtomicBool,
+    pub open: StdMutex<()>,
 }
 
 impl Engine {
@@ -320,6 +334,8 @@ impl Engine {
                 planned_wake: AtomicU64::new(u64::MAX),
                 overdue_until: now,
                 compacting: tokio::sync::Mutex::new(()),
+                #[cfg(test)]
+                idle_gate: StdMutex::new(None),
             }),
         };
         engine.publish_gauges();

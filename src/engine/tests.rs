@@ -1083,3 +1083,41 @@ proptest::proptest! {
         });
     }
 }
+
+/// A message armed after the dispatcher planned a long sleep, but before it
+/// slept, must wake it: the planned wake-up is published under the lock that
+/// computed it. Stored after the lock (as it once was), the arming saw no
+/// plan, sent no wake-up, and the message was up to a second late. The test
+/// holds the dispatcher exactly in that window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_armed_while_the_dispatcher_plans_its_sleep_wakes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = start(config(dir.path()), Arc::new(SystemClock));
+    // Something far away, so the dispatcher plans to sleep its longest.
+    r.engine
+        .schedule("r", now() + 3_600_000, b"far".to_vec())
+        .await
+        .unwrap();
+    let gate = Arc::new(super::IdleGate::default());
+    let held = gate.open.lock().unwrap();
+    *r.engine.inner.idle_gate.lock().unwrap() = Some(gate.clone());
+    // The dispatcher's next round (its sleep is capped at a second) stops
+    // at the gate; a wake-up here would leave a permit that hides the bug.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !gate.reached.load(std::sync::atomic::Ordering::Acquire) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gate was never reached"
+        );
+        tokio::task::yield_now().await;
+    }
+    let due = now();
+    r.engine.schedule("r", due, b"now".to_vec()).await.unwrap();
+    drop(held);
+    let fired = r.recv().await;
+    assert_eq!(fired.message, b"now");
+    let late = fired.fired_ms.saturating_sub(due);
+    // The bug costs up to 1000 ms (the longest sleep); a wake-up takes ms.
+    assert!(late < 500, "fired {late} ms after it was due");
+    r.stop().await;
+}
