@@ -1090,6 +1090,9 @@ proptest::proptest! {
 /// plan, sent no wake-up, and the message was up to a second late. The test
 /// holds the dispatcher exactly in that window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// Holding the gate across awaits is the point: the dispatcher blocks on it
+// on another worker thread until this test has armed its message.
+#[allow(clippy::await_holding_lock)]
 async fn a_message_armed_while_the_dispatcher_plans_its_sleep_wakes_it() {
     let dir = tempfile::tempdir().unwrap();
     let mut r = start(config(dir.path()), Arc::new(SystemClock));
