@@ -29,7 +29,7 @@ pub enum InvalidDelay {
     },
     #[error("{header} header {text:?} is not a number{}", if *.header == X_DELIVER_AT { " or RFC 3339 time" } else { "" })]
     Unparseable { header: &'static str, text: String },
-    #[error("delay of {delay_ms} ms is over the maximum of {max_ms} ms")]
+    #[error("delay of {delay_ms} ms is over the route's max_delay of {max_ms} ms")]
     TooLong { delay_ms: u128, max_ms: u128 },
     #[error("{header} header is {text}, not a finite number")]
     NotFinite { header: &'static str, text: String },

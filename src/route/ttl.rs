@@ -44,7 +44,7 @@ pub enum InvalidTtl {
     Expiration(String),
     #[error("the message has no expiration property and the route no message_ttl")]
     Missing,
-    #[error("TTL of {ttl_ms} ms is over the maximum of {max_ms} ms")]
+    #[error("TTL of {ttl_ms} ms is over the route's max_delay of {max_ms} ms")]
     TooLong { ttl_ms: u128, max_ms: u128 },
 }
 

@@ -441,6 +441,51 @@ async fn bodies_properties_and_headers_arrive_byte_equal() {
     s.client.close().await;
 }
 
+/// Unlike the plugin, which fires at once any `x-delay` above 2^32-1 ms,
+/// delayd keeps it, due that long after arrival (seen through the admin
+/// API's `due_ms`); a delay above the route's `max_delay` goes to the
+/// invalid queue saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delays_past_32_bits_are_kept_and_past_max_delay_refused() {
+    let opts = DelaydOptions {
+        route_extra: "max_delay = \"400d\"\n".into(),
+        ..DelaydOptions::default()
+    };
+    let (s, invalid) = with_own_invalid_queue("long-delays", opts).await;
+    let suffix = common::unique_suffix();
+    let long_id = format!("long.{suffix}");
+    let too_long_id = format!("too-long.{suffix}");
+    const LONG: i64 = (1 << 32) + 5_000; // 49.7 days and 5 s
+    const TOO_LONG: i64 = 401 * 86_400_000;
+    let sent_ms = now_ms();
+    for (id, delay) in [(&long_id, LONG), (&too_long_id, TOO_LONG)] {
+        let props = BasicProperties::default()
+            .with_message_id(id.as_str().into())
+            .with_headers(table(vec![("x-delay", AMQPValue::LongLongInt(delay))]));
+        s.client
+            .publish(&s.names.from_exchange, ROUTING_KEY, b"later", props)
+            .await;
+    }
+    let (_, error) = parked(&s.client, &invalid, &too_long_id).await;
+    assert!(error.contains("max_delay"), "x-delayd-error {error:?}");
+
+    let path = format!("/v1/messages?route={}&message_id={long_id}", s.names.route);
+    let items = wait_for("the long delay to be listed", DEADLINE, || async {
+        let (status, page) = s.delayd.api("GET", &path, None);
+        let items = page["items"].as_array().cloned().unwrap_or_default();
+        (status == 200 && !items.is_empty()).then_some(items)
+    })
+    .await;
+    let listed_at = now_ms();
+    let due = items[0]["due_ms"].as_u64().expect("due_ms");
+    assert!(
+        due >= sent_ms + LONG as u64 && due <= listed_at + LONG as u64,
+        "due_ms {due} is not {LONG} ms after arrival (sent at {sent_ms})"
+    );
+    assert_eq!(s.delayd.pending(), 1, "only the long delay waits");
+    s.client.close().await;
+}
+
 // ----------------------------------------------------------- 3. bad delays
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
