@@ -219,6 +219,34 @@ mod tests {
     }
 
     #[test]
+    fn decimals_and_byte_arrays_are_delays() {
+        // 1500.75 ms, truncated as the plugin truncates floats.
+        let decimal = Value::Decimal {
+            scale: 2,
+            value: 150_075,
+        };
+        assert_eq!(due(X_DELAY, decimal), Ok(NOW + 1500));
+        let whole = Value::Decimal {
+            scale: 0,
+            value: 700,
+        };
+        assert_eq!(due(X_DELAY, whole), Ok(NOW + 700));
+        assert_eq!(
+            due(X_DELAY, Value::ByteArray(b"2500".to_vec())),
+            Ok(NOW + 2500)
+        );
+    }
+
+    #[test]
+    fn words_a_float_parser_takes_are_not_delays() {
+        // Rust's f64 parser reads these; a delay must have a digit in it.
+        for text in ["inf", "-infinity", "NaN", "+inf"] {
+            let e = due(X_DELAY, Value::LongString(text.as_bytes().to_vec())).unwrap_err();
+            assert!(matches!(e, InvalidDelay::Unparseable { .. }), "{text}: {e}");
+        }
+    }
+
+    #[test]
     fn missing_zero_and_negative_mean_now() {
         assert_eq!(due_from_headers(&FieldTable::new(), NOW, MAX), Ok(NOW));
         assert_eq!(due(X_DELAY, Value::I32(0)), Ok(NOW));
