@@ -12,7 +12,6 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use delayd_adapters::{FieldTable, Value};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use serde_json::json;
@@ -431,7 +430,7 @@ async fn show(
     };
     if let Record::Schedule { message, .. } = record {
         if let Ok(m) = delayd_adapters::decode(&message) {
-            detail.headers = Some(table_json(&m.headers));
+            detail.headers = Some(m.headers.to_json());
             let p_ = m.properties;
             detail.properties = Some(MessageProperties {
                 content_type: p_.content_type,
@@ -532,38 +531,4 @@ fn rfc3339(ms: u64) -> String {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn table_json(t: &FieldTable) -> serde_json::Value {
-    serde_json::Value::Object(
-        t.iter()
-            .map(|(k, v)| (k.to_owned(), value_json(v)))
-            .collect(),
-    )
-}
-
-fn value_json(v: &Value) -> serde_json::Value {
-    match v {
-        Value::Bool(b) => json!(b),
-        Value::I8(x) => json!(x),
-        Value::U8(x) => json!(x),
-        Value::I16(x) => json!(x),
-        Value::U16(x) => json!(x),
-        Value::I32(x) => json!(x),
-        Value::U32(x) => json!(x),
-        Value::I64(x) => json!(x),
-        Value::U64(x) => json!(x),
-        Value::F32(x) => json!(x),
-        Value::F64(x) => json!(x),
-        Value::Decimal { scale, value } => json!({ "scale": scale, "value": value }),
-        Value::ShortString(s) => json!(s),
-        Value::LongString(b) | Value::ByteArray(b) => match std::str::from_utf8(b) {
-            Ok(s) => json!(s),
-            Err(_) => json!({ "hex": hex(b) }),
-        },
-        Value::Array(items) => serde_json::Value::Array(items.iter().map(value_json).collect()),
-        Value::Timestamp(t) => json!(t),
-        Value::Table(t) => table_json(t),
-        Value::Void => serde_json::Value::Null,
-    }
 }

@@ -37,6 +37,48 @@ pub enum Value {
 }
 
 impl Value {
+    /// The value as JSON, the one rendering of a header value wherever one
+    /// is shown as JSON (the admin API, a Kafka header holding an array or a
+    /// table): numbers and booleans as such, text as strings, bytes that are
+    /// not UTF-8 as `{"hex": ...}`, a decimal as `{"scale", "value"}`, a
+    /// timestamp as its epoch seconds, void as null.
+    pub fn to_json(&self) -> serde_json::Value {
+        use serde_json::Value as J;
+        match self {
+            Value::Bool(b) => J::from(*b),
+            Value::I8(x) => J::from(*x),
+            Value::U8(x) => J::from(*x),
+            Value::I16(x) => J::from(*x),
+            Value::U16(x) => J::from(*x),
+            Value::I32(x) => J::from(*x),
+            Value::U32(x) => J::from(*x),
+            Value::I64(x) => J::from(*x),
+            Value::U64(x) => J::from(*x),
+            Value::F32(x) => J::from(*x),
+            Value::F64(x) => J::from(*x),
+            Value::Decimal { scale, value } => {
+                let mut o = serde_json::Map::new();
+                o.insert("scale".into(), J::from(*scale));
+                o.insert("value".into(), J::from(*value));
+                J::Object(o)
+            }
+            Value::ShortString(s) => J::from(s.as_str()),
+            Value::LongString(b) | Value::ByteArray(b) => match std::str::from_utf8(b) {
+                Ok(s) => J::from(s),
+                Err(_) => {
+                    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+                    let mut o = serde_json::Map::new();
+                    o.insert("hex".into(), J::from(hex));
+                    J::Object(o)
+                }
+            },
+            Value::Array(items) => J::Array(items.iter().map(Value::to_json).collect()),
+            Value::Timestamp(t) => J::from(*t),
+            Value::Table(t) => t.to_json(),
+            Value::Void => J::Null,
+        }
+    }
+
     /// The value as UTF-8 text, for string-like values.
     pub fn as_text(&self) -> Option<&str> {
         match self {
@@ -54,6 +96,17 @@ pub struct FieldTable(pub Vec<(String, Value)>);
 impl FieldTable {
     pub fn new() -> Self {
         Self(Vec::new())
+    }
+
+    /// The table as a JSON object (see [`Value::to_json`]); a repeated name
+    /// keeps its last value.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::Value::Object(
+            self.0
+                .iter()
+                .map(|(k, v)| (k.clone(), v.to_json()))
+                .collect(),
+        )
     }
 
     /// The value of `key`. Kafka allows a name more than once: the last one

@@ -67,7 +67,7 @@ pub fn header_bytes(value: &Value) -> Option<Vec<u8>> {
     })
 }
 
-/// Text for a typed value; arrays and tables as JSON.
+/// Text for a typed value; arrays and tables as JSON ([`Value::to_json`]).
 fn text(value: &Value) -> String {
     match value {
         Value::Bool(b) => b.to_string(),
@@ -86,54 +86,8 @@ fn text(value: &Value) -> String {
         Value::ShortString(s) => s.clone(),
         Value::LongString(b) | Value::ByteArray(b) => String::from_utf8_lossy(b).into_owned(),
         Value::Void => String::new(),
-        Value::Array(items) => {
-            let parts: Vec<String> = items.iter().map(json).collect();
-            format!("[{}]", parts.join(","))
-        }
-        Value::Table(table) => {
-            let parts: Vec<String> = table
-                .iter()
-                .map(|(k, v)| format!("{}:{}", json_string(k), json(v)))
-                .collect();
-            format!("{{{}}}", parts.join(","))
-        }
+        Value::Array(_) | Value::Table(_) => value.to_json().to_string(),
     }
-}
-
-fn json(value: &Value) -> String {
-    match value {
-        Value::Void => "null".into(),
-        Value::Bool(_)
-        | Value::I8(_)
-        | Value::U8(_)
-        | Value::I16(_)
-        | Value::U16(_)
-        | Value::I32(_)
-        | Value::U32(_)
-        | Value::I64(_)
-        | Value::U64(_)
-        | Value::Timestamp(_)
-        | Value::Array(_)
-        | Value::Table(_) => text(value),
-        Value::F32(n) if n.is_finite() => text(value),
-        Value::F64(n) if n.is_finite() => text(value),
-        other => json_string(&text(other)),
-    }
-}
-
-fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 #[cfg(test)]
@@ -170,7 +124,7 @@ mod tests {
         ]));
         assert_eq!(
             header_bytes(&table).unwrap(),
-            br#"{"a":1,"b\"":"x\u000ay","c":[null,false]}"#.to_vec()
+            br#"{"a":1,"b\"":"x\ny","c":[null,false]}"#.to_vec()
         );
     }
 }
