@@ -156,13 +156,11 @@ pub fn due_from_headers(
             i128::from(*secs) * 1000
         } else {
             match value.as_text().map(str::trim) {
-                Some(text) if !text.is_empty() && !text.bytes().all(|b| b.is_ascii_digit()) => {
-                    match chrono::DateTime::parse_from_rfc3339(text) {
-                        Ok(t) => t.timestamp_millis() as i128,
-                        Err(_) => whole_ms(X_DELIVER_AT, parse_text(X_DELIVER_AT, text)?)?,
-                    }
-                }
-                _ => whole_ms(X_DELIVER_AT, number(X_DELIVER_AT, value)?)?,
+                Some(text) => match chrono::DateTime::parse_from_rfc3339(text) {
+                    Ok(t) => t.timestamp_millis() as i128,
+                    Err(_) => whole_ms(X_DELIVER_AT, parse_text(X_DELIVER_AT, text)?)?,
+                },
+                None => whole_ms(X_DELIVER_AT, number(X_DELIVER_AT, value)?)?,
             }
         };
         return check(at - now_ms as i128);
@@ -262,6 +260,18 @@ mod tests {
             due(X_DELAY, Value::I64(i64::MAX)),
             Err(InvalidDelay::TooLong { .. })
         ));
+    }
+
+    #[test]
+    fn a_delay_of_exactly_max_delay_is_kept_one_ms_more_is_not() {
+        let max = 3_600_000u64;
+        let limit = Duration::from_millis(max);
+        let at = |ms: u64| {
+            let h = FieldTable(vec![(X_DELAY.into(), Value::I64(ms as i64))]);
+            due_from_headers(&h, NOW, limit)
+        };
+        assert_eq!(at(max), Ok(NOW + max));
+        assert!(matches!(at(max + 1), Err(InvalidDelay::TooLong { .. })));
     }
 
     #[test]
