@@ -218,3 +218,32 @@ impl Level {
         &mut self.slots
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Slot;
+
+    /// A slot grows by 1/4, then 1/8 past 4096 entries, never doubling (a
+    /// big slot holds a large share of all entries), in few steps.
+    #[test]
+    fn a_slot_grows_by_a_fraction_in_few_steps() {
+        let mut slot = Slot::default();
+        let (mut last_cap, mut grew) = (slot.items.capacity(), 0);
+        for idx in 0..50_000u32 {
+            slot.push(idx, u64::from(idx));
+            let cap = slot.items.capacity();
+            if cap != last_cap {
+                grew += 1;
+                let held = idx as usize + 1;
+                let allowed = if held > 4096 { held / 8 } else { held / 4 } + 8;
+                assert!(
+                    cap - held <= allowed + held / 64,
+                    "{held} held, room for {cap}"
+                );
+                last_cap = cap;
+            }
+        }
+        assert!(grew <= 60, "the slot grew {grew} times for 50000 pushes");
+        assert_eq!(slot.live(), 50_000);
+    }
+}
