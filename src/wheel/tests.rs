@@ -553,3 +553,39 @@ fn heap_bytes_counts_the_nodes_and_stays_within_budget() {
     let shown = format!("{w:?}");
     assert!(shown.contains("len: 100000"), "{shown}");
 }
+
+/// Every part of the wheel counts in `heap_bytes`: the levels of an empty
+/// wheel, the slab and the id index with entries, the slots' items, and the
+/// overdue map once entries fall behind the wheel's time.
+#[test]
+fn heap_bytes_grows_with_every_part() {
+    let mut w = TimingWheel::new(1_000_000);
+    let empty = w.heap_bytes();
+    assert!(
+        empty >= LEVELS * std::mem::size_of::<super::Level>(),
+        "{empty}"
+    );
+    let n = 20_000u64;
+    for id in 0..n {
+        w.insert(id, 2_000_000 + id * 1_000, pos(id)).unwrap();
+    }
+    let filled = w.heap_bytes();
+    // At least a node, an index cell and a slot item for each entry.
+    let per_entry = std::mem::size_of::<Node<Pos>>() + 4 + 8;
+    assert!(
+        filled >= empty + n as usize * per_entry,
+        "{filled} for {n} entries"
+    );
+    // Entries behind the wheel's time wait in the overdue map, which counts:
+    // each distinct deadline is a map entry with a slot of its own.
+    let mut out = Vec::new();
+    w.poll_expired(3_000_000, usize::MAX, &mut out);
+    assert_eq!(out.len(), 1001);
+    let before = w.heap_bytes();
+    for id in n..n + 100 {
+        w.insert(id, 1_500_000 + id, pos(id)).unwrap(); // distinct, behind time
+    }
+    let after = w.heap_bytes();
+    let overdue_entry = std::mem::size_of::<(u64, super::level::Slot)>();
+    assert!(after >= before + 100 * overdue_entry, "{after} vs {before}");
+}
