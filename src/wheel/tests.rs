@@ -3,7 +3,7 @@ use std::collections::{BTreeMap, HashMap};
 use proptest::prelude::*;
 
 use super::level::{level_for, slot_for, slot_start, LEVELS};
-use super::{DuplicateId, Expired, Node, TimingWheel};
+use super::{DuplicateId, Expired, Node, Slab, TimingWheel};
 
 /// A 12-byte payload like delayd's WAL position.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -588,4 +588,27 @@ fn heap_bytes_grows_with_every_part() {
     let after = w.heap_bytes();
     let overdue_entry = std::mem::size_of::<(u64, super::level::Slot)>();
     assert!(after >= before + 100 * overdue_entry, "{after} vs {before}");
+}
+
+/// The slab's heap counts its nodes and its bitmap of cancelled nodes (one
+/// bit per node, in 64-bit words).
+#[test]
+fn slab_heap_bytes_counts_nodes_and_the_cancelled_bitmap() {
+    let mut slab = Slab::with_capacity(0);
+    let n = 6400u64;
+    for id in 0..n {
+        slab.alloc(Node {
+            id,
+            deadline: id,
+            data: pos(id),
+        });
+    }
+    let nodes = slab.nodes.capacity() * std::mem::size_of::<Node<Pos>>();
+    let bitmap = (n as usize / 64) * 8;
+    assert!(slab.heap_bytes() >= nodes + bitmap, "{}", slab.heap_bytes());
+    assert!(
+        slab.heap_bytes() <= nodes + 2 * bitmap + 64,
+        "{}",
+        slab.heap_bytes()
+    );
 }
