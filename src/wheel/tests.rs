@@ -559,7 +559,8 @@ fn heap_bytes_counts_the_nodes_and_stays_within_budget() {
 /// overdue map once entries fall behind the wheel's time.
 #[test]
 fn heap_bytes_grows_with_every_part() {
-    let mut w = TimingWheel::new(1_000_000);
+    // Room for every entry of the test, so growth does not blur the sums.
+    let mut w = TimingWheel::with_capacity(1_000_000, 21_000);
     let empty = w.heap_bytes();
     assert!(
         empty >= LEVELS * std::mem::size_of::<super::Level>(),
@@ -570,12 +571,11 @@ fn heap_bytes_grows_with_every_part() {
         w.insert(id, 2_000_000 + id * 1_000, pos(id)).unwrap();
     }
     let filled = w.heap_bytes();
-    // At least a node, an index cell and a slot item for each entry.
+    // The slab and index were sized in advance: the slots' items are new.
+    assert!(filled >= empty + n as usize * 8, "{filled} for {n} entries");
+    // At least a node, an index cell and a slot item for each entry, all told.
     let per_entry = std::mem::size_of::<Node<Pos>>() + 4 + 8;
-    assert!(
-        filled >= empty + n as usize * per_entry,
-        "{filled} for {n} entries"
-    );
+    assert!(filled >= n as usize * per_entry, "{filled} for {n} entries");
     // Entries behind the wheel's time wait in the overdue map, which counts:
     // each distinct deadline is a map entry with a slot of its own.
     let mut out = Vec::new();
@@ -588,6 +588,8 @@ fn heap_bytes_grows_with_every_part() {
     let after = w.heap_bytes();
     let overdue_entry = std::mem::size_of::<(u64, super::level::Slot)>();
     assert!(after >= before + 100 * overdue_entry, "{after} vs {before}");
+    // ...and no more than a small slot and a map entry each.
+    assert!(after <= before + 100 * 200, "{after} vs {before}");
 }
 
 /// The slab's heap counts its nodes and its bitmap of cancelled nodes (one
