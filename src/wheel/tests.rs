@@ -614,3 +614,26 @@ fn slab_heap_bytes_counts_nodes_and_the_cancelled_bitmap() {
         slab.heap_bytes()
     );
 }
+
+/// Cancelled entries stay in their far-away slots until swept; when they
+/// make up 1/8 of the slab and it would grow, all slots are swept first,
+/// so churn (insert one, cancel an old one) never grows the slab past
+/// about 8/7 of the most entries ever pending at once.
+#[test]
+fn churn_of_cancelled_entries_does_not_grow_the_slab() {
+    let mut w = TimingWheel::new(0);
+    let live = 10_000u64;
+    for id in 0..live {
+        w.insert(id, YEAR + id, pos(id)).unwrap();
+    }
+    for id in live..live * 20 {
+        w.insert(id, YEAR + id, pos(id)).unwrap();
+        assert!(w.cancel(id - live).is_some());
+    }
+    assert_eq!(w.len(), live as usize);
+    let nodes = w.nodes.len();
+    assert!(
+        nodes as u64 <= live * 8 / 7 + 64,
+        "{nodes} slab nodes for at most {live} pending entries"
+    );
+}
