@@ -18,8 +18,8 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{
-    ApiErrorBody, Cancelled, CancelledIds, MessageDetail, MessagePage, MessageProperties,
-    MessageSummary, MessageTarget,
+    ApiErrorBody, Cancelled, CancelledIds, MessageDetail, MessagePage, MessageSummary,
+    MessageTarget,
 };
 use crate::engine::{Engine, EngineError, ListQuery, PendingInfo};
 use crate::route::Route;
@@ -431,21 +431,7 @@ async fn show(
     if let Record::Schedule { message, .. } = record {
         if let Ok(m) = delayd_adapters::decode(&message) {
             detail.headers = Some(m.headers.to_json());
-            let p_ = m.properties;
-            detail.properties = Some(MessageProperties {
-                content_type: p_.content_type,
-                content_encoding: p_.content_encoding,
-                delivery_mode: p_.delivery_mode,
-                priority: p_.priority,
-                correlation_id: p_.correlation_id,
-                reply_to: p_.reply_to,
-                expiration: p_.expiration,
-                message_id: p_.message_id,
-                timestamp: p_.timestamp,
-                kind: p_.kind,
-                user_id: p_.user_id,
-                app_id: p_.app_id,
-            });
+            detail.properties = Some(m.properties.into());
             if p.body {
                 match String::from_utf8(m.body) {
                     Ok(text) => detail.body = Some(text),

@@ -87,6 +87,26 @@ pub struct MessageProperties {
     pub app_id: Option<String>,
 }
 
+impl From<delayd_adapters::Properties> for MessageProperties {
+    /// The API shows every property but `cluster_id` (deprecated in AMQP).
+    fn from(p: delayd_adapters::Properties) -> Self {
+        Self {
+            content_type: p.content_type,
+            content_encoding: p.content_encoding,
+            delivery_mode: p.delivery_mode,
+            priority: p.priority,
+            correlation_id: p.correlation_id,
+            reply_to: p.reply_to,
+            expiration: p.expiration,
+            message_id: p.message_id,
+            timestamp: p.timestamp,
+            kind: p.kind,
+            user_id: p.user_id,
+            app_id: p.app_id,
+        }
+    }
+}
+
 /// `DELETE /v1/messages/{id}` cancels one id; `DELETE /v1/messages?...`
 /// every id with a key.
 #[derive(Debug, Clone, Serialize, Deserialize)]
