@@ -132,6 +132,7 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     let body = json!({
         "ready": ready,
         "wal": if state.engine.wal().is_stopped() { "stopped" } else { "recovered" },
+        "store": state.status.store(),
         "brokers": brokers,
         "routes": routes,
         "pending": state.engine.pending(),

@@ -26,6 +26,9 @@ pub enum RouteIntake {
     /// Its exchange, queue, binding or consumer does not exist yet: a
     /// message published to it now could be dropped unbound.
     Starting,
+    /// Broker-kept store: a partition's pending messages are being read
+    /// back from the state topic before it is consumed.
+    Restoring,
     Consuming,
 }
 
@@ -38,4 +41,9 @@ pub trait RuntimeStatus: Send + Sync + 'static {
     fn paused(&self) -> BTreeMap<String, Pressure>;
     /// False once shutdown has begun.
     fn accepting(&self) -> bool;
+    /// Where pending messages are kept: `local`, or `broker` with each
+    /// route's state topic.
+    fn store(&self) -> serde_json::Value {
+        serde_json::json!({ "kind": "local" })
+    }
 }

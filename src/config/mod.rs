@@ -23,6 +23,7 @@ pub use validate::ConfigError;
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub wal: WalSection,
+    pub store: StoreSection,
     pub http: HttpSection,
     pub engine: EngineSection,
     pub log: LogSection,
@@ -115,6 +116,43 @@ impl Default for HttpSection {
     }
 }
 
+/// Where the durable record of a pending message lives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// The WAL on this instance's disk (the default).
+    #[default]
+    Local,
+    /// The source broker: a compacted state topic per Kafka route (see
+    /// docs/broker-store.md); the local WAL is then a working copy.
+    Broker,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreSection {
+    /// `local` or `broker`.
+    pub kind: StoreKind,
+    /// Kafka state topics are named this followed by the route name.
+    pub topic_prefix: String,
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        Self {
+            kind: StoreKind::Local,
+            topic_prefix: "delayd.state.".into(),
+        }
+    }
+}
+
+impl StoreSection {
+    /// The state topic of `route` (broker store, Kafka).
+    pub fn topic(&self, route: &str) -> String {
+        format!("{}{route}", self.topic_prefix)
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSection {
@@ -123,8 +161,8 @@ pub struct EngineSection {
     /// On SIGTERM, give every waiting message back to its route's ingress
     /// (marked with its due time) for another instance to fire, instead of
     /// keeping it in the local WAL. For instances whose disk does not
-    /// outlive them. Default false.
-    pub handoff: bool,
+    /// outlive them. Default: true with `store.kind = "broker"`, else false.
+    pub handoff: Option<bool>,
     /// Most bytes of message bodies being stored at once (intake, all routes
     /// together) and, separately, being published at once. One message
     /// bigger than this is taken alone. Default 64 MiB.
@@ -155,7 +193,7 @@ impl Default for EngineSection {
     fn default() -> Self {
         Self {
             max_in_flight: 1024,
-            handoff: false,
+            handoff: None,
             max_bytes_in_flight: 64 << 20,
             overdue_rate: 5000,
             max_delay: Duration::from_secs(10 * 365 * 24 * 3600),
@@ -420,6 +458,13 @@ pub struct DestinationConfig {
 }
 
 impl Config {
+    /// `engine.handoff`, defaulting to on with the broker-kept store.
+    pub fn handoff(&self) -> bool {
+        self.engine
+            .handoff
+            .unwrap_or(self.store.kind == StoreKind::Broker)
+    }
+
     /// Defaults, then `file` (if any), then the `DELAYD_` environment; then
     /// semantic checks. Errors name the key and the file.
     pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::{BrokerConfig, Config, DestinationConfig, Mode, RouteConfig};
+use super::{BrokerConfig, Config, DestinationConfig, Mode, RouteConfig, StoreKind};
 
 /// Longest duration a key may hold: far beyond any real delay, and small
 /// enough that epoch milliseconds plus it never overflow a u64 (nor f64
@@ -64,7 +64,44 @@ impl ConfigError {
     }
 }
 
+/// Kafka's rule for topic names: at most 249 of `[A-Za-z0-9._-]`.
+fn valid_topic_name(name: &str) -> bool {
+    name.len() <= 249
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 impl Config {
+    /// `store.kind = "broker"`: the state lives in Kafka, so far; a route
+    /// that reads RabbitMQ cannot keep its state there yet (a RabbitMQ
+    /// stream, per docs/broker-store.md, is not built), and its state topic
+    /// name must be a valid topic name.
+    fn check_broker_store(&self, route: &RouteConfig) -> Result<(), (String, String)> {
+        if let Some(BrokerConfig::Amqp { .. }) = self.broker(&route.from.broker) {
+            return Err((
+                "store.kind".into(),
+                format!(
+                    "\"broker\" keeps state in Kafka only so far, and route {:?} reads RabbitMQ \
+                     (broker {:?}); use store.kind = \"local\" with engine.handoff = true",
+                    route.name, route.from.broker
+                ),
+            ));
+        }
+        let topic = self.store.topic(&route.name);
+        if !valid_topic_name(&topic) {
+            return Err((
+                "store.topic_prefix".into(),
+                format!(
+                    "route {:?} would keep its state in {topic:?}, which is not a valid Kafka \
+                     topic name (at most 249 letters, digits, '.', '_', '-'); rename the route",
+                    route.name
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     pub(super) fn validate(&self, file: Option<&Path>) -> Result<(), ConfigError> {
         let err = |key: String, message: String| ConfigError::Invalid {
             key,
@@ -155,6 +192,15 @@ impl Config {
                 _ => {}
             }
         }
+        if self.store.kind == StoreKind::Broker && !valid_topic_name(&self.store.topic_prefix) {
+            return Err(err(
+                "store.topic_prefix".into(),
+                format!(
+                    "{:?} cannot begin a Kafka topic name (letters, digits, '.', '_', '-')",
+                    self.store.topic_prefix
+                ),
+            ));
+        }
         let mut names = HashSet::new();
         for (i, route) in self.routes.iter().enumerate() {
             let key = |field: &str| format!("routes[{i}].{field}");
@@ -184,6 +230,10 @@ impl Config {
                     format!("no broker named {:?} under [brokers]", route.to.broker),
                 )
             })?;
+            if self.store.kind == StoreKind::Broker {
+                self.check_broker_store(route)
+                    .map_err(|(field, m)| err(field, m))?;
+            }
             if let BrokerConfig::Amqp { .. } = from {
                 if route.from.queue.as_deref().is_none_or(str::is_empty) {
                     return Err(err(

@@ -114,6 +114,8 @@ pub enum EngineError {
     TooManyRoutes,
     #[error("message {0} is being published and can no longer be cancelled")]
     InFlight(u64),
+    #[error("interrupted: {0}")]
+    Interrupted(&'static str),
 }
 
 /// Outcome of storing a delivery.
@@ -123,6 +125,12 @@ pub enum Stored {
     New(u64),
     /// A redelivery of a message already stored: nothing new was written.
     Duplicate,
+}
+
+/// [`Engine::begin_store`]: a duplicate, or a new record on its way.
+pub enum Storing<F> {
+    Duplicate,
+    New(F),
 }
 
 /// A pending message, for listing.
@@ -423,22 +431,41 @@ impl Engine {
         message: Vec<u8>,
         redelivered: bool,
     ) -> impl Future<Output = Result<Stored, EngineError>> + Send + 'static {
-        let fp = fingerprint(route, &message);
-        let duplicate = redelivered && self.take_stored_copy(route, fp, &message);
-        let route = route.to_owned();
-        let scheduled = (!duplicate).then(|| self.schedule_at(&route, due_ms, message));
-        let engine = self.clone();
+        let storing = self.begin_store(route, due_ms, message, redelivered);
         async move {
-            let Some(scheduled) = scheduled else {
-                metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route)
-                    .increment(1);
-                return Ok(Stored::Duplicate);
-            };
+            match storing {
+                Storing::Duplicate => Ok(Stored::Duplicate),
+                Storing::New(stored) => Ok(Stored::New(stored.await?)),
+            }
+        }
+    }
+
+    /// [`Engine::store`], saying at once whether the delivery is a
+    /// duplicate. A new record is queued for the WAL before this returns and
+    /// is armed only once the returned future has resolved, so whatever a
+    /// caller does between the two (the broker-kept store queues its state
+    /// record) happens before the message can fire.
+    pub fn begin_store(
+        &self,
+        route: &str,
+        due_ms: u64,
+        message: Vec<u8>,
+        redelivered: bool,
+    ) -> Storing<impl Future<Output = Result<u64, EngineError>> + Send + 'static> {
+        let fp = fingerprint(route, &message);
+        if redelivered && self.take_stored_copy(route, fp, &message) {
+            metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route.to_owned())
+                .increment(1);
+            return Storing::Duplicate;
+        }
+        let scheduled = self.schedule_at(route, due_ms, message);
+        let engine = self.clone();
+        Storing::New(async move {
             let (id, pos) = scheduled.await?;
             // Until the source ack is confirmed, a redelivery of it is a duplicate.
             engine.state().unconfirmed.add(id, fp, pos);
-            Ok(Stored::New(id))
-        }
+            Ok(id)
+        })
     }
 
     /// Is `message` byte-equal to a stored record whose ack is unconfirmed?
@@ -472,6 +499,11 @@ impl Engine {
         false
     }
 
+    /// Is message `id` pending here (waiting or being published)?
+    pub fn is_pending(&self, id: u64) -> bool {
+        self.state().is_pending(id)
+    }
+
     /// The source ack of stored message `id` reached the broker.
     pub fn confirm_ack(&self, id: u64) {
         self.state().unconfirmed.remove(id);
@@ -502,6 +534,26 @@ impl Engine {
             .map_err(|_| EngineError::WriterGone)??;
         let Some(done) = queued else {
             return Ok(false);
+        };
+        done.await.map_err(|_| EngineError::WriterGone)??;
+        Ok(true)
+    }
+
+    /// Take a message out because another instance now owns it (the
+    /// broker-kept store gave its partition away; the state topic keeps
+    /// it): Done locally, and forgotten by redelivery detection so a
+    /// restored copy is stored again. `Ok(false)` if unknown; in flight, it
+    /// fires (the new owner may fire it too: a counted duplicate).
+    pub async fn release(&self, id: u64) -> Result<bool, EngineError> {
+        let engine = self.clone();
+        let queued = tokio::task::spawn_blocking(move || engine.retire_queued(id, "released"))
+            .await
+            .map_err(|_| EngineError::WriterGone)?;
+        self.state().unconfirmed.remove(id);
+        let done = match queued {
+            Ok(Some(done)) => done,
+            Ok(None) | Err(EngineError::InFlight(_)) => return Ok(false),
+            Err(e) => return Err(e),
         };
         done.await.map_err(|_| EngineError::WriterGone)??;
         Ok(true)

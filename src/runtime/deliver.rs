@@ -11,6 +11,7 @@ use crate::engine::{Dispatch, Fired, Outcome};
 use crate::route::{bridge, rewrite, BrokerKind, Destination, Route};
 
 use super::brokers::Brokers;
+use super::store::KafkaStore;
 
 /// Publish attempts against a missing exchange or topic before the message
 /// is parked as unroutable (with the default back-off, about 6 s).
@@ -19,6 +20,8 @@ const MISSING_TARGET_ATTEMPTS: u32 = 6;
 pub struct Deliverer {
     pub routes: Arc<HashMap<String, Arc<Route>>>,
     pub brokers: Brokers,
+    /// Broker-kept stores by route: a delivered message is tombstoned there.
+    pub stores: Arc<HashMap<String, Arc<KafkaStore>>>,
 }
 
 impl Dispatch for Deliverer {
@@ -33,7 +36,14 @@ impl Dispatch for Deliverer {
             );
             return Box::pin(async move { Outcome::Retry(reason) });
         };
-        let message = match prepared(&route, &fired) {
+        let decoded = delayd_adapters::decode(&fired.message);
+        // Where its state record is (broker-kept store), read before the
+        // message is rewritten for delivery.
+        let state = match (self.stores.get(route.name()), &decoded) {
+            (Some(store), Ok(m)) => KafkaStore::key_of(m).map(|k| (store.clone(), k)),
+            _ => None,
+        };
+        let message = match decoded.map(|m| for_delivery(&route, m, fired.id)) {
             Ok(m) => m,
             Err(e) => {
                 // Our own encoding failed to decode: keep the raw bytes visible.
@@ -59,7 +69,7 @@ impl Dispatch for Deliverer {
                     message
                 };
                 let result = publish.await;
-                match result {
+                let outcome = match result {
                     Ok(PublishOutcome::Delivered) => {
                         metrics::counter!("delayd_fired_total", "route" => route.name().to_owned())
                             .increment(1);
@@ -97,7 +107,11 @@ impl Dispatch for Deliverer {
                         rewrite::strip_checked_properties(&mut message);
                         park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                     }
+                };
+                if let (Outcome::Done, Some((store, (tp, key)))) = (&outcome, state) {
+                    store.done(fired.id, tp, key).await;
                 }
+                outcome
             }
             .instrument(span),
         )
@@ -120,11 +134,16 @@ fn prepare_for_target(route: &Route, message: &mut Message) {
 /// The stored message as it goes out: decoded, rewritten for delivery
 /// (`x-delay` negated, the delayd id added) and mapped for the target broker.
 fn prepared(route: &Route, fired: &Fired) -> Result<Message, delayd_adapters::CodecError> {
-    let mut message = delayd_adapters::decode(&fired.message)?;
+    let message = delayd_adapters::decode(&fired.message)?;
+    Ok(for_delivery(route, message, fired.id))
+}
+
+/// A decoded stored message, rewritten and mapped for delivery.
+fn for_delivery(route: &Route, mut message: Message, id: u64) -> Message {
     let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
-    route.for_delivery(&mut message, fired.id, now_ms);
+    route.for_delivery(&mut message, id, now_ms);
     prepare_for_target(route, &mut message);
-    Ok(message)
+    message
 }
 
 /// Publish to an invalid/unroutable destination, counting it.

@@ -23,6 +23,7 @@ use crate::wal::WalError;
 use super::backpressure::Backpressure;
 use super::brokers::Brokers;
 use super::deliver::park;
+use super::store::KafkaStore;
 
 /// A delivery whose WAL record is queued (or that is invalid, or that waits
 /// for room).
@@ -84,6 +85,8 @@ pub struct Intake {
     pub bytes: Arc<Semaphore>,
     /// The budget `bytes` started with.
     pub byte_budget: usize,
+    /// The route's broker-kept store (`store.kind = "broker"`).
+    pub store: Option<Arc<KafkaStore>>,
 }
 
 impl Intake {
@@ -262,12 +265,18 @@ impl Intake {
     /// Queue the WAL record of a held delivery.
     fn store(&self, held: Held, admission: Admission) -> Attempt {
         let encoded = delayd_adapters::encode(&held.message);
-        let stored = self
-            .engine
-            .store(self.route.name(), held.due, encoded, held.redelivered);
+        let stored = match &self.store {
+            Some(store) => store.store(&held.message, held.due, encoded, held.redelivered),
+            None => {
+                Box::pin(
+                    self.engine
+                        .store(self.route.name(), held.due, encoded, held.redelivered),
+                )
+            }
+        };
         Attempt::Storing {
             held,
-            stored: Box::pin(stored),
+            stored,
             admission,
         }
     }

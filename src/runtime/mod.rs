@@ -11,6 +11,7 @@ mod brokers;
 mod deliver;
 mod handoff;
 mod ingest;
+mod store;
 
 pub use backpressure::Backpressure;
 pub use brokers::{BrokerHandle, Brokers};
@@ -26,7 +27,7 @@ use delayd_adapters::Source;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminState};
-use crate::config::{Config, ExchangeKind};
+use crate::config::{Config, ExchangeKind, StoreKind};
 use crate::engine::Pressure;
 use crate::engine::{Dispatch, Engine, EngineConfig, SystemClock};
 use crate::route::Route;
@@ -83,9 +84,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .collect();
     let routes = Arc::new(routes);
 
+    // Stops consuming; also ends state-write retries (held deliveries go back).
+    let intake_stop = CancellationToken::new();
+    let stores = Arc::new(open_stores(&config, &brokers, &engine, &intake_stop).await?);
+
     let pressure = Arc::new(Backpressure::default());
     let status = Arc::new(Status {
         brokers: brokers.clone(),
+        stores: stores.clone(),
         pressure: pressure.clone(),
         accepting: AtomicBool::new(true),
         consuming: std::sync::Mutex::new(
@@ -119,6 +125,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let dispatch: Arc<dyn Dispatch> = Arc::new(deliver::Deliverer {
         routes: routes.clone(),
         brokers: brokers.clone(),
+        stores: stores.clone(),
     });
     let dispatch_stop = CancellationToken::new();
     let dispatcher = {
@@ -129,13 +136,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     };
 
     // Messages in.
-    let intake_stop = CancellationToken::new();
     let mut intakes = Vec::new();
     let byte_budget = config.engine.max_bytes_in_flight.clamp(1, u32::MAX as u64) as usize;
     let intake_bytes = Arc::new(tokio::sync::Semaphore::new(byte_budget));
     for route_cfg in &config.routes {
         let route = routes[&route_cfg.name].clone();
-        let source = start_source(&brokers, route_cfg)?;
+        let store = stores.get(&route_cfg.name).cloned();
+        let listener = store
+            .clone()
+            .map(|s| s as Arc<dyn delayd_adapters::kafka::PartitionListener>);
+        let source = start_source(&brokers, route_cfg, listener)?;
         status
             .consuming
             .lock()
@@ -150,6 +160,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             pressure: pressure.clone(),
             bytes: intake_bytes.clone(),
             byte_budget,
+            store,
         };
         tracing::info!(route = %route_cfg.name, "route started");
         intakes.push(tokio::spawn(intake.run(source, intake_stop.clone())));
@@ -175,9 +186,24 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!("finishing in-flight publishes");
     dispatch_stop.cancel();
     let _ = dispatcher.await;
-    if config.engine.handoff && !failed {
-        let report =
-            handoff::hand_off(&engine, &routes, &brokers, config.engine.shutdown_grace).await;
+    for store in stores.values() {
+        store.flush(config.engine.shutdown_grace);
+    }
+    if config.handoff() && !failed {
+        // Routes with a broker-kept store are left out: their partitions'
+        // next owners restore them from the state topic.
+        let local_routes: HashMap<String, Arc<Route>> = routes
+            .iter()
+            .filter(|(name, _)| !stores.contains_key(*name))
+            .map(|(name, route)| (name.clone(), route.clone()))
+            .collect();
+        let report = handoff::hand_off(
+            &engine,
+            &local_routes,
+            &brokers,
+            config.engine.shutdown_grace,
+        )
+        .await;
         tracing::info!(
             handed_off = report.handed,
             left_in_wal = report.left,
@@ -198,9 +224,51 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `store.kind = "broker"`: each Kafka route's state topic, opened (and
+/// created if missing), and what the local WAL still held for those routes
+/// released before anything fires.
+async fn open_stores(
+    config: &Config,
+    brokers: &Brokers,
+    engine: &Engine,
+    stop: &CancellationToken,
+) -> anyhow::Result<HashMap<String, Arc<store::KafkaStore>>> {
+    let mut stores = HashMap::new();
+    if config.store.kind != StoreKind::Broker {
+        return Ok(stores);
+    }
+    for route in &config.routes {
+        // Validation allows only Kafka sources with this store.
+        let Some(BrokerHandle::Kafka { client }) = brokers.get(&route.from.broker) else {
+            continue;
+        };
+        let topic = config.store.topic(&route.name);
+        let store = store::KafkaStore::open(
+            client,
+            &topic,
+            &route.name,
+            &route.from.topics,
+            engine.clone(),
+            stop.clone(),
+        )
+        .await
+        .with_context(|| format!("route {}: store.kind = \"broker\"", route.name))?;
+        let released = store
+            .release_cached()
+            .await
+            .with_context(|| format!("route {}: releasing the local copies", route.name))?;
+        if released > 0 {
+            tracing::info!(route = %route.name, released, "local copies released; the state topic is restored per partition as the group assigns them");
+        }
+        stores.insert(route.name.clone(), store);
+    }
+    Ok(stores)
+}
+
 fn start_source(
     brokers: &Brokers,
     route: &crate::config::RouteConfig,
+    listener: Option<Arc<dyn delayd_adapters::kafka::PartitionListener>>,
 ) -> anyhow::Result<Box<dyn Source>> {
     let name = &route.name;
     match brokers.get(&route.from.broker) {
@@ -230,6 +298,7 @@ fn start_source(
             if let Some(prefetch) = route.from.prefetch {
                 source_cfg.capacity = prefetch as usize;
             }
+            source_cfg.listener = listener;
             let source = KafkaSource::start(client, source_cfg)
                 .with_context(|| format!("route {name}: cannot start consuming"))?;
             Ok(Box::new(source))
@@ -303,6 +372,8 @@ fn spawn_signal_handler(shutdown: CancellationToken) {
 /// What `/readyz` reports, as the runtime sees it.
 struct Status {
     brokers: Brokers,
+    /// Broker-kept stores, by route.
+    stores: Arc<HashMap<String, Arc<store::KafkaStore>>>,
     pressure: Arc<Backpressure>,
     /// False once shutdown has begun.
     accepting: AtomicBool,
@@ -321,7 +392,9 @@ impl RuntimeStatus for Status {
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .map(|(name, c)| {
+                let restoring = self.stores.get(name).is_some_and(|s| s.restoring());
                 let intake = match c {
+                    Some(_) if restoring => RouteIntake::Restoring,
                     Some(c) if c.get() => RouteIntake::Consuming,
                     _ => RouteIntake::Starting,
                 };
@@ -336,5 +409,22 @@ impl RuntimeStatus for Status {
 
     fn accepting(&self) -> bool {
         self.accepting.load(Ordering::Acquire)
+    }
+
+    fn store(&self) -> serde_json::Value {
+        if self.stores.is_empty() {
+            return serde_json::json!({ "kind": "local" });
+        }
+        let routes: BTreeMap<&str, serde_json::Value> = self
+            .stores
+            .iter()
+            .map(|(name, s)| {
+                (
+                    name.as_str(),
+                    serde_json::json!({ "state_topic": s.topic(), "restoring": s.restoring() }),
+                )
+            })
+            .collect();
+        serde_json::json!({ "kind": "broker", "routes": routes })
     }
 }

@@ -11,7 +11,9 @@ use crate::common;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use common::kafka::{self, create_topic, Producer, Reader, Record};
+use common::kafka::{
+    self, assert_none_early, collect_unique, create_topic, value_of, Producer, Reader, Record,
+};
 use common::{now_ms, seeded, Delayd};
 use delayd_adapters::kafka::murmur2::partition_for_key;
 
@@ -234,47 +236,6 @@ async fn sigkill_under_load_loses_nothing_acknowledged() {
     delayd.restart().await;
     let got = collect_unique(&Reader::new(&r.to), total, Duration::from_secs(90));
     assert_none_early(&got, &sent);
-}
-
-/// Reads until every value `0..total` arrived. Returns the first copy of
-/// each, by value; panics naming how many arrived.
-fn collect_unique(reader: &Reader, total: u32, within: Duration) -> HashMap<u32, Record> {
-    let deadline = Instant::now() + within;
-    let mut seen: HashMap<u32, Record> = HashMap::new();
-    let mut copies = 0u32;
-    while seen.len() < total as usize {
-        let Some(g) = reader.next(deadline) else {
-            panic!("{} of {total} arrived within {within:?}", seen.len());
-        };
-        copies += 1;
-        seen.entry(value_of(&g)).or_insert(g);
-    }
-    eprintln!(
-        "{total} records arrived, {} duplicate copies",
-        copies - total
-    );
-    seen
-}
-
-fn value_of(g: &Record) -> u32 {
-    String::from_utf8_lossy(g.value.as_deref().expect("a value"))
-        .parse()
-        .expect("a numeric value")
-}
-
-/// Record `i` (sent at `sent[i].0` with delay `sent[i].1`) left delayd (its
-/// timestamp is delayd's send time) and reached the reader no sooner than
-/// `sent + delay`.
-fn assert_none_early(got: &HashMap<u32, Record>, sent: &[(u64, u64)]) {
-    for (i, &(sent_ms, delay)) in sent.iter().enumerate() {
-        let g = &got[&(i as u32)];
-        let fired = g.timestamp_ms.expect("a timestamp") as u64;
-        assert!(
-            fired >= sent_ms + delay && g.received_ms >= sent_ms + delay,
-            "record {i} early: sent {sent_ms}, delay {delay}, fired {fired}, received {}",
-            g.received_ms
-        );
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

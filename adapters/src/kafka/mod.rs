@@ -11,12 +11,15 @@
 //! * [`sink`]: [`KafkaSink`], an idempotent `acks=all` producer that keeps
 //!   the call order on the wire and places keyed records with Java's murmur2.
 //! * [`murmur2`]: Java-compatible murmur2 partitioning, to check placement.
+//! * [`state`]: [`StateTopic`], the broker-kept store's compacted state
+//!   topic, and the [`PartitionListener`] a source tells of its partitions.
 
 pub mod convert;
 pub mod murmur2;
 pub mod offsets;
 pub mod sink;
 pub mod source;
+pub mod state;
 
 use std::collections::BTreeMap;
 
@@ -25,6 +28,7 @@ use rdkafka::ClientConfig;
 pub use rdkafka::error::KafkaError;
 pub use sink::KafkaSink;
 pub use source::{KafkaSource, KafkaSourceConfig};
+pub use state::{PartitionListener, StateError, StateTopic};
 
 /// How to reach one Kafka cluster.
 #[derive(Debug, Clone, Default)]

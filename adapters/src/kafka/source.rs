@@ -43,11 +43,12 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::convert::message_from_record;
 use super::offsets::{OffsetTracker, TopicPartition};
+use super::state::PartitionListener;
 use super::{KafkaClientConfig, Role};
 use crate::traits::{AckHandle, BoxFuture, Consuming, Delivery, Source, SourceError};
 
 /// What a [`KafkaSource`] consumes and how.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct KafkaSourceConfig {
     pub topics: Vec<String>,
     /// Consumer group (`group.id`).
@@ -63,6 +64,23 @@ pub struct KafkaSourceConfig {
     /// every record produced after `start` returns is read (a load
     /// generator's reader). Default false.
     pub start_at_end: bool,
+    /// Told of partitions assigned and revoked, on the poll thread (the
+    /// broker-kept store restores and releases their pending messages).
+    pub listener: Option<Arc<dyn PartitionListener>>,
+}
+
+impl std::fmt::Debug for KafkaSourceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSourceConfig")
+            .field("topics", &self.topics)
+            .field("group", &self.group)
+            .field("capacity", &self.capacity)
+            .field("commit_interval", &self.commit_interval)
+            .field("revoke_timeout", &self.revoke_timeout)
+            .field("start_at_end", &self.start_at_end)
+            .field("listener", &self.listener.is_some())
+            .finish()
+    }
 }
 
 impl KafkaSourceConfig {
@@ -74,6 +92,7 @@ impl KafkaSourceConfig {
             commit_interval: Duration::from_millis(20),
             revoke_timeout: Duration::from_secs(10),
             start_at_end: false,
+            listener: None,
         }
     }
 }
@@ -97,6 +116,7 @@ struct Shared {
     /// Partitions are paused (by the core or for lack of room).
     paused: AtomicBool,
     revoke_timeout: Duration,
+    listener: Option<Arc<dyn PartitionListener>>,
 }
 
 impl Shared {
@@ -129,6 +149,9 @@ impl ConsumerContext for SourceContext {
             let tps = partitions(tpl);
             tracing::info!(partitions = ?tps, "Kafka partitions revoked; committing");
             self.give_up(consumer, &tps);
+            if let Some(listener) = &self.shared.listener {
+                listener.revoked(&tps);
+            }
         }
     }
 
@@ -139,6 +162,10 @@ impl ConsumerContext for SourceContext {
                 if let Err(e) = consumer.pause(tpl) {
                     tracing::warn!(error = %e, "cannot pause newly assigned partitions");
                 }
+            }
+            // Nothing of these partitions is handed out before this returns.
+            if let Some(listener) = &self.shared.listener {
+                listener.assigned(&partitions(tpl));
             }
         }
     }
@@ -270,6 +297,7 @@ impl KafkaSource {
             rewinds: Mutex::new(Vec::new()),
             paused: AtomicBool::new(false),
             revoke_timeout: config.revoke_timeout,
+            listener: config.listener.clone(),
         });
         let consumer: BaseConsumer<SourceContext> = client
             .client_config(

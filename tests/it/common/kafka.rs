@@ -2,6 +2,7 @@
 //! 127.0.0.1:9092 (`KAFKA_BOOTSTRAP` overrides; `scripts/kafka.sh` starts
 //! one there), reached with plain rdkafka clients.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -301,4 +302,52 @@ to = {{ broker = "kafka", topic = {to} }}
         group = toml_string(group),
         to = toml_string(to_topic),
     )
+}
+
+/// Reads until every value `0..total` arrived. Returns the first copy of
+/// each, by value; panics naming how many arrived.
+pub fn collect_unique(reader: &Reader, total: u32, within: Duration) -> HashMap<u32, Record> {
+    collect_counting(reader, total, within).0
+}
+
+/// [`collect_unique`], with the number of duplicate copies read meanwhile.
+pub fn collect_counting(
+    reader: &Reader,
+    total: u32,
+    within: Duration,
+) -> (HashMap<u32, Record>, u32) {
+    let deadline = Instant::now() + within;
+    let mut seen: HashMap<u32, Record> = HashMap::new();
+    let mut copies = 0u32;
+    while seen.len() < total as usize {
+        let Some(g) = reader.next(deadline) else {
+            panic!("{} of {total} arrived within {within:?}", seen.len());
+        };
+        copies += 1;
+        seen.entry(value_of(&g)).or_insert(g);
+    }
+    let duplicates = copies - total;
+    eprintln!("{total} records arrived, {duplicates} duplicate copies");
+    (seen, duplicates)
+}
+
+pub fn value_of(g: &Record) -> u32 {
+    String::from_utf8_lossy(g.value.as_deref().expect("a value"))
+        .parse()
+        .expect("a numeric value")
+}
+
+/// Record `i` (sent at `sent[i].0` with delay `sent[i].1`) left delayd (its
+/// timestamp is delayd's send time) and reached the reader no sooner than
+/// `sent + delay`.
+pub fn assert_none_early(got: &HashMap<u32, Record>, sent: &[(u64, u64)]) {
+    for (i, &(sent_ms, delay)) in sent.iter().enumerate() {
+        let g = &got[&(i as u32)];
+        let fired = g.timestamp_ms.expect("a timestamp") as u64;
+        assert!(
+            fired >= sent_ms + delay && g.received_ms >= sent_ms + delay,
+            "record {i} early: sent {sent_ms}, delay {delay}, fired {fired}, received {}",
+            g.received_ms
+        );
+    }
 }

@@ -1,0 +1,453 @@
+//! The broker-kept store's Kafka side (`[store] kind = "broker"`): one
+//! compacted state topic per route, co-partitioned with the route's source
+//! topics (state partition *p* holds the pending messages read from source
+//! partition *p*), as Kafka Streams keeps a changelog.
+//!
+//! * A pending message is a record keyed by its source coordinates
+//!   (`topic/partition/offset`, see [`state_key`]): the same key whichever
+//!   instance restores it and however often the source record is read
+//!   again. Its value is a version byte, the due time (epoch ms, big endian)
+//!   and the message as delayd encodes it ([`encode_value`]).
+//! * Done is a tombstone (a null value) for that key: the log cleaner then
+//!   removes both.
+//! * Writes go through an idempotent `acks=all` producer of their own, so a
+//!   tombstone queued after its Schedule lands after it.
+//! * [`StateTopic::read_partition`] reads one partition from its start to
+//!   its high watermark and returns what is still live.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::{Message as _, Offset, TopicPartitionList};
+
+use super::offsets::TopicPartition;
+use super::sink::SinkContext;
+use super::{KafkaClientConfig, Role};
+use crate::message::Message;
+use crate::traits::BoxFuture;
+
+/// Called on a Kafka source's poll thread when its group hands it
+/// partitions or takes them away. Both may block: no record of an assigned
+/// partition is handed out before `assigned` returns, and a revoked
+/// partition is given up only after `revoked` returns.
+pub trait PartitionListener: Send + Sync {
+    fn assigned(&self, partitions: &[TopicPartition]);
+    fn revoked(&self, partitions: &[TopicPartition]);
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("Kafka state topic {topic:?}: {reason}")]
+    Topic { topic: String, reason: String },
+    #[error("cannot write to Kafka state topic {topic:?}: {source}")]
+    Write { topic: String, source: KafkaError },
+    #[error("cannot read Kafka state topic {topic:?} partition {partition}: {reason}")]
+    Read {
+        topic: String,
+        partition: i32,
+        reason: String,
+    },
+}
+
+/// Topic settings delayd creates a state topic with: compacted, with
+/// segments rolled and cleaned often enough that the topic stays within a
+/// small multiple of what is pending (see docs/broker-store.md).
+const TOPIC_CONFIG: &[(&str, &str)] = &[
+    ("cleanup.policy", "compact"),
+    // A segment is cleaned only once rolled.
+    ("segment.ms", "60000"),
+    ("min.cleanable.dirty.ratio", "0.5"),
+    // A restore reads a partition in seconds; tombstones need not outlive that by days.
+    ("delete.retention.ms", "600000"),
+];
+
+/// The state record key of a message read from Kafka: its source
+/// coordinates. `None` for a message that did not come from Kafka.
+pub fn state_key(message: &Message) -> Option<(i32, Vec<u8>)> {
+    let partition = message.partition?;
+    let offset = message.offset?;
+    Some((
+        partition,
+        format!("{}/{partition}/{offset}", message.source).into_bytes(),
+    ))
+}
+
+/// The source topic a state key names (topic names have no `/`).
+pub fn key_topic(key: &[u8]) -> Option<&[u8]> {
+    let mut parts = key.rsplitn(3, |b| *b == b'/');
+    let _offset = parts.next()?;
+    let _partition = parts.next()?;
+    parts.next()
+}
+
+const VALUE_VERSION: u8 = 1;
+
+/// A Schedule record's value: version, due time, encoded message.
+pub fn encode_value(due_ms: u64, encoded: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(9 + encoded.len());
+    out.push(VALUE_VERSION);
+    out.extend_from_slice(&due_ms.to_be_bytes());
+    out.extend_from_slice(encoded);
+    out
+}
+
+/// (due time, encoded message) of a Schedule record's value.
+pub fn decode_value(value: &[u8]) -> Option<(u64, &[u8])> {
+    let (&version, rest) = value.split_first()?;
+    if version != VALUE_VERSION || rest.len() < 8 {
+        return None;
+    }
+    let (due, encoded) = rest.split_at(8);
+    Some((u64::from_be_bytes(due.try_into().ok()?), encoded))
+}
+
+/// One route's state topic. Cheap to clone: clones share the producer.
+#[derive(Clone)]
+pub struct StateTopic {
+    producer: FutureProducer<SinkContext>,
+    client: KafkaClientConfig,
+    topic: String,
+}
+
+impl StateTopic {
+    /// Make sure `topic` exists with at least `partitions` partitions and
+    /// compaction (created so when missing), and open its producer.
+    pub async fn open(
+        client: &KafkaClientConfig,
+        topic: &str,
+        partitions: i32,
+    ) -> Result<Self, StateError> {
+        let err = |reason: String| StateError::Topic {
+            topic: topic.to_owned(),
+            reason,
+        };
+        let producer: FutureProducer<SinkContext> = client
+            .client_config(
+                Role::Producer,
+                &[("linger.ms", "2"), ("message.timeout.ms", "30000")],
+                &[("enable.idempotence", "true"), ("acks", "all")],
+            )
+            .create_with_context(SinkContext)
+            .map_err(|e| err(format!("cannot create a producer: {e}")))?;
+        let this = Self {
+            producer,
+            client: client.clone(),
+            topic: topic.to_owned(),
+        };
+        this.create(partitions).await.map_err(err)?;
+        this.check(partitions).await.map_err(err)?;
+        Ok(this)
+    }
+
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The most partitions any of `topics` has (at least 1): how many the
+    /// state topic of a route reading them needs.
+    pub async fn partitions_of(
+        client: &KafkaClientConfig,
+        topics: &[String],
+    ) -> Result<i32, StateError> {
+        let consumer: BaseConsumer = client
+            .client_config(Role::Admin, &[], &[])
+            .create()
+            .map_err(|e| StateError::Topic {
+                topic: topics.join(","),
+                reason: format!("cannot create a metadata client: {e}"),
+            })?;
+        let topics = topics.to_vec();
+        tokio::task::spawn_blocking(move || {
+            let mut most = 1;
+            for topic in &topics {
+                let count = settled_partition_count(&consumer, topic).map_err(|reason| {
+                    StateError::Topic {
+                        topic: topic.clone(),
+                        reason: format!("source topic: {reason}"),
+                    }
+                })?;
+                if count == 0 {
+                    return Err(StateError::Topic {
+                        topic: topic.clone(),
+                        reason: "the source topic does not exist; with store.kind = \"broker\" \
+                                 it must exist before delayd starts (its partitions size the \
+                                 state topic)"
+                            .into(),
+                    });
+                }
+                most = most.max(count);
+            }
+            Ok(most)
+        })
+        .await
+        .map_err(|e| StateError::Topic {
+            topic: String::new(),
+            reason: e.to_string(),
+        })?
+    }
+
+    fn admin(&self) -> Result<AdminClient<DefaultClientContext>, String> {
+        self.client
+            .client_config(Role::Admin, &[], &[])
+            .create()
+            .map_err(|e| format!("cannot create an admin client: {e}"))
+    }
+
+    /// Create the topic unless it exists: the broker's default
+    /// replication, else one replica (a single-broker cluster).
+    async fn create(&self, partitions: i32) -> Result<(), String> {
+        let admin = self.admin()?;
+        let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+        let mut last = String::new();
+        for replicas in [-1, 1] {
+            let mut new = NewTopic::new(&self.topic, partitions, TopicReplication::Fixed(replicas));
+            for (k, v) in TOPIC_CONFIG {
+                new = new.set(k, v);
+            }
+            match admin.create_topics([&new], &options).await {
+                Ok(results) => match results.into_iter().next() {
+                    Some(Ok(_)) | Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => {
+                        return Ok(())
+                    }
+                    Some(Err((_, code))) => last = code.to_string(),
+                },
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(format!("cannot create it: {last}"))
+    }
+
+    /// An existing topic must be compacted and have a partition for every
+    /// source partition.
+    async fn check(&self, partitions: i32) -> Result<(), String> {
+        let consumer: BaseConsumer = self
+            .client
+            .client_config(Role::Admin, &[], &[])
+            .create()
+            .map_err(|e| format!("cannot create a metadata client: {e}"))?;
+        let topic = self.topic.clone();
+        let have = tokio::task::spawn_blocking(move || settled_partition_count(&consumer, &topic))
+            .await
+            .map_err(|e| e.to_string())??;
+        if have < partitions {
+            return Err(format!(
+                "it has {have} partitions, fewer than the route's source topics ({partitions}); \
+                 add partitions to it (kafka-topics --alter --partitions {partitions})"
+            ));
+        }
+        let admin = self.admin()?;
+        let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+        let configs = admin
+            .describe_configs([&ResourceSpecifier::Topic(&self.topic)], &options)
+            .await
+            .map_err(|e| format!("cannot read its configuration: {e}"))?;
+        for resource in configs.into_iter().flatten() {
+            if let Some(policy) = resource.get("cleanup.policy").and_then(|e| e.value.clone()) {
+                if !policy.split(',').any(|p| p.trim() == "compact") {
+                    return Err(format!(
+                        "its cleanup.policy is {policy:?}; a state topic must be compacted \
+                         (cleanup.policy=compact), or Done records never free space and \
+                         pending ones may be deleted"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Queue a Schedule record now (before returning); the future resolves
+    /// once the broker has it (`acks=all`).
+    pub fn put(
+        &self,
+        partition: i32,
+        key: &[u8],
+        value: &[u8],
+    ) -> BoxFuture<'static, Result<(), StateError>> {
+        let record = FutureRecord::to(&self.topic)
+            .partition(partition)
+            .key(key)
+            .payload(value);
+        self.send(record)
+    }
+
+    /// Queue a tombstone for `key` now; the future resolves once it is written.
+    pub fn delete(&self, partition: i32, key: &[u8]) -> BoxFuture<'static, Result<(), StateError>> {
+        let record: FutureRecord<'_, [u8], [u8]> =
+            FutureRecord::to(&self.topic).partition(partition).key(key);
+        self.send(record)
+    }
+
+    fn send(
+        &self,
+        record: FutureRecord<'_, [u8], [u8]>,
+    ) -> BoxFuture<'static, Result<(), StateError>> {
+        let topic = self.topic.clone();
+        match self.producer.send_result(record) {
+            Ok(delivery) => Box::pin(async move {
+                match delivery.await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err((source, _))) => Err(StateError::Write { topic, source }),
+                    Err(_) => Err(StateError::Write {
+                        topic,
+                        source: KafkaError::Canceled,
+                    }),
+                }
+            }),
+            Err((source, _)) => Box::pin(async move { Err(StateError::Write { topic, source }) }),
+        }
+    }
+
+    /// Blocking: every live record of `partition` (key → Schedule value),
+    /// read from the partition's start to its high watermark as it was when
+    /// the read began. Fails if no progress is made for `stall`.
+    pub fn read_partition(
+        &self,
+        partition: i32,
+        stall: Duration,
+    ) -> Result<HashMap<Vec<u8>, Vec<u8>>, StateError> {
+        let err = |reason: String| StateError::Read {
+            topic: self.topic.clone(),
+            partition,
+            reason,
+        };
+        // The partition is assigned by hand: the group is never joined and
+        // nothing is committed (librdkafka wants a group.id to assign).
+        let consumer: BaseConsumer = self
+            .client
+            .client_config(
+                Role::Admin,
+                &[],
+                &[
+                    ("group.id", "delayd-state-restore"),
+                    ("enable.auto.commit", "false"),
+                    ("enable.auto.offset.store", "false"),
+                    ("enable.partition.eof", "false"),
+                ],
+            )
+            .create()
+            .map_err(|e| err(format!("cannot create a consumer: {e}")))?;
+        let (low, high) = consumer
+            .fetch_watermarks(&self.topic, partition, Duration::from_secs(10))
+            .map_err(|e| err(format!("cannot read its watermarks: {e}")))?;
+        let mut live = HashMap::new();
+        if high <= low {
+            return Ok(live);
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.topic, partition, Offset::Offset(low))
+            .map_err(|e| err(e.to_string()))?;
+        consumer.assign(&tpl).map_err(|e| err(e.to_string()))?;
+        let mut next = low;
+        let mut progress = Instant::now();
+        while next < high {
+            match consumer.poll(Duration::from_millis(100)) {
+                Some(Ok(record)) => {
+                    next = record.offset() + 1;
+                    progress = Instant::now();
+                    let Some(key) = record.key() else { continue };
+                    match record.payload() {
+                        Some(value) => live.insert(key.to_vec(), value.to_vec()),
+                        None => live.remove(key),
+                    };
+                }
+                Some(Err(e)) => {
+                    if progress.elapsed() > stall {
+                        return Err(err(e.to_string()));
+                    }
+                }
+                None => {
+                    // Compaction may have removed the last offsets below
+                    // the high watermark: the position says where reading is.
+                    if let Ok(position) = consumer.position() {
+                        if let Some(e) = position.find_partition(&self.topic, partition) {
+                            if let Offset::Offset(o) = e.offset() {
+                                next = next.max(o);
+                            }
+                        }
+                    }
+                    if next < high && progress.elapsed() > stall {
+                        return Err(err(format!(
+                            "no progress for {stall:?} at offset {next} of {high}"
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(live)
+    }
+
+    /// Wait up to `timeout` for queued writes (at shutdown).
+    pub fn flush(&self, timeout: Duration) {
+        if let Err(e) = self.producer.flush(timeout) {
+            tracing::warn!(error = %e, topic = %self.topic, "Kafka state producer flush");
+        }
+    }
+}
+
+/// Partitions of `topic` (0 if it does not exist), asked until two answers
+/// agree: a topic created a moment ago shows up in metadata with fewer
+/// partitions, or none, for a while.
+fn settled_partition_count(consumer: &BaseConsumer, topic: &str) -> Result<i32, String> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut last = None;
+    loop {
+        let metadata = consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .map_err(|e| format!("cannot read its metadata: {e}"))?;
+        let count = metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == topic && t.error().is_none())
+            .map_or(0, |t| {
+                t.partitions()
+                    .iter()
+                    .filter(|p| p.error().is_none() && p.leader() >= 0)
+                    .count() as i32
+            });
+        if last == Some(count) && (count > 0 || Instant::now() >= deadline) {
+            return Ok(count);
+        }
+        if Instant::now() >= deadline {
+            return Ok(count);
+        }
+        last = Some(count);
+        std::thread::sleep(Duration::from_millis(if count > 0 { 100 } else { 500 }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_value_round_trips_and_a_foreign_one_is_refused() {
+        let v = encode_value(1_700_000_000_123, b"encoded");
+        assert_eq!(decode_value(&v), Some((1_700_000_000_123, &b"encoded"[..])));
+        assert_eq!(decode_value(&v[..8]), None, "too short");
+        let mut other = v.clone();
+        other[0] = 2;
+        assert_eq!(decode_value(&other), None, "unknown version");
+    }
+
+    #[test]
+    fn a_key_names_its_source_topic() {
+        let m = Message {
+            source: "orders.delay".into(),
+            partition: Some(3),
+            offset: Some(42),
+            ..Message::default()
+        };
+        let (p, key) = state_key(&m).expect("a Kafka message has a key");
+        assert_eq!(p, 3);
+        assert_eq!(key, b"orders.delay/3/42");
+        assert_eq!(key_topic(&key), Some(&b"orders.delay"[..]));
+        assert_eq!(key_topic(b"nokey"), None);
+        let amqp = Message::default();
+        assert_eq!(state_key(&amqp), None);
+    }
+}

@@ -1,0 +1,364 @@
+//! The broker-kept store (`[store] kind = "broker"`), Kafka routes: the
+//! durable record of a pending message is a record in the route's
+//! compacted state topic (see `delayd_adapters::kafka::state` and
+//! docs/broker-store.md). The local WAL still holds the bodies the wheel
+//! fires from, but it is no longer the truth.
+//!
+//! Rules, each keeping "nothing lost, nothing early":
+//! * Intake: the state record is queued after the redelivery check and
+//!   before the message is armed, so its tombstone can only be queued after
+//!   it (one idempotent producer: same order on the broker). The source
+//!   offset is committed only once both the WAL record and the state record
+//!   are durable.
+//! * Delivered (or parked): a tombstone. If it is lost, the message is
+//!   restored and fired again later: a duplicate, never a loss.
+//! * Partition assigned: before any of its records is consumed, its state
+//!   partition is read to the high watermark and every live message is
+//!   stored and armed here with its original due time.
+//! * Partition revoked (rebalance, shutdown): its messages are released
+//!   here (Done in the local WAL only); the next owner restores them.
+//! * Start: whatever the local WAL holds for these routes is released
+//!   first. The partitions may be another instance's by now, and what is
+//!   ours is restored from the state topic on assignment.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use delayd_adapters::kafka::offsets::TopicPartition;
+use delayd_adapters::kafka::state::{decode_value, encode_value, key_topic, state_key};
+use delayd_adapters::kafka::{KafkaClientConfig, PartitionListener, StateTopic};
+use delayd_adapters::{BoxFuture, Message};
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::{Engine, EngineError, Stored, Storing};
+
+/// A restore that makes no progress this long is started again.
+const RESTORE_STALL: Duration = Duration::from_secs(30);
+
+/// A failed state write (Schedule) is tried again after this.
+const WRITE_RETRY: Duration = Duration::from_millis(500);
+
+/// How long a tombstone may take before it is given up (the message is
+/// then restored and fired again by whoever restores its partition).
+const TOMBSTONE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Restored records stored in the WAL per batch.
+const RESTORE_BATCH: usize = 4096;
+
+/// One Kafka route's broker-kept store.
+pub struct KafkaStore {
+    route: String,
+    engine: Engine,
+    state: StateTopic,
+    runtime: tokio::runtime::Handle,
+    /// Engine ids of the pending messages read from each source partition
+    /// this instance holds.
+    owned: Mutex<HashMap<TopicPartition, HashSet<u64>>>,
+    /// Partitions being restored now (`/readyz` waits for 0).
+    restoring: AtomicUsize,
+    /// Set at shutdown: restores and write retries give up.
+    stop: CancellationToken,
+}
+
+impl KafkaStore {
+    /// Open (creating if needed) the state topic of `route`, with a
+    /// partition for each partition of its source topics.
+    pub async fn open(
+        client: &KafkaClientConfig,
+        topic: &str,
+        route: &str,
+        source_topics: &[String],
+        engine: Engine,
+        stop: CancellationToken,
+    ) -> anyhow::Result<Arc<Self>> {
+        let partitions = StateTopic::partitions_of(client, source_topics).await?;
+        let state = StateTopic::open(client, topic, partitions).await?;
+        tracing::info!(
+            route,
+            topic,
+            partitions,
+            "broker-kept store: Kafka state topic ready"
+        );
+        Ok(Arc::new(Self {
+            route: route.to_owned(),
+            engine,
+            state,
+            runtime: tokio::runtime::Handle::current(),
+            owned: Mutex::new(HashMap::new()),
+            restoring: AtomicUsize::new(0),
+            stop,
+        }))
+    }
+
+    pub fn topic(&self) -> &str {
+        self.state.topic()
+    }
+
+    /// Is a partition being restored now?
+    pub fn restoring(&self) -> bool {
+        self.restoring.load(Ordering::Acquire) > 0
+    }
+
+    fn owned(&self) -> MutexGuard<'_, HashMap<TopicPartition, HashSet<u64>>> {
+        self.owned.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Release every message of this route the local WAL still holds (at
+    /// start, before anything fires): the state topic has them.
+    pub async fn release_cached(&self) -> Result<u64, EngineError> {
+        let engine = self.engine.clone();
+        let waiting = tokio::task::spawn_blocking(move || engine.waiting())
+            .await
+            .unwrap_or_default();
+        let mut released = 0;
+        for info in waiting.iter().filter(|i| *i.route == *self.route) {
+            if self.engine.release(info.id).await? {
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Store a consumed record: its WAL record and its state record, both
+    /// durable when the future resolves (and the message armed).
+    pub fn store(
+        self: &Arc<Self>,
+        message: &Message,
+        due_ms: u64,
+        encoded: Vec<u8>,
+        redelivered: bool,
+    ) -> BoxFuture<'static, Result<Stored, EngineError>> {
+        let Some((partition, key)) = state_key(message) else {
+            // Not from Kafka (config validation prevents it): local only.
+            return Box::pin(self.engine.store(&self.route, due_ms, encoded, redelivered));
+        };
+        let value = encode_value(due_ms, &encoded);
+        let wal = match self
+            .engine
+            .begin_store(&self.route, due_ms, encoded, redelivered)
+        {
+            Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
+            Storing::New(wal) => wal,
+        };
+        // Queued before the message can be armed (see the module doc).
+        let put = self.state.put(partition, &key, &value);
+        let tp = (message.source.clone(), partition);
+        let this = self.clone();
+        Box::pin(async move {
+            let id = match wal.await {
+                Ok(id) => id,
+                Err(e) => {
+                    if is_too_large(&e) {
+                        // It goes to the invalid destination: not pending anywhere.
+                        this.forget(partition, &key).await;
+                    }
+                    return Err(e);
+                }
+            };
+            this.own(tp, id);
+            this.settle_put(put, partition, &key, &value, id).await?;
+            Ok(Stored::New(id))
+        })
+    }
+
+    /// Tombstone a state record whose message is not pending (best effort).
+    async fn forget(&self, partition: i32, key: &[u8]) {
+        if let Err(e) = self.state.delete(partition, key).await {
+            tracing::warn!(route = %self.route, error = %e, "cannot tombstone a state record");
+        }
+    }
+
+    fn own(&self, tp: TopicPartition, id: u64) {
+        self.owned().entry(tp).or_default().insert(id);
+    }
+
+    /// Wait for a Schedule to be written, writing it again after a failure
+    /// for as long as the message is pending here.
+    async fn settle_put(
+        &self,
+        mut put: BoxFuture<'static, Result<(), delayd_adapters::kafka::StateError>>,
+        partition: i32,
+        key: &[u8],
+        value: &[u8],
+        id: u64,
+    ) -> Result<(), EngineError> {
+        loop {
+            let Err(e) = put.await else {
+                metrics::counter!("delayd_store_writes_total", "route" => self.route.clone(), "kind" => "schedule").increment(1);
+                return Ok(());
+            };
+            metrics::counter!("delayd_store_write_failures_total", "route" => self.route.clone())
+                .increment(1);
+            if !self.engine.is_pending(id) {
+                // Fired (its tombstone was queued after this failed write) or released.
+                return Ok(());
+            }
+            tracing::warn!(route = %self.route, error = %e, "cannot write the state record; the delivery is held until it is written");
+            tokio::select! {
+                _ = tokio::time::sleep(WRITE_RETRY) => {}
+                _ = self.stop.cancelled() => {
+                    return Err(EngineError::Interrupted("the state record was not written before shutdown"));
+                }
+            }
+            put = self.state.put(partition, key, value);
+        }
+    }
+
+    /// The state key of a stored message, if it came from Kafka.
+    pub fn key_of(message: &Message) -> Option<(TopicPartition, Vec<u8>)> {
+        let (partition, key) = state_key(message)?;
+        Some(((message.source.clone(), partition), key))
+    }
+
+    /// Message `id` was delivered or parked: tombstone its state record.
+    pub async fn done(&self, id: u64, tp: TopicPartition, key: Vec<u8>) {
+        if let Some(ids) = self.owned().get_mut(&tp) {
+            ids.remove(&id);
+        }
+        let route = self.route.clone();
+        match tokio::time::timeout(TOMBSTONE_TIMEOUT, self.state.delete(tp.1, &key)).await {
+            Ok(Ok(())) => {
+                metrics::counter!("delayd_store_writes_total", "route" => route, "kind" => "tombstone").increment(1);
+            }
+            Ok(Err(e)) => {
+                metrics::counter!("delayd_store_write_failures_total", "route" => route)
+                    .increment(1);
+                tracing::warn!(route = %self.route, id, error = %e, "cannot write the tombstone: the message will be fired again after a restore");
+            }
+            Err(_) => {
+                metrics::counter!("delayd_store_write_failures_total", "route" => route)
+                    .increment(1);
+                tracing::warn!(route = %self.route, id, "tombstone timed out: the message will be fired again after a restore");
+            }
+        }
+    }
+
+    /// Read source partition `tp`'s pending messages from the state topic
+    /// and arm them here. Returns how many.
+    async fn restore(&self, tp: &TopicPartition) -> anyhow::Result<u64> {
+        let state = self.state.clone();
+        let partition = tp.1;
+        let live =
+            tokio::task::spawn_blocking(move || state.read_partition(partition, RESTORE_STALL))
+                .await??;
+        let mut restored = 0u64;
+        let mut batch = Vec::with_capacity(RESTORE_BATCH.min(live.len()));
+        let mut ids = Vec::new();
+        for (key, value) in &live {
+            if key_topic(key) != Some(tp.0.as_bytes()) {
+                continue; // another source topic's partition of the same number
+            }
+            let Some((due_ms, encoded)) = decode_value(value) else {
+                tracing::error!(route = %self.route, key = %String::from_utf8_lossy(key), "state record of an unknown format; left in place");
+                continue;
+            };
+            // Not a redelivery: stored whatever the local WAL had (released).
+            let stored = self
+                .engine
+                .store(&self.route, due_ms, encoded.to_vec(), false);
+            batch.push((key, stored));
+            if batch.len() == RESTORE_BATCH {
+                restored += self.settle_restored(&mut batch, &mut ids).await?;
+            }
+        }
+        restored += self.settle_restored(&mut batch, &mut ids).await?;
+        self.owned().entry(tp.clone()).or_default().extend(ids);
+        Ok(restored)
+    }
+
+    async fn settle_restored(
+        &self,
+        batch: &mut Vec<(
+            &Vec<u8>,
+            impl std::future::Future<Output = Result<Stored, EngineError>>,
+        )>,
+        ids: &mut Vec<u64>,
+    ) -> Result<u64, EngineError> {
+        let mut n = 0;
+        for (key, stored) in batch.drain(..) {
+            match stored.await {
+                Ok(Stored::New(id)) => {
+                    ids.push(id);
+                    n += 1;
+                }
+                Ok(Stored::Duplicate) => {}
+                Err(e) if is_too_large(&e) => {
+                    // Only a smaller wal.max_message_bytes than when it was
+                    // written gets here: say so, and keep the record.
+                    tracing::error!(route = %self.route, key = %String::from_utf8_lossy(key), error = %e, "a restored message is larger than wal.max_message_bytes; it stays in the state topic");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(n)
+    }
+
+    /// Release the messages of `tp` held here.
+    async fn release(&self, tp: &TopicPartition) -> u64 {
+        let ids = self.owned().remove(tp).unwrap_or_default();
+        let mut released = 0;
+        for id in ids {
+            match self.engine.release(id).await {
+                Ok(true) => released += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(route = %self.route, id, error = %e, "cannot release a message of a revoked partition; it may fire here too")
+                }
+            }
+        }
+        released
+    }
+
+    /// Wait up to `timeout` for queued state writes (at shutdown).
+    pub fn flush(&self, timeout: Duration) {
+        self.state.flush(timeout);
+    }
+}
+
+impl PartitionListener for KafkaStore {
+    /// Restore each partition before its records are consumed: blocks the
+    /// source's poll thread, retrying until done or shutdown.
+    fn assigned(&self, partitions: &[TopicPartition]) {
+        self.restoring.fetch_add(1, Ordering::AcqRel);
+        let gauge =
+            metrics::gauge!("delayd_store_restoring_partitions", "route" => self.route.clone());
+        gauge.increment(partitions.len() as f64);
+        for tp in partitions {
+            loop {
+                let started = std::time::Instant::now();
+                match self.runtime.block_on(self.restore(tp)) {
+                    Ok(n) => {
+                        metrics::counter!("delayd_store_restored_total", "route" => self.route.clone())
+                            .increment(n);
+                        tracing::info!(route = %self.route, topic = %tp.0, partition = tp.1, restored = n, elapsed_ms = started.elapsed().as_millis() as u64, "partition restored from the state topic");
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::error!(route = %self.route, topic = %tp.0, partition = tp.1, error = %e, "cannot restore the partition; trying again");
+                        if self.stop.is_cancelled() {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                }
+            }
+            gauge.decrement(1.0);
+        }
+        self.restoring.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn revoked(&self, partitions: &[TopicPartition]) {
+        for tp in partitions {
+            let released = self.runtime.block_on(self.release(tp));
+            if released > 0 {
+                tracing::info!(route = %self.route, topic = %tp.0, partition = tp.1, released, "partition revoked; its pending messages are left to its next owner");
+            }
+        }
+    }
+}
+
+fn is_too_large(e: &EngineError) -> bool {
+    matches!(e, EngineError::Wal(crate::wal::WalError::TooLarge { .. }))
+}

@@ -1,0 +1,226 @@
+//! The broker-kept store (`store.kind = "broker"`) against a real Apache
+//! Kafka: pending messages live in a compacted state topic, so losing an
+//! instance together with its disk loses nothing. Instances are killed with
+//! their WAL directory deleted, stopped while holding messages, or all
+//! restarted from empty disks; every message still arrives, none early,
+//! duplicates counted.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::kafka::{
+    self, assert_none_early, collect_counting, create_topic, Producer, Reader, Record,
+};
+use common::{now_ms, Delayd};
+
+/// Lateness allowed when instances leave cleanly: a rebalance and a
+/// restore, far from a session timeout's, with room for this noisy machine.
+const ON_TIME_MS: i64 = 15_000;
+
+/// One Kafka → Kafka route whose state is kept in the broker.
+struct StoreRoute {
+    from: String,
+    to: String,
+    group: String,
+    route: String,
+    /// State topics of this test start with this.
+    prefix: String,
+}
+
+impl StoreRoute {
+    async fn new(test: &str, partitions: i32) -> StoreRoute {
+        let r = StoreRoute {
+            from: kafka::topic(test, "in"),
+            to: kafka::topic(test, "out"),
+            group: format!("delayd-it.{test}.{}", common::unique_suffix()),
+            route: format!("it-{test}"),
+            prefix: format!("delayd-it.state.{}.", common::unique_suffix()),
+        };
+        create_topic(&r.from, partitions).await;
+        create_topic(&r.to, partitions).await;
+        r
+    }
+
+    fn state_topic(&self) -> String {
+        format!("{}{}", self.prefix, self.route)
+    }
+
+    async fn start(&self) -> Delayd {
+        Delayd::start_with(|wal, http| {
+            let route = kafka::config(
+                wal,
+                http,
+                &self.route,
+                &self.from,
+                &self.group,
+                &self.to,
+                "",
+            );
+            format!(
+                "[store]\nkind = \"broker\"\ntopic_prefix = {}\n\n{route}",
+                common::toml_string(&self.prefix)
+            )
+        })
+        .await
+    }
+
+    /// Sends `total` records (value = index) with delays drawn in
+    /// `delays_ms`; returns (send time, delay) per record.
+    async fn send(&self, total: u32, delays_ms: std::ops::Range<u64>) -> Vec<(u64, u64)> {
+        let producer = Producer::new();
+        let span = delays_ms.end - delays_ms.start;
+        let mut sent = Vec::with_capacity(total as usize);
+        for i in 0..total {
+            // Spread over the range, in an order unrelated to the index.
+            let delay = delays_ms.start + (u64::from(i) * 7919) % span;
+            let record = Record::new(&format!("k{}", i % 97), format!("{i}").as_bytes())
+                .header("x-delay", Some(delay.to_string().as_bytes()));
+            sent.push((now_ms(), delay));
+            producer.send(&self.from, &record).await;
+        }
+        sent
+    }
+}
+
+/// Waits until the instances together have stored `total` messages.
+async fn wait_scheduled(instances: &[&Delayd], total: u32) {
+    common::wait_for("every record stored", Duration::from_secs(60), || async {
+        let stored: f64 = instances
+            .iter()
+            .map(|d| d.metric("delayd_scheduled_total"))
+            .sum();
+        (stored >= f64::from(total)).then_some(())
+    })
+    .await;
+}
+
+/// Polls the log until the instance holds at least one partition.
+async fn wait_assigned(delayd: &Delayd) {
+    common::wait_for("a Kafka assignment", Duration::from_secs(30), || async {
+        delayd
+            .log_tail(80)
+            .lines()
+            .rev()
+            .find(|l| l.contains("Kafka partitions"))
+            .filter(|l| l.contains("assigned partitions=[(\""))
+            .map(|_| ())
+    })
+    .await;
+}
+
+/// Prints lateness percentiles (fire time − due time) and returns the worst.
+fn lateness(got: &HashMap<u32, Record>, sent: &[(u64, u64)]) -> i64 {
+    let mut late: Vec<i64> = sent
+        .iter()
+        .enumerate()
+        .map(|(i, &(at, delay))| {
+            let fired = got[&(i as u32)].timestamp_ms.expect("a timestamp");
+            fired - (at + delay) as i64
+        })
+        .collect();
+    late.sort_unstable();
+    let at = |q: f64| late[((late.len() - 1) as f64 * q) as usize];
+    eprintln!(
+        "lateness ms: p50 {} p99 {} max {}",
+        at(0.5),
+        at(0.99),
+        at(1.0)
+    );
+    at(1.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_killed_with_its_disk_loses_nothing() {
+    let r = StoreRoute::new("store-kill", 4).await;
+    let mut a = r.start().await;
+    wait_assigned(&a).await;
+    let b = r.start().await;
+    // Both hold partitions: the group has split the topic between them.
+    wait_assigned(&b).await;
+    let total = 2000;
+    let sent = r.send(total, 5000..20_000).await;
+    wait_scheduled(&[&a, &b], total).await;
+    let held = a.pending();
+    assert!(held > 0, "the instance to kill holds no message");
+    let wal = a.wal_dir();
+    a.kill_9();
+    std::fs::remove_dir_all(&wal).expect("delete the killed instance's WAL");
+    eprintln!("killed an instance holding {held} messages and deleted its WAL");
+    // The other instance takes its partitions once its session expires
+    // and restores their pending messages from the state topic.
+    let (got, duplicates) = collect_counting(&Reader::new(&r.to), total, Duration::from_secs(120));
+    assert_none_early(&got, &sent);
+    lateness(&got, &sent);
+    eprintln!("duplicates: {duplicates}");
+    assert!(
+        b.metric("delayd_store_restored_total") >= held as f64,
+        "the survivor restored fewer messages than the killed instance held ({held})"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_instance_restarted_without_its_wal_delivers_everything() {
+    let r = StoreRoute::new("store-restart", 3).await;
+    let mut a = r.start().await;
+    wait_assigned(&a).await;
+    let ready = a.readyz();
+    assert_eq!(ready["store"]["kind"], "broker", "{ready}");
+    assert_eq!(
+        ready["store"]["routes"][&r.route]["state_topic"],
+        r.state_topic().as_str(),
+        "{ready}"
+    );
+    let total = 600;
+    let sent = r.send(total, 4000..12_000).await;
+    wait_scheduled(&[&a], total).await;
+    let held = a.pending();
+    assert_eq!(
+        held,
+        u64::from(total),
+        "every message pending before the kill"
+    );
+    let wal = a.wal_dir();
+    a.kill_9();
+    std::fs::remove_dir_all(&wal).expect("delete the WAL");
+    // The same instance comes back with an empty disk: everything pending
+    // is read back from the state topic.
+    a.restart().await;
+    let (got, duplicates) = collect_counting(&Reader::new(&r.to), total, Duration::from_secs(90));
+    assert_none_early(&got, &sent);
+    lateness(&got, &sent);
+    eprintln!("duplicates: {duplicates}");
+    assert!(
+        a.metric("delayd_store_restored_total") >= held as f64,
+        "restored fewer than the {held} pending"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scaling_down_hands_pending_messages_to_the_instance_left() {
+    let r = StoreRoute::new("store-scale", 6).await;
+    let a = r.start().await;
+    wait_assigned(&a).await;
+    let mut b = r.start().await;
+    let mut c = r.start().await;
+    wait_assigned(&b).await;
+    wait_assigned(&c).await;
+    let total = 1500;
+    let sent = r.send(total, 4000..10_000).await;
+    wait_scheduled(&[&a, &b, &c], total).await;
+    let held = b.pending() + c.pending();
+    assert!(held > 0, "the instances to stop hold no message");
+    for d in [&mut b, &mut c] {
+        let status = d.sigterm_and_wait(Duration::from_secs(30)).await;
+        assert!(status.success(), "SIGTERM exit: {status}");
+    }
+    eprintln!("stopped two instances holding {held} messages");
+    let (got, duplicates) = collect_counting(&Reader::new(&r.to), total, Duration::from_secs(90));
+    assert_none_early(&got, &sent);
+    let worst = lateness(&got, &sent);
+    eprintln!("duplicates: {duplicates}");
+    // On time: a rebalance and a restore, not a session timeout. Generous
+    // for this noisy machine, but finite.
+    assert!(worst <= ON_TIME_MS, "a message fired {worst} ms late");
+}
