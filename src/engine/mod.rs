@@ -127,6 +127,30 @@ pub enum Stored {
     Duplicate,
 }
 
+/// Told of a cancelled message: its route and stored bytes (see
+/// [`Engine::on_cancel`]).
+pub type CancelHook = Arc<dyn Fn(&str, &[u8]) + Send + Sync>;
+
+/// A message taken out of the wheel, its Done queued.
+struct Retired {
+    done: AppendReceiver,
+    route: Arc<str>,
+    /// Its stored bytes, when they could be read.
+    message: Option<Vec<u8>>,
+}
+
+impl Retired {
+    /// Wait for the Done to be durable; then, for a cancel, tell the
+    /// engine's cancel hook.
+    async fn settle(self, cancel_hook: Option<&CancelHook>) -> Result<(), EngineError> {
+        self.done.await.map_err(|_| EngineError::WriterGone)??;
+        if let (Some(hook), Some(message)) = (cancel_hook, &self.message) {
+            hook(&self.route, message);
+        }
+        Ok(())
+    }
+}
+
 /// [`Engine::begin_store`]: a duplicate, or a new record on its way.
 pub enum Storing<F> {
     Duplicate,
@@ -255,6 +279,8 @@ pub(crate) struct Inner {
     /// segment at once would each copy a message, and the second, finding
     /// it moved by the first, would retire it by id (a lost message).
     compacting: tokio::sync::Mutex<()>,
+    /// See [`Engine::on_cancel`].
+    cancel_hook: std::sync::OnceLock<CancelHook>,
     /// Tests only: where the dispatcher waits once, after planning an idle
     /// round and before sleeping (see `dispatch::Dispatcher::run`).
     #[cfg(test)]
@@ -342,6 +368,7 @@ impl Engine {
                 planned_wake: AtomicU64::new(u64::MAX),
                 overdue_until: now,
                 compacting: tokio::sync::Mutex::new(()),
+                cancel_hook: std::sync::OnceLock::new(),
                 #[cfg(test)]
                 idle_gate: StdMutex::new(None),
             }),
@@ -518,10 +545,10 @@ impl Engine {
         let queued = tokio::task::spawn_blocking(move || engine.cancel_queued(id))
             .await
             .map_err(|_| EngineError::WriterGone)??;
-        let Some(done) = queued else {
+        let Some(retired) = queued else {
             return Ok(false);
         };
-        done.await.map_err(|_| EngineError::WriterGone)??;
+        retired.settle(self.inner.cancel_hook.get()).await?;
         Ok(true)
     }
 
@@ -532,10 +559,10 @@ impl Engine {
         let queued = tokio::task::spawn_blocking(move || engine.retire_queued(id, "handed_off"))
             .await
             .map_err(|_| EngineError::WriterGone)??;
-        let Some(done) = queued else {
+        let Some(retired) = queued else {
             return Ok(false);
         };
-        done.await.map_err(|_| EngineError::WriterGone)??;
+        retired.settle(None).await?;
         Ok(true)
     }
 
@@ -550,12 +577,12 @@ impl Engine {
             .await
             .map_err(|_| EngineError::WriterGone)?;
         self.state().unconfirmed.remove(id);
-        let done = match queued {
-            Ok(Some(done)) => done,
+        let retired = match queued {
+            Ok(Some(retired)) => retired,
             Ok(None) | Err(EngineError::InFlight(_)) => return Ok(false),
             Err(e) => return Err(e),
         };
-        done.await.map_err(|_| EngineError::WriterGone)??;
+        retired.settle(None).await?;
         Ok(true)
     }
 
@@ -600,18 +627,17 @@ impl Engine {
         out
     }
 
-    fn cancel_queued(&self, id: u64) -> Result<Option<AppendReceiver>, EngineError> {
+    fn cancel_queued(&self, id: u64) -> Result<Option<Retired>, EngineError> {
         self.retire_queued(id, "cancelled")
     }
 
     /// Disarm `id` and queue its Done, counting it in `delayd_{why}_total`.
-    fn retire_queued(
-        &self,
-        id: u64,
-        why: &'static str,
-    ) -> Result<Option<AppendReceiver>, EngineError> {
-        // The key hash comes from the stored record, read outside the lock.
-        let hash = self.key_hash_of(id);
+    fn retire_queued(&self, id: u64, why: &'static str) -> Result<Option<Retired>, EngineError> {
+        // The stored record (its key hash, the cancel hook), read outside the lock.
+        let stored = self.stored_of(id);
+        let hash = stored.as_ref().and_then(|(route, message)| {
+            (self.inner.config.key_of)(message).map(|k| key_hash(*route, k))
+        });
         let mut state = self.state();
         if state.is_in_flight(id) {
             return Err(EngineError::InFlight(id));
@@ -624,9 +650,22 @@ impl Engine {
         }
         // Written under the lock so it is ordered before any compaction copy.
         let done = self.inner.wal.append_done(id, entry.data.pos)?;
-        metrics::counter!(format!("delayd_{why}_total"), "route" => state.route_name(entry.data.route).to_string())
-            .increment(1);
-        Ok(Some(done))
+        let route = state.route_name(entry.data.route);
+        metrics::counter!(format!("delayd_{why}_total"), "route" => route.to_string()).increment(1);
+        Ok(Some(Retired {
+            done,
+            route,
+            message: stored.map(|(_, m)| m),
+        }))
+    }
+
+    /// Set once: told of every message cancelled (by id or by key), with
+    /// its route and stored bytes, once its Done is durable. The
+    /// broker-kept store tombstones its state record there.
+    pub fn on_cancel(&self, hook: CancelHook) {
+        if self.inner.cancel_hook.set(hook).is_err() {
+            tracing::warn!("a cancel hook was already set; the new one is ignored");
+        }
     }
 
     /// Pending messages on `route` whose lookup key (Kafka key, else AMQP
@@ -678,25 +717,23 @@ impl Engine {
         .await
         .map_err(|_| EngineError::WriterGone)??;
         let mut cancelled = Vec::with_capacity(queued.len());
-        for (id, done) in queued {
-            done.await.map_err(|_| EngineError::WriterGone)??;
+        for (id, retired) in queued {
+            retired.settle(self.inner.cancel_hook.get()).await?;
             cancelled.push(id);
         }
         Ok(cancelled)
     }
 
-    /// The key-index hash of a pending message, from its stored record.
-    fn key_hash_of(&self, id: u64) -> Option<u64> {
+    /// A pending message's route id and stored bytes.
+    fn stored_of(&self, id: u64) -> Option<(u16, Vec<u8>)> {
         let (route, pos) = {
             let state = self.state();
             let (slot, _, _) = state.locate(id)?;
             (slot.route, slot.pos)
         };
         match self.inner.wal.read(pos) {
-            Ok(Record::Schedule { message, .. }) => {
-                (self.inner.config.key_of)(&message).map(|k| key_hash(route, k))
-            }
-            // Moved by compaction meanwhile: the sweep removes the entry later.
+            Ok(Record::Schedule { message, .. }) => Some((route, message)),
+            // Moved by compaction meanwhile: the sweep removes its key later.
             _ => None,
         }
     }

@@ -87,6 +87,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // Stops consuming; also ends state-write retries (held deliveries go back).
     let intake_stop = CancellationToken::new();
     let stores = Arc::new(open_stores(&config, &brokers, &engine, &intake_stop).await?);
+    if !stores.is_empty() {
+        let stores = stores.clone();
+        engine.on_cancel(Arc::new(move |route, message| {
+            if let Some(store) = stores.get(route) {
+                store.cancelled(message);
+            }
+        }));
+    }
 
     let pressure = Arc::new(Backpressure::default());
     let status = Arc::new(Status {

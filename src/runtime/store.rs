@@ -12,6 +12,8 @@
 //!   are durable.
 //! * Delivered (or parked): a tombstone. If it is lost, the message is
 //!   restored and fired again later: a duplicate, never a loss.
+//! * Cancelled (API, Kafka tombstone): a tombstone too, queued once the
+//!   local Done is durable.
 //! * Partition assigned: before any of its records is consumed, its state
 //!   partition is read to the high watermark and every live message is
 //!   stored and armed here with its original due time.
@@ -233,6 +235,32 @@ impl KafkaStore {
                 tracing::warn!(route = %self.route, id, "tombstone timed out: the message will be fired again after a restore");
             }
         }
+    }
+
+    /// A pending message was cancelled (its local Done is durable):
+    /// tombstone its state record, or a restore would bring it back. The
+    /// tombstone is queued now, after its Schedule; a failure is logged.
+    pub fn cancelled(&self, stored: &[u8]) {
+        let Some((tp, key)) = delayd_adapters::decode(stored)
+            .ok()
+            .as_ref()
+            .and_then(Self::key_of)
+        else {
+            return;
+        };
+        let write = self.state.delete(tp.1, &key);
+        let route = self.route.clone();
+        tokio::spawn(async move {
+            match write.await {
+                Ok(()) => {
+                    metrics::counter!("delayd_store_writes_total", "route" => route, "kind" => "tombstone").increment(1);
+                }
+                Err(e) => {
+                    metrics::counter!("delayd_store_write_failures_total", "route" => route.clone()).increment(1);
+                    tracing::error!(route, error = %e, "cannot tombstone a cancelled message's state record: it comes back after a restore");
+                }
+            }
+        });
     }
 
     /// Read source partition `tp`'s pending messages from the state topic

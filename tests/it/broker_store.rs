@@ -224,3 +224,49 @@ async fn scaling_down_hands_pending_messages_to_the_instance_left() {
     // for this noisy machine, but finite.
     assert!(worst <= ON_TIME_MS, "a message fired {worst} ms late");
 }
+
+/// The sum of `name`'s samples whose labels include `label`.
+fn metric_with(delayd: &Delayd, name: &str, label: &str) -> f64 {
+    let (_, text) = delayd.http_get("/metrics").expect("GET /metrics");
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_message_stays_cancelled_after_a_restore() {
+    let r = StoreRoute::new("store-cancel", 2).await;
+    let mut a = r.start().await;
+    wait_assigned(&a).await;
+    let producer = Producer::new();
+    for (key, delay) in [("gone", "8000"), ("kept", "10000")] {
+        let record = Record::new(key, key.as_bytes()).header("x-delay", Some(delay.as_bytes()));
+        producer.send(&r.from, &record).await;
+    }
+    wait_scheduled(&[&a], 2).await;
+    let path = format!("/v1/messages?route={}&key=gone", r.route);
+    let (status, body) = a.api("DELETE", &path, None);
+    assert_eq!(status, 200, "{body}");
+    // Its state record is tombstoned once the local Done is durable.
+    common::wait_for(
+        "the cancel's tombstone",
+        Duration::from_secs(10),
+        || async {
+            (metric_with(&a, "delayd_store_writes_total", "kind=\"tombstone\"") >= 1.0)
+                .then_some(())
+        },
+    )
+    .await;
+    let wal = a.wal_dir();
+    a.kill_9();
+    std::fs::remove_dir_all(&wal).expect("delete the WAL");
+    a.restart().await;
+    let reader = Reader::new(&r.to);
+    let first = reader
+        .next(std::time::Instant::now() + Duration::from_secs(60))
+        .expect("the message not cancelled arrives");
+    assert_eq!(first.key.as_deref(), Some(&b"kept"[..]));
+    // Only the message not cancelled came back from the state topic.
+    assert_eq!(a.metric("delayd_store_restored_total"), 1.0);
+}
