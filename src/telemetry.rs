@@ -76,6 +76,18 @@ fn describe_metrics() {
             "Messages retired after being handed back to their ingress.",
         ),
         (
+            "delayd_released_total",
+            "Messages left to another instance when their Kafka partition was revoked (broker-kept store).",
+        ),
+        (
+            "delayd_store_restored_total",
+            "Pending messages read back from the state topic when a partition was assigned.",
+        ),
+        (
+            "delayd_store_write_failures_total",
+            "State topic writes (Schedule or tombstone) that failed.",
+        ),
+        (
             "delayd_publish_retries_total",
             "Publishes that failed and were re-armed with back-off.",
         ),
@@ -98,6 +110,14 @@ fn describe_metrics() {
     describe_counter!(
         "delayd_handoff_messages_total",
         "Messages handed back to their ingress at shutdown."
+    );
+    describe_counter!(
+        "delayd_store_writes_total",
+        "State topic records written, per route and kind (schedule, tombstone)."
+    );
+    describe_gauge!(
+        "delayd_store_restoring_partitions",
+        "Partitions whose pending messages are being restored from the state topic."
     );
     describe_counter!(
         "delayd_wal_fsyncs_total",

@@ -294,3 +294,59 @@ fn queue_type_and_arguments_parse_and_are_checked() {
         .to_string();
     assert!(e.contains("routes[0].from.queue_arguments"), "{e}");
 }
+
+const KAFKA: &str = r#"
+[brokers.kafka]
+kind = "kafka"
+bootstrap = "127.0.0.1:9092"
+
+[[routes]]
+name = "kafka-delays"
+from = { broker = "kafka", topics = ["orders.delay"], group = "delayd" }
+to = { broker = "kafka", topic = "orders" }
+"#;
+
+#[test]
+fn the_store_is_local_by_default_and_broker_turns_hand_off_on() {
+    let c = Config::from_toml_str(KAFKA).unwrap();
+    assert_eq!(c.store.kind, StoreKind::Local);
+    assert!(!c.handoff());
+    let c = Config::from_toml_str(&format!("[store]\nkind = \"broker\"\n{KAFKA}")).unwrap();
+    assert_eq!(c.store.kind, StoreKind::Broker);
+    assert_eq!(c.store.topic("kafka-delays"), "delayd.state.kafka-delays");
+    assert!(c.handoff(), "hand-off defaults to on with the broker store");
+    let c = Config::from_toml_str(&format!(
+        "[store]\nkind = \"broker\"\n[engine]\nhandoff = false\n{KAFKA}"
+    ))
+    .unwrap();
+    assert!(!c.handoff(), "an explicit handoff = false wins");
+}
+
+#[test]
+fn the_broker_store_refuses_a_rabbitmq_route_naming_the_key() {
+    let e = Config::from_toml_str(&format!("[store]\nkind = \"broker\"\n{GOOD}"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("store.kind") && e.contains("orders"), "{e}");
+}
+
+#[test]
+fn the_broker_store_needs_a_valid_state_topic_name() {
+    let e = Config::from_toml_str(&format!(
+        "[store]\nkind = \"broker\"\ntopic_prefix = \"state/\"\n{KAFKA}"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("store.topic_prefix"), "{e}");
+    let e = Config::from_toml_str(&format!(
+        "[store]\nkind = \"broker\"\n{}",
+        KAFKA.replace("name = \"kafka-delays\"", "name = \"kafka delays\"")
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("store.topic_prefix") && e.contains("kafka delays"), "{e}");
+    let e = Config::from_toml_str(&format!("[store]\nkind = \"somewhere\"\n{KAFKA}"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("store.kind"), "{e}");
+}
