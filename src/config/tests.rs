@@ -344,7 +344,10 @@ fn the_broker_store_needs_a_valid_state_topic_name() {
     ))
     .unwrap_err()
     .to_string();
-    assert!(e.contains("store.topic_prefix") && e.contains("kafka delays"), "{e}");
+    assert!(
+        e.contains("store.topic_prefix") && e.contains("kafka delays"),
+        "{e}"
+    );
     let e = Config::from_toml_str(&format!("[store]\nkind = \"somewhere\"\n{KAFKA}"))
         .unwrap_err()
         .to_string();
