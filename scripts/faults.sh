@@ -12,6 +12,10 @@
 #   handoff     the pod replaced: SIGTERM with engine.handoff = true, the WAL
 #               directory deleted, a fresh instance started (a sidecar with no
 #               volume in a rolling update)
+#   store       the instance and its disk lost: kill -9 with the WAL directory
+#               deleted, a fresh instance started, on a Kafka route with
+#               store.kind = "broker" (pending messages come back from the
+#               state topic)
 #
 #   bash scripts/faults.sh            # the long run: 100 kill -9 cycles, 10 of the rest
 #   bash scripts/faults.sh --short    # a few cycles of each (part of scripts/test.sh)
@@ -38,7 +42,7 @@ else
     default_cycles=10 kill_cycles=100 rate="${RATE:-500}" dup_permille=1
 fi
 cycles="${CYCLES:-}"
-scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka handoff}"
+scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka handoff store}"
 http=127.0.0.1:9465
 
 bash scripts/rabbitmq.sh >/dev/null
@@ -52,6 +56,9 @@ else
     delayd="$PWD/target/release/delayd"
 fi
 work="$(mktemp -d /var/tmp/delayd-faults.XXXXXX)"
+# Kafka topics of the store scenario are this run's own: its state topic
+# must not hold an earlier run's pending messages.
+run_tag="$(date +%s)"
 pid=""
 failed=0
 passed=0
@@ -67,11 +74,21 @@ log() { echo "faults: $*" >&2; }
 
 # --- delayd ------------------------------------------------------------
 
+is_kafka() { [ "$1" = kafka ] || [ "$1" = store ]; }
+kafka_topic() { # scenario, role
+    if [ "$1" = store ]; then echo "faults.store.$run_tag.$2"; else echo "faults.kafka.$2"; fi
+}
+kafka_group() {
+    if [ "$1" = store ]; then echo "delayd-faults-store-$run_tag"; else echo "delayd-faults"; fi
+}
+
 write_config() { # scenario, wal dir
     local s="$1" wal="$2"
     local segment="" engine=""
     [ "$s" = disk ] && segment=$'segment_bytes = 262144\n'
     [ "$s" = handoff ] && engine=$'[engine]\nhandoff = true\n'
+    local store=""
+    [ "$s" = store ] && store=$'[store]\nkind = "broker"\ntopic_prefix = "faults.state.'"$run_tag"$'."\n'
     {
         cat <<EOF
 [wal]
@@ -82,6 +99,7 @@ $segment
 listen = "$http"
 
 $engine
+$store
 [log]
 level = "warn"
 
@@ -95,12 +113,12 @@ bootstrap = "127.0.0.1:9092"
 consumer_properties = { "session.timeout.ms" = "6000", "heartbeat.interval.ms" = "1000" }
 
 EOF
-        if [ "$s" = kafka ]; then
+        if is_kafka "$s"; then
             cat <<EOF
 [[routes]]
-name = "faults-kafka"
-from = { broker = "kafka", topics = ["faults.kafka.delay"], group = "delayd-faults" }
-to = { broker = "kafka", topic = "faults.kafka.out" }
+name = "faults-$s"
+from = { broker = "kafka", topics = ["$(kafka_topic "$s" delay)"], group = "$(kafka_group "$s")" }
+to = { broker = "kafka", topic = "$(kafka_topic "$s" out)" }
 EOF
         else
             cat <<EOF
@@ -164,6 +182,13 @@ inject_disk() {
     rm -f "$work/disk/filler"
 }
 inject_kafka() { pause; bash scripts/kafka.sh restart >/dev/null; }
+inject_store() {
+    pause
+    stop_delayd 9
+    # The instance and its disk are gone; the state topic has what it held.
+    rm -rf "$work/store-wal"
+    start_delayd "$1"
+}
 inject_handoff() {
     pause
     stop_delayd TERM
@@ -182,10 +207,10 @@ run_scenario() { # scenario, cycles
         wal="$work/disk/wal"
     fi
     write_config "$s" "$wal"
-    if [ "$s" = kafka ]; then
+    if is_kafka "$s"; then
         # The topics exist before delayd subscribes (as in a deploy).
-        "$delayd" bench --quiet --kafka 127.0.0.1:9092 --topic faults.kafka.delay \
-            --target-topic faults.kafka.out --create-topics 4 --count 1 --publish-only \
+        "$delayd" bench --quiet --kafka 127.0.0.1:9092 --topic "$(kafka_topic "$s" delay)" \
+            --target-topic "$(kafka_topic "$s" out)" --create-topics 4 --count 1 --publish-only \
             >/dev/null 2>&1
     fi
     start_delayd "$s" || return 1
@@ -195,9 +220,9 @@ run_scenario() { # scenario, cycles
     local count=$((rate * (6 * n + 12)))
     local bench=(--quiet --json --count "$count" --rate "$rate" --delay-min 1000
         --delay-max 5000 --drain-timeout 90s --body-bytes 512)
-    if [ "$s" = kafka ]; then
-        bench+=(--kafka 127.0.0.1:9092 --topic faults.kafka.delay
-            --target-topic faults.kafka.out --create-topics 4)
+    if is_kafka "$s"; then
+        bench+=(--kafka 127.0.0.1:9092 --topic "$(kafka_topic "$s" delay)"
+            --target-topic "$(kafka_topic "$s" out)" --create-topics 4)
     else
         bench+=(--exchange "faults.$s.delayed" --queue "faults.$s.q"
             --bind-to "faults.$s.out")
