@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# How big the broker-kept store's state topic grows (`store.kind = "broker"`,
+# Kafka): delayd (release build) on a Kafka route while `delayd bench` sends
+# COUNT messages at RATE per second with 1-5 s delays, then WAIT seconds of
+# idle for Kafka's log cleaner. Every 10 s it prints delayd's pending count
+# and the state topic's bytes on disk, and at the end the peak and final
+# figures. A benchmark-like command, not part of the test command.
+#
+#   bash scripts/store-bound.sh                       # 1,000,000 at 3000/s
+#   COUNT=200000 RATE=2000 WAIT=300 bash scripts/store-bound.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+count="${COUNT:-1000000}"
+rate="${RATE:-3000}"
+wait_after="${WAIT:-720}"
+http=127.0.0.1:9466
+kafka_data="${KAFKA_HOME:-/var/tmp/delayd-kafka}/data"
+
+bash scripts/kafka.sh >/dev/null
+cargo build --release --quiet
+delayd="$PWD/target/release/delayd"
+tag="$(date +%s)"
+work="$(mktemp -d /var/tmp/delayd-store-bound.XXXXXX)"
+route="bound"
+state_topic="bound.state.$tag.$route"
+pid=""
+cleanup() {
+    [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+cat >"$work/delayd.toml" <<EOF
+[wal]
+dir = "$work/wal"
+create_dir = true
+
+[store]
+kind = "broker"
+topic_prefix = "bound.state.$tag."
+
+[http]
+listen = "$http"
+
+[log]
+level = "warn"
+
+[brokers.kafka]
+kind = "kafka"
+bootstrap = "127.0.0.1:9092"
+
+[[routes]]
+name = "$route"
+from = { broker = "kafka", topics = ["bound.$tag.delay"], group = "delayd-bound-$tag" }
+to = { broker = "kafka", topic = "bound.$tag.out" }
+EOF
+
+# The topics exist before delayd starts (the state topic is sized on them).
+"$delayd" bench --quiet --kafka 127.0.0.1:9092 --topic "bound.$tag.delay" \
+    --target-topic "bound.$tag.out" --create-topics 4 --count 1 --publish-only >/dev/null 2>&1
+"$delayd" run --config "$work/delayd.toml" >"$work/delayd.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 100); do
+    curl -sf "http://$http/readyz" >/dev/null && break
+    sleep 0.2
+done
+
+pending() { curl -s "http://$http/readyz" | python3 -c 'import json,sys; print(json.load(sys.stdin)["pending"])'; }
+# Record bytes only: Kafka preallocates each segment's index files (10 MiB).
+state_bytes() { cat "$kafka_data/$state_topic"-*/*.log 2>/dev/null | wc -c; }
+
+"$delayd" bench --quiet --json --kafka 127.0.0.1:9092 --topic "bound.$tag.delay" \
+    --target-topic "bound.$tag.out" --create-topics 4 --count "$count" --rate "$rate" \
+    --delay-min 1000 --delay-max 5000 --body-bytes 256 --drain-timeout 300s \
+    >"$work/bench.json" 2>"$work/bench.log" &
+bench=$!
+t0=$SECONDS
+peak_pending=0
+peak_bytes=0
+sample() {
+    local p b
+    p="$(pending)"
+    b="$(state_bytes)"
+    ((p > peak_pending)) && peak_pending=$p
+    ((b > peak_bytes)) && peak_bytes=$b
+    echo "store-bound: $1 t=$((SECONDS - t0))s pending $p  state topic $((b / 1024)) KiB"
+}
+while kill -0 "$bench" 2>/dev/null; do
+    sample load
+    sleep 10
+done
+wait "$bench" || true
+python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("store-bound: bench", {k: r[k] for k in ("published","received","lost","early","duplicates","lateness_p99_ms")})' "$work/bench.json"
+idle_until=$((SECONDS + wait_after))
+while ((SECONDS < idle_until)); do
+    sample idle
+    sleep 10
+done
+final=$(state_bytes)
+echo "store-bound: $count messages at $rate/s: peak pending $peak_pending," \
+    "peak state topic $((peak_bytes / 1024)) KiB ($((peak_bytes / (peak_pending > 0 ? peak_pending : 1))) B per peak pending message)," \
+    "after ${wait_after}s idle $((final / 1024)) KiB"
