@@ -21,6 +21,7 @@ pub mod messages;
 pub mod route;
 pub mod runtime;
 pub mod status;
+pub mod store_inspect;
 pub mod telemetry;
 pub mod wal;
 pub mod wheel;

@@ -37,6 +37,11 @@ enum Command {
         #[command(subcommand)]
         command: WalCommand,
     },
+    /// Inspect the broker-kept store (`store.kind = "broker"`).
+    Store {
+        #[command(subcommand)]
+        command: StoreCommand,
+    },
     /// Load generator: publish delayed messages and measure their arrival.
     Bench(delayd::bench::BenchArgs),
     /// List, show and cancel pending messages through the admin API.
@@ -55,6 +60,18 @@ enum WalCommand {
     },
 }
 
+#[derive(Subcommand)]
+enum StoreCommand {
+    /// Pending messages in each route's state topic, per partition.
+    Inspect {
+        #[arg(short, long, env = "DELAYD_CONFIG")]
+        config: Option<PathBuf>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -63,6 +80,11 @@ fn main() -> ExitCode {
         Command::Wal {
             command: WalCommand::Inspect { dir, json },
         } => delayd::inspect::run(&dir, json),
+        Command::Store {
+            command: StoreCommand::Inspect { config, json },
+        } => Config::load(config.as_deref())
+            .map_err(anyhow::Error::from)
+            .and_then(|c| delayd::store_inspect::run(&c, json)),
         Command::Bench(args) => {
             // Warnings only (the report is the output); RUST_LOG overrides.
             delayd::telemetry::init_logging(&delayd::config::LogSection {

@@ -35,6 +35,24 @@ pub struct Brokers {
 /// deleted (a publish it cannot take also makes delayd forget it at once).
 const REDECLARE_AFTER: Duration = Duration::from_secs(30);
 
+/// The client settings of a Kafka broker's config (`None` for AMQP).
+pub fn kafka_client(broker: &BrokerConfig) -> Option<KafkaClientConfig> {
+    match broker {
+        BrokerConfig::Kafka {
+            bootstrap,
+            properties,
+            consumer_properties,
+            producer_properties,
+        } => Some(KafkaClientConfig {
+            bootstrap: bootstrap.clone(),
+            properties: properties.clone(),
+            consumer: consumer_properties.clone(),
+            producer: producer_properties.clone(),
+        }),
+        BrokerConfig::Amqp { .. } => None,
+    }
+}
+
 impl Brokers {
     pub fn from_config(config: &Config) -> anyhow::Result<Brokers> {
         let mut by_name = HashMap::new();
@@ -47,18 +65,8 @@ impl Brokers {
                     let sink = AmqpSink::new(connections.publish.clone(), SinkConfig::default());
                     (BrokerHandle::Amqp { connections }, Arc::new(sink))
                 }
-                BrokerConfig::Kafka {
-                    bootstrap,
-                    properties,
-                    consumer_properties,
-                    producer_properties,
-                } => {
-                    let client = KafkaClientConfig {
-                        bootstrap: bootstrap.clone(),
-                        properties: properties.clone(),
-                        consumer: consumer_properties.clone(),
-                        producer: producer_properties.clone(),
-                    };
+                BrokerConfig::Kafka { .. } => {
+                    let client = kafka_client(broker).expect("a Kafka broker");
                     let sink = KafkaSink::new(&client)
                         .with_context(|| format!("brokers.{name}: cannot create the producer"))?;
                     (BrokerHandle::Kafka { client }, Arc::new(sink))

@@ -14,7 +14,7 @@ mod ingest;
 mod store;
 
 pub use backpressure::Backpressure;
-pub use brokers::{BrokerHandle, Brokers};
+pub use brokers::{kafka_client, BrokerHandle, Brokers};
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -181,6 +181,12 @@ async fn every_instance_restarted_without_its_wal_delivers_everything() {
         u64::from(total),
         "every message pending before the kill"
     );
+    // The state topic holds each of them, as `delayd store inspect` reads it.
+    let config = a.config_path().to_str().expect("UTF-8 path").to_owned();
+    let (ok, out, err) = common::delayd_cli("store", &["inspect", "--config", &config, "--json"]);
+    assert!(ok, "store inspect failed: {err}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(report[&r.route]["pending"], u64::from(total), "{report}");
     let wal = a.wal_dir();
     a.kill_9();
     std::fs::remove_dir_all(&wal).expect("delete the WAL");

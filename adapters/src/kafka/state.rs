@@ -122,6 +122,18 @@ impl StateTopic {
         topic: &str,
         partitions: i32,
     ) -> Result<Self, StateError> {
+        let this = Self::connect(client, topic)?;
+        let err = |reason: String| StateError::Topic {
+            topic: topic.to_owned(),
+            reason,
+        };
+        this.create(partitions).await.map_err(err)?;
+        this.check(partitions).await.map_err(err)?;
+        Ok(this)
+    }
+
+    /// A handle on `topic` without creating or checking it (to read it).
+    pub fn connect(client: &KafkaClientConfig, topic: &str) -> Result<Self, StateError> {
         let err = |reason: String| StateError::Topic {
             topic: topic.to_owned(),
             reason,
@@ -134,14 +146,27 @@ impl StateTopic {
             )
             .create_with_context(SinkContext)
             .map_err(|e| err(format!("cannot create a producer: {e}")))?;
-        let this = Self {
+        Ok(Self {
             producer,
             client: client.clone(),
             topic: topic.to_owned(),
-        };
-        this.create(partitions).await.map_err(err)?;
-        this.check(partitions).await.map_err(err)?;
-        Ok(this)
+        })
+    }
+
+    /// Partitions of the topic (0 if it does not exist). Blocking.
+    pub fn partitions(&self) -> Result<i32, StateError> {
+        let consumer: BaseConsumer = self
+            .client
+            .client_config(Role::Admin, &[], &[])
+            .create()
+            .map_err(|e| StateError::Topic {
+                topic: self.topic.clone(),
+                reason: format!("cannot create a metadata client: {e}"),
+            })?;
+        settled_partition_count(&consumer, &self.topic).map_err(|reason| StateError::Topic {
+            topic: self.topic.clone(),
+            reason,
+        })
     }
 
     pub fn topic(&self) -> &str {
