@@ -27,6 +27,7 @@ state_topic="bound.state.$tag.$route"
 pid=""
 cleanup() {
     [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+    cp "$work/delayd.log" /var/tmp/delayd-store-bound.log 2>/dev/null || true
     rm -rf "$work"
 }
 trap cleanup EXIT
@@ -66,7 +67,10 @@ for _ in $(seq 1 100); do
     sleep 0.2
 done
 
-pending() { curl -s "http://$http/readyz" | python3 -c 'import json,sys; print(json.load(sys.stdin)["pending"])'; }
+pending() {
+    curl -s --max-time 5 "http://$http/readyz" |
+        python3 -c 'import json,sys; print(json.load(sys.stdin)["pending"])' 2>/dev/null || echo 0
+}
 # Record bytes only: Kafka preallocates each segment's index files (10 MiB).
 state_bytes() { cat "$kafka_data/$state_topic"-*/*.log 2>/dev/null | wc -c; }
 
@@ -80,6 +84,10 @@ peak_pending=0
 peak_bytes=0
 sample() {
     local p b
+    if ! kill -0 "$pid" 2>/dev/null; then
+        echo "store-bound: delayd exited; its log: /var/tmp/delayd-store-bound.log" >&2
+        exit 1
+    fi
     p="$(pending)"
     b="$(state_bytes)"
     ((p > peak_pending)) && peak_pending=$p

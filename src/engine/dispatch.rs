@@ -395,7 +395,7 @@ async fn complete(
                 state.keys.remove(hash, id);
             }
             // Compaction may have moved the record: `flight.slot.pos` is current.
-            if let Err(e) = inner.wal.append_done(id, flight.slot.pos) {
+            if let Err(e) = inner.wal.append_fired(id, flight.slot.pos) {
                 // The message went out; without its Done it is sent again after a restart.
                 tracing::error!(id, error = %e, "cannot write Done record");
             }

@@ -39,7 +39,10 @@
 //! channel; the writer takes every record that is waiting (a batch), writes
 //! them and a Commit frame with one `write`, issues one `fdatasync`, and only
 //! then tells each
-//! appender its record is durable (group commit). A segment is sealed when it
+//! appender its record is durable (group commit). A delivered message's Done
+//! is lazy: it waits, unwritten, for the next batch written anyway (or
+//! 100 ms), so it costs no fdatasync of its own; losing it to a crash sends
+//! the message again after the restart (at-least-once), never loses one. A segment is sealed when it
 //! passes `segment_bytes`; the new file and the directory are fsynced before
 //! any record in it is acknowledged.
 //!
@@ -138,6 +141,9 @@ pub struct WalConfig {
     pub on_corruption: OnCorruption,
     /// Most bytes written per group commit.
     pub max_batch_bytes: usize,
+    /// Longest a delivered message's Done waits, unwritten, for a batch
+    /// written anyway (see [`Wal::append_fired`]). Default 100 ms.
+    pub lazy_done_wait: std::time::Duration,
     /// Create `dir` if it is missing. Off by default: a missing directory
     /// may be a volume that is not mounted, and starting empty there would
     /// silently drop every pending message.
@@ -161,6 +167,7 @@ impl WalConfig {
             compact_below: 0.5,
             on_corruption: OnCorruption::Skip,
             max_batch_bytes: 4 << 20,
+            lazy_done_wait: std::time::Duration::from_millis(100),
             create_dir: false,
         }
     }
@@ -317,6 +324,25 @@ impl Wal {
                 .ok_or(WalError::NoSegment(pos.segment))?
         };
         self.shared.writer.send(AppendRequest::done(id, first_seq))
+    }
+
+    /// [`Wal::append_done`] for a message that was delivered: written
+    /// without an fdatasync of its own (the next batch that needs one, or
+    /// a timer, makes it durable). A crash before that sends the message
+    /// again after the restart, which at-least-once allows; every other
+    /// Done (cancel, hand-off, compaction) waits for its fdatasync.
+    pub fn append_fired(&self, id: u64, pos: WalPos) -> Result<(), WalError> {
+        let first_seq = {
+            let mut table = self.shared.segments.lock().expect("segment table poisoned");
+            table.mark_dead(pos.segment);
+            table
+                .first_seq(pos.segment)
+                .ok_or(WalError::NoSegment(pos.segment))?
+        };
+        self.shared
+            .writer
+            .send(AppendRequest::lazy_done(id, first_seq))
+            .map(drop)
     }
 
     /// Re-append a Done copied out of a segment being compacted.

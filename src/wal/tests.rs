@@ -582,3 +582,64 @@ fn a_torn_last_batch_with_later_pages_on_disk_recovers_under_refuse() {
         Ok(_) => panic!("corruption in an acknowledged batch was cut off as a torn tail"),
     }
 }
+
+#[test]
+fn a_fired_done_waits_for_the_next_batch_and_costs_no_fsync_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    // Long enough that only the next batch can carry the lazy Done.
+    let cfg = WalConfig {
+        lazy_done_wait: std::time::Duration::from_secs(3600),
+        ..config(dir.path())
+    };
+    let (wal, _, _) = open_live(cfg).unwrap();
+    let a = schedule(&wal, 10, b"a");
+    let b = schedule(&wal, 20, b"b");
+    let fsyncs = wal.fsyncs();
+    wal.append_fired(a.id, a.pos).unwrap();
+    // Not written yet: a copy of the files now still has `a` live.
+    let early = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), early.path());
+    let (copy, live, _) = open_live(config(early.path())).unwrap();
+    assert!(
+        live.contains_key(&a.id),
+        "the lazy Done was written at once"
+    );
+    close(copy);
+    // The next batch carries it, with one fdatasync for both.
+    let c = schedule(&wal, 30, b"c");
+    assert_eq!(
+        wal.fsyncs(),
+        fsyncs + 1,
+        "one fsync for the batch and the lazy Done"
+    );
+    let later = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), later.path());
+    let (copy, live, _) = open_live(config(later.path())).unwrap();
+    assert_eq!(live.keys().copied().collect::<Vec<_>>(), vec![b.id, c.id]);
+    close(copy);
+    close(wal);
+}
+
+#[test]
+fn a_fired_done_alone_is_written_within_the_lazy_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _, _) = open_live(config(dir.path())).unwrap();
+    let a = schedule(&wal, 10, b"a");
+    let fsyncs = wal.fsyncs();
+    wal.append_fired(a.id, a.pos).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while wal.fsyncs() == fsyncs {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lazy Done was never written"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // Durable without a close: a copy of the files (a crash now) has it.
+    let copy_dir_ = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy_dir_.path());
+    let (copy, live, _) = open_live(config(copy_dir_.path())).unwrap();
+    assert!(live.is_empty(), "the Done was not on disk");
+    close(copy);
+    close(wal);
+}

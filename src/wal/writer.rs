@@ -28,6 +28,11 @@ pub enum AppendRequest {
     Done {
         id: u64,
         segment: u64,
+        /// A fired message's Done: it waits, unwritten, for the next batch
+        /// that is written anyway, or `WalConfig::lazy_done_wait` at most,
+        /// so it costs no fdatasync of its own. Losing it to a crash only
+        /// sends the message again after the restart.
+        lazy: bool,
     },
 }
 
@@ -42,7 +47,24 @@ impl AppendRequest {
     }
 
     pub fn done(id: u64, segment: u64) -> Self {
-        AppendRequest::Done { id, segment }
+        AppendRequest::Done {
+            id,
+            segment,
+            lazy: false,
+        }
+    }
+
+    /// A Done that may wait for the next batch (see `Done::lazy`).
+    pub fn lazy_done(id: u64, segment: u64) -> Self {
+        AppendRequest::Done {
+            id,
+            segment,
+            lazy: true,
+        }
+    }
+
+    fn is_lazy(&self) -> bool {
+        matches!(self, AppendRequest::Done { lazy: true, .. })
     }
 
     fn size(&self) -> usize {
@@ -170,10 +192,33 @@ struct Pending {
 
 impl WriterState {
     fn run(mut self, rx: mpsc::Receiver<Command>) {
+        // Requests in arrival order; lazy Dones stay here until a batch is
+        // written anyway (so only the last batch is ever unsynced, as the
+        // crash rules require).
         let mut batch: Vec<(AppendRequest, Reply)> = Vec::new();
-        while let Ok(first) = rx.recv() {
+        let mut bytes = 0;
+        // When the lazy Dones waiting in `batch` must be written.
+        let mut lazy_deadline: Option<std::time::Instant> = None;
+        loop {
+            let first = match lazy_deadline {
+                None => match rx.recv() {
+                    Ok(cmd) => cmd,
+                    Err(_) => break,
+                },
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    match rx.recv_timeout(left) {
+                        Ok(cmd) => cmd,
+                        Err(mpsc::RecvTimeoutError::Timeout) => {
+                            self.write_batch(&mut batch);
+                            (bytes, lazy_deadline) = (0, None);
+                            continue;
+                        }
+                        Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                    }
+                }
+            };
             let mut close = None;
-            let mut bytes = 0;
             let mut next = Some(first);
             while let Some(cmd) = next.take() {
                 match cmd {
@@ -187,7 +232,14 @@ impl WriterState {
                     next = rx.try_recv().ok();
                 }
             }
+            let all_lazy = batch.iter().all(|(req, _)| req.is_lazy());
+            if all_lazy && close.is_none() && bytes < self.config.max_batch_bytes {
+                let wait = self.config.lazy_done_wait;
+                lazy_deadline.get_or_insert_with(|| std::time::Instant::now() + wait);
+                continue;
+            }
             self.write_batch(&mut batch);
+            (bytes, lazy_deadline) = (0, None);
             if let Some(reply) = close {
                 let result = if self.is_stopped() {
                     Err(WalError::Stopped)
@@ -198,6 +250,7 @@ impl WriterState {
                 return;
             }
         }
+        self.write_batch(&mut batch);
     }
 
     fn is_stopped(&self) -> bool {
@@ -258,7 +311,7 @@ impl WriterState {
                     frame::put_schedule(&mut self.buf, salt, seq, id, due_ms, &route, &message);
                     (id, None)
                 }
-                AppendRequest::Done { id, segment } => {
+                AppendRequest::Done { id, segment, .. } => {
                     frame::put_done(&mut self.buf, salt, seq, id, segment);
                     (id, Some(segment))
                 }
