@@ -59,11 +59,17 @@ pub enum StateError {
 /// small multiple of what is pending (see docs/broker-store.md).
 const TOPIC_CONFIG: &[(&str, &str)] = &[
     ("cleanup.policy", "compact"),
-    // A segment is cleaned only once rolled.
-    ("segment.ms", "60000"),
+    // A segment is cleaned only once rolled: roll often, so what was
+    // written and tombstoned since is cleaned soon (the topic's size then
+    // follows throughput × this, plus what is pending).
+    ("segment.ms", "10000"),
+    ("segment.bytes", "16777216"),
     ("min.cleanable.dirty.ratio", "0.5"),
-    // A restore reads a partition in seconds; tombstones need not outlive that by days.
-    ("delete.retention.ms", "600000"),
+    // How long a tombstone outlives the record it removed. A restore reads a
+    // partition in seconds; one that took longer than this could miss a
+    // tombstone and fire a delivered message again (a duplicate, never a
+    // loss). Kept for a day by default, tombstones would dominate the topic.
+    ("delete.retention.ms", "60000"),
 ];
 
 /// The state record key of a message read from Kafka: its source
