@@ -100,14 +100,22 @@ fn now() -> u64 {
 async fn fires_in_due_order_and_never_early() {
     let dir = tempfile::tempdir().unwrap();
     let mut r = start(config(dir.path()), Arc::new(SystemClock));
-    let base = now();
+    // Every record is queued at once (one group commit), well before the
+    // first is due, so a loaded machine cannot arm one after a later one fired.
+    let base = now() + 1500;
+    let queued: Vec<_> = (0..60u64)
+        .map(|i| {
+            let due = base + (i * 37) % 400;
+            let msg = format!("m{i}").into_bytes();
+            let stored = r.engine.schedule("orders", due, msg.clone());
+            (due, msg, stored)
+        })
+        .collect();
     let mut want = Vec::new();
-    for i in 0..60u64 {
-        let due = base + 50 + (i * 37) % 400;
-        let msg = format!("m{i}").into_bytes();
-        let id = r.engine.schedule("orders", due, msg.clone()).await.unwrap();
-        want.push((due, id, msg));
+    for (due, msg, stored) in queued {
+        want.push((due, stored.await.unwrap(), msg));
     }
+    assert!(now() < base, "scheduling took longer than the margin");
     want.sort();
     for (due, id, msg) in want {
         let f = r.recv().await;
