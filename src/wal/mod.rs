@@ -316,14 +316,18 @@ impl Wal {
         id: u64,
         pos: WalPos,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
-        let first_seq = {
-            let mut table = self.shared.segments.lock().expect("segment table poisoned");
-            table.mark_dead(pos.segment);
-            table
-                .first_seq(pos.segment)
-                .ok_or(WalError::NoSegment(pos.segment))?
-        };
+        let first_seq = self.retire_in_table(pos)?;
         self.shared.writer.send(AppendRequest::done(id, first_seq))
+    }
+
+    /// Count the Schedule at `pos` dead; the first seq of its segment (what
+    /// a Done names).
+    fn retire_in_table(&self, pos: WalPos) -> Result<u64, WalError> {
+        let mut table = self.shared.segments.lock().expect("segment table poisoned");
+        table.mark_dead(pos.segment);
+        table
+            .first_seq(pos.segment)
+            .ok_or(WalError::NoSegment(pos.segment))
     }
 
     /// [`Wal::append_done`] for a message that was delivered: written
@@ -332,13 +336,7 @@ impl Wal {
     /// again after the restart, which at-least-once allows; every other
     /// Done (cancel, hand-off, compaction) waits for its fdatasync.
     pub fn append_fired(&self, id: u64, pos: WalPos) -> Result<(), WalError> {
-        let first_seq = {
-            let mut table = self.shared.segments.lock().expect("segment table poisoned");
-            table.mark_dead(pos.segment);
-            table
-                .first_seq(pos.segment)
-                .ok_or(WalError::NoSegment(pos.segment))?
-        };
+        let first_seq = self.retire_in_table(pos)?;
         self.shared
             .writer
             .send(AppendRequest::lazy_done(id, first_seq))

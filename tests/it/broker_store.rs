@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::kafka::{
-    self, assert_none_early, collect_counting, create_topic, Producer, Reader, Record,
+    assert_none_early, collect_counting, wait_assigned, KafkaRoute, Producer, Reader, Record,
 };
 use common::{now_ms, Delayd};
 
@@ -21,49 +21,29 @@ const ON_TIME_MS: i64 = 15_000;
 
 /// One Kafka → Kafka route whose state is kept in the broker.
 struct StoreRoute {
-    from: String,
-    to: String,
-    group: String,
-    route: String,
+    kafka: KafkaRoute,
     /// State topics of this test start with this.
     prefix: String,
 }
 
 impl StoreRoute {
     async fn new(test: &str, partitions: i32) -> StoreRoute {
-        let r = StoreRoute {
-            from: kafka::topic(test, "in"),
-            to: kafka::topic(test, "out"),
-            group: format!("delayd-it.{test}.{}", common::unique_suffix()),
-            route: format!("it-{test}"),
+        StoreRoute {
+            kafka: KafkaRoute::new(test, partitions).await,
             prefix: format!("delayd-it.state.{}.", common::unique_suffix()),
-        };
-        create_topic(&r.from, partitions).await;
-        create_topic(&r.to, partitions).await;
-        r
+        }
     }
 
     fn state_topic(&self) -> String {
-        format!("{}{}", self.prefix, self.route)
+        format!("{}{}", self.prefix, self.kafka.route)
     }
 
     async fn start(&self) -> Delayd {
-        Delayd::start_with(|wal, http| {
-            let route = kafka::config(
-                wal,
-                http,
-                &self.route,
-                &self.from,
-                &self.group,
-                &self.to,
-                "",
-            );
-            format!(
-                "[store]\nkind = \"broker\"\ntopic_prefix = {}\n\n{route}",
-                common::toml_string(&self.prefix)
-            )
-        })
-        .await
+        let store = format!(
+            "[store]\nkind = \"broker\"\ntopic_prefix = {}\n",
+            common::toml_string(&self.prefix)
+        );
+        self.kafka.start_with_sections(&store, "").await
     }
 
     /// Sends `total` records (value = index) with delays drawn in
@@ -78,7 +58,7 @@ impl StoreRoute {
             let record = Record::new(&format!("k{}", i % 97), format!("{i}").as_bytes())
                 .header("x-delay", Some(delay.to_string().as_bytes()));
             sent.push((now_ms(), delay));
-            producer.send(&self.from, &record).await;
+            producer.send(&self.kafka.from, &record).await;
         }
         sent
     }
@@ -92,20 +72,6 @@ async fn wait_scheduled(instances: &[&Delayd], total: u32) {
             .map(|d| d.metric("delayd_scheduled_total"))
             .sum();
         (stored >= f64::from(total)).then_some(())
-    })
-    .await;
-}
-
-/// Polls the log until the instance holds at least one partition.
-async fn wait_assigned(delayd: &Delayd) {
-    common::wait_for("a Kafka assignment", Duration::from_secs(30), || async {
-        delayd
-            .log_tail(80)
-            .lines()
-            .rev()
-            .find(|l| l.contains("Kafka partitions"))
-            .filter(|l| l.contains("assigned partitions=[(\""))
-            .map(|_| ())
     })
     .await;
 }
@@ -150,7 +116,8 @@ async fn an_instance_killed_with_its_disk_loses_nothing() {
     eprintln!("killed an instance holding {held} messages and deleted its WAL");
     // The other instance takes its partitions once its session expires
     // and restores their pending messages from the state topic.
-    let (got, duplicates) = collect_counting(&Reader::new(&r.to), total, Duration::from_secs(120));
+    let (got, duplicates) =
+        collect_counting(&Reader::new(&r.kafka.to), total, Duration::from_secs(120));
     assert_none_early(&got, &sent);
     lateness(&got, &sent);
     eprintln!("duplicates: {duplicates}");
@@ -168,7 +135,7 @@ async fn every_instance_restarted_without_its_wal_delivers_everything() {
     let ready = a.readyz();
     assert_eq!(ready["store"]["kind"], "broker", "{ready}");
     assert_eq!(
-        ready["store"]["routes"][&r.route]["state_topic"],
+        ready["store"]["routes"][&r.kafka.route]["state_topic"],
         r.state_topic().as_str(),
         "{ready}"
     );
@@ -186,14 +153,19 @@ async fn every_instance_restarted_without_its_wal_delivers_everything() {
     let (ok, out, err) = common::delayd_cli("store", &["inspect", "--config", &config, "--json"]);
     assert!(ok, "store inspect failed: {err}");
     let report: serde_json::Value = serde_json::from_str(&out).expect("JSON");
-    assert_eq!(report[&r.route]["pending"], u64::from(total), "{report}");
+    assert_eq!(
+        report[&r.kafka.route]["pending"],
+        u64::from(total),
+        "{report}"
+    );
     let wal = a.wal_dir();
     a.kill_9();
     std::fs::remove_dir_all(&wal).expect("delete the WAL");
     // The same instance comes back with an empty disk: everything pending
     // is read back from the state topic.
     a.restart().await;
-    let (got, duplicates) = collect_counting(&Reader::new(&r.to), total, Duration::from_secs(90));
+    let (got, duplicates) =
+        collect_counting(&Reader::new(&r.kafka.to), total, Duration::from_secs(90));
     assert_none_early(&got, &sent);
     lateness(&got, &sent);
     eprintln!("duplicates: {duplicates}");
@@ -222,7 +194,8 @@ async fn scaling_down_hands_pending_messages_to_the_instance_left() {
         assert!(status.success(), "SIGTERM exit: {status}");
     }
     eprintln!("stopped two instances holding {held} messages");
-    let (got, duplicates) = collect_counting(&Reader::new(&r.to), total, Duration::from_secs(90));
+    let (got, duplicates) =
+        collect_counting(&Reader::new(&r.kafka.to), total, Duration::from_secs(90));
     assert_none_early(&got, &sent);
     let worst = lateness(&got, &sent);
     eprintln!("duplicates: {duplicates}");
@@ -248,10 +221,10 @@ async fn a_cancelled_message_stays_cancelled_after_a_restore() {
     let producer = Producer::new();
     for (key, delay) in [("gone", "8000"), ("kept", "10000")] {
         let record = Record::new(key, key.as_bytes()).header("x-delay", Some(delay.as_bytes()));
-        producer.send(&r.from, &record).await;
+        producer.send(&r.kafka.from, &record).await;
     }
     wait_scheduled(&[&a], 2).await;
-    let path = format!("/v1/messages?route={}&key=gone", r.route);
+    let path = format!("/v1/messages?route={}&key=gone", r.kafka.route);
     let (status, body) = a.api("DELETE", &path, None);
     assert_eq!(status, 200, "{body}");
     // Its state record is tombstoned once the local Done is durable.
@@ -268,7 +241,7 @@ async fn a_cancelled_message_stays_cancelled_after_a_restore() {
     a.kill_9();
     std::fs::remove_dir_all(&wal).expect("delete the WAL");
     a.restart().await;
-    let reader = Reader::new(&r.to);
+    let reader = Reader::new(&r.kafka.to);
     let first = reader
         .next(std::time::Instant::now() + Duration::from_secs(60))
         .expect("the message not cancelled arrives");

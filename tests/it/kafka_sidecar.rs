@@ -12,7 +12,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use common::kafka::{
-    self, assert_none_early, collect_unique, create_topic, value_of, Producer, Reader, Record,
+    self, assert_none_early, collect_unique, create_topic, value_of, wait_assigned, KafkaRoute,
+    Producer, Reader, Record,
 };
 use common::{now_ms, seeded, Delayd};
 use delayd_adapters::kafka::murmur2::partition_for_key;
@@ -24,56 +25,6 @@ fn without_delayd_headers(headers: &[(String, Option<Vec<u8>>)]) -> Vec<(String,
         .filter(|(n, _)| n != "x-delay" && n != "x-delayd-id")
         .cloned()
         .collect()
-}
-
-/// Polls delayd's log until its consumer holds at least one partition.
-async fn wait_assigned(delayd: &Delayd) {
-    common::wait_for("a Kafka assignment", Duration::from_secs(30), || async {
-        delayd
-            .log_tail(50)
-            .lines()
-            .rev()
-            .find(|l| l.contains("Kafka partitions"))
-            .filter(|l| l.contains("assigned partitions=[(\""))
-            .map(|_| ())
-    })
-    .await;
-}
-
-struct KafkaRoute {
-    from: String,
-    to: String,
-    group: String,
-    route: String,
-}
-
-impl KafkaRoute {
-    async fn new(test: &str, partitions: i32) -> KafkaRoute {
-        let r = KafkaRoute {
-            from: kafka::topic(test, "in"),
-            to: kafka::topic(test, "out"),
-            group: format!("delayd-it.{test}.{}", common::unique_suffix()),
-            route: format!("it-{test}"),
-        };
-        create_topic(&r.from, partitions).await;
-        create_topic(&r.to, partitions).await;
-        r
-    }
-
-    async fn start(&self, extra: &str) -> Delayd {
-        Delayd::start_with(|wal, http| {
-            kafka::config(
-                wal,
-                http,
-                &self.route,
-                &self.from,
-                &self.group,
-                &self.to,
-                extra,
-            )
-        })
-        .await
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

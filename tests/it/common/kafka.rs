@@ -14,7 +14,7 @@ use rdkafka::message::{Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Message};
 
-use super::{now_ms, toml_string, unique_suffix};
+use super::{now_ms, toml_string, unique_suffix, Delayd};
 
 pub fn bootstrap() -> String {
     std::env::var("KAFKA_BOOTSTRAP").unwrap_or_else(|_| "127.0.0.1:9092".into())
@@ -349,5 +349,64 @@ pub fn assert_none_early(got: &HashMap<u32, Record>, sent: &[(u64, u64)]) {
             "record {i} early: sent {sent_ms}, delay {delay}, fired {fired}, received {}",
             g.received_ms
         );
+    }
+}
+
+/// Polls delayd's log until its consumer holds at least one partition.
+pub async fn wait_assigned(delayd: &Delayd) {
+    super::wait_for("a Kafka assignment", Duration::from_secs(30), || async {
+        delayd
+            .log_tail(50)
+            .lines()
+            .rev()
+            .find(|l| l.contains("Kafka partitions"))
+            .filter(|l| l.contains("assigned partitions=[(\""))
+            .map(|_| ())
+    })
+    .await;
+}
+
+/// A Kafka → Kafka route of one test: its topics (created), group and name.
+pub struct KafkaRoute {
+    pub from: String,
+    pub to: String,
+    pub group: String,
+    pub route: String,
+}
+
+impl KafkaRoute {
+    pub async fn new(test: &str, partitions: i32) -> KafkaRoute {
+        let r = KafkaRoute {
+            from: topic(test, "in"),
+            to: topic(test, "out"),
+            group: format!("delayd-it.{test}.{}", unique_suffix()),
+            route: format!("it-{test}"),
+        };
+        create_topic(&r.from, partitions).await;
+        create_topic(&r.to, partitions).await;
+        r
+    }
+
+    /// Starts a delayd on the route, with `extra` route keys.
+    pub async fn start(&self, extra: &str) -> Delayd {
+        self.start_with_sections("", extra).await
+    }
+
+    /// [`KafkaRoute::start`] with top-level `sections` (e.g. `[store]`)
+    /// ahead of the rest of the config.
+    pub async fn start_with_sections(&self, sections: &str, extra: &str) -> Delayd {
+        Delayd::start_with(|wal, http| {
+            let rest = config(
+                wal,
+                http,
+                &self.route,
+                &self.from,
+                &self.group,
+                &self.to,
+                extra,
+            );
+            format!("{sections}\n{rest}")
+        })
+        .await
     }
 }
