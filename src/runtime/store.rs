@@ -266,6 +266,9 @@ impl KafkaStore {
     /// Read source partition `tp`'s pending messages from the state topic
     /// and arm them here. Returns how many.
     async fn restore(&self, tp: &TopicPartition) -> anyhow::Result<u64> {
+        // A partition added to the source topic at run time needs its state
+        // partition before anything of it is stored.
+        self.state.ensure_partitions(tp.1 + 1).await?;
         let state = self.state.clone();
         let partition = tp.1;
         let live =

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::kafka::{
-    assert_none_early, collect_counting, wait_assigned, KafkaRoute, Producer, Reader, Record,
+    self, assert_none_early, collect_counting, wait_assigned, KafkaRoute, Producer, Reader, Record,
 };
 use common::{now_ms, Delayd};
 
@@ -248,4 +248,39 @@ async fn a_cancelled_message_stays_cancelled_after_a_restore() {
     assert_eq!(first.key.as_deref(), Some(&b"kept"[..]));
     // Only the message not cancelled came back from the state topic.
     assert_eq!(a.metric("delayd_store_restored_total"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_added_at_run_time_get_their_state_partitions() {
+    let r = StoreRoute::new("store-grow", 1).await;
+    let mut a = r.start().await;
+    wait_assigned(&a).await;
+    kafka::add_partitions(&r.kafka.from, 3).await;
+    // delayd's consumer notices the new partitions at its next metadata
+    // refresh (10 s) and the group rebalances; the store grows the state
+    // topic before it consumes them.
+    common::wait_for(
+        "the new partitions assigned",
+        Duration::from_secs(60),
+        || async { a.log_tail(200).contains("partition=2").then_some(()) },
+    )
+    .await;
+    let producer = Producer::new();
+    let mut sent = Vec::new();
+    for i in 0..30u32 {
+        let record = Record::new(&format!("k{i}"), format!("{i}").as_bytes())
+            .header("x-delay", Some(b"6000"));
+        sent.push((now_ms(), 6000));
+        producer
+            .send_to(&r.kafka.from, (i % 3) as i32, &record)
+            .await;
+    }
+    wait_scheduled(&[&a], 30).await;
+    // Held in all three state partitions: they survive the disk's loss.
+    let wal = a.wal_dir();
+    a.kill_9();
+    std::fs::remove_dir_all(&wal).expect("delete the WAL");
+    a.restart().await;
+    let (got, _) = collect_counting(&Reader::new(&r.kafka.to), 30, Duration::from_secs(90));
+    assert_none_early(&got, &sent);
 }

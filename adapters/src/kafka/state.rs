@@ -16,9 +16,13 @@
 //!   its high watermark and returns what is still live.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, NewPartitions, NewTopic, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -118,6 +122,8 @@ pub struct StateTopic {
     producer: FutureProducer<SinkContext>,
     client: KafkaClientConfig,
     topic: String,
+    /// Partitions the topic is known to have (at least).
+    known_partitions: Arc<AtomicI32>,
 }
 
 impl StateTopic {
@@ -135,6 +141,7 @@ impl StateTopic {
         };
         this.create(partitions).await.map_err(err)?;
         this.check(partitions).await.map_err(err)?;
+        this.known_partitions.store(partitions, Ordering::Release);
         Ok(this)
     }
 
@@ -156,7 +163,57 @@ impl StateTopic {
             producer,
             client: client.clone(),
             topic: topic.to_owned(),
+            known_partitions: Arc::new(AtomicI32::new(0)),
         })
+    }
+
+    /// Grow the topic to at least `partitions` (a source topic gained
+    /// partitions at run time: its new partition *p* needs state partition
+    /// *p* before it is consumed).
+    pub async fn ensure_partitions(&self, partitions: i32) -> Result<(), StateError> {
+        if self.known_partitions.load(Ordering::Acquire) >= partitions {
+            return Ok(());
+        }
+        let err = |reason: String| StateError::Topic {
+            topic: self.topic.clone(),
+            reason,
+        };
+        let this = self.clone();
+        let have = tokio::task::spawn_blocking(move || this.partitions())
+            .await
+            .map_err(|e| err(e.to_string()))??;
+        if have >= partitions {
+            self.known_partitions.fetch_max(have, Ordering::AcqRel);
+            return Ok(());
+        }
+        tracing::info!(topic = %self.topic, from = have, to = partitions, "adding partitions to the state topic");
+        let admin = self.admin().map_err(err)?;
+        let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+        let results = admin
+            .create_partitions(
+                [&NewPartitions::new(&self.topic, partitions as usize)],
+                &options,
+            )
+            .await
+            .map_err(|e| err(format!("cannot add partitions: {e}")))?;
+        for result in results {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::InvalidPartitions)) => {}
+                Err((_, code)) => return Err(err(format!("cannot add partitions: {code}"))),
+            }
+        }
+        // Wait until the metadata shows them (the restore reads them next).
+        let this = self.clone();
+        let now = tokio::task::spawn_blocking(move || this.partitions())
+            .await
+            .map_err(|e| err(e.to_string()))??;
+        if now < partitions {
+            return Err(err(format!(
+                "has {now} partitions after growing to {partitions}"
+            )));
+        }
+        self.known_partitions.fetch_max(now, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Partitions of the topic (0 if it does not exist). Blocking.
