@@ -245,6 +245,8 @@ async fn open_stores(
     if config.store.kind != StoreKind::Broker {
         return Ok(stores);
     }
+    // Routes whose state this WAL last kept in the broker.
+    let mirrored = store::mirrored_routes(&config.wal.dir)?;
     for route in &config.routes {
         // Validation allows only Kafka sources with this store.
         let Some(BrokerHandle::Kafka { client }) = brokers.get(&route.from.broker) else {
@@ -261,15 +263,20 @@ async fn open_stores(
         )
         .await
         .with_context(|| format!("route {}: store.kind = \"broker\"", route.name))?;
-        let released = store
-            .release_cached()
+        let (written, released) = store
+            .adopt_cached(mirrored.contains(&route.name))
             .await
-            .with_context(|| format!("route {}: releasing the local copies", route.name))?;
+            .with_context(|| format!("route {}: moving the local copies", route.name))?;
+        if written > 0 {
+            tracing::info!(route = %route.name, written, "messages kept locally until now written to the state topic");
+        }
         if released > 0 {
             tracing::info!(route = %route.name, released, "local copies released; the state topic is restored per partition as the group assigns them");
         }
         stores.insert(route.name.clone(), store);
     }
+    let routes: Vec<&str> = stores.keys().map(String::as_str).collect();
+    store::mark_mirrored(&config.wal.dir, &routes)?;
     Ok(stores)
 }
 

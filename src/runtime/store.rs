@@ -21,7 +21,9 @@
 //!   here (Done in the local WAL only); the next owner restores them.
 //! * Start: whatever the local WAL holds for these routes is released
 //!   first. The partitions may be another instance's by now, and what is
-//!   ours is restored from the state topic on assignment.
+//!   ours is restored from the state topic on assignment. A route whose
+//!   state was local until now (no mark in the WAL directory) first has
+//!   every message the WAL holds written to the state topic.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -107,20 +109,64 @@ impl KafkaStore {
         self.owned.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Release every message of this route the local WAL still holds (at
-    /// start, before anything fires): the state topic has them.
-    pub async fn release_cached(&self) -> Result<u64, EngineError> {
+    /// At start, before anything fires: take what the local WAL holds for
+    /// this route out of it. If the WAL was last used with this route's
+    /// state in the broker (`mirrored`), the state topic has every one of
+    /// them. If not (the route kept its state locally until now), each is
+    /// first written to the state topic, and only released once Kafka has
+    /// them all: switching a route to the broker store loses nothing.
+    /// Returns (written to the state topic, released).
+    pub async fn adopt_cached(&self, mirrored: bool) -> anyhow::Result<(u64, u64)> {
         let engine = self.engine.clone();
-        let waiting = tokio::task::spawn_blocking(move || engine.waiting())
-            .await
-            .unwrap_or_default();
+        let route = self.route.clone();
+        let stored = tokio::task::spawn_blocking(move || -> Result<_, EngineError> {
+            let mut out = Vec::new();
+            for info in engine.waiting().iter().filter(|i| *i.route == *route) {
+                if let Some((
+                    _,
+                    crate::wal::Record::Schedule {
+                        due_ms, message, ..
+                    },
+                )) = engine.read(info.id)?
+                {
+                    out.push((info.id, due_ms, message));
+                }
+            }
+            Ok(out)
+        })
+        .await??;
+        let mut written = 0;
+        if !mirrored {
+            let mut puts = Vec::new();
+            for (_, due_ms, message) in &stored {
+                let key = delayd_adapters::decode(message)
+                    .ok()
+                    .as_ref()
+                    .and_then(state_key);
+                let Some((partition, key)) = key else {
+                    anyhow::bail!(
+                        "route {}: a stored message has no Kafka source coordinates; \
+                         cannot move it to the state topic",
+                        self.route
+                    );
+                };
+                puts.push(
+                    self.state
+                        .put(partition, &key, &encode_value(*due_ms, message)),
+                );
+            }
+            for put in puts {
+                put.await?;
+                written += 1;
+            }
+        }
         let mut released = 0;
-        for info in waiting.iter().filter(|i| *i.route == *self.route) {
-            if self.engine.release(info.id).await? {
+        for (id, _, _) in stored {
+            if self.engine.release(id).await? {
                 released += 1;
             }
         }
-        Ok(released)
+        Ok((written, released))
     }
 
     /// Store a consumed record: its WAL record and its state record, both
@@ -392,4 +438,38 @@ impl PartitionListener for KafkaStore {
 
 fn is_too_large(e: &EngineError) -> bool {
     matches!(e, EngineError::Wal(crate::wal::WalError::TooLarge { .. }))
+}
+
+/// The file in the WAL directory naming, one per line, the routes whose
+/// state that WAL kept in the broker when it was last used.
+const MIRRORED_FILE: &str = "store-broker-routes";
+
+/// Routes marked by [`mark_mirrored`] (none if the file is missing).
+pub fn mirrored_routes(wal_dir: &std::path::Path) -> anyhow::Result<HashSet<String>> {
+    let path = wal_dir.join(MIRRORED_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => Ok(text.lines().map(str::to_owned).collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(HashSet::new()),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("cannot read {}", path.display()))),
+    }
+}
+
+/// Record that the WAL in `wal_dir` now mirrors these routes' state topics
+/// (written whole, then renamed, then the directory synced).
+pub fn mark_mirrored(wal_dir: &std::path::Path, routes: &[&str]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let mut routes = routes.to_vec();
+    routes.sort_unstable();
+    let path = wal_dir.join(MIRRORED_FILE);
+    let tmp = wal_dir.join(format!("{MIRRORED_FILE}.tmp"));
+    let mut file =
+        std::fs::File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    for route in routes {
+        writeln!(file, "{route}")?;
+    }
+    file.sync_all()?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::File::open(wal_dir)?.sync_all()?;
+    Ok(())
 }

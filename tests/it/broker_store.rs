@@ -284,3 +284,36 @@ async fn partitions_added_at_run_time_get_their_state_partitions() {
     let (got, _) = collect_counting(&Reader::new(&r.kafka.to), 30, Duration::from_secs(90));
     assert_none_early(&got, &sent);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_a_route_to_the_broker_store_keeps_what_the_wal_held() {
+    let r = StoreRoute::new("store-switch", 2).await;
+    // Until now the route kept its state in the WAL only.
+    let mut a = r.kafka.start("").await;
+    wait_assigned(&a).await;
+    let total = 300;
+    let sent = r.send(total, 6000..12_000).await;
+    wait_scheduled(&[&a], total).await;
+    let held = a.pending();
+    let status = a.sigterm_and_wait(Duration::from_secs(30)).await;
+    assert!(status.success(), "SIGTERM exit: {status}");
+    // The same instance, its WAL kept, now with the broker-kept store: what
+    // the WAL holds goes to the state topic before it is released there.
+    let config = std::fs::read_to_string(a.config_path()).expect("read the config");
+    let store = format!(
+        "[store]\nkind = \"broker\"\ntopic_prefix = {}\n\n",
+        common::toml_string(&r.prefix)
+    );
+    std::fs::write(a.config_path(), format!("{store}{config}")).expect("write the config");
+    a.restart().await;
+    let (got, duplicates) =
+        collect_counting(&Reader::new(&r.kafka.to), total, Duration::from_secs(90));
+    assert_none_early(&got, &sent);
+    eprintln!("duplicates: {duplicates}");
+    // They went through the state topic: written there at start, then
+    // restored from it when the group assigned the partitions.
+    assert!(
+        a.metric("delayd_store_restored_total") >= held as f64,
+        "restored fewer than the {held} the WAL held"
+    );
+}
