@@ -243,6 +243,7 @@ async fn open_stores(
 ) -> anyhow::Result<HashMap<String, Arc<store::KafkaStore>>> {
     let mut stores = HashMap::new();
     if config.store.kind != StoreKind::Broker {
+        refuse_to_strand(config)?;
         return Ok(stores);
     }
     // Routes whose state this WAL last kept in the broker.
@@ -278,6 +279,30 @@ async fn open_stores(
     let routes: Vec<&str> = stores.keys().map(String::as_str).collect();
     store::mark_mirrored(&config.wal.dir, &routes)?;
     Ok(stores)
+}
+
+/// `store.kind = "local"` on a WAL that mirrored routes' state topics:
+/// their pending messages are in those topics (a stopping instance leaves
+/// its partitions' messages there for the next owner), and a local store
+/// would never read them. Refuse, naming what to do.
+fn refuse_to_strand(config: &Config) -> anyhow::Result<()> {
+    let mirrored = store::mirrored_routes(&config.wal.dir)?;
+    let stranded: Vec<&str> = config
+        .routes
+        .iter()
+        .map(|r| r.name.as_str())
+        .filter(|r| mirrored.contains(*r))
+        .collect();
+    if stranded.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "store.kind = \"local\", but routes {stranded:?} kept their pending messages in their \
+         Kafka state topics (store.kind = \"broker\") until now, and a local store never reads \
+         them: keep store.kind = \"broker\" until those topics are empty (delayd store inspect), \
+         then delete {} to switch",
+        config.wal.dir.join(store::MIRRORED_FILE).display()
+    )
 }
 
 fn start_source(

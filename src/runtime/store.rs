@@ -442,7 +442,7 @@ fn is_too_large(e: &EngineError) -> bool {
 
 /// The file in the WAL directory naming, one per line, the routes whose
 /// state that WAL kept in the broker when it was last used.
-const MIRRORED_FILE: &str = "store-broker-routes";
+pub const MIRRORED_FILE: &str = "store-broker-routes";
 
 /// Routes marked by [`mark_mirrored`] (none if the file is missing).
 pub fn mirrored_routes(wal_dir: &std::path::Path) -> anyhow::Result<HashSet<String>> {

@@ -316,4 +316,20 @@ async fn switching_a_route_to_the_broker_store_keeps_what_the_wal_held() {
         a.metric("delayd_store_restored_total") >= held as f64,
         "restored fewer than the {held} the WAL held"
     );
+    // Back to the local store on this WAL: refused, since a stopping
+    // instance leaves its messages in the state topic, never read then.
+    let status = a.sigterm_and_wait(Duration::from_secs(30)).await;
+    assert!(status.success(), "SIGTERM exit: {status}");
+    std::fs::write(a.config_path(), config).expect("write the config");
+    let path = a.config_path().to_str().expect("UTF-8 path").to_owned();
+    let run = tokio::task::spawn_blocking(move || common::delayd_cli("run", &["--config", &path]));
+    let (ok, _, err) = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("delayd started on the local store instead of refusing")
+        .expect("run delayd");
+    assert!(!ok, "delayd started on the local store");
+    assert!(
+        err.contains("store.kind") && err.contains(&r.kafka.route),
+        "{err}"
+    );
 }
