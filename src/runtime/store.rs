@@ -322,7 +322,6 @@ impl KafkaStore {
                 .await??;
         let mut restored = 0u64;
         let mut batch = Vec::with_capacity(RESTORE_BATCH.min(live.len()));
-        let mut ids = Vec::new();
         for (key, value) in &live {
             if key_topic(key) != Some(tp.0.as_bytes()) {
                 continue; // another source topic's partition of the same number
@@ -337,27 +336,28 @@ impl KafkaStore {
                 .store(&self.route, due_ms, encoded.to_vec(), false);
             batch.push((key, stored));
             if batch.len() == RESTORE_BATCH {
-                restored += self.settle_restored(&mut batch, &mut ids).await?;
+                restored += self.settle_restored(tp, &mut batch).await?;
             }
         }
-        restored += self.settle_restored(&mut batch, &mut ids).await?;
-        self.owned().entry(tp.clone()).or_default().extend(ids);
+        restored += self.settle_restored(tp, &mut batch).await?;
         Ok(restored)
     }
 
+    /// Wait for a batch of restored records; each stored one is owned
+    /// (released on revoke, or before a failed restore is tried again).
     async fn settle_restored(
         &self,
+        tp: &TopicPartition,
         batch: &mut Vec<(
             &Vec<u8>,
             impl std::future::Future<Output = Result<Stored, EngineError>>,
         )>,
-        ids: &mut Vec<u64>,
     ) -> Result<u64, EngineError> {
         let mut n = 0;
         for (key, stored) in batch.drain(..) {
             match stored.await {
                 Ok(Stored::New(id)) => {
-                    ids.push(id);
+                    self.own(tp.clone(), id);
                     n += 1;
                 }
                 Ok(Stored::Duplicate) => {}
@@ -369,6 +369,9 @@ impl KafkaStore {
                 Err(e) => return Err(e),
             }
         }
+        // Per batch, so the metric shows how far a long restore has come.
+        metrics::counter!("delayd_store_restored_total", "route" => self.route.clone())
+            .increment(n);
         Ok(n)
     }
 
@@ -407,13 +410,13 @@ impl PartitionListener for KafkaStore {
                 let started = std::time::Instant::now();
                 match self.runtime.block_on(self.restore(tp)) {
                     Ok(n) => {
-                        metrics::counter!("delayd_store_restored_total", "route" => self.route.clone())
-                            .increment(n);
                         tracing::info!(route = %self.route, topic = %tp.0, partition = tp.1, restored = n, elapsed_ms = started.elapsed().as_millis() as u64, "partition restored from the state topic");
                         break;
                     }
                     Err(e) => {
                         tracing::error!(route = %self.route, topic = %tp.0, partition = tp.1, error = %e, "cannot restore the partition; trying again");
+                        // What this attempt stored would be stored twice.
+                        self.runtime.block_on(self.release(tp));
                         if self.stop.is_cancelled() {
                             break;
                         }

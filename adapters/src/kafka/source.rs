@@ -309,18 +309,6 @@ impl KafkaSource {
                     // default 5 minutes. A Metadata request every 10 s is
                     // cheap.
                     ("topic.metadata.refresh.interval.ms", "10000"),
-                    // With a listener (the broker-kept store) a partition
-                    // that changes owner costs a release and a restore:
-                    // cooperative rebalancing moves only those, where the
-                    // eager default revokes and reassigns every partition.
-                    (
-                        "partition.assignment.strategy",
-                        if config.listener.is_some() {
-                            "cooperative-sticky"
-                        } else {
-                            "range,roundrobin"
-                        },
-                    ),
                 ],
                 &[
                     ("group.id", &config.group),
