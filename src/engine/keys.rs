@@ -187,6 +187,8 @@ mod tests {
         for id in [1, 2, 3, 4] {
             index.insert(9, id);
         }
+        index.insert(9, 1);
+        assert_eq!(index.len(), 4, "the first id again is no second entry");
         assert!(index.remove(9, 2));
         assert!(!index.remove(9, 2));
         assert!(!index.remove(9, 5), "an id never filed under the hash");
