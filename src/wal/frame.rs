@@ -527,4 +527,15 @@ mod tests {
             assert_eq!(e.to_string(), text);
         }
     }
+
+    #[test]
+    fn a_commit_in_an_unsalted_segment_is_an_unknown_type() {
+        // Version 1 segments have no Commit frames.
+        let mut v1 = Vec::new();
+        put_commit(&mut v1, Salt::UNSALTED, 2, 1);
+        assert_eq!(
+            parse(&v1, 1 << 20, Salt::UNSALTED).unwrap_err(),
+            FrameError::BadType(TYPE_COMMIT)
+        );
+    }
 }
