@@ -13,7 +13,12 @@
 #   ITERATE=1 bash scripts/mutants.sh ...         # only what survived last time
 #
 # Results: mutants.out/ (caught.txt, missed.txt, timeout.txt, unviable.txt)
-# and the counts printed at the end.
+# and the counts printed at the end. cargo-mutants also reads
+# .cargo/mutants.toml: the mutants it excludes are equivalent ones (no test
+# can tell them apart from the code), each with the reason beside it.
+# TIMEOUT (seconds a mutant's tests may run; default 120) is better set low
+# (e.g. TIMEOUT=20 with a FILTER): a mutant that loops forever costs that
+# much.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -169,4 +169,54 @@ mod tests {
         assert_ne!(fingerprint("a", b"m"), fingerprint("a", b"n"));
         assert_eq!(fingerprint("a", b"m"), fingerprint("a", b"m"));
     }
+
+    #[test]
+    fn capacity_zero_remembers_nothing() {
+        let mut u = Unconfirmed::new(0);
+        u.add(1, 10, P);
+        assert_eq!(u.len(), 0);
+        assert!(u.candidates(10).is_empty());
+    }
+
+    /// Rebuilding the order queue costs O(live ids); each rebuild waits for
+    /// at least as many stale ids as there are live ones, so adds stay O(1)
+    /// amortized however many messages are unconfirmed.
+    #[test]
+    fn the_order_queue_is_rebuilt_only_after_as_many_stale_ids_as_live() {
+        let live = 5_000u64;
+        let mut u = Unconfirmed::new(10_000);
+        for id in 0..live {
+            u.add(id, id, P);
+        }
+        let churn = 40_000u64;
+        let mut rebuilds = 0;
+        for id in live..live + churn {
+            let before = u.order.len();
+            u.add(id, id, P);
+            if u.order.len() < before {
+                rebuilds += 1;
+            }
+            u.remove(id);
+        }
+        assert_eq!(u.len(), live as usize);
+        assert!(rebuilds >= 1, "stale ids are dropped eventually");
+        assert!(
+            rebuilds <= churn / live,
+            "{rebuilds} rebuilds in {churn} adds with {live} live ids"
+        );
+    }
+
+    #[test]
+    fn stale_ids_left_by_removals_go_at_the_next_add() {
+        let mut u = Unconfirmed::new(10_000);
+        for id in 0..2_000 {
+            u.add(id, id, P);
+        }
+        for id in 0..2_000 {
+            u.remove(id);
+        }
+        assert_eq!(u.order.len(), 2_000);
+        u.add(5_000, 1, P);
+        assert_eq!(u.order.iter().copied().collect::<Vec<_>>(), [5_000]);
+    }
 }

@@ -180,4 +180,21 @@ mod tests {
         assert_ne!(key_hash(0, b"a"), key_hash(0, b"b"));
         assert_eq!(key_hash(3, b"order-1"), key_hash(3, b"order-1"));
     }
+
+    #[test]
+    fn an_extra_id_is_removed_alone() {
+        let mut index = KeyIndex::default();
+        for id in [1, 2, 3, 4] {
+            index.insert(9, id);
+        }
+        index.insert(9, 1);
+        assert_eq!(index.len(), 4, "the first id again is no second entry");
+        assert!(index.remove(9, 2));
+        assert!(!index.remove(9, 2));
+        assert!(!index.remove(9, 5), "an id never filed under the hash");
+        assert!(!index.remove(8, 1), "a hash never filed");
+        let mut ids = index.ids(9);
+        ids.sort();
+        assert_eq!((ids, index.len()), (vec![1, 3, 4], 3));
+    }
 }

@@ -171,4 +171,62 @@ mod tests {
             "an unparsable property stays a header"
         );
     }
+
+    #[test]
+    fn every_property_round_trips_through_kafka_headers() {
+        let properties = Properties {
+            content_type: Some("text/plain".into()),
+            content_encoding: Some("gzip".into()),
+            delivery_mode: Some(1),
+            priority: Some(9),
+            correlation_id: Some("corr".into()),
+            reply_to: Some("replies".into()),
+            expiration: Some("60000".into()),
+            message_id: Some("id-1".into()),
+            timestamp: Some(1_700_000_001),
+            kind: Some("kind".into()),
+            user_id: Some("guest".into()),
+            app_id: Some("app".into()),
+            cluster_id: Some("cluster".into()),
+        };
+        let mut m = Message::with_body(&b"x"[..]);
+        m.properties = properties.clone();
+        amqp_to_kafka(&mut m);
+        assert_eq!(m.headers.len(), 13);
+        assert_eq!(
+            m.headers.get("amqp.reply_to").and_then(Value::as_text),
+            Some("replies")
+        );
+        kafka_to_amqp(&mut m);
+        assert_eq!(m.properties, properties);
+        assert!(m.headers.0.is_empty(), "{:?}", m.headers);
+    }
+
+    #[test]
+    fn without_message_id_or_routing_key_a_record_has_no_key() {
+        let mut m = Message::with_body(&b"x"[..]);
+        amqp_to_kafka(&mut m);
+        assert_eq!(m.key, None);
+        // A key already set is kept.
+        let mut keyed = amqp_message();
+        keyed.key = Some(b"mine".to_vec());
+        amqp_to_kafka(&mut keyed);
+        assert_eq!(keyed.key.as_deref(), Some(&b"mine"[..]));
+    }
+
+    #[test]
+    fn a_kafka_key_of_at_most_255_bytes_is_the_routing_key() {
+        for (len, routed) in [(255, true), (256, false)] {
+            let mut m = Message::with_body(&b"v"[..]);
+            m.key = Some(vec![b'k'; len]);
+            kafka_to_amqp(&mut m);
+            assert_eq!(m.routing_key.len(), if routed { len } else { 0 }, "{len}");
+        }
+        // A routing key set by the route wins over the record's key.
+        let mut m = Message::with_body(&b"v"[..]);
+        m.key = Some(b"key".to_vec());
+        m.routing_key = "set".into();
+        kafka_to_amqp(&mut m);
+        assert_eq!(m.routing_key, "set");
+    }
 }

@@ -168,4 +168,35 @@ mod tests {
             delayd_adapters::encode(&before)
         );
     }
+
+    #[test]
+    fn a_due_time_in_a_short_string_is_read() {
+        let mut m = original();
+        prepare(&mut m, 7_000);
+        let due = m
+            .headers
+            .0
+            .iter_mut()
+            .rev()
+            .find(|(k, _)| k == X_DELIVER_AT)
+            .expect("x-deliver-at");
+        due.1 = Value::ShortString(" 7000 ".into());
+        assert_eq!(receive(&mut m), Some(7_000));
+        assert_eq!(m.properties.delivery_mode, Some(1));
+        assert!(m.headers.get(X_DELIVER_AT).is_none());
+    }
+
+    #[test]
+    fn a_persistent_message_needs_no_saved_mode() {
+        let mut m = original();
+        m.properties.delivery_mode = Some(2);
+        let before = m.clone();
+        prepare(&mut m, 1);
+        assert!(m.headers.get(SAVED_DELIVERY_MODE).is_none());
+        assert_eq!(receive(&mut m), Some(1));
+        assert_eq!(
+            delayd_adapters::encode(&m),
+            delayd_adapters::encode(&before)
+        );
+    }
 }

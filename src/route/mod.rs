@@ -356,6 +356,14 @@ to = {{ broker = "rabbit", exchange = "out" }}
             Some("q")
         );
         assert!(m.headers.get(rewrite::X_DELAYD_ID).is_some());
+        // x-death's time is in seconds.
+        let Some(Value::Array(deaths)) = m.headers.get(ttl::X_DEATH) else {
+            panic!("no x-death: {:?}", m.headers);
+        };
+        let Value::Table(death) = &deaths[0] else {
+            panic!("x-death entry {:?}", deaths[0]);
+        };
+        assert_eq!(death.get("time"), Some(&Value::Timestamp(5_000)));
         let mut bad = Message::with_body("x");
         bad.properties.expiration = Some("soon".into());
         assert!(matches!(
@@ -460,5 +468,38 @@ to = {{ broker = "rabbit", exchange = "out" }}
         assert!(delayd_adapters::decode(&delayd_adapters::encode(&deep)).is_err());
         let e = r.plan(&mut deep, 0).unwrap_err();
         assert!(e.to_string().contains("nested deeper than 64"), "{e}");
+    }
+
+    #[test]
+    fn a_kafka_source_gets_default_topics_on_its_broker() {
+        let c = Config::from_toml_str(
+            r#"
+[brokers.rabbit]
+kind = "amqp"
+url = "amqp://guest:guest@127.0.0.1:5672/%2f"
+[brokers.kafka]
+kind = "kafka"
+bootstrap = "127.0.0.1:9092"
+[[routes]]
+name = "from-kafka"
+from = { broker = "kafka", topics = ["in"], group = "delayd" }
+to = { broker = "rabbit", exchange = "out" }
+"#,
+        )
+        .unwrap();
+        let r = Route::compile(&c.routes[0], &c);
+        assert_eq!(r.name(), "from-kafka");
+        assert_eq!(
+            (r.from_kind, r.to_kind),
+            (BrokerKind::Kafka, BrokerKind::Amqp)
+        );
+        assert_eq!(r.invalid.broker, "kafka");
+        assert_eq!(r.invalid.target, Target::exchange(DEFAULT_INVALID_QUEUE));
+        assert_eq!(
+            r.invalid.declare_queue.as_deref(),
+            Some(DEFAULT_INVALID_QUEUE)
+        );
+        assert_eq!(r.unroutable.broker, "rabbit");
+        assert_eq!(r.unroutable.target, Target::queue(DEFAULT_UNROUTABLE_QUEUE));
     }
 }

@@ -295,4 +295,12 @@ mod tests {
         assert_eq!(policy.delay_before_retry(150, 1.0), Duration::MAX);
         assert_eq!(policy.delay_before_retry(1, 0.5), Duration::from_secs(1));
     }
+
+    #[test]
+    fn random_units_spread_over_zero_to_one() {
+        let draws: Vec<f64> = (0..200).map(|_| random_unit()).collect();
+        assert!(draws.iter().all(|r| (0.0..1.0).contains(r)));
+        assert!(draws.iter().any(|&r| r < 0.5), "{draws:?}");
+        assert!(draws.iter().any(|&r| r >= 0.5), "{draws:?}");
+    }
 }

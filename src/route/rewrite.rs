@@ -99,4 +99,42 @@ mod tests {
         for_delivery(&mut plain, 1);
         assert!(plain.headers.get(X_DELAY).is_none());
     }
+
+    #[test]
+    fn a_zero_or_negative_delay_stays_as_it_was() {
+        for delay in [
+            Value::LongString(b"0".to_vec()),
+            Value::I32(0),
+            Value::I32(-5),
+        ] {
+            let mut m = Message::default();
+            m.headers.insert(X_DELAY, delay.clone());
+            for_delivery(&mut m, 3);
+            assert_eq!(m.headers.get(X_DELAY), Some(&delay));
+            assert_eq!(m.headers.len(), 2);
+        }
+    }
+
+    #[test]
+    fn errors_and_checked_properties_become_headers() {
+        let mut m = Message::default();
+        with_error(&mut m, "no route");
+        assert_eq!(
+            m.headers.get(X_DELAYD_ERROR),
+            Some(&Value::LongString(b"no route".to_vec()))
+        );
+        m.properties.user_id = Some("alice".into());
+        m.properties.expiration = Some("500".into());
+        strip_checked_properties(&mut m);
+        assert_eq!(m.properties.user_id, None);
+        assert_eq!(m.properties.expiration, None);
+        assert_eq!(
+            m.headers.get("x-delayd-user-id"),
+            Some(&Value::LongString(b"alice".to_vec()))
+        );
+        assert_eq!(
+            m.headers.get("x-delayd-expiration"),
+            Some(&Value::LongString(b"500".to_vec()))
+        );
+    }
 }

@@ -377,4 +377,43 @@ mod tests {
         assert_eq!(e.len(), 1);
         assert_eq!(e[0].get("original-expiration"), None);
     }
+
+    #[test]
+    fn a_ttl_of_exactly_max_delay_is_accepted() {
+        let max_ms = MAX.as_millis() as u64;
+        assert_eq!(
+            due(Some(&max_ms.to_string()), None, NOW, MAX),
+            Ok(NOW + max_ms)
+        );
+        assert_eq!(
+            due(Some(&(max_ms + 1).to_string()), None, NOW, MAX),
+            Err(InvalidTtl::TooLong {
+                ttl_ms: u128::from(max_ms) + 1,
+                max_ms: u128::from(max_ms)
+            })
+        );
+        // A sign is not a digit, though Rust's parser would take it.
+        assert_eq!(
+            due(Some("+5"), None, NOW, MAX),
+            Err(InvalidTtl::Expiration("+5".into()))
+        );
+    }
+
+    #[test]
+    fn counts_of_every_integer_type_are_read() {
+        for (value, want) in [
+            (Value::I8(-3), Some(-3)),
+            (Value::U8(200), Some(200)),
+            (Value::I16(-300), Some(-300)),
+            (Value::U16(60_000), Some(60_000)),
+            (Value::I32(-70_000), Some(-70_000)),
+            (Value::U32(4_000_000_000), Some(4_000_000_000)),
+            (Value::I64(1 << 40), Some(1 << 40)),
+            (Value::U64(1 << 50), Some(1 << 50)),
+            (Value::U64(u64::MAX), None),
+            (text("7"), None),
+        ] {
+            assert_eq!(as_count(&value), want, "{value:?}");
+        }
+    }
 }

@@ -422,4 +422,120 @@ mod tests {
         assert_eq!(header_salt(&v9), None);
         assert_eq!(header_salt(&h[..8]), None);
     }
+
+    #[test]
+    fn fresh_salts_differ_and_headers_carry_their_value() {
+        let (a, b) = (Salt::random(), Salt::random());
+        assert!(a.is_salted() && b.is_salted());
+        assert_ne!(a, b, "two segments' salts");
+        assert_eq!(Salt::new(0x5eed).value(), 0x5eed);
+        assert_eq!(Salt::UNSALTED.value(), 0);
+        assert!(!Salt::UNSALTED.is_salted());
+        let mut bad_magic = segment_header(7);
+        bad_magic[0] = b'X';
+        assert_eq!(header_salt(&bad_magic), None);
+    }
+
+    #[test]
+    fn records_know_their_seq_and_own_their_bytes() {
+        let mut buf = Vec::new();
+        put_schedule(&mut buf, SALT, 41, 5, 1234, "orders", b"hello");
+        let first = buf.len();
+        put_done(&mut buf, SALT, 42, 5, 3);
+        put_commit(&mut buf, SALT, 43, 41);
+        let (schedule, size) = parse(&buf, 1 << 20, SALT).unwrap();
+        assert_eq!(size, first);
+        assert_eq!(schedule.seq(), 41);
+        let Parsed::Record(schedule) = schedule else {
+            panic!("{schedule:?}");
+        };
+        assert_eq!(schedule.seq(), 41);
+        assert_eq!(
+            schedule.to_owned(),
+            Record::Schedule {
+                seq: 41,
+                id: 5,
+                due_ms: 1234,
+                route: "orders".into(),
+                message: b"hello".to_vec()
+            }
+        );
+        let (done, done_size) = record(&buf[first..], SALT).unwrap();
+        assert_eq!(done.seq(), 42);
+        assert_eq!(
+            done.to_owned(),
+            Record::Done {
+                seq: 42,
+                id: 5,
+                segment: 3
+            }
+        );
+        let (commit, _) = parse(&buf[first + done_size..], 1 << 20, SALT).unwrap();
+        assert_eq!(commit.seq(), 43);
+    }
+
+    #[test]
+    fn the_smallest_and_largest_lengths_are_framed() {
+        // Empty route and message: the shortest Schedule payload.
+        let mut buf = Vec::new();
+        put_schedule(&mut buf, SALT, 1, 2, 3, "", b"");
+        let (rec, size) = record(&buf, SALT).unwrap();
+        assert_eq!(size, HEADER_BYTES + MIN_LEN as usize + SCHEDULE_OVERHEAD);
+        assert_eq!(
+            rec,
+            RecordRef::Schedule {
+                seq: 1,
+                id: 2,
+                due_ms: 3,
+                route: "",
+                message: b""
+            }
+        );
+        // A frame exactly `max_len` long is accepted, one byte over is not.
+        let len = (size - HEADER_BYTES) as u32;
+        assert!(parse(&buf, len, SALT).is_ok());
+        assert_eq!(
+            parse(&buf, len - 1, SALT).unwrap_err(),
+            FrameError::BadLength(len)
+        );
+        // `len == MIN_LEN` is a valid frame shape with an empty payload.
+        let mut bare = Vec::new();
+        let start = begin(&mut bare, MIN_LEN as usize, TYPE_DONE, 9);
+        finish(&mut bare, start, SALT);
+        assert_eq!(
+            parse(&bare, 1 << 20, SALT).unwrap_err(),
+            FrameError::BadPayload("Done payload is not 16 bytes")
+        );
+        // A zero length with a non-zero CRC is still a zero-filled region.
+        let header = [0, 0, 0, 0, 1, 2, 3, 4];
+        assert_eq!(parse(&header, 1024, SALT).unwrap_err(), FrameError::Zero);
+    }
+
+    #[test]
+    fn errors_say_what_is_wrong() {
+        for (e, text) in [
+            (FrameError::Short, "frame cut short"),
+            (FrameError::Zero, "zero-filled region"),
+            (FrameError::BadLength(3), "implausible frame length 3"),
+            (FrameError::BadCrc, "CRC32C mismatch"),
+            (FrameError::BadType(7), "unknown record type 7"),
+            (
+                FrameError::BadPayload("route is not UTF-8"),
+                "malformed payload: route is not UTF-8",
+            ),
+        ] {
+            assert_eq!(e.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn a_commit_in_an_unsalted_segment_is_an_unknown_type() {
+        // Version 1 segments have no Commit frames.
+        let mut v1 = Vec::new();
+        put_commit(&mut v1, Salt::UNSALTED, 2, 1);
+        assert_eq!(
+            parse(&v1, 1 << 20, Salt::UNSALTED).unwrap_err(),
+            FrameError::BadType(TYPE_COMMIT)
+        );
+    }
 }

@@ -253,6 +253,9 @@ fn flipped_bit_in_sealed_segment_is_reported_and_skipped() {
     let c = &report.corruptions[0];
     assert_eq!(c.segment, first);
     assert_eq!(c.offset, 16);
+    // Skipped: the damaged frame, up to the next one.
+    let len = u32::from_le_bytes(bytes[16..20].try_into().unwrap());
+    assert_eq!(c.skipped_bytes, 8 + u64::from(len));
     // Exactly the damaged record is lost; everything else is recovered.
     let expect: Vec<u64> = ids[1..].to_vec();
     assert_eq!(live.keys().copied().collect::<Vec<_>>(), expect);
@@ -642,4 +645,90 @@ fn a_fired_done_alone_is_written_within_the_lazy_interval() {
     assert!(live.is_empty(), "the Done was not on disk");
     close(copy);
     close(wal);
+}
+
+/// The report counts what recovery replayed, and the next seq follows every
+/// frame on disk: a log reopened twice keeps its records and ids apart.
+#[test]
+fn the_recovery_report_counts_what_was_replayed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _, _) = open_live(config(dir.path())).unwrap();
+    let appended: Vec<Appended> = (0..30)
+        .map(|i| schedule(&wal, i, &[i as u8; 200]))
+        .collect();
+    let mut last_done = 0;
+    for a in &appended[..10] {
+        last_done = wal
+            .append_done(a.id, a.pos)
+            .unwrap()
+            .blocking_recv()
+            .unwrap()
+            .unwrap()
+            .id;
+    }
+    close(wal);
+    let on_disk = segments_of(dir.path()).len();
+    assert!(on_disk >= 2);
+    let (wal, live, report) = open_live(config(dir.path())).unwrap();
+    assert_eq!((report.schedules, report.dones), (30, 10));
+    assert!((2..=on_disk).contains(&report.segments), "{report:?}");
+    assert_eq!(report.truncated_bytes, 0);
+    assert!(report.corruptions.is_empty());
+    assert_eq!(live.len(), 20);
+    assert!(report.next_seq > last_done);
+    let next = schedule(&wal, 99, b"after");
+    assert!(next.id >= report.next_seq);
+    close(wal);
+    let (_, live, report) = open_live(config(dir.path())).unwrap();
+    assert!(report.corruptions.is_empty(), "{:?}", report.corruptions);
+    assert_eq!((report.schedules, report.dones), (31, 10));
+    assert_eq!(live.len(), 21);
+    assert!(live.contains_key(&next.id));
+}
+
+/// An unreadable segment header: zeros on the last segment are a header that
+/// never reached the disk (the segment goes, nothing is reported); anything
+/// else is corruption, the whole segment skipped (or the open refused).
+#[test]
+fn unreadable_segment_headers() {
+    // Overwrites the header of the first or the last segment and reopens.
+    let open_with_header = |last: bool, header: [u8; 16], policy: OnCorruption| {
+        let dir = tempfile::tempdir().unwrap();
+        multi_segment_log(dir.path());
+        let segments = segments_of(dir.path());
+        let path = if last {
+            segments[segments.len() - 1].clone()
+        } else {
+            segments[0].clone()
+        };
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[..16].copy_from_slice(&header);
+        std::fs::write(&path, &bytes).unwrap();
+        let cfg = WalConfig {
+            on_corruption: policy,
+            ..config(dir.path())
+        };
+        let opened = open_live(cfg).map(|(_, _, report)| report);
+        (opened, path, bytes.len() as u64)
+    };
+    let (report, _, _) = open_with_header(true, [0; 16], OnCorruption::Skip);
+    let report = report.unwrap();
+    assert!(report.corruptions.is_empty(), "{:?}", report.corruptions);
+
+    let (report, path, len) = open_with_header(false, [0; 16], OnCorruption::Skip);
+    let report = report.unwrap();
+    assert_eq!(report.corruptions.len(), 1, "{report:?}");
+    let c = &report.corruptions[0];
+    assert_eq!((&c.segment, c.offset, c.skipped_bytes), (&path, 0, len));
+    assert_eq!(c.reason, "bad segment header");
+
+    let (opened, path, _) = open_with_header(true, *b"not a WAL header", OnCorruption::Refuse);
+    match opened {
+        Err(WalError::Corrupt {
+            segment, offset, ..
+        }) => {
+            assert_eq!((segment, offset), (path, 0));
+        }
+        other => panic!("a garbled last header must be refused: {other:?}"),
+    }
 }

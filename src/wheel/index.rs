@@ -301,6 +301,182 @@ impl IdIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::Cell;
+
+    /// A table of one line whose slab index field is `bits` wide, for layout checks
+    /// without allocating 2^bits cells.
+    fn with_bits(bits: u32) -> IdIndex {
+        IdIndex {
+            cells: Cells::new(LINE),
+            size: LINE,
+            bits,
+            len: 0,
+        }
+    }
+
+    /// Ids that differ only in their low `BLOCK_BITS` hash alike (their homes share a
+    /// line); every other bit of an id changes both halves of the hash (the home comes
+    /// from the high half, the fingerprint from the low one).
+    #[test]
+    fn hash_ignores_the_block_bits_and_mixes_every_other_bit_into_both_halves() {
+        for base in [0u64, 0x0123_4567_89ab_cdef, u64::MAX] {
+            let block = base & !((1 << BLOCK_BITS) - 1);
+            for low in 0..1 << BLOCK_BITS {
+                assert_eq!(hash(block | low), hash(block), "{base:#x} + {low}");
+            }
+            for bit in BLOCK_BITS..64 {
+                let (a, b) = (hash(base), hash(base ^ (1 << bit)));
+                assert_ne!(a as u32, b as u32, "{base:#x}, bit {bit}: low half");
+                assert_ne!(a >> 32, b >> 32, "{base:#x}, bit {bit}: high half");
+            }
+        }
+    }
+
+    /// The ids of a block have their homes on every other cell of one line, from its
+    /// first cell.
+    #[test]
+    fn a_block_has_its_homes_on_every_other_cell_of_a_line() {
+        let t = IdIndex::with_capacity(1000);
+        for block in [0u64, 8, 0x1234_5678_9ab0, u64::MAX << BLOCK_BITS] {
+            let first = t.home(block, hash(block));
+            assert_eq!(first % LINE, 0, "{block:#x}");
+            for low in 0..1 << BLOCK_BITS {
+                let id = block | low;
+                assert_eq!(t.home(id, hash(id)), first + low as usize * SPREAD);
+            }
+        }
+    }
+
+    /// `starts_block` and `block_len` name the runs of ids that hash alike (the
+    /// caller loads the next block's line ahead, at `id + block_len`).
+    #[test]
+    fn blocks_are_the_runs_of_ids_that_hash_alike() {
+        let t = IdIndex::with_capacity(0);
+        for id in (0..64u64).chain(u64::MAX - 64..=u64::MAX) {
+            let starts = t.starts_block(id);
+            assert_eq!(starts, id % (1 << BLOCK_BITS) == 0, "{id}");
+            if !starts {
+                continue;
+            }
+            for k in 1..t.block_len() {
+                assert_eq!(hash(id + k), hash(id), "{id} + {k}");
+            }
+            if let Some(next) = id.checked_add(t.block_len()) {
+                assert_ne!(hash(next), hash(id), "{id}: next block");
+            }
+        }
+    }
+
+    /// The table doubles when the next entry would take it past 13/16 full, and not
+    /// before.
+    #[test]
+    fn the_table_doubles_only_when_13_16_full() {
+        let ids: Vec<u64> = (0..5000).collect();
+        let mut index = IdIndex::with_capacity(0);
+        let mut doublings = 0;
+        for (i, &id) in ids.iter().enumerate() {
+            let before = index.size;
+            index.reserve_one(|i| ids[i as usize]);
+            if index.size != before {
+                assert_eq!(index.size, 2 * before);
+                assert_eq!(i * 16, before * 13, "grew at {i} entries of {before} cells");
+                doublings += 1;
+            }
+            assert!((i + 1) * 16 <= index.size * 13, "{i} + 1 in {}", index.size);
+            let Err(vacant) = index.probe(id, |i| ids[i as usize]) else {
+                panic!("duplicate id {id}");
+            };
+            index.fill(vacant, i as u32);
+        }
+        assert!(doublings >= 8);
+    }
+
+    /// Slab index, displacement and fingerprint split the 32 bits of a cell between
+    /// them, at every table size; the displacement gets `MAX_DISP_BITS` while the
+    /// slab index leaves room for it.
+    #[test]
+    fn the_cell_fields_partition_32_bits_at_every_size() {
+        for bits in MIN_BITS..=MAX_BITS {
+            let t = with_bits(bits);
+            let idx = t.idx_mask();
+            let disp = t.disp_sat() << bits;
+            let fp = t.fp_mask();
+            assert_eq!(idx, u32::MAX >> (32 - bits), "bits {bits}");
+            assert_eq!(disp >> bits, t.disp_sat(), "bits {bits}: displacement cut");
+            assert_eq!(idx & disp, 0, "bits {bits}");
+            assert_eq!((idx | disp) & fp, 0, "bits {bits}");
+            assert_eq!(idx | disp | fp, u32::MAX, "bits {bits}");
+            let want = if bits <= 32 - MAX_DISP_BITS {
+                MAX_DISP_BITS
+            } else {
+                32 - bits
+            };
+            assert_eq!(t.disp_bits(), want, "bits {bits}");
+        }
+    }
+
+    /// A lookup reads the ids only of cells whose fingerprint and displacement match,
+    /// and removal reads none of the cells it shifts back unless their displacement is
+    /// saturated: about one read per lookup of an id present, next to none for an id
+    /// absent, and none for the shifts of a removal in a table without saturated
+    /// displacements.
+    #[test]
+    fn lookups_and_removals_read_few_ids() {
+        // Spread ids, one per block, in a table filled to about 3/8.
+        let ids: Vec<u64> = (0..3000u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 4)
+            .collect();
+        let mut index = IdIndex::with_capacity(2 * ids.len());
+        for (i, &id) in ids.iter().enumerate() {
+            let Err(vacant) = index.probe(id, |i| ids[i as usize]) else {
+                panic!("duplicate id {id}");
+            };
+            index.fill(vacant, i as u32);
+        }
+        let reads = Cell::new(0usize);
+        let counted = |i: u32| {
+            reads.set(reads.get() + 1);
+            ids[i as usize]
+        };
+        for (i, &id) in ids.iter().enumerate() {
+            assert_eq!(index.find(id, counted), Some(i as u32));
+        }
+        let n = ids.len();
+        assert!(
+            reads.get() <= n + n / 1000,
+            "{} reads for {n} lookups",
+            reads.get()
+        );
+        reads.set(0);
+        for &id in &ids {
+            assert_eq!(index.find(id ^ (1 << 62), counted), None);
+        }
+        assert!(
+            reads.get() <= n / 1000,
+            "{} reads for {n} misses",
+            reads.get()
+        );
+        // Displacements in this table stay below saturation.
+        let sat = index.disp_sat();
+        assert!(index
+            .cells
+            .iter()
+            .all(|&c| c == EMPTY || (c >> index.bits) & sat < sat));
+        reads.set(0);
+        for (i, &id) in ids.iter().enumerate().step_by(2) {
+            assert_eq!(index.remove(id, counted), Some(i as u32));
+        }
+        let removed = n.div_ceil(2);
+        assert!(
+            reads.get() <= removed + removed / 1000,
+            "{} reads for {removed} removals",
+            reads.get()
+        );
+        for (i, &id) in ids.iter().enumerate() {
+            let want = (i % 2 == 1).then_some(i as u32);
+            assert_eq!(index.find(id, |i| ids[i as usize]), want);
+        }
+    }
 
     /// 48 ids sharing home cell 0 in a 64-cell table: one run as long as the table is
     /// full, with displacements past the saturation point, removed in several orders.

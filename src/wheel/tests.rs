@@ -637,3 +637,22 @@ fn churn_of_cancelled_entries_does_not_grow_the_slab() {
         "{nodes} slab nodes for at most {live} pending entries"
     );
 }
+
+/// A slot emptied by expiry keeps a small allocation for its next entries
+/// (no reallocation when it fills again), and gives a large one back.
+#[test]
+fn an_emptied_slot_keeps_a_small_allocation_and_frees_a_large_one() {
+    let mut w = TimingWheel::new(0);
+    for id in 0..4 {
+        w.insert(id, 5, pos(id)).unwrap();
+    }
+    let before = w.heap_bytes();
+    assert_eq!(poll_all(&mut w, 5).len(), 4);
+    assert_eq!(w.heap_bytes(), before, "the slot's allocation is kept");
+    for id in 0..5_000 {
+        w.insert(100 + id, 9, pos(id)).unwrap();
+    }
+    let before = w.heap_bytes();
+    assert_eq!(poll_all(&mut w, 9).len(), 5_000);
+    assert!(w.heap_bytes() < before, "the large allocation is freed");
+}
