@@ -63,6 +63,10 @@ pub fn recover(
                 skipped_bytes: buf.len() as u64,
             };
             handle_corruption(config, &mut report, corruption)?;
+            // Skipped and left on disk: new segments are named past it (the
+            // next head would otherwise take its very name). Its frames are
+            // never read, so seqs it may hold cannot clash with new ones.
+            last_seq = last_seq.max(first_seq);
             continue;
         };
         let ordinal = table.add(

@@ -732,3 +732,35 @@ fn unreadable_segment_headers() {
         other => panic!("a garbled last header must be refused: {other:?}"),
     }
 }
+
+/// A garbled (not zeroed) header on the last segment under `skip`: the
+/// segment is reported and left alone, and the log still opens and takes
+/// appends (its new head segment was named like the skipped one, and the
+/// open failed with "file exists").
+#[test]
+fn a_garbled_last_header_is_skipped_and_the_log_still_opens() {
+    let dir = tempfile::tempdir().unwrap();
+    multi_segment_log(dir.path());
+    let segments = segments_of(dir.path());
+    let last = segments[segments.len() - 1].clone();
+    let mut bytes = std::fs::read(&last).unwrap();
+    bytes[..16].copy_from_slice(b"not a WAL header");
+    std::fs::write(&last, &bytes).unwrap();
+    let cfg = WalConfig {
+        on_corruption: OnCorruption::Skip,
+        ..config(dir.path())
+    };
+    let (wal, _, report) = open_live(cfg.clone()).expect("the log opens");
+    assert_eq!(report.corruptions.len(), 1, "{report:?}");
+    assert_eq!(report.corruptions[0].segment, last);
+    let a = schedule(&wal, 5, b"after");
+    close(wal);
+    // Reopened: the skipped segment is reported again, the new record kept.
+    let (wal, live, report) = open_live(cfg).expect("the log opens again");
+    assert_eq!(report.corruptions.len(), 1, "{report:?}");
+    assert!(
+        live.contains_key(&a.id),
+        "the record written after the skip"
+    );
+    close(wal);
+}
