@@ -333,3 +333,41 @@ async fn switching_a_route_to_the_broker_store_keeps_what_the_wal_held() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_former_owner_only_adds_duplicates() {
+    let r = StoreRoute::new("store-zombie", 4).await;
+    let a = r.start().await;
+    wait_assigned(&a).await;
+    let b = r.start().await;
+    wait_assigned(&b).await;
+    let total = 600;
+    let sent = r.send(total, 8000..14_000).await;
+    wait_scheduled(&[&a, &b], total).await;
+    let held = a.pending();
+    assert!(held > 0, "the instance to pause holds no message");
+    // A is frozen with its partitions: its session expires, B takes them
+    // and restores their messages. Then A wakes up, still holding them.
+    let signal = |sig: &str| {
+        let status = std::process::Command::new("kill")
+            .args([sig, &a.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig}");
+    };
+    signal("-STOP");
+    let restored_before = b.metric("delayd_store_restored_total");
+    common::wait_for(
+        "B restoring A's partitions",
+        Duration::from_secs(60),
+        || async {
+            (b.metric("delayd_store_restored_total") >= restored_before + held as f64).then_some(())
+        },
+    )
+    .await;
+    signal("-CONT");
+    let (got, duplicates) =
+        collect_counting(&Reader::new(&r.kafka.to), total, Duration::from_secs(90));
+    assert_none_early(&got, &sent);
+    eprintln!("{held} held by the paused instance; duplicates: {duplicates}");
+}
