@@ -127,12 +127,13 @@ pub enum Stored {
     Duplicate,
 }
 
-/// Told of a cancelled message: its route and stored bytes (see
+/// Told of a cancelled message: its route, id and stored bytes (see
 /// [`Engine::on_cancel`]).
-pub type CancelHook = Arc<dyn Fn(&str, &[u8]) + Send + Sync>;
+pub type CancelHook = Arc<dyn Fn(&str, u64, &[u8]) + Send + Sync>;
 
 /// A message taken out of the wheel, its Done queued.
 struct Retired {
+    id: u64,
     done: AppendReceiver,
     route: Arc<str>,
     /// Its stored bytes, when they could be read.
@@ -145,7 +146,7 @@ impl Retired {
     async fn settle(self, cancel_hook: Option<&CancelHook>) -> Result<(), EngineError> {
         self.done.await.map_err(|_| EngineError::WriterGone)??;
         if let (Some(hook), Some(message)) = (cancel_hook, &self.message) {
-            hook(&self.route, message);
+            hook(&self.route, self.id, message);
         }
         Ok(())
     }
@@ -653,6 +654,7 @@ impl Engine {
         let route = state.route_name(entry.data.route);
         metrics::counter!(format!("delayd_{why}_total"), "route" => route.to_string()).increment(1);
         Ok(Some(Retired {
+            id,
             done,
             route,
             message: stored.map(|(_, m)| m),

@@ -89,9 +89,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let stores = Arc::new(open_stores(&config, &brokers, &engine, &intake_stop).await?);
     if !stores.is_empty() {
         let stores = stores.clone();
-        engine.on_cancel(Arc::new(move |route, message| {
+        engine.on_cancel(Arc::new(move |route, id, message| {
             if let Some(store) = stores.get(route) {
-                store.cancelled(message);
+                store.cancelled(id, message);
             }
         }));
     }

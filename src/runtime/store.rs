@@ -286,7 +286,7 @@ impl KafkaStore {
     /// A pending message was cancelled (its local Done is durable):
     /// tombstone its state record, or a restore would bring it back. The
     /// tombstone is queued now, after its Schedule; a failure is logged.
-    pub fn cancelled(&self, stored: &[u8]) {
+    pub fn cancelled(&self, id: u64, stored: &[u8]) {
         let Some((tp, key)) = delayd_adapters::decode(stored)
             .ok()
             .as_ref()
@@ -294,6 +294,9 @@ impl KafkaStore {
         else {
             return;
         };
+        if let Some(ids) = self.owned().get_mut(&tp) {
+            ids.remove(&id);
+        }
         let write = self.state.delete(tp.1, &key);
         let route = self.route.clone();
         tokio::spawn(async move {
