@@ -122,7 +122,9 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     // A route is ready once its queue, exchange, binding and consumer exist:
     // before that a message published to it can be dropped unbound.
     let routes = state.status.routes();
-    let all_consuming = routes.values().all(|s| *s == RouteIntake::Consuming);
+    let all_consuming = routes
+        .values()
+        .all(|s| matches!(s, RouteIntake::Consuming | RouteIntake::Standby));
     let ready =
         state.status.accepting() && all_up && all_consuming && !state.engine.wal().is_stopped();
     // Backpressure does not make delayd unready: it is healthy and its

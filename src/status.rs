@@ -29,6 +29,9 @@ pub enum RouteIntake {
     /// Broker-kept store: a partition's pending messages are being read
     /// back from the state topic before it is consumed.
     Restoring,
+    /// Broker-kept store, RabbitMQ: another instance owns the route; this
+    /// one waits to take over (ready: nothing is lost by waiting).
+    Standby,
     Consuming,
 }
 

@@ -323,11 +323,10 @@ fn the_store_is_local_by_default_and_broker_turns_hand_off_on() {
 }
 
 #[test]
-fn the_broker_store_refuses_a_rabbitmq_route_naming_the_key() {
-    let e = Config::from_toml_str(&format!("[store]\nkind = \"broker\"\n{GOOD}"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("store.kind") && e.contains("orders"), "{e}");
+fn the_broker_store_takes_rabbitmq_routes_with_their_stream_names() {
+    let c = Config::from_toml_str(&format!("[store]\nkind = \"broker\"\n{GOOD}")).unwrap();
+    assert_eq!(c.store.kind, StoreKind::Broker);
+    assert_eq!(c.store.topic("orders"), "delayd.state.orders");
 }
 
 #[test]

@@ -73,28 +73,18 @@ fn valid_topic_name(name: &str) -> bool {
 }
 
 impl Config {
-    /// `store.kind = "broker"`: the state lives in Kafka, so far; a route
-    /// that reads RabbitMQ cannot keep its state there yet (a RabbitMQ
-    /// stream, per docs/broker-store.md, is not built), and its state topic
-    /// name must be a valid topic name.
+    /// `store.kind = "broker"`: the route's state topic (Kafka) or state
+    /// streams (RabbitMQ) are named `store.topic_prefix` + the route name,
+    /// which must be a valid name for both.
     fn check_broker_store(&self, route: &RouteConfig) -> Result<(), (String, String)> {
-        if let Some(BrokerConfig::Amqp { .. }) = self.broker(&route.from.broker) {
-            return Err((
-                "store.kind".into(),
-                format!(
-                    "\"broker\" keeps state in Kafka only so far, and route {:?} reads RabbitMQ \
-                     (broker {:?}); use store.kind = \"local\" with engine.handoff = true",
-                    route.name, route.from.broker
-                ),
-            ));
-        }
         let topic = self.store.topic(&route.name);
         if !valid_topic_name(&topic) {
             return Err((
                 "store.topic_prefix".into(),
                 format!(
                     "route {:?} would keep its state in {topic:?}, which is not a valid Kafka \
-                     topic name (at most 249 letters, digits, '.', '_', '-'); rename the route",
+                     topic or RabbitMQ stream name (at most 249 letters, digits, '.', '_', \
+                     '-'); rename the route",
                     route.name
                 ),
             ));

@@ -11,7 +11,7 @@ use crate::engine::{Dispatch, Fired, Outcome};
 use crate::route::{bridge, rewrite, BrokerKind, Destination, Route};
 
 use super::brokers::Brokers;
-use super::store::KafkaStore;
+use super::route_store::RouteStore;
 
 /// Publish attempts against a missing exchange or topic before the message
 /// is parked as unroutable (with the default back-off, about 6 s).
@@ -21,7 +21,7 @@ pub struct Deliverer {
     pub routes: Arc<HashMap<String, Arc<Route>>>,
     pub brokers: Brokers,
     /// Broker-kept stores by route: a delivered message is tombstoned there.
-    pub stores: Arc<HashMap<String, Arc<KafkaStore>>>,
+    pub stores: Arc<HashMap<String, RouteStore>>,
 }
 
 impl Dispatch for Deliverer {
@@ -40,7 +40,7 @@ impl Dispatch for Deliverer {
         // Where its state record is (broker-kept store), read before the
         // message is rewritten for delivery.
         let state = match (self.stores.get(route.name()), &decoded) {
-            (Some(store), Ok(m)) => KafkaStore::key_of(m).map(|k| (store.clone(), k)),
+            (Some(store), Ok(m)) => store.pending_done(fired.id, m),
             _ => None,
         };
         let message = match decoded.map(|m| for_delivery(&route, m, fired.id)) {
@@ -108,8 +108,8 @@ impl Dispatch for Deliverer {
                         park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                     }
                 };
-                if let (Outcome::Done, Some((store, (tp, key)))) = (&outcome, state) {
-                    store.done(fired.id, tp, key).await;
+                if let (Outcome::Done, Some(done)) = (&outcome, state) {
+                    done.write().await;
                 }
                 outcome
             }

@@ -23,7 +23,7 @@ use crate::wal::WalError;
 use super::backpressure::Backpressure;
 use super::brokers::Brokers;
 use super::deliver::park;
-use super::store::KafkaStore;
+use super::route_store::RouteStore;
 
 /// A delivery whose WAL record is queued (or that is invalid, or that waits
 /// for room).
@@ -70,6 +70,7 @@ const STORE_RETRY: Duration = Duration::from_millis(500);
 /// While paused, how often the intake looks whether it may resume.
 const RECHECK: Duration = Duration::from_millis(100);
 
+#[derive(Clone)]
 pub struct Intake {
     pub route: Arc<Route>,
     pub engine: Engine,
@@ -86,7 +87,7 @@ pub struct Intake {
     /// The budget `bytes` started with.
     pub byte_budget: usize,
     /// The route's broker-kept store (`store.kind = "broker"`).
-    pub store: Option<Arc<KafkaStore>>,
+    pub store: Option<RouteStore>,
 }
 
 impl Intake {

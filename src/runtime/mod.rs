@@ -11,7 +11,9 @@ mod brokers;
 mod deliver;
 mod handoff;
 mod ingest;
+mod route_store;
 mod store;
+mod stream_store;
 
 pub use backpressure::Backpressure;
 pub use brokers::{kafka_client, BrokerHandle, Brokers};
@@ -29,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{self, AdminState};
 use crate::config::{Config, ExchangeKind, StoreKind};
 use crate::engine::Pressure;
+use route_store::RouteStore;
 use crate::engine::{Dispatch, Engine, EngineConfig, SystemClock};
 use crate::route::Route;
 use crate::status::{BrokerStatus, RouteIntake, RuntimeStatus};
@@ -100,6 +103,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let status = Arc::new(Status {
         brokers: brokers.clone(),
         stores: stores.clone(),
+        route_brokers: config
+            .routes
+            .iter()
+            .map(|r| (r.name.clone(), r.from.broker.clone()))
+            .collect(),
         pressure: pressure.clone(),
         accepting: AtomicBool::new(true),
         consuming: std::sync::Mutex::new(
@@ -147,18 +155,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut intakes = Vec::new();
     let byte_budget = config.engine.max_bytes_in_flight.clamp(1, u32::MAX as u64) as usize;
     let intake_bytes = Arc::new(tokio::sync::Semaphore::new(byte_budget));
+    let mut streams = Vec::new();
     for route_cfg in &config.routes {
         let route = routes[&route_cfg.name].clone();
         let store = stores.get(&route_cfg.name).cloned();
-        let listener = store
-            .clone()
-            .map(|s| s as Arc<dyn delayd_adapters::kafka::PartitionListener>);
-        let source = start_source(&brokers, route_cfg, listener)?;
-        status
-            .consuming
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(route_cfg.name.clone(), Some(source.consuming()));
+        let listener = match &store {
+            Some(RouteStore::Kafka(s)) => {
+                Some(s.clone() as Arc<dyn delayd_adapters::kafka::PartitionListener>)
+            }
+            _ => None,
+        };
         let intake = ingest::Intake {
             route,
             engine: engine.clone(),
@@ -168,8 +174,22 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             pressure: pressure.clone(),
             bytes: intake_bytes.clone(),
             byte_budget,
-            store,
+            store: store.clone(),
         };
+        if let Some(RouteStore::Stream(stream)) = &store {
+            // Consumed only while this instance owns the route.
+            let (brokers, cfg, status) = (brokers.clone(), route_cfg.clone(), status.clone());
+            let start = move |stop: CancellationToken| -> anyhow::Result<_> {
+                let source = start_source(&brokers, &cfg, None, true)?;
+                status.set_consuming(&cfg.name, Some(source.consuming()));
+                Ok(tokio::spawn(intake.clone().run(source, stop)))
+            };
+            tracing::info!(route = %route_cfg.name, "route started; it is consumed while this instance owns it");
+            streams.push(tokio::spawn(stream.clone().run(start, intake_stop.clone())));
+            continue;
+        }
+        let source = start_source(&brokers, route_cfg, listener, false)?;
+        status.set_consuming(&route_cfg.name, Some(source.consuming()));
         tracing::info!(route = %route_cfg.name, "route started");
         intakes.push(tokio::spawn(intake.run(source, intake_stop.clone())));
     }
@@ -188,14 +208,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!("shutting down: no longer consuming");
     status.accepting.store(false, Ordering::Release);
     intake_stop.cancel();
-    for task in intakes {
+    for task in intakes.into_iter().chain(streams) {
         let _ = task.await;
     }
     tracing::info!("finishing in-flight publishes");
     dispatch_stop.cancel();
     let _ = dispatcher.await;
     for store in stores.values() {
-        store.flush(config.engine.shutdown_grace);
+        store.flush(config.engine.shutdown_grace).await;
     }
     if config.handoff() && !failed {
         // Routes with a broker-kept store are left out: their partitions'
@@ -233,14 +253,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 }
 
 /// `store.kind = "broker"`: each Kafka route's state topic, opened (and
-/// created if missing), and what the local WAL still held for those routes
-/// released before anything fires.
+/// created if missing), each RabbitMQ route's state streams (opened by
+/// whichever instance owns the route), and what the local WAL still held
+/// for those routes released before anything fires.
 async fn open_stores(
     config: &Config,
     brokers: &Brokers,
     engine: &Engine,
     stop: &CancellationToken,
-) -> anyhow::Result<HashMap<String, Arc<store::KafkaStore>>> {
+) -> anyhow::Result<HashMap<String, RouteStore>> {
     let mut stores = HashMap::new();
     if config.store.kind != StoreKind::Broker {
         refuse_to_strand(config)?;
@@ -249,36 +270,73 @@ async fn open_stores(
     // Routes whose state this WAL last kept in the broker.
     let mirrored = store::mirrored_routes(&config.wal.dir)?;
     for route in &config.routes {
-        // Validation allows only Kafka sources with this store.
-        let Some(BrokerHandle::Kafka { client }) = brokers.get(&route.from.broker) else {
-            continue;
-        };
         let topic = config.store.topic(&route.name);
-        let store = store::KafkaStore::open(
-            client,
-            &topic,
-            &route.name,
-            &route.from.topics,
-            engine.clone(),
-            stop.clone(),
-        )
-        .await
-        .with_context(|| format!("route {}: store.kind = \"broker\"", route.name))?;
-        let (written, released) = store
-            .adopt_cached(mirrored.contains(&route.name))
-            .await
-            .with_context(|| format!("route {}: moving the local copies", route.name))?;
-        if written > 0 {
-            tracing::info!(route = %route.name, written, "messages kept locally until now written to the state topic");
-        }
-        if released > 0 {
-            tracing::info!(route = %route.name, released, "local copies released; the state topic is restored per partition as the group assigns them");
-        }
-        stores.insert(route.name.clone(), store);
+        let was_mirrored = mirrored.contains(&route.name);
+        let opened = match (brokers.get(&route.from.broker), config.broker(&route.from.broker)) {
+            (Some(BrokerHandle::Kafka { client }), _) => {
+                open_kafka_store(client, &topic, route, engine, stop, was_mirrored).await
+            }
+            (_, Some(crate::config::BrokerConfig::Amqp { url })) => {
+                open_stream_store(url, &topic, route, engine, was_mirrored).await
+            }
+            _ => continue,
+        };
+        stores.insert(
+            route.name.clone(),
+            opened.with_context(|| format!("route {}: store.kind = \"broker\"", route.name))?,
+        );
     }
     let routes: Vec<&str> = stores.keys().map(String::as_str).collect();
     store::mark_mirrored(&config.wal.dir, &routes)?;
     Ok(stores)
+}
+
+async fn open_kafka_store(
+    client: &delayd_adapters::kafka::KafkaClientConfig,
+    topic: &str,
+    route: &crate::config::RouteConfig,
+    engine: &Engine,
+    stop: &CancellationToken,
+    mirrored: bool,
+) -> anyhow::Result<RouteStore> {
+    let store = store::KafkaStore::open(
+        client,
+        topic,
+        &route.name,
+        &route.from.topics,
+        engine.clone(),
+        stop.clone(),
+    )
+    .await?;
+    let (written, released) = store
+        .adopt_cached(mirrored)
+        .await
+        .context("moving the local copies")?;
+    if written > 0 {
+        tracing::info!(route = %route.name, written, "messages kept locally until now written to the state topic");
+    }
+    if released > 0 {
+        tracing::info!(route = %route.name, released, "local copies released; the state topic is restored per partition as the group assigns them");
+    }
+    Ok(RouteStore::Kafka(store))
+}
+
+async fn open_stream_store(
+    url: &str,
+    stream: &str,
+    route: &crate::config::RouteConfig,
+    engine: &Engine,
+    mirrored: bool,
+) -> anyhow::Result<RouteStore> {
+    let store = stream_store::StreamStore::new(url, stream, &route.name, engine.clone())?;
+    let (released, kept) = store.adopt_cached(mirrored).await?;
+    if released > 0 {
+        tracing::info!(route = %route.name, released, "local copies released; the route's owner restores them from its state streams");
+    }
+    if kept > 0 {
+        tracing::warn!(route = %route.name, kept, "messages stored before the route kept its state in the broker stay in this WAL and fire from here");
+    }
+    Ok(RouteStore::Stream(store))
 }
 
 /// `store.kind = "local"` on a WAL that mirrored routes' state topics:
@@ -309,6 +367,7 @@ fn start_source(
     brokers: &Brokers,
     route: &crate::config::RouteConfig,
     listener: Option<Arc<dyn delayd_adapters::kafka::PartitionListener>>,
+    single_active: bool,
 ) -> anyhow::Result<Box<dyn Source>> {
     let name = &route.name;
     match brokers.get(&route.from.broker) {
@@ -328,6 +387,13 @@ fn start_source(
                 source_cfg.prefetch = prefetch;
             }
             source_cfg.queue_arguments = queue_arguments(&route.from);
+            if single_active {
+                // Broker-kept store: one consumer at a time, the route's owner.
+                source_cfg.queue_arguments.insert(
+                    "x-single-active-consumer",
+                    delayd_adapters::Value::Bool(true),
+                );
+            }
             let source = AmqpSource::start(connections.consume.clone(), source_cfg)
                 .with_context(|| format!("route {name}: cannot start consuming"))?;
             Ok(Box::new(source))
@@ -413,7 +479,9 @@ fn spawn_signal_handler(shutdown: CancellationToken) {
 struct Status {
     brokers: Brokers,
     /// Broker-kept stores, by route.
-    stores: Arc<HashMap<String, Arc<store::KafkaStore>>>,
+    stores: Arc<HashMap<String, RouteStore>>,
+    /// The broker each route reads, by route.
+    route_brokers: HashMap<String, String>,
     pressure: Arc<Backpressure>,
     /// False once shutdown has begun.
     accepting: AtomicBool,
@@ -421,9 +489,34 @@ struct Status {
     consuming: std::sync::Mutex<BTreeMap<String, Option<delayd_adapters::Consuming>>>,
 }
 
+impl Status {
+    fn set_consuming(&self, route: &str, consuming: Option<delayd_adapters::Consuming>) {
+        self.consuming
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(route.to_owned(), consuming);
+    }
+}
+
 impl RuntimeStatus for Status {
     fn brokers(&self) -> Vec<BrokerStatus> {
-        self.brokers.status()
+        let mut brokers = self.brokers.status();
+        // A standby consumes nothing until it owns its route: a broker read
+        // only by standby routes needs no consuming connection yet.
+        for broker in &mut brokers {
+            let mut readers = self
+                .route_brokers
+                .iter()
+                .filter(|(_, b)| **b == broker.name)
+                .map(|(route, _)| route);
+            let all_standby = readers
+                .all(|r| self.stores.get(r).is_some_and(RouteStore::standby));
+            if all_standby && self.route_brokers.values().any(|b| *b == broker.name) {
+                broker.consume = "standby";
+                broker.ready = true;
+            }
+        }
+        brokers
     }
 
     fn routes(&self) -> BTreeMap<String, RouteIntake> {
@@ -432,9 +525,11 @@ impl RuntimeStatus for Status {
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .map(|(name, c)| {
-                let restoring = self.stores.get(name).is_some_and(|s| s.restoring());
+                let store = self.stores.get(name);
+                let restoring = store.is_some_and(RouteStore::restoring);
                 let intake = match c {
-                    Some(_) if restoring => RouteIntake::Restoring,
+                    _ if store.is_some_and(RouteStore::standby) => RouteIntake::Standby,
+                    _ if restoring => RouteIntake::Restoring,
                     Some(c) if c.get() => RouteIntake::Consuming,
                     _ => RouteIntake::Starting,
                 };
@@ -459,10 +554,7 @@ impl RuntimeStatus for Status {
             .stores
             .iter()
             .map(|(name, s)| {
-                (
-                    name.as_str(),
-                    serde_json::json!({ "state_topic": s.topic(), "restoring": s.restoring() }),
-                )
+                (name.as_str(), s.describe())
             })
             .collect();
         serde_json::json!({ "kind": "broker", "routes": routes })

@@ -340,6 +340,12 @@ impl Broker {
         }
     }
 
+    /// A new connection of its own, outside the shared one (the
+    /// broker-kept store's lock lives and dies with its connection).
+    pub async fn open_dedicated(&self) -> Result<Connection, AmqpError> {
+        self.connect().await
+    }
+
     async fn connect(&self) -> Result<Connection, AmqpError> {
         let name = self.options.connection_name.clone();
         let properties = ConnectionProperties::default().with_connection_name(name.into());

@@ -10,6 +10,7 @@
 //! * [`topology`]: declaring durable queues and a route's source exchange.
 //! * [`source`]: [`AmqpSource`], a [`Source`](crate::Source) consuming one
 //!   queue with manual acks, reconnecting transparently, pausable.
+//! * [`state`]: the broker-kept store's lock and state streams.
 //! * [`sink`]: [`AmqpSink`], a [`Sink`](crate::Sink) publishing with
 //!   publisher confirms and `mandatory`, many publishes in flight at once.
 //!
@@ -32,6 +33,7 @@ pub mod connection;
 pub mod convert;
 pub mod sink;
 pub mod source;
+pub mod state;
 pub mod topology;
 
 pub use connection::{AmqpError, Backoff, Broker, BrokerConnections, BrokerOptions};

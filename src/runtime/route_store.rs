@@ -1,0 +1,103 @@
+//! A route's broker-kept store, whichever broker it reads: the calls the
+//! intake, the deliverer, the cancel hook and `/readyz` make on it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use delayd_adapters::kafka::offsets::TopicPartition;
+use delayd_adapters::{BoxFuture, Message};
+
+use super::store::KafkaStore;
+use super::stream_store::{Phase, StreamStore};
+use crate::engine::{EngineError, Stored};
+
+#[derive(Clone)]
+pub enum RouteStore {
+    /// A compacted state topic, restored per partition.
+    Kafka(Arc<KafkaStore>),
+    /// State streams, owned by one instance at a time.
+    Stream(Arc<StreamStore>),
+}
+
+/// The state write owed once a message has left (delivered or parked).
+pub enum PendingDone {
+    Kafka(Arc<KafkaStore>, u64, TopicPartition, Vec<u8>),
+    Stream(Arc<StreamStore>, u64),
+}
+
+impl PendingDone {
+    pub async fn write(self) {
+        match self {
+            PendingDone::Kafka(store, id, tp, key) => store.done(id, tp, key).await,
+            PendingDone::Stream(store, id) => store.done(id),
+        }
+    }
+}
+
+impl RouteStore {
+    /// Store a consumed delivery here and in the broker.
+    pub fn store(
+        &self,
+        message: &Message,
+        due_ms: u64,
+        encoded: Vec<u8>,
+        redelivered: bool,
+    ) -> BoxFuture<'static, Result<Stored, EngineError>> {
+        match self {
+            RouteStore::Kafka(s) => s.store(message, due_ms, encoded, redelivered),
+            RouteStore::Stream(s) => s.store(due_ms, encoded, redelivered),
+        }
+    }
+
+    /// What to write once fired message `id` (decoded: `message`) has left.
+    pub fn pending_done(&self, id: u64, message: &Message) -> Option<PendingDone> {
+        match self {
+            RouteStore::Kafka(s) => {
+                KafkaStore::key_of(message).map(|(tp, key)| PendingDone::Kafka(s.clone(), id, tp, key))
+            }
+            RouteStore::Stream(s) => Some(PendingDone::Stream(s.clone(), id)),
+        }
+    }
+
+    /// A pending message was cancelled (its local Done is durable).
+    pub fn cancelled(&self, id: u64, stored: &[u8]) {
+        match self {
+            RouteStore::Kafka(s) => s.cancelled(id, stored),
+            RouteStore::Stream(s) => s.done(id),
+        }
+    }
+
+    pub fn restoring(&self) -> bool {
+        match self {
+            RouteStore::Kafka(s) => s.restoring(),
+            RouteStore::Stream(s) => s.restoring(),
+        }
+    }
+
+    /// Another instance owns the route (RabbitMQ); this one waits.
+    pub fn standby(&self) -> bool {
+        matches!(self, RouteStore::Stream(s) if s.phase() == Phase::Standby)
+    }
+
+    /// For `/readyz`.
+    pub fn describe(&self) -> serde_json::Value {
+        match self {
+            RouteStore::Kafka(s) => {
+                serde_json::json!({ "state_topic": s.topic(), "restoring": s.restoring() })
+            }
+            RouteStore::Stream(s) => serde_json::json!({
+                "state_stream": s.stream(),
+                "restoring": s.restoring(),
+                "owner": s.phase() != Phase::Standby,
+            }),
+        }
+    }
+
+    /// At shutdown, once in-flight publishes are done.
+    pub async fn flush(&self, timeout: Duration) {
+        match self {
+            RouteStore::Kafka(s) => s.flush(timeout),
+            RouteStore::Stream(s) => s.flush(timeout).await,
+        }
+    }
+}

@@ -1,0 +1,654 @@
+//! The broker-kept store (`[store] kind = "broker"`), RabbitMQ routes: the
+//! durable record of a pending message is a record in the route's state
+//! streams (see `delayd_adapters::amqp::state` for the streams, the lock
+//! and their recovery rules, and docs/broker-store.md).
+//!
+//! One instance owns a route at a time: the one holding its lock. The
+//! others wait (`standby` in `/readyz`). The owner:
+//! * on taking the lock, reads the live set back from the streams, writes
+//!   it into a fresh generation, arms it here, and only then consumes;
+//! * on intake, queues the Schedule record after the redelivery check and
+//!   before the message can be armed, and acks the delivery only once the
+//!   WAL record and the Schedule are both durable;
+//! * once a message is delivered, parked or cancelled, appends its Done;
+//! * checkpoints when a generation holds more than twice the live set plus
+//!   [`CHECKPOINT_FLOOR`] records;
+//! * on losing the lock (its connection closed, a state write failed),
+//!   stops consuming and releases every message it holds here: the next
+//!   owner fires them.
+//!
+//! Engine ids are local; the store's ids ([`u128`]) are what the streams
+//! know. A message can fire before its engine id is known here (a zero
+//! delay): its Done is then remembered and written once the id is.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use delayd_adapters::amqp::state::{
+    fresh_nonce, LiveRecord, Record, StateConnection, StateError, StateNames, StateSession,
+};
+use delayd_adapters::amqp::Broker;
+use delayd_adapters::BoxFuture;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::{Engine, EngineError, Stored, Storing};
+
+/// A generation is checkpointed once it holds more than twice the live set
+/// plus this many records.
+pub const CHECKPOINT_FLOOR: u64 = 20_000;
+
+/// Records appended per publish batch.
+const WRITE_BATCH: usize = 1000;
+
+/// How often a standby tries to take the lock.
+const LOCK_RETRY: Duration = Duration::from_secs(1);
+
+/// Restored records stored in the WAL per batch.
+const RESTORE_BATCH: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Phase {
+    /// Another instance owns the route (or none can be reached yet).
+    Standby = 0,
+    /// This instance took the lock and reads the state back.
+    Restoring = 1,
+    /// This instance owns the route and consumes it.
+    Active = 2,
+}
+
+enum Write {
+    Schedule {
+        record: Vec<u8>,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    Done {
+        record: Vec<u8>,
+    },
+}
+
+#[derive(Default)]
+struct Ids {
+    /// Engine id → store id, for the messages this owner holds.
+    by_engine: HashMap<u64, u128>,
+    /// Engine ids that fired before their store id was recorded.
+    early_done: HashSet<u64>,
+    /// Messages kept locally from before the route used this store: they
+    /// fire from here and have no state record.
+    local_only: HashSet<u64>,
+}
+
+/// One RabbitMQ route's broker-kept store.
+pub struct StreamStore {
+    route: String,
+    engine: Engine,
+    /// A broker handle of its own: each lock attempt opens a connection.
+    broker: Broker,
+    names: StateNames,
+    ids: Mutex<Ids>,
+    /// The current owner session's writer (None unless active).
+    writer: Mutex<Option<mpsc::UnboundedSender<Write>>>,
+    writer_task: tokio::sync::Mutex<Option<(JoinHandle<()>, Arc<StateSession>)>>,
+    phase: AtomicU8,
+    id_high: u64,
+    next_id: AtomicU64,
+}
+
+impl StreamStore {
+    pub fn new(url: &str, pointer: &str, route: &str, engine: Engine) -> anyhow::Result<Arc<Self>> {
+        let broker = Broker::new(
+            url,
+            delayd_adapters::amqp::BrokerOptions::named(format!("delayd-state-{route}")),
+        )?;
+        Ok(Arc::new(Self {
+            route: route.to_owned(),
+            engine,
+            broker,
+            names: StateNames::new(pointer),
+            ids: Mutex::new(Ids::default()),
+            writer: Mutex::new(None),
+            writer_task: tokio::sync::Mutex::new(None),
+            phase: AtomicU8::new(Phase::Standby as u8),
+            id_high: (fresh_nonce() >> 64) as u64,
+            next_id: AtomicU64::new(0),
+        }))
+    }
+
+    /// The pointer stream's name.
+    pub fn stream(&self) -> &str {
+        &self.names.pointer
+    }
+
+    pub fn phase(&self) -> Phase {
+        match self.phase.load(Ordering::Acquire) {
+            0 => Phase::Standby,
+            1 => Phase::Restoring,
+            _ => Phase::Active,
+        }
+    }
+
+    fn set_phase(&self, phase: Phase) {
+        self.phase.store(phase as u8, Ordering::Release);
+    }
+
+    fn ids(&self) -> MutexGuard<'_, Ids> {
+        self.ids.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn next_store_id(&self) -> u128 {
+        (u128::from(self.id_high) << 64) | u128::from(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn send(&self, write: Write) -> bool {
+        match &*self.writer.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(tx) => tx.send(write).is_ok(),
+            None => false,
+        }
+    }
+
+    /// At start, before anything fires: what the local WAL holds for this
+    /// route. If it mirrored the streams (`mirrored`), they hold every one
+    /// and the copies are released; if not (the route kept its state
+    /// locally until now), they stay here and fire from here. Returns how
+    /// many were (released, kept).
+    pub async fn adopt_cached(&self, mirrored: bool) -> anyhow::Result<(u64, u64)> {
+        let ids: Vec<u64> = self
+            .engine
+            .waiting()
+            .iter()
+            .filter(|i| *i.route == *self.route)
+            .map(|i| i.id)
+            .collect();
+        if !mirrored {
+            let kept = ids.len() as u64;
+            self.ids().local_only.extend(ids);
+            return Ok((0, kept));
+        }
+        let mut released = 0;
+        for id in ids {
+            if self.engine.release(id).await? {
+                released += 1;
+            }
+        }
+        Ok((released, 0))
+    }
+
+    /// Store a consumed delivery: its WAL record and its Schedule, both
+    /// durable when the future resolves (and the message armed).
+    pub fn store(
+        self: &Arc<Self>,
+        due_ms: u64,
+        encoded: Vec<u8>,
+        redelivered: bool,
+    ) -> BoxFuture<'static, Result<Stored, EngineError>> {
+        let record_of = |id| {
+            Record::Schedule {
+                id,
+                due_ms,
+                message: encoded.clone(),
+            }
+            .encode()
+        };
+        let store_id = self.next_store_id();
+        let record = record_of(store_id);
+        let wal = match self
+            .engine
+            .begin_store(&self.route, due_ms, encoded, redelivered)
+        {
+            Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
+            Storing::New(wal) => wal,
+        };
+        // Queued before the message can be armed (see the module doc).
+        let (reply, written) = oneshot::channel();
+        let queued = self.send(Write::Schedule { record, reply });
+        let this = self.clone();
+        Box::pin(async move {
+            let id = wal.await?;
+            this.bind(id, store_id);
+            let written = if queued {
+                written
+                    .await
+                    .unwrap_or_else(|_| Err("the state writer stopped".into()))
+            } else {
+                Err("this instance does not own the route".into())
+            };
+            if let Err(e) = written {
+                // Not acked: the broker gives the delivery to the owner.
+                tracing::warn!(route = %this.route, error = %e, "the state record was not written; the delivery goes back");
+                let _ = this.engine.release(id).await;
+                return Err(EngineError::Interrupted("the state record was not written"));
+            }
+            metrics::counter!("delayd_store_writes_total", "route" => this.route.clone(), "kind" => "schedule").increment(1);
+            Ok(Stored::New(id))
+        })
+    }
+
+    /// Record that engine id `id` is store id `store_id` (writing its Done
+    /// now if it already fired).
+    fn bind(&self, id: u64, store_id: u128) {
+        let fired = {
+            let mut ids = self.ids();
+            if ids.early_done.remove(&id) {
+                true
+            } else {
+                ids.by_engine.insert(id, store_id);
+                false
+            }
+        };
+        if fired {
+            self.write_done(store_id);
+        }
+    }
+
+    /// Message `id` was delivered, parked or cancelled here.
+    pub fn done(&self, id: u64) {
+        let store_id = {
+            let mut ids = self.ids();
+            if ids.local_only.remove(&id) {
+                return;
+            }
+            match ids.by_engine.remove(&id) {
+                Some(s) => s,
+                None => {
+                    ids.early_done.insert(id);
+                    return;
+                }
+            }
+        };
+        self.write_done(store_id);
+    }
+
+    fn write_done(&self, store_id: u128) {
+        let record = Record::Done { id: store_id }.encode();
+        if !self.send(Write::Done { record }) {
+            tracing::warn!(route = %self.route, "no state writer for a Done: the message fires again after a restore");
+        }
+    }
+
+    pub fn restoring(&self) -> bool {
+        self.phase() == Phase::Restoring
+    }
+
+    /// Own the route whenever this instance can, until `shutdown`:
+    /// restore, then run the intake `start_intake` spawns until the lock is
+    /// lost or shutdown. On shutdown the session stays open for the Dones
+    /// of in-flight publishes; [`StreamStore::flush`] ends it.
+    pub async fn run(
+        self: Arc<Self>,
+        start_intake: impl Fn(CancellationToken) -> anyhow::Result<JoinHandle<()>>,
+        shutdown: CancellationToken,
+    ) {
+        let mut told_standby = false;
+        // A standby keeps one connection and tries the lock on it.
+        let mut standby: Option<StateConnection> = None;
+        loop {
+            self.set_phase(Phase::Standby);
+            let connection = match standby.take().filter(|c| c.status().connected()) {
+                Some(c) => Ok(c),
+                None => self.broker.open_dedicated().await,
+            };
+            let attempt = match connection {
+                Ok(c) => tokio::select! {
+                    s = StateSession::acquire(c, &self.names) => s,
+                    _ = shutdown.cancelled() => return,
+                },
+                Err(e) => Err(e.into()),
+            };
+            let session = match attempt {
+                Ok(Ok(s)) => Arc::new(s),
+                Ok(Err(connection)) => {
+                    standby = Some(connection);
+                    if !told_standby {
+                        tracing::info!(route = %self.route, lock = %self.names.lock(), "standby: another instance owns the route");
+                        told_standby = true;
+                    }
+                    if sleep_or_stop(LOCK_RETRY, &shutdown).await {
+                        return;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(route = %self.route, error = %e, "cannot take the route's lock; trying again");
+                    if sleep_or_stop(LOCK_RETRY, &shutdown).await {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            told_standby = false;
+            self.set_phase(Phase::Restoring);
+            tracing::info!(route = %self.route, "this instance owns the route now; restoring its pending messages");
+            let started = std::time::Instant::now();
+            let (writer, failed) = match self.restore(&session).await {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::error!(route = %self.route, error = %e, "cannot restore the route; giving the lock up and trying again");
+                    self.lose(session).await;
+                    if sleep_or_stop(LOCK_RETRY, &shutdown).await {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            tracing::info!(route = %self.route, pending = self.ids().by_engine.len(), elapsed_ms = started.elapsed().as_millis() as u64, "route restored from its state streams; consuming");
+            *self.writer_task.lock().await = Some((writer, session.clone()));
+            self.set_phase(Phase::Active);
+            let intake_stop = CancellationToken::new();
+            let intake = match start_intake(intake_stop.clone()) {
+                Ok(task) => task,
+                Err(e) => {
+                    tracing::error!(route = %self.route, error = %e, "cannot start consuming");
+                    self.end_session().await;
+                    if sleep_or_stop(LOCK_RETRY, &shutdown).await {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let stopping = tokio::select! {
+                _ = shutdown.cancelled() => true,
+                _ = session.lost() => false,
+                _ = failed.cancelled() => false,
+            };
+            intake_stop.cancel();
+            let _ = intake.await;
+            if stopping {
+                return; // the runtime calls `flush` once publishes are done
+            }
+            tracing::error!(route = %self.route, "lost the route's lock (its connection closed or a state write failed); releasing its messages to the next owner");
+            self.end_session().await;
+        }
+    }
+
+    /// Read the live set back, write it into a fresh generation, start the
+    /// writer on it and arm the live set here.
+    async fn restore(
+        self: &Arc<Self>,
+        session: &Arc<StateSession>,
+    ) -> Result<(JoinHandle<()>, CancellationToken), anyhow::Error> {
+        let (generation, live) = recover(session).await?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+        let failed = CancellationToken::new();
+        let writer = tokio::spawn(write_loop(
+            self.clone(),
+            session.clone(),
+            generation,
+            live.len() as u64,
+            rx,
+            failed.clone(),
+        ));
+        let gauge =
+            metrics::gauge!("delayd_store_restoring_partitions", "route" => self.route.clone());
+        gauge.set(1.0);
+        let result = self.arm(live).await;
+        gauge.set(0.0);
+        if let Err(e) = result {
+            *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            let _ = writer.await;
+            return Err(e.into());
+        }
+        Ok((writer, failed))
+    }
+
+    /// Store and arm restored messages (not redeliveries: stored whatever
+    /// the local WAL had, which was released).
+    async fn arm(&self, live: Vec<LiveRecord>) -> Result<(), EngineError> {
+        for chunk in live.chunks(RESTORE_BATCH) {
+            let stored: Vec<_> = chunk
+                .iter()
+                .map(|r| {
+                    let s = self
+                        .engine
+                        .store(&self.route, r.due_ms, r.message.clone(), false);
+                    (r.id, s)
+                })
+                .collect();
+            let mut n = 0;
+            for (store_id, s) in stored {
+                match s.await {
+                    Ok(Stored::New(id)) => {
+                        self.bind(id, store_id);
+                        n += 1;
+                    }
+                    Ok(Stored::Duplicate) => {}
+                    Err(EngineError::Wal(crate::wal::WalError::TooLarge { .. })) => {
+                        tracing::error!(route = %self.route, "a restored message is larger than wal.max_message_bytes; it stays in the state stream");
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            metrics::counter!("delayd_store_restored_total", "route" => self.route.clone())
+                .increment(n);
+        }
+        Ok(())
+    }
+
+    /// Stop writing, release what this owner held, give the lock up.
+    async fn end_session(&self) {
+        *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let task = self.writer_task.lock().await.take();
+        if let Some((writer, session)) = task {
+            let _ = writer.await;
+            self.lose(session).await;
+        }
+    }
+
+    /// Release every message held for the streams and close the session.
+    async fn lose(&self, session: Arc<StateSession>) {
+        let ids: Vec<u64> = {
+            let mut ids = self.ids();
+            ids.early_done.clear();
+            ids.by_engine.drain().map(|(id, _)| id).collect()
+        };
+        let mut released = 0u64;
+        for id in ids {
+            match self.engine.release(id).await {
+                Ok(true) => released += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(route = %self.route, id, error = %e, "cannot release a message; it may fire here too")
+                }
+            }
+        }
+        if released > 0 {
+            tracing::info!(route = %self.route, released, "messages left to the route's next owner");
+        }
+        session.close().await;
+    }
+
+    /// At shutdown, once in-flight publishes are done: write what is
+    /// queued (within `timeout`) and give the lock up.
+    pub async fn flush(&self, timeout: Duration) {
+        *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let task = self.writer_task.lock().await.take();
+        if let Some((writer, session)) = task {
+            if tokio::time::timeout(timeout, writer).await.is_err() {
+                tracing::warn!(route = %self.route, "state writes still queued at shutdown; those messages fire again after a restore");
+            }
+            session.close().await;
+        }
+    }
+}
+
+async fn sleep_or_stop(wait: Duration, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(wait) => false,
+        _ = stop.cancelled() => true,
+    }
+}
+
+/// Read the live set from the generation the pointer names (and the next
+/// one, left by a checkpoint that did not finish), and write it into a
+/// fresh generation. Returns that generation and the live set.
+async fn recover(session: &StateSession) -> Result<(u64, Vec<LiveRecord>), StateError> {
+    let names = session.names().clone();
+    let current = session.current_generation().await?;
+    let mut live = HashMap::new();
+    let mut order = Vec::new();
+    let mut read = 0;
+    if let Some(g) = current {
+        for n in [g, g + 1] {
+            let stream = names.generation(n);
+            if session.exists(&stream).await? {
+                read += session.read_live(&stream, &mut live, &mut order).await?;
+            }
+        }
+    }
+    let live: Vec<LiveRecord> = order.iter().filter_map(|id| live.remove(id)).collect();
+    let fresh = current.map_or(0, |g| g + 2);
+    write_generation(session, fresh, &live).await?;
+    if let Some(g) = current {
+        for n in [g, g + 1] {
+            session.delete(&names.generation(n)).await?;
+        }
+    }
+    tracing::debug!(generation = fresh, read, live = live.len(), "state streams recovered");
+    Ok((fresh, live))
+}
+
+/// Write `live` into generation `n` (emptied first), then point at it.
+async fn write_generation(
+    session: &StateSession,
+    n: u64,
+    live: &[LiveRecord],
+) -> Result<(), StateError> {
+    let names = session.names().clone();
+    let stream = names.generation(n);
+    session.delete(&stream).await?;
+    session.declare_stream(&stream).await?;
+    let mut confirms = Vec::new();
+    for chunk in live.chunks(WRITE_BATCH) {
+        let records: Vec<Vec<u8>> = chunk
+            .iter()
+            .map(|r| {
+                Record::Schedule {
+                    id: r.id,
+                    due_ms: r.due_ms,
+                    message: r.message.clone(),
+                }
+                .encode()
+            })
+            .collect();
+        confirms.push(session.append(&stream, &records).await);
+    }
+    for confirm in confirms {
+        confirm.await?;
+    }
+    session
+        .append(
+            &names.pointer,
+            &[Record::Generation { generation: n }.encode()],
+        )
+        .await
+        .await
+}
+
+/// The owner's single writer: appends Schedules and Dones in the order
+/// they were queued, checkpoints when due. Any failure ends the session
+/// (`failed`): the next owner, perhaps this instance again, restores.
+async fn write_loop(
+    store: Arc<StreamStore>,
+    session: Arc<StateSession>,
+    mut generation: u64,
+    mut in_generation: u64,
+    mut rx: mpsc::UnboundedReceiver<Write>,
+    failed: CancellationToken,
+) {
+    let mut confirming: Vec<JoinHandle<()>> = Vec::new();
+    let route = store.route.clone();
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < WRITE_BATCH {
+            match rx.try_recv() {
+                Ok(w) => batch.push(w),
+                Err(_) => break,
+            }
+        }
+        let mut records = Vec::with_capacity(batch.len());
+        let mut replies = Vec::new();
+        let (mut schedules, mut dones) = (0u64, 0u64);
+        for write in batch {
+            match write {
+                Write::Schedule { record, reply } => {
+                    records.push(record);
+                    replies.push(reply);
+                    schedules += 1;
+                }
+                Write::Done { record } => {
+                    records.push(record);
+                    dones += 1;
+                }
+            }
+        }
+        let stream = session.names().generation(generation);
+        let confirm = session.append(&stream, &records).await;
+        in_generation += records.len() as u64;
+        let failed_now = failed.clone();
+        let route_now = route.clone();
+        confirming.retain(|t| !t.is_finished());
+        confirming.push(tokio::spawn(async move {
+            let result = confirm.await.map_err(|e| e.to_string());
+            match &result {
+                Ok(()) => {
+                    metrics::counter!("delayd_store_writes_total", "route" => route_now.clone(), "kind" => "done").increment(dones);
+                }
+                Err(e) => {
+                    metrics::counter!("delayd_store_write_failures_total", "route" => route_now.clone()).increment(schedules + dones);
+                    tracing::error!(route = %route_now, error = %e, "a state write failed; ending this owner's session");
+                    failed_now.cancel();
+                }
+            }
+            for reply in replies {
+                let _ = reply.send(result.clone());
+            }
+        }));
+        if failed.is_cancelled() {
+            break;
+        }
+        let live = store.ids().by_engine.len() as u64;
+        if in_generation > 2 * live + CHECKPOINT_FLOOR {
+            // Everything appended so far must be in before it is read back.
+            for task in confirming.drain(..) {
+                let _ = task.await;
+            }
+            if failed.is_cancelled() {
+                break;
+            }
+            match checkpoint(&session, generation).await {
+                Ok(kept) => {
+                    tracing::info!(route = %route, generation = generation + 1, live = kept, "state checkpoint written; the older generation is deleted");
+                    generation += 1;
+                    in_generation = kept;
+                }
+                Err(e) => {
+                    tracing::error!(route = %route, error = %e, "state checkpoint failed; ending this owner's session");
+                    failed.cancel();
+                    break;
+                }
+            }
+        }
+    }
+    for task in confirming {
+        let _ = task.await;
+    }
+}
+
+/// Copy generation `g`'s live Schedules into `g + 1`, point at it, delete
+/// `g`. Returns how many were live.
+async fn checkpoint(session: &StateSession, g: u64) -> Result<u64, StateError> {
+    let names = session.names().clone();
+    let mut live = HashMap::new();
+    let mut order = Vec::new();
+    session
+        .read_live(&names.generation(g), &mut live, &mut order)
+        .await?;
+    let live: Vec<LiveRecord> = order.iter().filter_map(|id| live.remove(id)).collect();
+    write_generation(session, g + 1, &live).await?;
+    session.delete(&names.generation(g)).await?;
+    Ok(live.len() as u64)
+}
