@@ -123,8 +123,9 @@ pub enum StoreKind {
     /// The WAL on this instance's disk (the default).
     #[default]
     Local,
-    /// The source broker: a compacted state topic per Kafka route (see
-    /// docs/broker-store.md); the local WAL is then a working copy.
+    /// The source broker: a compacted state topic per Kafka route, state
+    /// streams per RabbitMQ route (see docs/broker-store.md); the local WAL
+    /// is then a working copy.
     Broker,
 }
 
@@ -133,8 +134,13 @@ pub enum StoreKind {
 pub struct StoreSection {
     /// `local` or `broker`.
     pub kind: StoreKind,
-    /// Kafka state topics are named this followed by the route name.
+    /// Kafka state topics and RabbitMQ state streams are named this
+    /// followed by the route name.
     pub topic_prefix: String,
+    /// RabbitMQ state streams: a generation is checkpointed (its live
+    /// records copied into a new one, the old one deleted) once it holds
+    /// more than twice the live set plus this many records.
+    pub checkpoint_records: u64,
 }
 
 impl Default for StoreSection {
@@ -142,6 +148,7 @@ impl Default for StoreSection {
         Self {
             kind: StoreKind::Local,
             topic_prefix: "delayd.state.".into(),
+            checkpoint_records: 20_000,
         }
     }
 }

@@ -31,11 +31,11 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{self, AdminState};
 use crate::config::{Config, ExchangeKind, StoreKind};
 use crate::engine::Pressure;
-use route_store::RouteStore;
 use crate::engine::{Dispatch, Engine, EngineConfig, SystemClock};
 use crate::route::Route;
 use crate::status::{BrokerStatus, RouteIntake, RuntimeStatus};
 use crate::wal::WalConfig;
+use route_store::RouteStore;
 
 pub fn engine_config(config: &Config) -> EngineConfig {
     let mut wal = WalConfig::new(&config.wal.dir);
@@ -272,12 +272,23 @@ async fn open_stores(
     for route in &config.routes {
         let topic = config.store.topic(&route.name);
         let was_mirrored = mirrored.contains(&route.name);
-        let opened = match (brokers.get(&route.from.broker), config.broker(&route.from.broker)) {
+        let opened = match (
+            brokers.get(&route.from.broker),
+            config.broker(&route.from.broker),
+        ) {
             (Some(BrokerHandle::Kafka { client }), _) => {
                 open_kafka_store(client, &topic, route, engine, stop, was_mirrored).await
             }
             (_, Some(crate::config::BrokerConfig::Amqp { url })) => {
-                open_stream_store(url, &topic, route, engine, was_mirrored).await
+                open_stream_store(
+                    url,
+                    &topic,
+                    route,
+                    engine,
+                    was_mirrored,
+                    config.store.checkpoint_records,
+                )
+                .await
             }
             _ => continue,
         };
@@ -327,8 +338,15 @@ async fn open_stream_store(
     route: &crate::config::RouteConfig,
     engine: &Engine,
     mirrored: bool,
+    checkpoint_records: u64,
 ) -> anyhow::Result<RouteStore> {
-    let store = stream_store::StreamStore::new(url, stream, &route.name, engine.clone())?;
+    let store = stream_store::StreamStore::new(
+        url,
+        stream,
+        &route.name,
+        engine.clone(),
+        checkpoint_records,
+    )?;
     let (released, kept) = store.adopt_cached(mirrored).await?;
     if released > 0 {
         tracing::info!(route = %route.name, released, "local copies released; the route's owner restores them from its state streams");
@@ -509,8 +527,7 @@ impl RuntimeStatus for Status {
                 .iter()
                 .filter(|(_, b)| **b == broker.name)
                 .map(|(route, _)| route);
-            let all_standby = readers
-                .all(|r| self.stores.get(r).is_some_and(RouteStore::standby));
+            let all_standby = readers.all(|r| self.stores.get(r).is_some_and(RouteStore::standby));
             if all_standby && self.route_brokers.values().any(|b| *b == broker.name) {
                 broker.consume = "standby";
                 broker.ready = true;
@@ -553,9 +570,7 @@ impl RuntimeStatus for Status {
         let routes: BTreeMap<&str, serde_json::Value> = self
             .stores
             .iter()
-            .map(|(name, s)| {
-                (name.as_str(), s.describe())
-            })
+            .map(|(name, s)| (name.as_str(), s.describe()))
             .collect();
         serde_json::json!({ "kind": "broker", "routes": routes })
     }

@@ -52,9 +52,8 @@ impl RouteStore {
     /// What to write once fired message `id` (decoded: `message`) has left.
     pub fn pending_done(&self, id: u64, message: &Message) -> Option<PendingDone> {
         match self {
-            RouteStore::Kafka(s) => {
-                KafkaStore::key_of(message).map(|(tp, key)| PendingDone::Kafka(s.clone(), id, tp, key))
-            }
+            RouteStore::Kafka(s) => KafkaStore::key_of(message)
+                .map(|(tp, key)| PendingDone::Kafka(s.clone(), id, tp, key)),
             RouteStore::Stream(s) => Some(PendingDone::Stream(s.clone(), id)),
         }
     }

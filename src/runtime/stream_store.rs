@@ -12,7 +12,7 @@
 //!   WAL record and the Schedule are both durable;
 //! * once a message is delivered, parked or cancelled, appends its Done;
 //! * checkpoints when a generation holds more than twice the live set plus
-//!   [`CHECKPOINT_FLOOR`] records;
+//!   `store.checkpoint_records` records;
 //! * on losing the lock (its connection closed, a state write failed),
 //!   stops consuming and releases every message it holds here: the next
 //!   owner fires them.
@@ -36,10 +36,6 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::{Engine, EngineError, Stored, Storing};
-
-/// A generation is checkpointed once it holds more than twice the live set
-/// plus this many records.
-pub const CHECKPOINT_FLOOR: u64 = 20_000;
 
 /// Records appended per publish batch.
 const WRITE_BATCH: usize = 1000;
@@ -96,10 +92,18 @@ pub struct StreamStore {
     phase: AtomicU8,
     id_high: u64,
     next_id: AtomicU64,
+    /// `store.checkpoint_records`.
+    checkpoint_floor: u64,
 }
 
 impl StreamStore {
-    pub fn new(url: &str, pointer: &str, route: &str, engine: Engine) -> anyhow::Result<Arc<Self>> {
+    pub fn new(
+        url: &str,
+        pointer: &str,
+        route: &str,
+        engine: Engine,
+        checkpoint_floor: u64,
+    ) -> anyhow::Result<Arc<Self>> {
         let broker = Broker::new(
             url,
             delayd_adapters::amqp::BrokerOptions::named(format!("delayd-state-{route}")),
@@ -115,6 +119,7 @@ impl StreamStore {
             phase: AtomicU8::new(Phase::Standby as u8),
             id_high: (fresh_nonce() >> 64) as u64,
             next_id: AtomicU64::new(0),
+            checkpoint_floor,
         }))
     }
 
@@ -507,7 +512,12 @@ async fn recover(session: &StateSession) -> Result<(u64, Vec<LiveRecord>), State
             session.delete(&names.generation(n)).await?;
         }
     }
-    tracing::debug!(generation = fresh, read, live = live.len(), "state streams recovered");
+    tracing::debug!(
+        generation = fresh,
+        read,
+        live = live.len(),
+        "state streams recovered"
+    );
     Ok((fresh, live))
 }
 
@@ -611,7 +621,7 @@ async fn write_loop(
             break;
         }
         let live = store.ids().by_engine.len() as u64;
-        if in_generation > 2 * live + CHECKPOINT_FLOOR {
+        if in_generation > 2 * live + store.checkpoint_floor {
             // Everything appended so far must be in before it is read back.
             for task in confirming.drain(..) {
                 let _ = task.await;

@@ -15,3 +15,4 @@ mod kafka_sidecar;
 mod operations;
 mod rabbitmq_sidecar;
 mod rabbitmq_ttl_retry;
+mod stream_store;

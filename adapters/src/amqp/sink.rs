@@ -590,7 +590,9 @@ impl Failure {
 /// Runs `futures` concurrently and returns their outputs in order. Each poll
 /// visits the unfinished ones in order, so their first polls (where lapin
 /// queues the frames) happen in order too.
-pub(crate) async fn join_in_order<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+pub(crate) async fn join_in_order<F: Future>(
+    futures: impl IntoIterator<Item = F>,
+) -> Vec<F::Output> {
     let mut pending: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
     let mut outputs: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
     let mut left = pending.len();

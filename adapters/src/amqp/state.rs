@@ -273,7 +273,10 @@ impl StateSession {
             }
             Err(e) => {
                 let _ = connection.close(200, "lock failed".into()).await;
-                return Err(protocol(format!("declaring the lock queue {}", names.lock()))(e));
+                return Err(protocol(format!(
+                    "declaring the lock queue {}",
+                    names.lock()
+                ))(e));
             }
         }
         let writer = connection
@@ -310,7 +313,9 @@ impl StateSession {
     /// Give the lock up.
     pub async fn close(&self) {
         if self.connection.status().connected() {
-            let close = self.connection.close(200, "delayd releases the route".into());
+            let close = self
+                .connection
+                .close(200, "delayd releases the route".into());
             if tokio::time::timeout(Duration::from_secs(2), close)
                 .await
                 .is_err()

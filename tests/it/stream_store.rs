@@ -1,0 +1,290 @@
+//! The broker-kept store (`store.kind = "broker"`) on RabbitMQ routes: one
+//! instance owns the route (its lock queue), the others stand by, and the
+//! pending messages live in the route's state streams. An owner killed with
+//! its disk, or every instance restarted from empty disks, loses nothing;
+//! nothing arrives early; duplicates are counted.
+
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::{config_toml, now_ms, wait_for, Client, Delayd, DelaydOptions, Names, DEADLINE};
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::BasicProperties;
+
+/// A RabbitMQ route whose state is kept in the broker, and its instances'
+/// config.
+struct StreamRoute {
+    names: Names,
+    prefix: String,
+    opts: DelaydOptions,
+    client: Client,
+    store_extra: String,
+}
+
+impl StreamRoute {
+    async fn new(test: &str) -> StreamRoute {
+        let names = Names::new(test);
+        let client = Client::connect(&format!("delayd-it-{test}")).await;
+        client
+            .declare_target(&names.to_exchange, &names.target_queue)
+            .await;
+        StreamRoute {
+            prefix: format!("delayd-it.state.{}.", common::unique_suffix()),
+            names,
+            opts: DelaydOptions {
+                prefetch: 200,
+                ..DelaydOptions::default()
+            },
+            client,
+            store_extra: String::new(),
+        }
+    }
+
+    fn pointer(&self) -> String {
+        format!("{}{}", self.prefix, self.names.route)
+    }
+
+    fn config(&self, wal: &std::path::Path, http: std::net::SocketAddr) -> String {
+        format!(
+            "{}\n[store]\nkind = \"broker\"\ntopic_prefix = {}\n{}",
+            config_toml(&self.names, wal, http, &self.opts),
+            common::toml_string(&self.prefix),
+            self.store_extra
+        )
+    }
+
+    /// An instance; the first one started owns the route.
+    async fn start(&self) -> Delayd {
+        Delayd::start_with(|wal, http| self.config(wal, http)).await
+    }
+
+    /// Waits until `d` owns the route and consumes it.
+    async fn wait_owner(&self, d: &Delayd) {
+        wait_for("the instance to own the route", DEADLINE, || async {
+            (d.readyz()["routes"][&self.names.route] == "consuming").then_some(())
+        })
+        .await;
+    }
+
+    /// Publishes `count` messages with delays spread over `delays_ms`;
+    /// returns (send time, delay, index) by message id.
+    async fn send(
+        &self,
+        tag: &str,
+        count: usize,
+        delays_ms: std::ops::Range<u64>,
+    ) -> BTreeMap<String, (u64, u64, usize)> {
+        let span = delays_ms.end - delays_ms.start;
+        let mut sent = BTreeMap::new();
+        for i in 0..count {
+            let delay = delays_ms.start + (i as u64 * 7919) % span;
+            let mut headers = FieldTable::default();
+            headers.insert(
+                ShortString::from("x-delay"),
+                AMQPValue::LongLongInt(delay as i64),
+            );
+            headers.insert(ShortString::from("n"), AMQPValue::LongInt(i as i32));
+            let id = format!("{tag}-{i}");
+            let props = BasicProperties::default()
+                .with_message_id(id.as_str().into())
+                .with_headers(headers);
+            sent.insert(id.clone(), (now_ms(), delay, i));
+            self.client
+                .publish(
+                    &self.names.from_exchange,
+                    "k",
+                    format!("body {id}").as_bytes(),
+                    props,
+                )
+                .await;
+        }
+        sent
+    }
+
+    /// Reads the target queue until every sent message arrived: none early,
+    /// bodies byte-equal. Returns the number of duplicates.
+    async fn receive_all(
+        &self,
+        sent: &BTreeMap<String, (u64, u64, usize)>,
+        within: Duration,
+    ) -> usize {
+        let mut receiver = self.client.consume(&self.names.target_queue).await;
+        let deadline = Instant::now() + within;
+        let mut arrived = BTreeMap::new();
+        let mut duplicates = 0;
+        let mut late = Vec::new();
+        while arrived.len() < sent.len() {
+            let received = receiver
+                .next(deadline)
+                .await
+                .unwrap_or_else(|| panic!("only {} of {} arrived", arrived.len(), sent.len()));
+            let id = received.message_id().unwrap_or_default().to_owned();
+            let &(at, delay, _) = sent
+                .get(&id)
+                .unwrap_or_else(|| panic!("unexpected message {id:?}"));
+            assert!(received.at_ms >= at + delay, "{id} arrived early");
+            assert_eq!(received.delivery.data, format!("body {id}").as_bytes());
+            if arrived.insert(id, ()).is_some() {
+                duplicates += 1;
+            } else {
+                late.push(received.at_ms as i64 - (at + delay) as i64);
+            }
+        }
+        late.sort_unstable();
+        let at = |q: f64| late[((late.len() - 1) as f64 * q) as usize];
+        eprintln!(
+            "lateness ms: p50 {} p99 {} max {}; duplicates {duplicates}",
+            at(0.5),
+            at(0.99),
+            at(1.0)
+        );
+        receiver.close().await;
+        duplicates
+    }
+
+    /// Deletes the route's state streams (best effort).
+    async fn delete_streams(&self) {
+        let mut streams = vec![self.pointer()];
+        streams.extend((0..40).map(|n| format!("{}.{n}", self.pointer())));
+        for stream in streams {
+            let Ok(channel) = self.client.connection.create_channel().await else {
+                return;
+            };
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            };
+            if channel
+                .queue_declare(stream.as_str().into(), passive, FieldTable::default())
+                .await
+                .is_ok()
+            {
+                let _ = channel
+                    .queue_delete(stream.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+                let _ = channel.close(200, "bye".into()).await;
+            }
+        }
+    }
+}
+
+/// Stream generations of the route that exist now.
+async fn generations(r: &StreamRoute) -> Vec<u32> {
+    let mut out = Vec::new();
+    for n in 0..40 {
+        if r.client
+            .queue_counts(&format!("{}.{n}", r.pointer()))
+            .await
+            .is_some()
+        {
+            out.push(n);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_killed_with_its_disk_loses_nothing() {
+    const COUNT: usize = 2000;
+    let r = StreamRoute::new("stream-kill").await;
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start().await;
+    r.wait_owner(&a).await;
+    let b = r.start().await;
+    wait_for("the second instance to stand by", DEADLINE, || async {
+        let ready = b.readyz();
+        (ready["routes"][&r.names.route] == "standby" && ready["ready"] == true).then_some(())
+    })
+    .await;
+
+    let sent = r.send("kill", COUNT, 5000..20_000).await;
+    wait_for("every message stored by the owner", DEADLINE, || async {
+        (a.pending() == COUNT as u64).then_some(())
+    })
+    .await;
+    assert_eq!(b.pending(), 0, "the standby stored messages");
+    let held = a.pending();
+    let wal = a.wal_dir();
+    a.kill_9();
+    std::fs::remove_dir_all(&wal).expect("delete the killed owner's WAL");
+
+    let duplicates = r.receive_all(&sent, Duration::from_secs(90)).await;
+    // Those that fired in the moment between reading `held` and the kill
+    // are at most a few.
+    let restored = b.metric("delayd_store_restored_total");
+    eprintln!("held {held}, restored {restored}, duplicates {duplicates}");
+    assert!(
+        restored + 20.0 >= held as f64,
+        "the standby restored {restored} of the {held} the killed owner held"
+    );
+    assert_eq!(b.readyz()["routes"][&r.names.route], "consuming");
+    r.delete_streams().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_restarted_without_its_wal_delivers_everything() {
+    const COUNT: usize = 300;
+    let r = StreamRoute::new("stream-restart").await;
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start().await;
+    r.wait_owner(&a).await;
+    let sent = r.send("restart", COUNT, 6000..10_000).await;
+    wait_for("every message stored", DEADLINE, || async {
+        (a.pending() == COUNT as u64).then_some(())
+    })
+    .await;
+    let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
+    std::fs::remove_dir_all(a.wal_dir()).expect("delete the WAL");
+    a.restart().await;
+    r.wait_owner(&a).await;
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0, "a clean stop leaves nothing to fire twice");
+    assert_eq!(a.metric("delayd_store_restored_total"), COUNT as f64);
+    r.delete_streams().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_keep_the_streams_bounded_and_lose_nothing() {
+    let mut r = StreamRoute::new("stream-checkpoint").await;
+    r.store_extra = "checkpoint_records = 200\n".into();
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start().await;
+    r.wait_owner(&a).await;
+    // Short delays fire while long ones stay pending across checkpoints.
+    let long = r.send("long", 50, 20_000..25_000).await;
+    let short = r.send("short", 600, 200..1000).await;
+    wait_for("checkpoints written", DEADLINE, || async {
+        (a.log_tail(400).matches("state checkpoint written").count() >= 2).then_some(())
+    })
+    .await;
+    let gens = generations(&r).await;
+    assert!(
+        gens.len() <= 2,
+        "older generations were not deleted: {gens:?}"
+    );
+    // The long ones survive the checkpoints, and a restart from the last
+    // one without the WAL.
+    wait_for("the short ones fired", DEADLINE, || async {
+        (a.pending() == long.len() as u64).then_some(())
+    })
+    .await;
+    let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
+    std::fs::remove_dir_all(a.wal_dir()).expect("delete the WAL");
+    a.restart().await;
+    r.wait_owner(&a).await;
+    assert_eq!(
+        a.metric("delayd_store_restored_total"),
+        long.len() as f64,
+        "the restore brought back more or fewer than the pending ones"
+    );
+    let mut all = long.clone();
+    all.extend(short);
+    let duplicates = r.receive_all(&all, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0);
+    r.delete_streams().await;
+}
