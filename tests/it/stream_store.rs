@@ -231,10 +231,17 @@ async fn an_instance_restarted_without_its_wal_delivers_everything() {
     let _cleanup = r.names.cleanup();
     let mut a = r.start().await;
     r.wait_owner(&a).await;
-    let sent = r.send("restart", COUNT, 6000..10_000).await;
-    wait_for("every message stored", DEADLINE, || async {
-        (a.pending() == COUNT as u64).then_some(())
-    })
+    // Due at once: they can fire before their store ids are bound, and
+    // their Dones must still be written, or the restore brings them back.
+    let mut sent = r.send("now", 100, 0..1).await;
+    sent.extend(r.send("restart", COUNT, 6000..10_000).await);
+    wait_for(
+        "every message stored, the due ones fired",
+        DEADLINE,
+        || async {
+            (a.pending() == COUNT as u64 && a.metric("delayd_fired_total") >= 100.0).then_some(())
+        },
+    )
     .await;
     let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
     assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
@@ -286,5 +293,47 @@ async fn checkpoints_keep_the_streams_bounded_and_lose_nothing() {
     all.extend(short);
     let duplicates = r.receive_all(&all, Duration::from_secs(60)).await;
     assert_eq!(duplicates, 0);
+    r.delete_streams().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_loses_its_connections_gives_the_route_up_and_loses_nothing() {
+    const COUNT: usize = 300;
+    let r = StreamRoute::new("stream-lost").await;
+    let _cleanup = r.names.cleanup();
+    let a = r.start().await;
+    r.wait_owner(&a).await;
+    let b = r.start().await;
+    wait_for("the second instance to stand by", DEADLINE, || async {
+        (b.readyz()["routes"][&r.names.route] == "standby").then_some(())
+    })
+    .await;
+    let sent = r.send("lost", COUNT, 4000..8000).await;
+    wait_for("every message stored by the owner", DEADLINE, || async {
+        (a.pending() == COUNT as u64).then_some(())
+    })
+    .await;
+    // The broker closes every connection of the owner: its lock goes, and
+    // with it the right to fire what it holds.
+    let closed = a.close_broker_connections();
+    assert!(closed >= 2, "closed {closed} connections");
+    wait_for(
+        "the former owner to release its messages",
+        DEADLINE,
+        || async {
+            a.log_tail(300)
+                .contains("lost the route's lock")
+                .then_some(())
+        },
+    )
+    .await;
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    eprintln!("duplicates {duplicates}");
+    // Exactly one owner afterwards, whichever took the lock.
+    let owners = [&a, &b]
+        .iter()
+        .filter(|d| d.readyz()["routes"][&r.names.route] == "consuming")
+        .count();
+    assert_eq!(owners, 1, "owners after the hand-over: {owners}");
     r.delete_streams().await;
 }
