@@ -66,6 +66,14 @@ impl RouteStore {
         }
     }
 
+    /// Whether this instance may publish the route's due messages now.
+    pub fn may_fire(&self) -> bool {
+        match self {
+            RouteStore::Kafka(_) => true,
+            RouteStore::Stream(s) => s.may_fire(),
+        }
+    }
+
     pub fn restoring(&self) -> bool {
         match self {
             RouteStore::Kafka(s) => s.restoring(),

@@ -274,6 +274,13 @@ impl StreamStore {
         }
     }
 
+    /// Whether a due message of this route may be published from here: not
+    /// once the lock is lost (the next owner fires it; a former owner that
+    /// kept firing would only add duplicates).
+    pub fn may_fire(&self) -> bool {
+        self.phase() != Phase::Standby
+    }
+
     pub fn restoring(&self) -> bool {
         self.phase() == Phase::Restoring
     }
@@ -364,6 +371,8 @@ impl StreamStore {
             if stopping {
                 return; // the runtime calls `flush` once publishes are done
             }
+            // Nothing more fires here (see `may_fire`) while it is released.
+            self.set_phase(Phase::Standby);
             tracing::error!(route = %self.route, "lost the route's lock (its connection closed or a state write failed); releasing its messages to the next owner");
             self.end_session().await;
         }
