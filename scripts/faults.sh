@@ -16,6 +16,9 @@
 #               deleted, a fresh instance started, on a Kafka route with
 #               store.kind = "broker" (pending messages come back from the
 #               state topic)
+#   store-amqp  the same on a RabbitMQ route (the pending messages come back
+#               from the route's state streams once the new instance takes
+#               the route's lock)
 #
 #   bash scripts/faults.sh            # the long run: 100 kill -9 cycles, 10 of the rest
 #   bash scripts/faults.sh --short    # a few cycles of each (part of scripts/test.sh)
@@ -42,7 +45,7 @@ else
     default_cycles=10 kill_cycles=100 rate="${RATE:-500}" dup_permille=1
 fi
 cycles="${CYCLES:-}"
-scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka handoff store}"
+scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka handoff store store-amqp}"
 http=127.0.0.1:9465
 
 bash scripts/rabbitmq.sh >/dev/null
@@ -88,7 +91,9 @@ write_config() { # scenario, wal dir
     [ "$s" = disk ] && segment=$'segment_bytes = 262144\n'
     [ "$s" = handoff ] && engine=$'[engine]\nhandoff = true\n'
     local store=""
-    [ "$s" = store ] && store=$'[store]\nkind = "broker"\ntopic_prefix = "faults.state.'"$run_tag"$'."\n'
+    case "$s" in store | store-amqp)
+        store=$'[store]\nkind = "broker"\ntopic_prefix = "faults.state.'"$run_tag"$'."\n' ;;
+    esac
     {
         cat <<EOF
 [wal]
@@ -189,6 +194,12 @@ inject_store() {
     rm -rf "$work/store-wal"
     start_delayd "$1"
 }
+inject_store-amqp() {
+    pause
+    stop_delayd 9
+    rm -rf "$work/store-amqp-wal"
+    start_delayd "$1"
+}
 inject_handoff() {
     pause
     stop_delayd TERM
@@ -214,6 +225,12 @@ run_scenario() { # scenario, cycles
             >/dev/null 2>&1
     fi
     start_delayd "$s" || return 1
+    # The load starts once the route consumes (its exchange exists): a
+    # broker-kept store's route first takes its lock and restores.
+    for _ in $(seq 1 150); do
+        curl -sf "http://$http/readyz" >/dev/null && break
+        sleep 0.2
+    done
     # About 4 s per cycle, plus load on either side, so a handful of
     # duplicates per fault (publishes whose confirm a fault cut off) stays
     # well under 0.1 % of the messages.
@@ -243,7 +260,18 @@ run_scenario() { # scenario, cycles
     done
     wait "$bench_pid" || true
     local took=$((SECONDS - start))
+    if [ ! -s "$work/$s.json" ]; then
+        log "$s: the bench reported nothing; its log:"
+        tail -n 20 "$work/$s.bench.log" >&2
+    fi
     stop_delayd TERM
+    if [ "$s" = store-amqp ]; then
+        # This run's state streams (their prefix carries the run's tag).
+        rabbitmqctl -q list_queues name --no-table-headers 2>/dev/null |
+            grep "^faults\.state\.$run_tag\." | while read -r q; do
+            rabbitmqctl -q delete_queue "$q" >/dev/null 2>&1 || true
+        done
+    fi
     if [ "$s" = disk ]; then
         umount "$work/disk"
         # The scenario proves something only if the disk really filled.

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use delayd_adapters::amqp::state::{
-    fresh_nonce, LiveRecord, Record, StateConnection, StateError, StateNames, StateSession,
+    fresh_nonce, Candidate, LiveRecord, Record, StateError, StateNames, StateSession,
 };
 use delayd_adapters::amqp::Broker;
 use delayd_adapters::BoxFuture;
@@ -294,44 +294,22 @@ impl StreamStore {
         start_intake: impl Fn(CancellationToken) -> anyhow::Result<JoinHandle<()>>,
         shutdown: CancellationToken,
     ) {
-        let mut told_standby = false;
-        // A standby keeps one connection and tries the lock on it.
-        let mut standby: Option<StateConnection> = None;
         loop {
             self.set_phase(Phase::Standby);
-            let connection = match standby.take().filter(|c| c.status().connected()) {
-                Some(c) => Ok(c),
-                None => self.broker.open_dedicated().await,
+            let elected = tokio::select! {
+                s = self.elect() => s,
+                _ = shutdown.cancelled() => return,
             };
-            let attempt = match connection {
-                Ok(c) => tokio::select! {
-                    s = StateSession::acquire(c, &self.names) => s,
-                    _ = shutdown.cancelled() => return,
-                },
-                Err(e) => Err(e.into()),
-            };
-            let session = match attempt {
-                Ok(Ok(s)) => Arc::new(s),
-                Ok(Err(connection)) => {
-                    standby = Some(connection);
-                    if !told_standby {
-                        tracing::info!(route = %self.route, lock = %self.names.lock(), "standby: another instance owns the route");
-                        told_standby = true;
-                    }
-                    if sleep_or_stop(LOCK_RETRY, &shutdown).await {
-                        return;
-                    }
-                    continue;
-                }
+            let session = match elected {
+                Ok(s) => Arc::new(s),
                 Err(e) => {
-                    tracing::warn!(route = %self.route, error = %e, "cannot take the route's lock; trying again");
+                    tracing::warn!(route = %self.route, error = %e, "cannot wait for the route's lock; trying again");
                     if sleep_or_stop(LOCK_RETRY, &shutdown).await {
                         return;
                     }
                     continue;
                 }
             };
-            told_standby = false;
             self.set_phase(Phase::Restoring);
             tracing::info!(route = %self.route, "this instance owns the route now; restoring its pending messages");
             let started = std::time::Instant::now();
@@ -376,6 +354,14 @@ impl StreamStore {
             tracing::error!(route = %self.route, "lost the route's lock (its connection closed or a state write failed); releasing its messages to the next owner");
             self.end_session().await;
         }
+    }
+
+    /// Register on the lock queue and wait until this instance is elected.
+    async fn elect(&self) -> Result<StateSession, StateError> {
+        let connection = self.broker.open_dedicated().await?;
+        let candidate = Candidate::register(connection, &self.names).await?;
+        tracing::info!(route = %self.route, lock = %self.names.lock(), "waiting to own the route (standby while another instance owns it)");
+        candidate.elected(LOCK_RETRY).await
     }
 
     /// Read the live set back, write it into a fresh generation, start the
@@ -507,10 +493,10 @@ async fn recover(session: &StateSession) -> Result<(u64, Vec<LiveRecord>), State
     let mut read = 0;
     if let Some(g) = current {
         for n in [g, g + 1] {
+            // Declared if missing (see the adapter's module doc), deleted below.
             let stream = names.generation(n);
-            if session.exists(&stream).await? {
-                read += session.read_live(&stream, &mut live, &mut order).await?;
-            }
+            session.declare_stream(&stream).await?;
+            read += session.read_live(&stream, &mut live, &mut order).await?;
         }
     }
     let live: Vec<LiveRecord> = order.iter().filter_map(|id| live.remove(id)).collect();

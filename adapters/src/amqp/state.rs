@@ -3,16 +3,18 @@
 //! hold the route's pending messages.
 //!
 //! # Ownership
-//! The owner of a route is the connection that holds the exclusive queue
-//! `<prefix><route>.lock`. RabbitMQ lets one connection declare an
-//! exclusive queue of a name and deletes it when that connection closes (a
-//! crash, a lost network after the heartbeat timeout): the next instance
-//! that tries then gets it. Every write to the state streams goes over that
-//! same connection ([`StateSession`]), so a write confirmed to one owner was
-//! made before the next owner got the lock, and the next owner reads it.
-//! The route's ingress queue is declared with `x-single-active-consumer`,
-//! so even a former owner whose consumer lingers cannot take deliveries
-//! beside the new one.
+//! Every instance keeps a consumer on the route's lock queue
+//! `<prefix><route>.lock` (`x-single-active-consumer`). RabbitMQ delivers
+//! to one consumer at a time, and moves to the next only when that one's
+//! channel closes (a crash, a lost network after the heartbeat timeout, a
+//! stop). Each instance pings the queue every second; the one that receives
+//! a ping (anyone's) is the active consumer and owns the route
+//! ([`Candidate::elected`]). Every write to the state streams goes over the
+//! owner's lock connection ([`StateSession`]), so a write confirmed to one
+//! owner was made before the next owner was elected, and the next owner
+//! reads it. The route's ingress queue is declared with
+//! `x-single-active-consumer` too, so even a former owner whose consumer
+//! lingers cannot take deliveries beside the new one.
 //!
 //! # Streams
 //! A stream (`x-queue-type = stream`) is never compacted by the broker, and
@@ -36,8 +38,9 @@
 //! meets that marker: everything confirmed before it has been read.
 //!
 //! # Recovery (on becoming the owner)
-//! Read the pointer's last `Generation(n)`, then generation `n` and, if it
-//! exists, `n + 1` (a checkpoint that stopped before its pointer record):
+//! Read the pointer's last `Generation(n)`, then generation `n` and `n + 1`
+//! (declared if missing: a checkpoint may have stopped before its pointer
+//! record; a passive check would log a channel error for the usual case):
 //! Schedules and Dones applied in order give the live set. Then write a
 //! checkpoint into `n + 2`, which ends the older generations. A former
 //! owner's records in a deleted generation were all confirmed before the
@@ -57,18 +60,13 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::protocol::AMQPSoftError;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tracing::debug;
 
 use super::connection::AmqpError;
 use super::convert::short_string;
-use super::topology::is_soft_error;
 use crate::traits::BoxFuture;
-
-/// A connection that may become a [`StateSession`].
-pub type StateConnection = Connection;
 
 /// Errors of the RabbitMQ state streams.
 #[derive(Debug, thiserror::Error)]
@@ -225,13 +223,131 @@ const READ_STALL: Duration = Duration::from_secs(30);
 /// Records a reader takes before acking (streams need acks for credit).
 const READ_PREFETCH: u16 = 2000;
 
-/// One owner's connection: it holds the lock, and every state write goes
-/// over it. When it closes, ownership is gone (see the module doc).
+/// An instance that wants to own a route: its consumer on the route's lock
+/// queue (`x-single-active-consumer`) waits its turn. See the module doc.
+pub struct Candidate {
+    connection: Connection,
+    lock: Channel,
+    consumer: lapin::Consumer,
+    names: StateNames,
+}
+
+impl Candidate {
+    /// Declare the lock queue and register a consumer on it, on a
+    /// connection that then carries every state write if elected.
+    pub async fn register(connection: Connection, names: &StateNames) -> Result<Self, StateError> {
+        let result = async {
+            let lock = connection
+                .create_channel()
+                .await
+                .map_err(protocol("opening the lock channel"))?;
+            let queue = short_string(&names.lock(), "lock queue name").map_err(AmqpError::from)?;
+            let mut args = FieldTable::default();
+            args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+            lock.queue_declare(queue.clone(), QueueDeclareOptions::durable(), args)
+                .await
+                .map_err(protocol(format!(
+                    "declaring the lock queue {}",
+                    names.lock()
+                )))?;
+            let options = BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            };
+            let tag = format!("delayd-lock-{:x}", fresh_nonce());
+            let consumer = lock
+                .basic_consume(
+                    queue,
+                    short_string(&tag, "consumer tag").map_err(AmqpError::from)?,
+                    options,
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(protocol(format!(
+                    "consuming the lock queue {}",
+                    names.lock()
+                )))?;
+            Ok::<_, StateError>((lock, consumer))
+        }
+        .await;
+        match result {
+            Ok((lock, consumer)) => Ok(Self {
+                connection,
+                lock,
+                consumer,
+                names: names.clone(),
+            }),
+            Err(e) => {
+                let _ = connection.close(200, "lock failed".into()).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Wait until this candidate's consumer is the active one: every
+    /// `every` it publishes a ping into the lock queue, and only the active
+    /// consumer receives pings (anyone's). Then it owns the route.
+    pub async fn elected(mut self, every: Duration) -> Result<StateSession, StateError> {
+        let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
+        loop {
+            self.lock
+                .basic_publish(
+                    "".into(),
+                    queue.clone(),
+                    BasicPublishOptions::default(),
+                    b"ping",
+                    BasicProperties::default(),
+                )
+                .await
+                .map_err(protocol("pinging the lock queue"))?;
+            match tokio::time::timeout(every, self.consumer.next()).await {
+                Err(_) => continue, // not active: another instance owns the route
+                Ok(Some(Ok(_))) => break,
+                Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
+                Ok(None) => {
+                    return Err(StateError::Refused {
+                        stream: self.names.lock(),
+                        why: "the lock consumer was cancelled",
+                    })
+                }
+            }
+        }
+        let writer = self
+            .connection
+            .create_channel()
+            .await
+            .map_err(protocol("opening the state writer channel"))?;
+        writer
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(protocol("confirm.select on the state writer channel"))?;
+        // The owner keeps receiving the standbys' pings: drop them.
+        let mut consumer = self.consumer;
+        let drain = tokio::spawn(async move { while let Some(Ok(_)) = consumer.next().await {} });
+        Ok(StateSession {
+            connection: self.connection,
+            writer,
+            names: self.names,
+            drain,
+        })
+    }
+
+    /// Give up waiting.
+    pub async fn close(&self) {
+        let _ = self.connection.close(200, "delayd stops".into()).await;
+    }
+}
+
+/// One owner's connection: its lock consumer is the active one, and every
+/// state write goes over it. When it closes, ownership is gone (see the
+/// module doc).
 pub struct StateSession {
     connection: Connection,
     /// Confirm-mode channel for every write, in order.
     writer: Channel,
     names: StateNames,
+    /// Reads (and drops) the pings that reach the owner.
+    drain: tokio::task::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for StateSession {
@@ -243,57 +359,6 @@ impl std::fmt::Debug for StateSession {
 }
 
 impl StateSession {
-    /// Try to become the route's owner: `connection` declares the lock
-    /// queue. `Ok(Err(connection))`: another instance holds it; the
-    /// connection is handed back for the next try.
-    pub async fn acquire(
-        connection: Connection,
-        names: &StateNames,
-    ) -> Result<Result<Self, Connection>, StateError> {
-        let lock = connection
-            .create_channel()
-            .await
-            .map_err(protocol("opening the lock channel"))?;
-        let options = QueueDeclareOptions {
-            exclusive: true,
-            auto_delete: true,
-            ..QueueDeclareOptions::default()
-        };
-        let held = lock
-            .queue_declare(
-                short_string(&names.lock(), "lock queue name").map_err(AmqpError::from)?,
-                options,
-                FieldTable::default(),
-            )
-            .await;
-        match held {
-            Ok(_) => {}
-            Err(e) if is_soft_error(&e, AMQPSoftError::RESOURCELOCKED) => {
-                return Ok(Err(connection));
-            }
-            Err(e) => {
-                let _ = connection.close(200, "lock failed".into()).await;
-                return Err(protocol(format!(
-                    "declaring the lock queue {}",
-                    names.lock()
-                ))(e));
-            }
-        }
-        let writer = connection
-            .create_channel()
-            .await
-            .map_err(protocol("opening the state writer channel"))?;
-        writer
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(protocol("confirm.select on the state writer channel"))?;
-        Ok(Ok(Self {
-            connection,
-            writer,
-            names: names.clone(),
-        }))
-    }
-
     pub fn names(&self) -> &StateNames {
         &self.names
     }
@@ -312,6 +377,7 @@ impl StateSession {
 
     /// Give the lock up.
     pub async fn close(&self) {
+        self.drain.abort();
         if self.connection.status().connected() {
             let close = self
                 .connection
@@ -345,35 +411,9 @@ impl StateSession {
         result.map(drop)
     }
 
-    /// Whether stream `name` exists.
-    pub async fn exists(&self, name: &str) -> Result<bool, StateError> {
-        let channel = self.channel().await?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        match channel
-            .queue_declare(
-                short_string(name, "stream name").map_err(AmqpError::from)?,
-                passive,
-                FieldTable::default(),
-            )
-            .await
-        {
-            Ok(_) => {
-                let _ = channel.close(200, "OK".into()).await;
-                Ok(true)
-            }
-            Err(e) if is_soft_error(&e, AMQPSoftError::NOTFOUND) => Ok(false),
-            Err(e) => Err(protocol(format!("looking up stream {name}"))(e)),
-        }
-    }
-
-    /// Delete stream `name` (a missing one is fine).
+    /// Delete stream `name` (a missing one is fine: `queue.delete` is
+    /// idempotent in RabbitMQ since 3.2).
     pub async fn delete(&self, name: &str) -> Result<(), StateError> {
-        if !self.exists(name).await? {
-            return Ok(());
-        }
         let channel = self.channel().await?;
         let result = channel
             .queue_delete(
