@@ -1,7 +1,9 @@
 //! `delayd store inspect --config FILE`: what the broker-kept store holds
-//! (`store.kind = "broker"`): per route and state partition, the pending
-//! messages a restore would bring back and their due-time range. It reads
-//! the state topics from their start and changes nothing.
+//! (`store.kind = "broker"`): per route and state partition (Kafka) or
+//! current generation stream (RabbitMQ), the pending messages a restore
+//! would bring back and their due-time range. It reads the state from its
+//! start and changes nothing, but for the read markers it appends to
+//! RabbitMQ streams (recovery skips them).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -27,9 +29,28 @@ struct PartitionReport {
 
 #[derive(Debug, Serialize)]
 struct RouteReport {
+    /// The Kafka state topic, or the RabbitMQ pointer stream.
     state_topic: String,
     pending: u64,
+    /// Kafka: by state partition. RabbitMQ: one entry, the current
+    /// generation's number.
     partitions: BTreeMap<i32, PartitionReport>,
+    /// RabbitMQ state streams (the text output says "generation").
+    #[serde(skip)]
+    streams: bool,
+}
+
+impl PartitionReport {
+    fn add(&mut self, due: Option<u64>, bytes: usize) {
+        self.bytes += bytes as u64;
+        let Some(due) = due else {
+            self.unreadable += 1;
+            return;
+        };
+        self.pending += 1;
+        self.oldest_due_ms = Some(self.oldest_due_ms.map_or(due, |d| d.min(due)));
+        self.newest_due_ms = Some(self.newest_due_ms.map_or(due, |d| d.max(due)));
+    }
 }
 
 pub fn run(config: &Config, json: bool) -> anyhow::Result<()> {
@@ -41,33 +62,17 @@ pub fn run(config: &Config, json: bool) -> anyhow::Result<()> {
     }
     let mut report = BTreeMap::new();
     for route in &config.routes {
-        let client = config
-            .broker(&route.from.broker)
-            .and_then(kafka_client)
-            .with_context(|| format!("route {}: not a Kafka route", route.name))?;
         let topic = config.store.topic(&route.name);
-        let state = StateTopic::connect(&client, &topic)?;
-        let mut r = RouteReport {
-            state_topic: topic.clone(),
-            pending: 0,
-            partitions: BTreeMap::new(),
-        };
-        for partition in 0..state.partitions()? {
-            let live = state.read_partition(partition, Duration::from_secs(30))?;
-            let mut p = PartitionReport::default();
-            for value in live.values() {
-                p.bytes += value.len() as u64;
-                let Some((due, _)) = decode_value(value) else {
-                    p.unreadable += 1;
-                    continue;
-                };
-                p.pending += 1;
-                p.oldest_due_ms = Some(p.oldest_due_ms.map_or(due, |d| d.min(due)));
-                p.newest_due_ms = Some(p.newest_due_ms.map_or(due, |d| d.max(due)));
+        let r = match config.broker(&route.from.broker) {
+            Some(crate::config::BrokerConfig::Amqp { url }) => inspect_streams(url, &topic)
+                .with_context(|| format!("route {}: reading {topic}", route.name))?,
+            broker => {
+                let client = broker
+                    .and_then(kafka_client)
+                    .with_context(|| format!("route {}: no such broker", route.name))?;
+                inspect_topic(&client, &topic)?
             }
-            r.pending += p.pending;
-            r.partitions.insert(partition, p);
-        }
+        };
         report.insert(route.name.clone(), r);
     }
     if json {
@@ -76,14 +81,19 @@ pub fn run(config: &Config, json: bool) -> anyhow::Result<()> {
     }
     for (name, r) in &report {
         println!(
-            "route {name}: {} pending in {} ({} partitions)",
+            "route {name}: {} pending in {}{}",
             r.pending,
             r.state_topic,
-            r.partitions.len()
+            if r.streams {
+                String::new()
+            } else {
+                format!(" ({} partitions)", r.partitions.len())
+            }
         );
         for (partition, p) in &r.partitions {
             println!(
-                "  partition {partition}: {} pending, {} bytes, due {} .. {}{}",
+                "  {} {partition}: {} pending, {} bytes, due {} .. {}{}",
+                if r.streams { "generation" } else { "partition" },
                 p.pending,
                 p.bytes,
                 due(p.oldest_due_ms),
@@ -97,6 +107,67 @@ pub fn run(config: &Config, json: bool) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn inspect_topic(
+    client: &delayd_adapters::kafka::KafkaClientConfig,
+    topic: &str,
+) -> anyhow::Result<RouteReport> {
+    let state = StateTopic::connect(client, topic)?;
+    let mut r = RouteReport {
+        state_topic: topic.to_owned(),
+        pending: 0,
+        partitions: BTreeMap::new(),
+        streams: false,
+    };
+    for partition in 0..state.partitions()? {
+        let live = state.read_partition(partition, Duration::from_secs(30))?;
+        let mut p = PartitionReport::default();
+        for value in live.values() {
+            p.add(decode_value(value).map(|(due, _)| due), value.len());
+        }
+        r.pending += p.pending;
+        r.partitions.insert(partition, p);
+    }
+    Ok(r)
+}
+
+/// The live set of the generation the pointer names (a checkpoint being
+/// written at this moment is not looked at).
+fn inspect_streams(url: &str, pointer: &str) -> anyhow::Result<RouteReport> {
+    use delayd_adapters::amqp::state::{StateNames, StateSession};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let broker = delayd_adapters::amqp::Broker::new(
+            url,
+            delayd_adapters::amqp::BrokerOptions::named("delayd-store-inspect"),
+        )?;
+        let names = StateNames::new(pointer);
+        let session = StateSession::observe(broker.open_dedicated().await?, &names).await?;
+        let mut r = RouteReport {
+            state_topic: pointer.to_owned(),
+            pending: 0,
+            partitions: BTreeMap::new(),
+            streams: true,
+        };
+        if let Some(generation) = session.current_generation().await? {
+            let mut live = std::collections::HashMap::new();
+            let mut order = Vec::new();
+            session
+                .read_live(&names.generation(generation), &mut live, &mut order)
+                .await?;
+            let mut p = PartitionReport::default();
+            for record in live.values() {
+                p.add(Some(record.due_ms), record.message.len());
+            }
+            r.pending = p.pending;
+            r.partitions.insert(generation as i32, p);
+        }
+        session.close().await;
+        Ok(r)
+    })
 }
 
 fn due(ms: Option<u64>) -> String {

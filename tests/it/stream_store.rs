@@ -264,6 +264,12 @@ async fn an_instance_restarted_without_its_wal_delivers_everything() {
     let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
     assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
     std::fs::remove_dir_all(a.wal_dir()).expect("delete the WAL");
+    // What a restore would bring back, read while no instance runs.
+    let config = a.config_path().to_str().expect("UTF-8 path").to_owned();
+    let (ok, out, err) = common::delayd_cli("store", &["inspect", "--config", &config, "--json"]);
+    assert!(ok, "store inspect failed: {err}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(report[&r.names.route]["pending"], COUNT, "{report}");
     a.restart().await;
     r.wait_owner(&a).await;
     let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;

@@ -359,6 +359,25 @@ impl std::fmt::Debug for StateSession {
 }
 
 impl StateSession {
+    /// A session that owns nothing (`delayd store inspect`): it only
+    /// reads, and its only writes are read markers, which recovery skips.
+    pub async fn observe(connection: Connection, names: &StateNames) -> Result<Self, StateError> {
+        let writer = connection
+            .create_channel()
+            .await
+            .map_err(protocol("opening a channel"))?;
+        writer
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(protocol("confirm.select"))?;
+        Ok(StateSession {
+            connection,
+            writer,
+            names: names.clone(),
+            drain: tokio::spawn(async {}),
+        })
+    }
+
     pub fn names(&self) -> &StateNames {
         &self.names
     }
