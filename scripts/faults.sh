@@ -94,6 +94,8 @@ write_config() { # scenario, wal dir
     case "$s" in store | store-amqp)
         store=$'[store]\nkind = "broker"\ntopic_prefix = "faults.state.'"$run_tag"$'."\n' ;;
     esac
+    # Frequent checkpoints, so kills land in the middle of some.
+    [ "$s" = store-amqp ] && store+=$'checkpoint_records = 2000\n'
     {
         cat <<EOF
 [wal]

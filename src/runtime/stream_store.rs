@@ -59,10 +59,12 @@ pub enum Phase {
 
 enum Write {
     Schedule {
+        id: u128,
         record: Vec<u8>,
         reply: oneshot::Sender<Result<(), String>>,
     },
     Done {
+        id: u128,
         record: Vec<u8>,
     },
 }
@@ -198,6 +200,20 @@ impl StreamStore {
             }
             .encode()
         };
+        if self
+            .writer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
+            // Lost the lock (the intake is stopping): not acked, so the
+            // broker gives the delivery to the next owner.
+            return Box::pin(async {
+                Err(EngineError::Interrupted(
+                    "this instance does not own the route",
+                ))
+            });
+        }
         let store_id = self.next_store_id();
         let record = record_of(store_id);
         let wal = match self
@@ -209,10 +225,22 @@ impl StreamStore {
         };
         // Queued before the message can be armed (see the module doc).
         let (reply, written) = oneshot::channel();
-        let queued = self.send(Write::Schedule { record, reply });
+        let queued = self.send(Write::Schedule {
+            id: store_id,
+            record,
+            reply,
+        });
         let this = self.clone();
         Box::pin(async move {
-            let id = wal.await?;
+            let id = match wal.await {
+                Ok(id) => id,
+                Err(e) => {
+                    // Not pending here (not acked, or sent to the invalid
+                    // destination): its Schedule must not come back.
+                    this.write_done(store_id);
+                    return Err(e);
+                }
+            };
             this.bind(id, store_id);
             let written = if queued {
                 written
@@ -269,7 +297,10 @@ impl StreamStore {
 
     fn write_done(&self, store_id: u128) {
         let record = Record::Done { id: store_id }.encode();
-        if !self.send(Write::Done { record }) {
+        if !self.send(Write::Done {
+            id: store_id,
+            record,
+        }) {
             tracing::warn!(route = %self.route, "no state writer for a Done: the message fires again after a restore");
         }
     }
@@ -378,7 +409,7 @@ impl StreamStore {
             self.clone(),
             session.clone(),
             generation,
-            live.len() as u64,
+            live.iter().map(|r| r.id).collect(),
             rx,
             failed.clone(),
         ));
@@ -554,19 +585,105 @@ async fn write_generation(
 }
 
 /// The owner's single writer: appends Schedules and Dones in the order
-/// they were queued, checkpoints when due. Any failure ends the session
-/// (`failed`): the next owner, perhaps this instance again, restores.
+/// they were queued, and runs checkpoints beside them. Any failure ends the
+/// session (`failed`): the next owner, perhaps this instance again,
+/// restores.
+///
+/// A checkpoint does not stop the writes: they move to generation `g + 1`
+/// at once, while a reader reads `g` back and hands its live Schedules to
+/// this loop, which appends each to `g + 1` only if it is still live here
+/// (no Done appended since). A Done queued after that check is appended
+/// after the copy, so no copy can land after its Done. Until the pointer
+/// moves, recovery reads `g` and then `g + 1`, which gives the same live
+/// set.
 async fn write_loop(
     store: Arc<StreamStore>,
     session: Arc<StateSession>,
-    mut generation: u64,
-    mut in_generation: u64,
-    mut rx: mpsc::UnboundedReceiver<Write>,
+    generation: u64,
+    live: HashSet<u128>,
+    rx: mpsc::UnboundedReceiver<Write>,
     failed: CancellationToken,
 ) {
-    let mut confirming: Vec<JoinHandle<()>> = Vec::new();
-    let route = store.route.clone();
-    while let Some(first) = rx.recv().await {
+    let mut writer = Writer {
+        route: store.route.clone(),
+        session,
+        generation,
+        in_generation: live.len() as u64,
+        live,
+        confirming: Vec::new(),
+        failed,
+        floor: store.checkpoint_floor,
+    };
+    if let Err(e) = writer.run(rx).await {
+        tracing::error!(route = %writer.route, error = %e, "a state write failed; ending this owner's session");
+        writer.failed.cancel();
+    }
+    for task in writer.confirming.drain(..) {
+        let _ = task.await;
+    }
+}
+
+/// A checkpoint being copied: live Schedules of the old generation arrive
+/// from its reader.
+struct Copying {
+    from: u64,
+    records: mpsc::Receiver<Result<Vec<LiveRecord>, StateError>>,
+}
+
+struct Writer {
+    route: String,
+    session: Arc<StateSession>,
+    generation: u64,
+    /// Records appended to `generation` so far.
+    in_generation: u64,
+    /// Store ids whose Schedule is appended and whose Done is not.
+    live: HashSet<u128>,
+    confirming: Vec<JoinHandle<()>>,
+    failed: CancellationToken,
+    floor: u64,
+}
+
+impl Writer {
+    async fn run(&mut self, mut rx: mpsc::UnboundedReceiver<Write>) -> Result<(), StateError> {
+        let mut copying: Option<Copying> = None;
+        loop {
+            if self.failed.is_cancelled() {
+                return Ok(());
+            }
+            let chunk = tokio::select! {
+                write = rx.recv() => match write {
+                    Some(first) => {
+                        self.append_writes(first, &mut rx).await;
+                        None
+                    }
+                    None => return Ok(()),
+                },
+                chunk = async { copying.as_mut()?.records.recv().await }, if copying.is_some() => {
+                    Some(chunk)
+                }
+            };
+            match chunk {
+                Some(Some(Ok(records))) => self.append_copies(records).await,
+                Some(Some(Err(e))) => return Err(e),
+                Some(None) => {
+                    // The old generation is copied: point at the new one.
+                    let from = copying.take().map_or(self.generation, |c| c.from);
+                    self.settle().await;
+                    if self.failed.is_cancelled() {
+                        return Ok(());
+                    }
+                    self.finish_checkpoint(from).await?;
+                }
+                None => {}
+            }
+            if copying.is_none() && self.in_generation > 2 * self.live.len() as u64 + self.floor {
+                copying = Some(self.start_checkpoint().await?);
+            }
+        }
+    }
+
+    /// Append `first` and whatever else is queued, up to a batch.
+    async fn append_writes(&mut self, first: Write, rx: &mut mpsc::UnboundedReceiver<Write>) {
         let mut batch = vec![first];
         while batch.len() < WRITE_BATCH {
             match rx.try_recv() {
@@ -576,84 +693,145 @@ async fn write_loop(
         }
         let mut records = Vec::with_capacity(batch.len());
         let mut replies = Vec::new();
-        let (mut schedules, mut dones) = (0u64, 0u64);
+        let mut dones = 0u64;
         for write in batch {
             match write {
-                Write::Schedule { record, reply } => {
+                Write::Schedule { id, record, reply } => {
+                    self.live.insert(id);
                     records.push(record);
                     replies.push(reply);
-                    schedules += 1;
                 }
-                Write::Done { record } => {
+                Write::Done { id, record } => {
+                    self.live.remove(&id);
                     records.push(record);
                     dones += 1;
                 }
             }
         }
-        let stream = session.names().generation(generation);
-        let confirm = session.append(&stream, &records).await;
-        in_generation += records.len() as u64;
-        let failed_now = failed.clone();
-        let route_now = route.clone();
-        confirming.retain(|t| !t.is_finished());
-        confirming.push(tokio::spawn(async move {
+        self.append(records, replies, "done", dones).await;
+    }
+
+    /// Append the still-live ones of a checkpoint's copies.
+    async fn append_copies(&mut self, copies: Vec<LiveRecord>) {
+        let records: Vec<Vec<u8>> = copies
+            .into_iter()
+            .filter(|r| self.live.contains(&r.id))
+            .map(|r| {
+                Record::Schedule {
+                    id: r.id,
+                    due_ms: r.due_ms,
+                    message: r.message,
+                }
+                .encode()
+            })
+            .collect();
+        if !records.is_empty() {
+            let n = records.len() as u64;
+            self.append(records, Vec::new(), "checkpoint", n).await;
+        }
+    }
+
+    async fn append(
+        &mut self,
+        records: Vec<Vec<u8>>,
+        replies: Vec<oneshot::Sender<Result<(), String>>>,
+        kind: &'static str,
+        counted: u64,
+    ) {
+        let stream = self.session.names().generation(self.generation);
+        let confirm = self.session.append(&stream, &records).await;
+        self.in_generation += records.len() as u64;
+        let failed = self.failed.clone();
+        let route = self.route.clone();
+        let total = records.len() as u64;
+        self.confirming.retain(|t| !t.is_finished());
+        self.confirming.push(tokio::spawn(async move {
             let result = confirm.await.map_err(|e| e.to_string());
             match &result {
                 Ok(()) => {
-                    metrics::counter!("delayd_store_writes_total", "route" => route_now.clone(), "kind" => "done").increment(dones);
+                    if counted > 0 {
+                        metrics::counter!("delayd_store_writes_total", "route" => route.clone(), "kind" => kind).increment(counted);
+                    }
                 }
                 Err(e) => {
-                    metrics::counter!("delayd_store_write_failures_total", "route" => route_now.clone()).increment(schedules + dones);
-                    tracing::error!(route = %route_now, error = %e, "a state write failed; ending this owner's session");
-                    failed_now.cancel();
+                    metrics::counter!("delayd_store_write_failures_total", "route" => route.clone()).increment(total);
+                    tracing::error!(route = %route, error = %e, "a state write failed; ending this owner's session");
+                    failed.cancel();
                 }
             }
             for reply in replies {
                 let _ = reply.send(result.clone());
             }
         }));
-        if failed.is_cancelled() {
-            break;
-        }
-        let live = store.ids().by_engine.len() as u64;
-        if in_generation > 2 * live + store.checkpoint_floor {
-            // Everything appended so far must be in before it is read back.
-            for task in confirming.drain(..) {
-                let _ = task.await;
-            }
-            if failed.is_cancelled() {
-                break;
-            }
-            match checkpoint(&session, generation).await {
-                Ok(kept) => {
-                    tracing::info!(route = %route, generation = generation + 1, live = kept, "state checkpoint written; the older generation is deleted");
-                    generation += 1;
-                    in_generation = kept;
-                }
-                Err(e) => {
-                    tracing::error!(route = %route, error = %e, "state checkpoint failed; ending this owner's session");
-                    failed.cancel();
-                    break;
-                }
-            }
-        }
     }
-    for task in confirming {
-        let _ = task.await;
-    }
-}
 
-/// Copy generation `g`'s live Schedules into `g + 1`, point at it, delete
-/// `g`. Returns how many were live.
-async fn checkpoint(session: &StateSession, g: u64) -> Result<u64, StateError> {
-    let names = session.names().clone();
-    let mut live = HashMap::new();
-    let mut order = Vec::new();
-    session
-        .read_live(&names.generation(g), &mut live, &mut order)
-        .await?;
-    let live: Vec<LiveRecord> = order.iter().filter_map(|id| live.remove(id)).collect();
-    write_generation(session, g + 1, &live).await?;
-    session.delete(&names.generation(g)).await?;
-    Ok(live.len() as u64)
+    /// Wait for every append so far to be confirmed (or failed).
+    async fn settle(&mut self) {
+        for task in self.confirming.drain(..) {
+            let _ = task.await;
+        }
+    }
+
+    /// Move the writes to a fresh generation and start reading the old
+    /// one back.
+    async fn start_checkpoint(&mut self) -> Result<Copying, StateError> {
+        // Everything appended to the old generation must be in before the
+        // reader's marker.
+        self.settle().await;
+        let from = self.generation;
+        let to = from + 1;
+        let names = self.session.names().clone();
+        let stream = names.generation(to);
+        self.session.delete(&stream).await?;
+        self.session.declare_stream(&stream).await?;
+        self.generation = to;
+        self.in_generation = 0;
+        let (tx, records) = mpsc::channel(4);
+        let session = self.session.clone();
+        tokio::spawn(async move {
+            let mut live = HashMap::new();
+            let mut order = Vec::new();
+            let read = session
+                .read_live(&names.generation(from), &mut live, &mut order)
+                .await;
+            if let Err(e) = read {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+            let mut chunk = Vec::with_capacity(WRITE_BATCH);
+            for id in order {
+                if let Some(record) = live.remove(&id) {
+                    chunk.push(record);
+                }
+                if chunk.len() == WRITE_BATCH
+                    && tx.send(Ok(std::mem::take(&mut chunk))).await.is_err()
+                {
+                    return;
+                }
+            }
+            if !chunk.is_empty() {
+                let _ = tx.send(Ok(chunk)).await;
+            }
+        });
+        tracing::debug!(route = %self.route, from, to, "state checkpoint started");
+        Ok(Copying { from, records })
+    }
+
+    /// Point at the current generation and delete the one copied from.
+    async fn finish_checkpoint(&mut self, from: u64) -> Result<(), StateError> {
+        let names = self.session.names().clone();
+        self.session
+            .append(
+                &names.pointer,
+                &[Record::Generation {
+                    generation: self.generation,
+                }
+                .encode()],
+            )
+            .await
+            .await?;
+        self.session.delete(&names.generation(from)).await?;
+        tracing::info!(route = %self.route, generation = self.generation, live = self.live.len(), "state checkpoint written; the older generation is deleted");
+        Ok(())
+    }
 }
