@@ -606,11 +606,13 @@ async fn write_loop(
 ) {
     let mut writer = Writer {
         route: store.route.clone(),
+        next: Some(prepare(session.clone(), generation + 1)),
         session,
         generation,
         in_generation: live.len() as u64,
         live,
         confirming: Vec::new(),
+        finishing: None,
         failed,
         floor: store.checkpoint_floor,
     };
@@ -621,6 +623,19 @@ async fn write_loop(
     for task in writer.confirming.drain(..) {
         let _ = task.await;
     }
+    if let Some(task) = writer.finishing.take() {
+        let _ = task.await;
+    }
+}
+
+/// Empty (delete) and declare generation `n`'s stream, off the writer's
+/// path: stream creation takes the broker a while.
+fn prepare(session: Arc<StateSession>, n: u64) -> JoinHandle<Result<(), StateError>> {
+    tokio::spawn(async move {
+        let stream = session.names().generation(n);
+        session.delete(&stream).await?;
+        session.declare_stream(&stream).await
+    })
 }
 
 /// A checkpoint being copied: live Schedules of the old generation arrive
@@ -639,6 +654,10 @@ struct Writer {
     /// Store ids whose Schedule is appended and whose Done is not.
     live: HashSet<u128>,
     confirming: Vec<JoinHandle<()>>,
+    /// The next generation's stream being prepared.
+    next: Option<JoinHandle<Result<(), StateError>>>,
+    /// The last checkpoint's pointer move and deletion.
+    finishing: Option<JoinHandle<()>>,
     failed: CancellationToken,
     floor: u64,
 }
@@ -668,16 +687,12 @@ impl Writer {
                 Some(None) => {
                     // The old generation is copied: point at the new one.
                     let from = copying.take().map_or(self.generation, |c| c.from);
-                    self.settle().await;
-                    if self.failed.is_cancelled() {
-                        return Ok(());
-                    }
-                    self.finish_checkpoint(from).await?;
+                    self.finish_checkpoint(from);
                 }
                 None => {}
             }
             if copying.is_none() && self.in_generation > 2 * self.live.len() as u64 + self.floor {
-                copying = Some(self.start_checkpoint().await?);
+                copying = self.start_checkpoint().await?;
             }
         }
     }
@@ -765,27 +780,29 @@ impl Writer {
         }));
     }
 
-    /// Wait for every append so far to be confirmed (or failed).
-    async fn settle(&mut self) {
-        for task in self.confirming.drain(..) {
-            let _ = task.await;
+    /// Move the writes to the next generation (once its stream is ready
+    /// and the last checkpoint finished) and start reading the old one
+    /// back. No wait for confirms: the reader's end marker goes over the
+    /// same channel after every append to the old generation, so it reads
+    /// them all.
+    async fn start_checkpoint(&mut self) -> Result<Option<Copying>, StateError> {
+        if self.finishing.as_ref().is_some_and(|t| !t.is_finished())
+            || self.next.as_ref().is_some_and(|t| !t.is_finished())
+        {
+            return Ok(None); // checked again after the next write
         }
-    }
-
-    /// Move the writes to a fresh generation and start reading the old
-    /// one back.
-    async fn start_checkpoint(&mut self) -> Result<Copying, StateError> {
-        // Everything appended to the old generation must be in before the
-        // reader's marker.
-        self.settle().await;
+        if let Some(prepared) = self.next.take() {
+            prepared.await.map_err(|_| StateError::Refused {
+                stream: self.session.names().generation(self.generation + 1),
+                why: "preparing the stream panicked",
+            })??;
+        }
         let from = self.generation;
         let to = from + 1;
         let names = self.session.names().clone();
-        let stream = names.generation(to);
-        self.session.delete(&stream).await?;
-        self.session.declare_stream(&stream).await?;
         self.generation = to;
         self.in_generation = 0;
+        self.next = Some(prepare(self.session.clone(), to + 1));
         let (tx, records) = mpsc::channel(4);
         let session = self.session.clone();
         tokio::spawn(async move {
@@ -814,24 +831,41 @@ impl Writer {
             }
         });
         tracing::debug!(route = %self.route, from, to, "state checkpoint started");
-        Ok(Copying { from, records })
+        Ok(Some(Copying { from, records }))
     }
 
-    /// Point at the current generation and delete the one copied from.
-    async fn finish_checkpoint(&mut self, from: u64) -> Result<(), StateError> {
-        let names = self.session.names().clone();
-        self.session
-            .append(
-                &names.pointer,
-                &[Record::Generation {
-                    generation: self.generation,
+    /// Once every append so far is confirmed, point at the current
+    /// generation and delete the one copied from (off the writer's path).
+    fn finish_checkpoint(&mut self, from: u64) {
+        let confirming: Vec<_> = self.confirming.drain(..).collect();
+        let (session, failed, route) = (
+            self.session.clone(),
+            self.failed.clone(),
+            self.route.clone(),
+        );
+        let (generation, live) = (self.generation, self.live.len());
+        self.finishing = Some(tokio::spawn(async move {
+            for task in confirming {
+                let _ = task.await;
+            }
+            if failed.is_cancelled() {
+                return;
+            }
+            let names = session.names().clone();
+            let pointer = Record::Generation { generation }.encode();
+            let moved = async {
+                session.append(&names.pointer, &[pointer]).await.await?;
+                session.delete(&names.generation(from)).await
+            };
+            match moved.await {
+                Ok(()) => {
+                    tracing::info!(route = %route, generation, live, "state checkpoint written; the older generation is deleted")
                 }
-                .encode()],
-            )
-            .await
-            .await?;
-        self.session.delete(&names.generation(from)).await?;
-        tracing::info!(route = %self.route, generation = self.generation, live = self.live.len(), "state checkpoint written; the older generation is deleted");
-        Ok(())
+                Err(e) => {
+                    tracing::error!(route = %route, error = %e, "state checkpoint failed; ending this owner's session");
+                    failed.cancel();
+                }
+            }
+        }));
     }
 }
