@@ -323,6 +323,16 @@ fn the_store_is_local_by_default_and_broker_turns_hand_off_on() {
 }
 
 #[test]
+fn a_tiny_checkpoint_floor_is_refused_naming_the_key() {
+    let e = Config::from_toml_str(&format!(
+        "[store]\nkind = \"broker\"\ncheckpoint_records = 5\n{GOOD}"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("store.checkpoint_records"), "{e}");
+}
+
+#[test]
 fn the_broker_store_takes_rabbitmq_routes_with_their_stream_names() {
     let c = Config::from_toml_str(&format!("[store]\nkind = \"broker\"\n{GOOD}")).unwrap();
     assert_eq!(c.store.kind, StoreKind::Broker);

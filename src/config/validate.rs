@@ -191,6 +191,15 @@ impl Config {
                 ),
             ));
         }
+        if self.store.checkpoint_records < 100 {
+            return Err(err(
+                "store.checkpoint_records".into(),
+                format!(
+                    "{} is too small: a checkpoint would follow every few writes (at least 100)",
+                    self.store.checkpoint_records
+                ),
+            ));
+        }
         let mut names = HashSet::new();
         for (i, route) in self.routes.iter().enumerate() {
             let key = |field: &str| format!("routes[{i}].{field}");

@@ -28,9 +28,12 @@
 //!   message)` before the ingress delivery is acked, `Done(id)` once the
 //!   message is confirmed at its target, parked or cancelled.
 //!
-//! A checkpoint copies the live Schedules of generation `n` into `n + 1`,
-//! then appends `Generation(n + 1)` to the pointer, then deletes `n`. New
-//! writes wait while it runs, so no Done can overtake its Schedule's copy.
+//! A checkpoint moves the writes to generation `n + 1` at once, copies the
+//! live Schedules of `n` into `n + 1` beside them (each only if no Done of
+//! it was appended meanwhile, checked by the one writer, so no copy can
+//! land after its Done), then appends `Generation(n + 1)` to the pointer,
+//! then deletes `n`. Until the pointer moves, recovery reads `n` then
+//! `n + 1`, which gives the same live set.
 //!
 //! # Reading to the end
 //! AMQP has no high watermark. A reader first appends a [`Record::Marker`]
