@@ -11,6 +11,7 @@
 #   bash scripts/store-bound.sh                       # 1,000,000 at 3000/s
 #   COUNT=200000 RATE=2000 WAIT=300 bash scripts/store-bound.sh
 #   BROKER=rabbitmq WAIT=30 bash scripts/store-bound.sh
+#   STORE_KIND=local ...                              # the same load, local store (baseline)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,7 +49,7 @@ dir = "$work/wal"
 create_dir = true
 
 [store]
-kind = "broker"
+kind = "${STORE_KIND:-broker}"
 topic_prefix = "bound.state.$tag."
 
 [http]

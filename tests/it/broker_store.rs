@@ -348,14 +348,7 @@ async fn a_paused_former_owner_only_adds_duplicates() {
     assert!(held > 0, "the instance to pause holds no message");
     // A is frozen with its partitions: its session expires, B takes them
     // and restores their messages. Then A wakes up, still holding them.
-    let signal = |sig: &str| {
-        let status = std::process::Command::new("kill")
-            .args([sig, &a.pid().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {sig}");
-    };
-    signal("-STOP");
+    a.signal("-STOP");
     let restored_before = b.metric("delayd_store_restored_total");
     common::wait_for(
         "B restoring A's partitions",
@@ -365,7 +358,7 @@ async fn a_paused_former_owner_only_adds_duplicates() {
         },
     )
     .await;
-    signal("-CONT");
+    a.signal("-CONT");
     let (got, duplicates) =
         collect_counting(&Reader::new(&r.kafka.to), total, Duration::from_secs(90));
     assert_none_early(&got, &sent);

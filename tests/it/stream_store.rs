@@ -70,6 +70,13 @@ impl StreamRoute {
         Delayd::start_with(|wal, http| self.config(wal, http)).await
     }
 
+    /// An instance started alone, once it owns the route.
+    async fn start_owner(&self) -> Delayd {
+        let d = self.start().await;
+        self.wait_owner(&d).await;
+        d
+    }
+
     /// Waits until `d` owns the route and consumes it.
     async fn wait_owner(&self, d: &Delayd) {
         wait_for("the instance to own the route", DEADLINE, || async {
@@ -209,8 +216,7 @@ async fn an_owner_killed_with_its_disk_loses_nothing() {
     const COUNT: usize = 2000;
     let r = StreamRoute::new("stream-kill").await;
     let _cleanup = r.names.cleanup();
-    let mut a = r.start().await;
-    r.wait_owner(&a).await;
+    let mut a = r.start_owner().await;
     let b = r.start().await;
     wait_for("the second instance to stand by", DEADLINE, || async {
         let ready = b.readyz();
@@ -247,8 +253,7 @@ async fn an_instance_restarted_without_its_wal_delivers_everything() {
     const COUNT: usize = 300;
     let r = StreamRoute::new("stream-restart").await;
     let _cleanup = r.names.cleanup();
-    let mut a = r.start().await;
-    r.wait_owner(&a).await;
+    let mut a = r.start_owner().await;
     // Due at once: they can fire before their store ids are bound, and
     // their Dones must still be written, or the restore brings them back.
     let mut sent = r.send("now", 100, 0..1).await;
@@ -283,8 +288,7 @@ async fn checkpoints_keep_the_streams_bounded_and_lose_nothing() {
     let mut r = StreamRoute::new("stream-checkpoint").await;
     r.store_extra = "checkpoint_records = 200\n".into();
     let _cleanup = r.names.cleanup();
-    let mut a = r.start().await;
-    r.wait_owner(&a).await;
+    let mut a = r.start_owner().await;
     // Short delays fire while long ones stay pending across checkpoints.
     let long = r.send("long", 50, 20_000..25_000).await;
     let short = r.send("short", 600, 200..1000).await;
@@ -325,8 +329,7 @@ async fn an_owner_that_loses_its_connections_gives_the_route_up_and_loses_nothin
     const COUNT: usize = 300;
     let r = StreamRoute::new("stream-lost").await;
     let _cleanup = r.names.cleanup();
-    let a = r.start().await;
-    r.wait_owner(&a).await;
+    let a = r.start_owner().await;
     let b = r.start().await;
     wait_for("the second instance to stand by", DEADLINE, || async {
         (b.readyz()["routes"][&r.names.route] == "standby").then_some(())
@@ -367,8 +370,7 @@ async fn scaling_down_leaves_the_route_to_the_instance_left() {
     const COUNT: usize = 600;
     let r = StreamRoute::new("stream-scale").await;
     let _cleanup = r.names.cleanup();
-    let mut a = r.start().await;
-    r.wait_owner(&a).await;
+    let mut a = r.start_owner().await;
     let b = r.start().await;
     let mut c = r.start().await;
     let sent = r.send("scale", COUNT, 4000..10_000).await;
@@ -398,29 +400,21 @@ async fn a_paused_former_owner_only_adds_duplicates() {
     // (and its lock) after a few seconds.
     r.heartbeat = Some(2);
     let _cleanup = r.names.cleanup();
-    let a = r.start().await;
-    r.wait_owner(&a).await;
+    let a = r.start_owner().await;
     let b = r.start().await;
     let sent = r.send("zombie", COUNT, 8000..14_000).await;
     wait_for("every message stored by the owner", DEADLINE, || async {
         (a.pending() == COUNT as u64).then_some(())
     })
     .await;
-    let signal = |sig: &str| {
-        let status = std::process::Command::new("kill")
-            .args([sig, &a.pid().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {sig}");
-    };
-    signal("-STOP");
+    a.signal("-STOP");
     wait_for(
         "B to restore the frozen owner's messages",
         Duration::from_secs(60),
         || async { (b.metric("delayd_store_restored_total") >= COUNT as f64).then_some(()) },
     )
     .await;
-    signal("-CONT");
+    a.signal("-CONT");
     let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
     eprintln!("duplicates after the frozen owner woke up: {duplicates}");
     r.delete_streams().await;

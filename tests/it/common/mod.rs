@@ -515,6 +515,15 @@ impl Delayd {
         client.close().await;
     }
 
+    /// Send signal `sig` (`-STOP`, `-CONT`...) with kill(1).
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig}");
+    }
+
     /// SIGKILL, then reap the process.
     pub fn kill_9(&mut self) {
         let mut child = self.child.take().expect("delayd is not running");
