@@ -103,9 +103,9 @@ pending() {
 # RabbitMQ: the segment files of the route's pointer and generation streams.
 state_bytes() {
     if [ "$broker" = rabbitmq ]; then
-        cat "$stream_data"/*"${state_topic//./_}"*/*.segment 2>/dev/null | wc -c
+        { cat "$stream_data"/*"${state_topic//./_}"*/*.segment 2>/dev/null || true; } | wc -c
     else
-        cat "$kafka_data/$state_topic"-*/*.log 2>/dev/null | wc -c
+        { cat "$kafka_data/$state_topic"-*/*.log 2>/dev/null || true; } | wc -c
     fi
 }
 
