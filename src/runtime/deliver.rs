@@ -36,7 +36,11 @@ impl Dispatch for Deliverer {
             );
             return Box::pin(async move { Outcome::Retry(reason) });
         };
-        if self.stores.get(route.name()).is_some_and(|s| !s.may_fire()) {
+        if self
+            .stores
+            .get(route.name())
+            .is_some_and(|s| !s.may_fire(fired.id))
+        {
             // The route's lock is lost: its messages are being released.
             let reason = "this instance no longer owns the route".to_owned();
             return Box::pin(async move { Outcome::Retry(reason) });

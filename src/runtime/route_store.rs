@@ -66,11 +66,11 @@ impl RouteStore {
         }
     }
 
-    /// Whether this instance may publish the route's due messages now.
-    pub fn may_fire(&self) -> bool {
+    /// Whether this instance may publish the route's due message `id` now.
+    pub fn may_fire(&self, id: u64) -> bool {
         match self {
             RouteStore::Kafka(_) => true,
-            RouteStore::Stream(s) => s.may_fire(),
+            RouteStore::Stream(s) => s.may_fire(id),
         }
     }
 

@@ -305,11 +305,12 @@ impl StreamStore {
         }
     }
 
-    /// Whether a due message of this route may be published from here: not
-    /// once the lock is lost (the next owner fires it; a former owner that
-    /// kept firing would only add duplicates).
-    pub fn may_fire(&self) -> bool {
-        self.phase() != Phase::Standby
+    /// Whether due message `id` of this route may be published from here:
+    /// not once the lock is lost (the next owner fires it; a former owner
+    /// that kept firing would only add duplicates), unless it was stored
+    /// before the route kept its state in the broker (only this WAL has it).
+    pub fn may_fire(&self, id: u64) -> bool {
+        self.phase() != Phase::Standby || self.ids().local_only.contains(&id)
     }
 
     pub fn restoring(&self) -> bool {

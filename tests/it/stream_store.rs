@@ -419,3 +419,43 @@ async fn a_paused_former_owner_only_adds_duplicates() {
     eprintln!("duplicates after the frozen owner woke up: {duplicates}");
     r.delete_streams().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_to_the_broker_store_fires_what_the_wal_held_even_on_a_standby() {
+    const COUNT: usize = 100;
+    let r = StreamRoute::new("stream-switch").await;
+    let _cleanup = r.names.cleanup();
+    // A keeps its state locally, and holds the messages.
+    let mut a = Delayd::start_consuming(
+        |wal, http| config_toml(&r.names, wal, http, &r.opts),
+        &r.names.from_queue,
+    )
+    .await;
+    let sent = r.send("switch", COUNT, 8000..12_000).await;
+    wait_for("every message stored locally", DEADLINE, || async {
+        (a.pending() == COUNT as u64).then_some(())
+    })
+    .await;
+    let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
+    // B takes the route on the broker store; A comes back on it too, as a
+    // standby, with its WAL: those messages are in no stream, so A fires
+    // them itself.
+    let b = r.start_owner().await;
+    let config = std::fs::read_to_string(a.config_path()).expect("read config");
+    let switched = format!(
+        "{config}\n[store]\nkind = \"broker\"\ntopic_prefix = {}\n",
+        common::toml_string(&r.prefix)
+    );
+    std::fs::write(a.config_path(), switched).expect("write config");
+    a.restart().await;
+    wait_for("A to stand by", DEADLINE, || async {
+        (a.readyz()["routes"][&r.names.route] == "standby").then_some(())
+    })
+    .await;
+    assert_eq!(a.pending(), COUNT as u64, "A dropped its local messages");
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0);
+    assert_eq!(b.pending(), 0);
+    r.delete_streams().await;
+}
