@@ -19,6 +19,9 @@
 #   store-amqp  the same on a RabbitMQ route (the pending messages come back
 #               from the route's state streams once the new instance takes
 #               the route's lock)
+#   store-amqp-broker  RabbitMQ restarted under that RabbitMQ route (its
+#               owner loses the route's lock, is elected again once the
+#               broker is back, and restores from the state streams)
 #
 #   bash scripts/faults.sh            # the long run: 100 kill -9 cycles, 10 of the rest
 #   bash scripts/faults.sh --short    # a few cycles of each (part of scripts/test.sh)
@@ -45,7 +48,7 @@ else
     default_cycles=10 kill_cycles=100 rate="${RATE:-500}" dup_permille=1
 fi
 cycles="${CYCLES:-}"
-scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka handoff store store-amqp}"
+scenarios="${SCENARIOS:-kill9 sigterm broker connections disk kafka handoff store store-amqp store-amqp-broker}"
 http=127.0.0.1:9465
 
 bash scripts/rabbitmq.sh >/dev/null
@@ -91,7 +94,7 @@ write_config() { # scenario, wal dir
     [ "$s" = disk ] && segment=$'segment_bytes = 262144\n'
     [ "$s" = handoff ] && engine=$'[engine]\nhandoff = true\n'
     local store=""
-    case "$s" in store | store-amqp)
+    case "$s" in store | store-amqp*)
         store=$'[store]\nkind = "broker"\ntopic_prefix = "faults.state.'"$run_tag"$'."\n' ;;
     esac
     # Frequent checkpoints, so kills land in the middle of some.
@@ -202,6 +205,7 @@ inject_store-amqp() {
     rm -rf "$work/store-amqp-wal"
     start_delayd "$1"
 }
+inject_store-amqp-broker() { inject_broker; }
 inject_handoff() {
     pause
     stop_delayd TERM
@@ -267,7 +271,7 @@ run_scenario() { # scenario, cycles
         tail -n 20 "$work/$s.bench.log" >&2
     fi
     stop_delayd TERM
-    if [ "$s" = store-amqp ]; then
+    if [ "${s#store-amqp}" != "$s" ]; then
         # This run's state streams (their prefix carries the run's tag).
         rabbitmqctl -q list_queues name --no-table-headers 2>/dev/null |
             grep "^faults\.state\.$run_tag\." | while read -r q; do

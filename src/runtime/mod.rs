@@ -546,6 +546,7 @@ impl RuntimeStatus for Status {
                 let restoring = store.is_some_and(RouteStore::restoring);
                 let intake = match c {
                     _ if store.is_some_and(RouteStore::standby) => RouteIntake::Standby,
+                    _ if store.is_some_and(RouteStore::electing) => RouteIntake::Starting,
                     _ if restoring => RouteIntake::Restoring,
                     Some(c) if c.get() => RouteIntake::Consuming,
                     _ => RouteIntake::Starting,

@@ -86,6 +86,11 @@ impl RouteStore {
         matches!(self, RouteStore::Stream(s) if s.phase() == Phase::Standby)
     }
 
+    /// Whether this instance owns the route is not known yet (RabbitMQ).
+    pub fn electing(&self) -> bool {
+        matches!(self, RouteStore::Stream(s) if s.phase() == Phase::Electing)
+    }
+
     /// For `/readyz`.
     pub fn describe(&self) -> serde_json::Value {
         match self {
@@ -95,7 +100,7 @@ impl RouteStore {
             RouteStore::Stream(s) => serde_json::json!({
                 "state_stream": s.stream(),
                 "restoring": s.restoring(),
-                "owner": s.phase() != Phase::Standby,
+                "owner": matches!(s.phase(), Phase::Restoring | Phase::Active),
             }),
         }
     }

@@ -49,12 +49,15 @@ const RESTORE_BATCH: usize = 4096;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Phase {
-    /// Another instance owns the route (or none can be reached yet).
-    Standby = 0,
+    /// Not known yet: registered on the lock queue (or trying to), no
+    /// answer yet.
+    Electing = 0,
+    /// Another instance owns the route.
+    Standby = 1,
     /// This instance took the lock and reads the state back.
-    Restoring = 1,
+    Restoring = 2,
     /// This instance owns the route and consumes it.
-    Active = 2,
+    Active = 3,
 }
 
 enum Write {
@@ -118,7 +121,7 @@ impl StreamStore {
             ids: Mutex::new(Ids::default()),
             writer: Mutex::new(None),
             writer_task: tokio::sync::Mutex::new(None),
-            phase: AtomicU8::new(Phase::Standby as u8),
+            phase: AtomicU8::new(Phase::Electing as u8),
             id_high: (fresh_nonce() >> 64) as u64,
             next_id: AtomicU64::new(0),
             checkpoint_floor,
@@ -132,8 +135,9 @@ impl StreamStore {
 
     pub fn phase(&self) -> Phase {
         match self.phase.load(Ordering::Acquire) {
-            0 => Phase::Standby,
-            1 => Phase::Restoring,
+            0 => Phase::Electing,
+            1 => Phase::Standby,
+            2 => Phase::Restoring,
             _ => Phase::Active,
         }
     }
@@ -310,7 +314,8 @@ impl StreamStore {
     /// that kept firing would only add duplicates), unless it was stored
     /// before the route kept its state in the broker (only this WAL has it).
     pub fn may_fire(&self, id: u64) -> bool {
-        self.phase() != Phase::Standby || self.ids().local_only.contains(&id)
+        matches!(self.phase(), Phase::Restoring | Phase::Active)
+            || self.ids().local_only.contains(&id)
     }
 
     pub fn restoring(&self) -> bool {
@@ -327,7 +332,7 @@ impl StreamStore {
         shutdown: CancellationToken,
     ) {
         loop {
-            self.set_phase(Phase::Standby);
+            self.set_phase(Phase::Electing);
             let elected = tokio::select! {
                 s = self.elect() => s,
                 _ = shutdown.cancelled() => return,
@@ -382,7 +387,7 @@ impl StreamStore {
                 return; // the runtime calls `flush` once publishes are done
             }
             // Nothing more fires here (see `may_fire`) while it is released.
-            self.set_phase(Phase::Standby);
+            self.set_phase(Phase::Electing);
             tracing::error!(route = %self.route, "lost the route's lock (its connection closed or a state write failed); releasing its messages to the next owner");
             self.end_session().await;
         }
@@ -393,7 +398,9 @@ impl StreamStore {
         let connection = self.broker.open_dedicated().await?;
         let candidate = Candidate::register(connection, &self.names).await?;
         tracing::info!(route = %self.route, lock = %self.names.lock(), "waiting to own the route (standby while another instance owns it)");
-        candidate.elected(LOCK_RETRY).await
+        candidate
+            .elected(LOCK_RETRY, || self.set_phase(Phase::Standby))
+            .await
     }
 
     /// Read the live set back, write it into a fresh generation, start the

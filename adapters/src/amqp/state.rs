@@ -290,7 +290,12 @@ impl Candidate {
     /// Wait until this candidate's consumer is the active one: every
     /// `every` it publishes a ping into the lock queue, and only the active
     /// consumer receives pings (anyone's). Then it owns the route.
-    pub async fn elected(mut self, every: Duration) -> Result<StateSession, StateError> {
+    /// `standby` is called each time a round passes without a ping.
+    pub async fn elected(
+        mut self,
+        every: Duration,
+        mut standby: impl FnMut(),
+    ) -> Result<StateSession, StateError> {
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
         loop {
             self.lock
@@ -304,7 +309,7 @@ impl Candidate {
                 .await
                 .map_err(protocol("pinging the lock queue"))?;
             match tokio::time::timeout(every, self.consumer.next()).await {
-                Err(_) => continue, // not active: another instance owns the route
+                Err(_) => standby(), // not active: another instance owns the route
                 Ok(Some(Ok(_))) => break,
                 Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
                 Ok(None) => {
