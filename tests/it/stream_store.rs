@@ -459,3 +459,49 @@ async fn switching_to_the_broker_store_fires_what_the_wal_held_even_on_a_standby
     assert_eq!(b.pending(), 0);
     r.delete_streams().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_lock_queue_ends_the_owners_session_and_loses_nothing() {
+    const COUNT: usize = 300;
+    let r = StreamRoute::new("stream-unlock").await;
+    let _cleanup = r.names.cleanup();
+    let a = r.start_owner().await;
+    let b = r.start().await;
+    wait_for("the second instance to stand by", DEADLINE, || async {
+        (b.readyz()["routes"][&r.names.route] == "standby").then_some(())
+    })
+    .await;
+    // The broker cancels every consumer of the lock. The owner must take it
+    // as a lost lock at once: idle, no failed write would tell it, and the
+    // other instance is elected on the new lock queue.
+    r.client
+        .channel
+        .queue_delete(
+            format!("{}.lock", r.pointer()).as_str().into(),
+            QueueDeleteOptions::default(),
+        )
+        .await
+        .expect("delete the lock queue");
+    wait_for("the owner to give the route up", DEADLINE, || async {
+        a.log_tail(300)
+            .contains("lost the route's lock")
+            .then_some(())
+    })
+    .await;
+    wait_for("exactly one owner", DEADLINE, || async {
+        let owners = [&a, &b]
+            .iter()
+            .filter(|d| d.readyz()["routes"][&r.names.route] == "consuming")
+            .count();
+        let others = [&a, &b]
+            .iter()
+            .filter(|d| d.readyz()["routes"][&r.names.route] == "standby")
+            .count();
+        (owners == 1 && others == 1).then_some(())
+    })
+    .await;
+    let sent = r.send("unlock", COUNT, 2000..5000).await;
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0);
+    r.delete_streams().await;
+}

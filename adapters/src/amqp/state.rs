@@ -56,6 +56,8 @@
 //! aged out: an outage of every instance, however long, loses nothing.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_lite::StreamExt;
@@ -329,14 +331,24 @@ impl Candidate {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(protocol("confirm.select on the state writer channel"))?;
-        // The owner keeps receiving the standbys' pings: drop them.
+        // The owner keeps receiving the standbys' pings: drop them. If the
+        // broker cancels the consumer (the lock queue was deleted), the
+        // lock is lost as surely as with the connection.
         let mut consumer = self.consumer;
-        let drain = tokio::spawn(async move { while let Some(Ok(_)) = consumer.next().await {} });
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let drain = tokio::spawn({
+            let cancelled = cancelled.clone();
+            async move {
+                while let Some(Ok(_)) = consumer.next().await {}
+                cancelled.store(true, Ordering::Release);
+            }
+        });
         Ok(StateSession {
             connection: self.connection,
             writer,
             names: self.names,
             drain,
+            cancelled,
         })
     }
 
@@ -356,6 +368,8 @@ pub struct StateSession {
     names: StateNames,
     /// Reads (and drops) the pings that reach the owner.
     drain: tokio::task::JoinHandle<()>,
+    /// Set once the owner's lock consumer is gone.
+    cancelled: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for StateSession {
@@ -383,6 +397,7 @@ impl StateSession {
             writer,
             names: names.clone(),
             drain: tokio::spawn(async {}),
+            cancelled: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -392,7 +407,9 @@ impl StateSession {
 
     /// Whether the lock (the connection) is still held.
     pub fn is_alive(&self) -> bool {
-        self.connection.status().connected() && self.writer.status().connected()
+        self.connection.status().connected()
+            && self.writer.status().connected()
+            && !self.cancelled.load(Ordering::Acquire)
     }
 
     /// Resolves once the lock is lost.
