@@ -298,6 +298,21 @@ impl Candidate {
         every: Duration,
         mut standby: impl FnMut(),
     ) -> Result<StateSession, StateError> {
+        match self.wait_for_ping(every, &mut standby).await {
+            Ok(()) => self.into_session().await,
+            Err(e) => {
+                // Not elected: this connection is of no further use.
+                self.close().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn wait_for_ping(
+        &mut self,
+        every: Duration,
+        standby: &mut impl FnMut(),
+    ) -> Result<(), StateError> {
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
         loop {
             self.lock
@@ -312,7 +327,7 @@ impl Candidate {
                 .map_err(protocol("pinging the lock queue"))?;
             match tokio::time::timeout(every, self.consumer.next()).await {
                 Err(_) => standby(), // not active: another instance owns the route
-                Ok(Some(Ok(_))) => break,
+                Ok(Some(Ok(_))) => return Ok(()),
                 Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
                 Ok(None) => {
                     return Err(StateError::Refused {
@@ -322,15 +337,29 @@ impl Candidate {
                 }
             }
         }
-        let writer = self
-            .connection
-            .create_channel()
-            .await
-            .map_err(protocol("opening the state writer channel"))?;
-        writer
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(protocol("confirm.select on the state writer channel"))?;
+    }
+
+    /// Elected: open the writer channel on the lock connection.
+    async fn into_session(self) -> Result<StateSession, StateError> {
+        let opened = async {
+            let writer = self
+                .connection
+                .create_channel()
+                .await
+                .map_err(protocol("opening the state writer channel"))?;
+            writer
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(protocol("confirm.select on the state writer channel"))?;
+            Ok::<_, StateError>(writer)
+        };
+        let writer = match opened.await {
+            Ok(w) => w,
+            Err(e) => {
+                self.close().await;
+                return Err(e);
+            }
+        };
         // The owner keeps receiving the standbys' pings: drop them. If the
         // broker cancels the consumer (the lock queue was deleted), the
         // lock is lost as surely as with the connection.
