@@ -70,6 +70,9 @@ const STORE_RETRY: Duration = Duration::from_millis(500);
 /// While paused, how often the intake looks whether it may resume.
 const RECHECK: Duration = Duration::from_millis(100);
 
+/// At stop, how long the source may take to pause.
+const STOP_WAIT: Duration = Duration::from_secs(5);
+
 #[derive(Clone)]
 pub struct Intake {
     pub route: Arc<Route>,
@@ -159,11 +162,20 @@ impl Intake {
                 .instrument(span),
             );
         }
-        if let Err(e) = source.pause().await {
-            tracing::debug!(error = %e, "pausing source at shutdown");
+        // Bounded: a source whose connection died mid-call may never answer.
+        match tokio::time::timeout(STOP_WAIT, source.pause()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "pausing source at shutdown"),
+            Err(_) => {
+                tracing::warn!(route = %route, "the source did not pause in time; closing it")
+            }
         }
-        // Deliveries already taken finish storing and get acked.
-        let _ = permits.acquire_many(this.concurrency.max(1) as u32).await;
+        // Deliveries already taken finish storing and get acked (or go back
+        // to the broker when the channel closes).
+        let all = permits.acquire_many(this.concurrency.max(1) as u32);
+        if tokio::time::timeout(STOP_WAIT * 6, all).await.is_err() {
+            tracing::warn!(route = %route, "deliveries still being stored at stop; the broker gets them back");
+        }
         this.pressure.set_paused(&route, None);
         source.close().await;
     }

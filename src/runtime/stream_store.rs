@@ -40,6 +40,9 @@ use crate::engine::{Engine, EngineError, Stored, Storing};
 /// Records appended per publish batch.
 const WRITE_BATCH: usize = 1000;
 
+/// How long the intake may take to stop when the lock is lost.
+const INTAKE_STOP: Duration = Duration::from_secs(45);
+
 /// How often a standby tries to take the lock.
 const LOCK_RETRY: Duration = Duration::from_secs(1);
 
@@ -382,7 +385,13 @@ impl StreamStore {
                 _ = failed.cancelled() => false,
             };
             intake_stop.cancel();
-            let _ = intake.await;
+            // Bounded (the intake bounds its own stop too): ownership must
+            // be given up even if a broker call never returns.
+            let abort = intake.abort_handle();
+            if tokio::time::timeout(INTAKE_STOP, intake).await.is_err() {
+                tracing::warn!(route = %self.route, "the intake did not stop in time; abandoning it");
+                abort.abort();
+            }
             if stopping {
                 return; // the runtime calls `flush` once publishes are done
             }

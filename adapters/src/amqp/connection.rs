@@ -230,9 +230,14 @@ impl Broker {
         let mut replace = false;
         if let Some(connection) = &state.connection {
             if connection.status().connected() {
-                match connection.create_channel().await {
-                    Ok(channel) => return Ok(channel),
-                    Err(error) if connection.status().connected() => {
+                // Bounded: on a connection that died without lapin noticing
+                // yet, channel.open may never be answered.
+                let opened =
+                    tokio::time::timeout(self.options.connect_timeout, connection.create_channel())
+                        .await;
+                match opened {
+                    Ok(Ok(channel)) => return Ok(channel),
+                    Ok(Err(error)) if connection.status().connected() => {
                         // lapin 4 never frees the id of a channel the broker
                         // closed (a publish to a missing exchange, say), so
                         // after channel_max of those a live connection opens
@@ -242,9 +247,14 @@ impl Broker {
                               %error, "cannot open a channel on a live connection; replacing the connection");
                         replace = true;
                     }
-                    Err(error) => {
+                    Ok(Err(error)) => {
                         warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
                               %error, "AMQP connection lost");
+                    }
+                    Err(_) => {
+                        warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                              "opening a channel timed out; replacing the connection");
+                        replace = true;
                     }
                 }
             } else {
