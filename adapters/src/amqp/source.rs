@@ -122,6 +122,9 @@ pub struct AmqpSource {
 /// How long [`Source::close`] waits for the channel's close-ok.
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
+/// How long a pause waits for `basic.cancel` and the consumer's end.
+const CANCEL_WAIT: Duration = Duration::from_secs(5);
+
 impl std::fmt::Debug for AmqpSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AmqpSource")
@@ -484,8 +487,16 @@ impl Worker {
                     }
                     Some(Command::Pause(reply)) => {
                         self.paused = true;
+                        // Bounded: on a connection that dies mid-cancel,
+                        // the cancel-ok or the stream's end may never come,
+                        // and the source would neither answer nor reconnect.
                         let healthy = match consumer.take() {
-                            Some(c) => self.cancel(&channel, c).await,
+                            Some(c) => tokio::time::timeout(CANCEL_WAIT, self.cancel(&channel, c))
+                                .await
+                                .unwrap_or_else(|_| {
+                                    warn!(queue = %queue, "basic.cancel not answered in time; reconnecting");
+                                    false
+                                }),
                             None => true,
                         };
                         info!(queue = %queue, "AMQP source paused");
