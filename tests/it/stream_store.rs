@@ -77,6 +77,34 @@ impl StreamRoute {
         d
     }
 
+    /// A second instance, once it stands by (and is ready).
+    async fn start_standby(&self) -> Delayd {
+        let d = self.start().await;
+        wait_for("the second instance to stand by", DEADLINE, || async {
+            let ready = d.readyz();
+            (ready["routes"][&self.names.route] == "standby" && ready["ready"] == true)
+                .then_some(())
+        })
+        .await;
+        d
+    }
+
+    /// How many of `instances` report the route in `state`.
+    fn count_in(&self, instances: &[&Delayd], state: &str) -> usize {
+        instances
+            .iter()
+            .filter(|d| d.readyz()["routes"][&self.names.route] == state)
+            .count()
+    }
+
+    /// Waits until the owner `d` holds `count` messages.
+    async fn wait_stored(&self, d: &Delayd, count: usize) {
+        wait_for("every message stored by the owner", DEADLINE, || async {
+            (d.pending() == count as u64).then_some(())
+        })
+        .await;
+    }
+
     /// Waits until `d` owns the route and consumes it.
     async fn wait_owner(&self, d: &Delayd) {
         wait_for("the instance to own the route", DEADLINE, || async {
@@ -217,18 +245,10 @@ async fn an_owner_killed_with_its_disk_loses_nothing() {
     let r = StreamRoute::new("stream-kill").await;
     let _cleanup = r.names.cleanup();
     let mut a = r.start_owner().await;
-    let b = r.start().await;
-    wait_for("the second instance to stand by", DEADLINE, || async {
-        let ready = b.readyz();
-        (ready["routes"][&r.names.route] == "standby" && ready["ready"] == true).then_some(())
-    })
-    .await;
+    let b = r.start_standby().await;
 
     let sent = r.send("kill", COUNT, 5000..20_000).await;
-    wait_for("every message stored by the owner", DEADLINE, || async {
-        (a.pending() == COUNT as u64).then_some(())
-    })
-    .await;
+    r.wait_stored(&a, COUNT).await;
     assert_eq!(b.pending(), 0, "the standby stored messages");
     let held = a.pending();
     let wal = a.wal_dir();
@@ -330,16 +350,9 @@ async fn an_owner_that_loses_its_connections_gives_the_route_up_and_loses_nothin
     let r = StreamRoute::new("stream-lost").await;
     let _cleanup = r.names.cleanup();
     let a = r.start_owner().await;
-    let b = r.start().await;
-    wait_for("the second instance to stand by", DEADLINE, || async {
-        (b.readyz()["routes"][&r.names.route] == "standby").then_some(())
-    })
-    .await;
+    let b = r.start_standby().await;
     let sent = r.send("lost", COUNT, 4000..8000).await;
-    wait_for("every message stored by the owner", DEADLINE, || async {
-        (a.pending() == COUNT as u64).then_some(())
-    })
-    .await;
+    r.wait_stored(&a, COUNT).await;
     // The broker closes every connection of the owner: its lock goes, and
     // with it the right to fire what it holds.
     let closed = a.close_broker_connections();
@@ -357,10 +370,7 @@ async fn an_owner_that_loses_its_connections_gives_the_route_up_and_loses_nothin
     let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
     eprintln!("duplicates {duplicates}");
     // Exactly one owner afterwards, whichever took the lock.
-    let owners = [&a, &b]
-        .iter()
-        .filter(|d| d.readyz()["routes"][&r.names.route] == "consuming")
-        .count();
+    let owners = r.count_in(&[&a, &b], "consuming");
     assert_eq!(owners, 1, "owners after the hand-over: {owners}");
     r.delete_streams().await;
 }
@@ -374,10 +384,7 @@ async fn scaling_down_leaves_the_route_to_the_instance_left() {
     let b = r.start().await;
     let mut c = r.start().await;
     let sent = r.send("scale", COUNT, 4000..10_000).await;
-    wait_for("every message stored by the owner", DEADLINE, || async {
-        (a.pending() == COUNT as u64).then_some(())
-    })
-    .await;
+    r.wait_stored(&a, COUNT).await;
     // The owner and one standby leave.
     for d in [&mut a, &mut c] {
         let status = d.sigterm_and_wait(Duration::from_secs(30)).await;
@@ -403,10 +410,7 @@ async fn a_paused_former_owner_only_adds_duplicates() {
     let a = r.start_owner().await;
     let b = r.start().await;
     let sent = r.send("zombie", COUNT, 8000..14_000).await;
-    wait_for("every message stored by the owner", DEADLINE, || async {
-        (a.pending() == COUNT as u64).then_some(())
-    })
-    .await;
+    r.wait_stored(&a, COUNT).await;
     a.signal("-STOP");
     wait_for(
         "B to restore the frozen owner's messages",
@@ -466,11 +470,7 @@ async fn deleting_the_lock_queue_ends_the_owners_session_and_loses_nothing() {
     let r = StreamRoute::new("stream-unlock").await;
     let _cleanup = r.names.cleanup();
     let a = r.start_owner().await;
-    let b = r.start().await;
-    wait_for("the second instance to stand by", DEADLINE, || async {
-        (b.readyz()["routes"][&r.names.route] == "standby").then_some(())
-    })
-    .await;
+    let b = r.start_standby().await;
     // The broker cancels every consumer of the lock. The owner must take it
     // as a lost lock at once: idle, no failed write would tell it, and the
     // other instance is elected on the new lock queue.
@@ -489,15 +489,8 @@ async fn deleting_the_lock_queue_ends_the_owners_session_and_loses_nothing() {
     })
     .await;
     wait_for("exactly one owner", DEADLINE, || async {
-        let owners = [&a, &b]
-            .iter()
-            .filter(|d| d.readyz()["routes"][&r.names.route] == "consuming")
-            .count();
-        let others = [&a, &b]
-            .iter()
-            .filter(|d| d.readyz()["routes"][&r.names.route] == "standby")
-            .count();
-        (owners == 1 && others == 1).then_some(())
+        let both = [&a, &b];
+        (r.count_in(&both, "consuming") == 1 && r.count_in(&both, "standby") == 1).then_some(())
     })
     .await;
     let sent = r.send("unlock", COUNT, 2000..5000).await;
