@@ -49,6 +49,11 @@ pub struct WalSection {
     pub compact_below: f64,
     /// `skip` (report and carry on) or `refuse` (do not start) on corruption.
     pub on_corruption: OnCorruption,
+    /// How long a group commit waits for more records before its
+    /// fdatasync. Fewer fdatasyncs, acks that much later; due times count
+    /// from arrival, so deliveries are not delayed by it.
+    #[serde(with = "duration")]
+    pub commit_delay: Duration,
 }
 
 impl Default for WalSection {
@@ -60,6 +65,7 @@ impl Default for WalSection {
             max_message_bytes: 16 << 20,
             compact_below: 0.5,
             on_corruption: OnCorruption::Skip,
+            commit_delay: Duration::ZERO,
         }
     }
 }

@@ -35,18 +35,47 @@ fn sweep_keys(inner: &Inner) {
 /// Delete what is dead, then compact at most one sparse segment.
 pub(crate) async fn once(inner: &Arc<Inner>) -> Result<(), EngineError> {
     let _one_at_a_time = inner.compacting.lock().await;
-    let wal = inner.wal.clone();
-    tokio::task::spawn_blocking(move || wal.collect_garbage())
-        .await
-        .map_err(|_| EngineError::WriterGone)??;
+    collect_garbage(inner).await?;
     if let Some(segment) = inner.wal.compaction_candidate() {
         compact(inner, segment).await?;
-        let wal = inner.wal.clone();
-        tokio::task::spawn_blocking(move || wal.collect_garbage())
-            .await
-            .map_err(|_| EngineError::WriterGone)??;
+        collect_garbage(inner).await?;
     }
     Ok(())
+}
+
+/// Delete dead segments, keeping what redelivery detection needs of them.
+async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
+    let inner = inner.clone();
+    tokio::task::spawn_blocking(move || {
+        let wal = inner.wal.clone();
+        wal.collect_garbage_after(|segments| digest_remembered(&inner, segments))
+    })
+    .await
+    .map_err(|_| EngineError::WriterGone)??;
+    Ok(())
+}
+
+/// Before `segments` are deleted: remembered records whose ack is
+/// unconfirmed and that were written there are compared by digest from now
+/// on (see `dedup`). Blocking reads, usually none.
+fn digest_remembered(inner: &Inner, segments: &[u32]) {
+    let wanted = inner.state().unconfirmed.written_in(segments);
+    for (id, pos) in wanted {
+        match inner.wal.read(pos) {
+            Ok(Record::Schedule {
+                id: stored,
+                route,
+                message,
+                ..
+            }) if stored == id => {
+                let digest = super::dedup::digest(&route, &message);
+                inner.state().unconfirmed.set_digest(id, digest);
+            }
+            other => {
+                tracing::warn!(id, error = ?other.err(), "cannot read a remembered record before its segment goes; a redelivery of it will be stored again")
+            }
+        }
+    }
 }
 
 /// Copy a segment's live records to the head, repoint the index, delete it.
@@ -140,6 +169,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
     for rx in late_dones {
         rx.await.map_err(|_| EngineError::WriterGone)??;
     }
+    digest_remembered(inner, &[segment]);
     inner.wal.remove_compacted(segment)?;
     tracing::info!(segment = first_seq, moved, "compacted WAL segment");
     metrics::counter!("delayd_wal_compactions_total").increment(1);

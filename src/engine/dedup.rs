@@ -13,10 +13,37 @@
 //! offset, so two records with equal content are never merged; an AMQP
 //! message that is published twice on purpose and redelivered within the
 //! window can be (the documented at-least-once caveat).
+//!
+//! A remembered record's bytes are read where it was written, which works
+//! after it fired until its segment is deleted. Garbage collection and
+//! compaction therefore replace a remembered record's position by a SHA-256
+//! of its route and bytes before deleting the segment. Without that, a Kafka
+//! partition given back after a crash redelivered records whose segment was
+//! already gone, and each was stored and sent again under a new id.
 
 use std::collections::{HashMap, VecDeque};
 
+use sha2::{Digest as _, Sha256};
+
 use crate::wal::WalPos;
+
+/// What a remembered record's bytes are compared with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Evidence {
+    /// Where its Schedule was written (readable until its segment is deleted).
+    At(WalPos),
+    /// [`digest`] of its route and bytes, taken before its segment went.
+    Digest([u8; 32]),
+}
+
+/// SHA-256 of (route, encoded message): equal digests mean equal bytes.
+pub fn digest(route: &str, message: &[u8]) -> [u8; 32] {
+    let mut hash = Sha256::new();
+    hash.update((route.len() as u64).to_le_bytes());
+    hash.update(route.as_bytes());
+    hash.update(message);
+    hash.finalize().into()
+}
 
 /// A 64-bit bucket key for (route, encoded message): CRC32C of both, and the
 /// message length. Only picks candidates; equality is decided on the bytes.
@@ -31,9 +58,8 @@ pub struct Unconfirmed {
     /// Ids in the order they were added; may hold ids removed since (skipped
     /// on eviction, dropped when it grows past twice the live count).
     order: VecDeque<u64>,
-    /// Id → (fingerprint, where its Schedule was written). The position
-    /// stays readable after the message fired, until its segment is deleted.
-    fingerprints: HashMap<u64, (u64, WalPos)>,
+    /// Id → (fingerprint, what its bytes are compared with).
+    fingerprints: HashMap<u64, (u64, Evidence)>,
     /// Fingerprint → ids with it (almost always one).
     ids: HashMap<u64, Vec<u64>>,
     capacity: usize,
@@ -63,7 +89,11 @@ impl Unconfirmed {
                 None => break,
             }
         }
-        if self.fingerprints.insert(id, (fp, pos)).is_none() {
+        if self
+            .fingerprints
+            .insert(id, (fp, Evidence::At(pos)))
+            .is_none()
+        {
             self.ids.entry(fp).or_default().push(id);
             self.order.push_back(id);
         }
@@ -87,9 +117,28 @@ impl Unconfirmed {
         true
     }
 
-    /// Remembered (id, position) whose fingerprint is `fp`: candidates to
+    /// Remembered records whose Schedule was written in one of `segments`
+    /// and that have no digest yet.
+    pub fn written_in(&self, segments: &[u32]) -> Vec<(u64, WalPos)> {
+        self.fingerprints
+            .iter()
+            .filter_map(|(&id, &(_, evidence))| match evidence {
+                Evidence::At(pos) if segments.contains(&pos.segment) => Some((id, pos)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Compare `id` by this digest from now on (its segment is going).
+    pub fn set_digest(&mut self, id: u64, digest: [u8; 32]) {
+        if let Some((_, evidence)) = self.fingerprints.get_mut(&id) {
+            *evidence = Evidence::Digest(digest);
+        }
+    }
+
+    /// Remembered (id, evidence) whose fingerprint is `fp`: candidates to
     /// compare.
-    pub fn candidates(&self, fp: u64) -> Vec<(u64, WalPos)> {
+    pub fn candidates(&self, fp: u64) -> Vec<(u64, Evidence)> {
         let Some(ids) = self.ids.get(&fp) else {
             return Vec::new();
         };
@@ -113,7 +162,7 @@ mod tests {
         offset: 16,
     };
 
-    fn ids(c: Vec<(u64, WalPos)>) -> Vec<u64> {
+    fn ids(c: Vec<(u64, Evidence)>) -> Vec<u64> {
         c.into_iter().map(|(id, _)| id).collect()
     }
 

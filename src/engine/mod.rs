@@ -502,22 +502,27 @@ impl Engine {
     /// candidates, and a hash match alone would drop a message never stored.
     fn take_stored_copy(&self, route: &str, fp: u64, message: &[u8]) -> bool {
         let candidates = self.state().unconfirmed.candidates(fp);
-        for (id, written_at) in candidates {
-            // Where it is now (compaction may have moved it), else where it
-            // was written (it may have fired since; its frame is still there
-            // until the segment is deleted).
-            let pos = self
-                .state()
-                .locate(id)
-                .map_or(written_at, |(s, _, _)| s.pos);
-            let same = match self.inner.wal.read(pos) {
-                Ok(Record::Schedule {
-                    id: stored_id,
-                    route: stored_route,
-                    message: stored,
-                    ..
-                }) => stored_id == id && stored_route == route && stored == message,
-                _ => false,
+        for (id, evidence) in candidates {
+            let same = match evidence {
+                // Its segment is gone; the digest was taken before.
+                dedup::Evidence::Digest(digest) => digest == dedup::digest(route, message),
+                dedup::Evidence::At(written_at) => {
+                    // Where it is now (compaction may have moved it), else
+                    // where it was written (it may have fired since).
+                    let pos = self
+                        .state()
+                        .locate(id)
+                        .map_or(written_at, |(s, _, _)| s.pos);
+                    match self.inner.wal.read(pos) {
+                        Ok(Record::Schedule {
+                            id: stored_id,
+                            route: stored_route,
+                            message: stored,
+                            ..
+                        }) => stored_id == id && stored_route == route && stored == message,
+                        _ => false,
+                    }
+                }
             };
             if same {
                 self.state().unconfirmed.remove(id);

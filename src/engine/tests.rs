@@ -639,6 +639,60 @@ async fn a_redelivery_of_a_message_that_already_fired_is_recognised() {
     r.stop().await;
 }
 
+/// Kafka gives a crashed instance's partitions back seconds after its
+/// restart: by then the records recovered from the WAL have fired and their
+/// segments could be collected. The redelivery must still be recognised, not
+/// stored (and sent) again under a new id.
+#[tokio::test]
+async fn a_redelivery_is_recognised_after_its_segment_would_have_been_collected() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.gc_interval = Duration::from_secs(3600); // collection only when asked
+    let mut r = start(cfg, Arc::new(SystemClock));
+    let unacked = b"its ack never reached the broker".to_vec();
+    let Stored::New(first) = r
+        .engine
+        .store("r", now(), unacked.clone(), true)
+        .await
+        .unwrap()
+    else {
+        panic!("stored")
+    };
+    // Fill and seal several segments with messages whose acks are confirmed.
+    for i in 0..120u32 {
+        let body = [i.to_le_bytes().to_vec(), vec![1; 300]].concat();
+        if let Stored::New(id) = r.engine.store("r", now(), body, false).await.unwrap() {
+            r.engine.confirm_ack(id);
+        }
+    }
+    for _ in 0..121 {
+        r.recv().await;
+    }
+    let before = r.engine.space();
+    for _ in 0..before.segments {
+        r.engine.compact_now().await.unwrap();
+    }
+    let after = r.engine.space();
+    assert!(
+        after.segments < before.segments,
+        "collection ran: {before:?} -> {after:?}"
+    );
+    assert_eq!(
+        r.engine
+            .store("r", now(), unacked.clone(), true)
+            .await
+            .unwrap(),
+        Stored::Duplicate,
+        "message {first} was stored a second time"
+    );
+    // Matched once, it is forgotten: the next copy is a new message.
+    assert!(matches!(
+        r.engine.store("r", now(), unacked, true).await.unwrap(),
+        Stored::New(_)
+    ));
+    r.stop().await;
+}
+
 #[tokio::test]
 async fn compaction_keeps_a_record_that_is_durable_but_not_yet_armed() {
     let dir = tempfile::tempdir().unwrap();

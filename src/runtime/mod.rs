@@ -44,6 +44,7 @@ pub fn engine_config(config: &Config) -> EngineConfig {
     wal.compact_below = config.wal.compact_below;
     wal.on_corruption = config.wal.on_corruption;
     wal.create_dir = config.wal.create_dir;
+    wal.commit_delay = config.wal.commit_delay;
     EngineConfig {
         max_in_flight: config.engine.max_in_flight,
         max_bytes_in_flight: config.engine.max_bytes_in_flight.clamp(1, u32::MAX as u64) as usize,

@@ -144,6 +144,10 @@ pub struct WalConfig {
     /// Longest a delivered message's Done waits, unwritten, for a batch
     /// written anyway (see [`Wal::append_fired`]). Default 100 ms.
     pub lazy_done_wait: std::time::Duration,
+    /// How long a group commit waits for more records after its first one
+    /// (0: it starts at once). Fewer fdatasyncs for a later ack; a message's
+    /// due time counts from its arrival, so this never delays a delivery.
+    pub commit_delay: std::time::Duration,
     /// Create `dir` if it is missing. Off by default: a missing directory
     /// may be a volume that is not mounted, and starting empty there would
     /// silently drop every pending message.
@@ -168,6 +172,7 @@ impl WalConfig {
             on_corruption: OnCorruption::Skip,
             max_batch_bytes: 4 << 20,
             lazy_done_wait: std::time::Duration::from_millis(100),
+            commit_delay: std::time::Duration::ZERO,
             create_dir: false,
         }
     }
@@ -403,7 +408,16 @@ impl Wal {
     /// Delete every sealed segment that no longer holds anything needed.
     /// Returns how many were deleted.
     pub fn collect_garbage(&self) -> Result<usize, WalError> {
+        self.collect_garbage_after(|_| {})
+    }
+
+    /// [`Wal::collect_garbage`], calling `before` with the segments about to
+    /// be deleted while they are still readable.
+    pub fn collect_garbage_after(&self, before: impl FnOnce(&[u32])) -> Result<usize, WalError> {
         let deletable = self.segments().deletable();
+        if !deletable.is_empty() {
+            before(&deletable);
+        }
         let mut deleted = 0;
         for ordinal in deletable {
             let removed = self.segments().remove(ordinal);

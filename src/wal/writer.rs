@@ -197,21 +197,22 @@ impl WriterState {
         // crash rules require).
         let mut batch: Vec<(AppendRequest, Reply)> = Vec::new();
         let mut bytes = 0;
-        // When the lazy Dones waiting in `batch` must be written.
-        let mut lazy_deadline: Option<std::time::Instant> = None;
+        // When the batch must be written unless it fills first: lazy Dones
+        // wait `lazy_done_wait` at most, other records `commit_delay`.
+        let mut deadline: Option<std::time::Instant> = None;
         loop {
-            let first = match lazy_deadline {
+            let first = match deadline {
                 None => match rx.recv() {
                     Ok(cmd) => cmd,
                     Err(_) => break,
                 },
-                Some(deadline) => {
-                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                Some(at) => {
+                    let left = at.saturating_duration_since(std::time::Instant::now());
                     match rx.recv_timeout(left) {
                         Ok(cmd) => cmd,
                         Err(mpsc::RecvTimeoutError::Timeout) => {
                             self.write_batch(&mut batch);
-                            (bytes, lazy_deadline) = (0, None);
+                            (bytes, deadline) = (0, None);
                             continue;
                         }
                         Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -223,6 +224,13 @@ impl WriterState {
             while let Some(cmd) = next.take() {
                 match cmd {
                     Command::Append(req, reply) => {
+                        let now = std::time::Instant::now();
+                        let wait = if req.is_lazy() {
+                            self.config.lazy_done_wait
+                        } else {
+                            self.config.commit_delay
+                        };
+                        deadline = Some(deadline.map_or(now + wait, |at| at.min(now + wait)));
                         bytes += req.size();
                         batch.push((req, reply));
                     }
@@ -232,14 +240,12 @@ impl WriterState {
                     next = rx.try_recv().ok();
                 }
             }
-            let all_lazy = batch.iter().all(|(req, _)| req.is_lazy());
-            if all_lazy && close.is_none() && bytes < self.config.max_batch_bytes {
-                let wait = self.config.lazy_done_wait;
-                lazy_deadline.get_or_insert_with(|| std::time::Instant::now() + wait);
+            let due = deadline.is_none_or(|at| at <= std::time::Instant::now());
+            if !due && close.is_none() && bytes < self.config.max_batch_bytes {
                 continue;
             }
             self.write_batch(&mut batch);
-            (bytes, lazy_deadline) = (0, None);
+            (bytes, deadline) = (0, None);
             if let Some(reply) = close {
                 let result = if self.is_stopped() {
                     Err(WalError::Stopped)
