@@ -172,9 +172,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(scrape::Scraper::new)
         .transpose()?;
-    let scraper = scraper.map(Arc::new);
     let before = match &scraper {
-        Some(s) => Some(sample(s.clone()).await?),
+        Some(s) => Some(s.sample().await?),
         None => None,
     };
     let run_id = format!("{}-{}", std::process::id(), SystemClock.now_ms());
@@ -367,7 +366,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         publish_secs,
     );
     if let (Some(scraper), Some(before)) = (scraper, before) {
-        let after = sample(scraper).await?;
+        let after = scraper.sample().await?;
         report.delayd_cpu_us_per_message =
             Some(scrape::cpu_us_per_message(before, after, report.received));
         report.delayd_resident_bytes = Some(after.resident_bytes);
@@ -461,10 +460,6 @@ fn summarise(
         delayd_cpu_us_per_message: None,
         delayd_resident_bytes: None,
     }
-}
-
-async fn sample(scraper: Arc<scrape::Scraper>) -> anyhow::Result<scrape::ProcessSample> {
-    tokio::task::spawn_blocking(move || scraper.sample()).await?
 }
 
 fn bench_message(run_id: &str, seq: u64, delay: u64, due: u64, body_bytes: usize) -> Message {

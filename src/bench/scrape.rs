@@ -37,11 +37,12 @@ impl Scraper {
         })
     }
 
-    /// Scrape once (blocking I/O: call from `spawn_blocking`).
-    pub fn sample(&self) -> anyhow::Result<ProcessSample> {
+    /// Scrape once.
+    pub async fn sample(&self) -> anyhow::Result<ProcessSample> {
         let response = self
             .client
-            .request("GET", &self.path)
+            .send("GET", &self.path)
+            .await
             .context("scraping delayd's metrics")?;
         anyhow::ensure!(
             response.status == 200,

@@ -16,6 +16,11 @@
 //! Ids that differ only in their low 3 bits share a hashed line of 16 cells, with their
 //! homes on every other cell, so sequential ids (the usual case) are inserted into the
 //! same cache line while leaving room in it for the runs of other lines' ids.
+//!
+//! `benches/id_index.rs` compares this table with `hashbrown::HashTable` doing the same
+//! job (figures in docs/benchmarks.md): this one is about 20 % smaller and inserts
+//! sequential ids faster from 1M entries up; hashbrown finds about 2× and removes about
+//! 1.5× faster at every size.
 
 /// An unused cell. Never a valid cell: slab indices stay below `2^bits - 1`.
 const EMPTY: u32 = u32::MAX;

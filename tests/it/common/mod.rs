@@ -17,8 +17,8 @@ pub mod seed;
 use std::collections::HashSet;
 use std::fs::File;
 use std::future::Future;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -749,39 +749,23 @@ pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> 
     http_request(addr, "GET", path, None)
 }
 
-/// A blocking HTTP/1.1 request with an optional bearer token: (status, body).
-/// The admin API sends fixed-length bodies, so reading to the end is enough.
+/// A blocking HTTP/1.1 request with an optional bearer token: (status, body),
+/// with delayd's own admin API client (callable from async tests too).
 pub fn http_request(
     addr: SocketAddr,
     method: &str,
     path: &str,
     token: Option<&str>,
 ) -> std::io::Result<(u16, String)> {
-    let timeout = Duration::from_secs(2);
-    let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
-    )?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response)?;
-    let response = String::from_utf8_lossy(&response);
-    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "malformed HTTP response");
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(bad)?;
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_owned())
-        .ok_or_else(bad)?;
-    Ok((status, body))
+    let mut client = delayd::client::Client::new(addr.to_string(), token.map(str::to_owned));
+    client.timeout = Duration::from_secs(2);
+    let response = client
+        .request(method, path)
+        .map_err(|e| std::io::Error::other(e.detail()))?;
+    Ok((
+        response.status,
+        String::from_utf8_lossy(&response.body).into_owned(),
+    ))
 }
 
 /// Runs `delayd <args>` to completion (for commands other than `run`).
