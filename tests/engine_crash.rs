@@ -6,9 +6,14 @@
 //! with its due time and bytes, and no cancelled one; a delivered one may
 //! stay (at-least-once) but unchanged. Compaction copies and segment
 //! deletions in flight at the kill must neither lose nor bring back anything.
+//! The child reports the compactions it finished (the engine's
+//! `delayd_wal_compactions_total`), and every other round is killed just as
+//! a compaction starts: the test requires that compactions ran and that at
+//! least one kill landed inside one.
 
 use std::collections::{BTreeMap, HashSet};
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -62,12 +67,63 @@ impl Dispatch for Printer {
     }
 }
 
+/// Counts the engine's `delayd_wal_compactions_total` (incremented once a
+/// compacted segment is removed) for the child to report; every other
+/// metric goes nowhere.
+struct CompactionCounter(Arc<AtomicU64>);
+
+impl metrics::Recorder for CompactionCounter {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() == "delayd_wal_compactions_total" {
+            metrics::Counter::from_arc(self.0.clone())
+        } else {
+            metrics::Counter::noop()
+        }
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
 /// Child mode: schedule and cancel forever, compacting all the while,
-/// printing what was acknowledged.
+/// printing what was acknowledged and, around each round of GC and
+/// compaction that has a segment to compact, `compacting` and
+/// `compacted <compactions finished so far>`.
 fn child(dir: &str) {
     // libtest has printed "test <name> ... " with no newline: end that line,
     // or the first line printed here would be read as garbage.
     println!();
+    let compactions = Arc::new(AtomicU64::new(0));
+    metrics::set_global_recorder(CompactionCounter(compactions.clone()))
+        .expect("the child's only recorder");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -87,7 +143,15 @@ fn child(dir: &str) {
             let engine = engine.clone();
             tokio::spawn(async move {
                 loop {
+                    let candidate = engine.wal().compaction_candidate().is_some();
+                    if candidate {
+                        child_process::say("compacting");
+                    }
                     let _ = engine.compact_now().await;
+                    if candidate {
+                        let done = compactions.load(Ordering::Relaxed);
+                        child_process::say(&format!("compacted {done}"));
+                    }
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
             });
@@ -148,8 +212,15 @@ fn sigkill_during_compaction_keeps_exactly_what_was_acknowledged() {
     // Every segment file seen after a round: some must later be gone, or
     // neither GC nor compaction ran and the test proved nothing about them.
     let mut seen_segments = HashSet::new();
+    // Compactions the children finished, and rounds killed between a
+    // `compacting` and its `compacted` (inside a round of GC and compaction
+    // with a segment to compact).
+    let (mut compactions, mut killed_compacting) = (0u64, 0u32);
     for round in 0..6 {
         let target = rng.draw(1000..7000);
+        // Odd rounds: killed at the first compaction that starts after the
+        // target, rather than at the target.
+        let at_compaction = round % 2 == 1;
         let (mut child, mut lines) = child_process::spawn(
             "sigkill_during_compaction_keeps_exactly_what_was_acknowledged",
             CHILD_ENV,
@@ -157,9 +228,15 @@ fn sigkill_during_compaction_keeps_exactly_what_was_acknowledged() {
         );
         let started = Instant::now();
         let (mut new_acks, mut killed) = (0u64, false);
+        let (mut compacting, mut round_compactions) = (false, 0u64);
         while let Some(Ok(line)) = lines.next() {
             let mut parts = line.split_whitespace();
             match (parts.next(), parts.next(), parts.next(), parts.next()) {
+                (Some("compacting"), None, None, None) => compacting = true,
+                (Some("compacted"), Some(done), None, None) => {
+                    compacting = false;
+                    round_compactions = done.parse().unwrap();
+                }
                 (Some("acked"), Some(id), Some(n), Some(due)) => {
                     let (n, due) = (n.parse().unwrap(), due.parse().unwrap());
                     acked.insert(id.parse().unwrap(), (n, due));
@@ -176,7 +253,8 @@ fn sigkill_during_compaction_keeps_exactly_what_was_acknowledged() {
                 }
                 _ => {}
             }
-            if !killed && (new_acks >= target || started.elapsed() > Duration::from_secs(60)) {
+            let due = new_acks >= target && (!at_compaction || line == "compacting");
+            if !killed && (due || started.elapsed() > Duration::from_secs(60)) {
                 child.kill().unwrap(); // SIGKILL
                 killed = true;
             }
@@ -185,6 +263,20 @@ fn sigkill_during_compaction_keeps_exactly_what_was_acknowledged() {
         assert!(
             killed,
             "seed {seed}: child exited on its own in round {round}"
+        );
+        // Everything the child printed has been read: a `compacting` with no
+        // `compacted` after it was cut short by the kill.
+        compactions += round_compactions;
+        if compacting {
+            killed_compacting += 1;
+        }
+        println!(
+            "round {round}: {round_compactions} compactions, killed {}",
+            if compacting {
+                "while compacting"
+            } else {
+                "between compactions"
+            }
         );
 
         let (engine, report) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
@@ -282,7 +374,8 @@ fn sigkill_during_compaction_keeps_exactly_what_was_acknowledged() {
         .filter(|name| !dir.path().join(name).exists())
         .count();
     println!(
-        "engine_crash: {} acknowledged, {} cancelled, {} delivered, {removed} of {} segments removed",
+        "engine_crash: {} acknowledged, {} cancelled, {} delivered, {removed} of {} segments removed, \
+         {compactions} compactions, {killed_compacting} rounds killed while compacting",
         acked.len(),
         cancelled.len(),
         delivered.len(),
@@ -291,6 +384,15 @@ fn sigkill_during_compaction_keeps_exactly_what_was_acknowledged() {
     assert!(
         removed > 0,
         "seed {seed}: no segment was ever collected or compacted"
+    );
+    // GC alone removes segments too: compaction must have run as well.
+    assert!(
+        compactions > 0,
+        "seed {seed}: no segment was ever compacted"
+    );
+    assert!(
+        killed_compacting > 0,
+        "seed {seed}: no kill landed while a compaction was under way"
     );
     assert!(!delivered.is_empty(), "seed {seed}: nothing fired");
 }

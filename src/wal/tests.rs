@@ -370,6 +370,7 @@ enum Op {
     Done(usize),
     Reopen,
     Gc,
+    Compact,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -378,20 +379,109 @@ fn op() -> impl Strategy<Value = Op> {
         4 => any::<usize>().prop_map(Op::Done),
         1 => Just(Op::Reopen),
         1 => Just(Op::Gc),
+        2 => Just(Op::Compact),
     ]
+}
+
+/// Live messages of the model: id -> (where its Schedule is, due, bytes).
+type Model = BTreeMap<u64, (WalPos, u64, Vec<u8>)>;
+
+/// Compact the sealed segment the log proposes, if any, as the engine does
+/// (`engine::compact`): append a copy of every live Schedule in it and every
+/// Done it holds for a Schedule in another segment still on disk, wait for
+/// them, move the model's positions to the copies, then delete the segment.
+/// Returns whether a segment was compacted.
+fn compact(wal: &Wal, model: &mut Model) -> bool {
+    let Some(segment) = wal.compaction_candidate() else {
+        return false;
+    };
+    let first_seq = wal.segment_first_seq(segment).unwrap();
+    let mut copies = Vec::new();
+    let mut done_copies = Vec::new();
+    for (offset, record) in wal.scan_segment(segment).unwrap() {
+        let at = WalPos { segment, offset };
+        match record {
+            Record::Schedule {
+                id,
+                due_ms,
+                route,
+                message,
+                ..
+            } => {
+                if model.get(&id).is_some_and(|(pos, _, _)| *pos == at) {
+                    let copy = wal.append_copy(id, due_ms, &route, message).unwrap();
+                    copies.push((id, at, copy));
+                }
+            }
+            Record::Done {
+                id,
+                segment: target,
+                ..
+            } => {
+                if target != first_seq && wal.segment_exists(target) {
+                    done_copies.push(wal.append_done_copy(id, target).unwrap());
+                }
+            }
+        }
+    }
+    for (id, old, copy) in copies {
+        let new = copy.blocking_recv().unwrap().unwrap().pos;
+        assert_ne!(new.segment, old.segment, "a copy went into its own segment");
+        model.get_mut(&id).unwrap().0 = new;
+        wal.mark_dead(old);
+        wal.keep_after(new.segment, old.segment);
+    }
+    for done in done_copies {
+        done.blocking_recv().unwrap().unwrap();
+    }
+    wal.remove_compacted(segment).unwrap();
+    true
+}
+
+/// Close the log, open it again and compare what it replays with the model.
+/// Returns the reopened log and the model with the positions recovery
+/// found (segment ordinals are renumbered on open).
+fn reopen_and_compare(
+    wal: Wal,
+    cfg: &WalConfig,
+    model: &Model,
+) -> Result<(Wal, Model), TestCaseError> {
+    close(wal);
+    let mut positions = Model::new();
+    let (reopened, report) = Wal::open(cfg.clone(), |rec, pos| match rec {
+        RecordRef::Schedule {
+            id,
+            due_ms,
+            message,
+            ..
+        } => {
+            positions.insert(id, (pos, due_ms, message.to_vec()));
+        }
+        RecordRef::Done { id, .. } => {
+            positions.remove(&id);
+        }
+    })
+    .unwrap();
+    prop_assert!(report.corruptions.is_empty());
+    let got: Vec<(u64, u64, &Vec<u8>)> = positions.iter().map(|(k, v)| (*k, v.1, &v.2)).collect();
+    let want: Vec<(u64, u64, &Vec<u8>)> = model.iter().map(|(k, v)| (*k, v.1, &v.2)).collect();
+    prop_assert_eq!(got, want);
+    reopened.set_live_counts(positions.values().map(|v| v.0));
+    Ok((reopened, positions))
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
-    /// After any mix of appends, Dones, garbage collection and reopens, the
-    /// live set read back equals the model.
+    /// After any mix of appends, Dones, garbage collection, compactions and
+    /// reopens, the live set read back equals the model, at every reopen and
+    /// once more at the end.
     #[test]
     fn recovery_equivalence(ops in proptest::collection::vec(op(), 1..120)) {
         let dir = tempfile::tempdir().unwrap();
         let cfg = WalConfig { segment_bytes: 1024, ..WalConfig::new(dir.path()) };
         let (mut wal, _, _) = open_live(cfg.clone()).unwrap();
-        let mut model: BTreeMap<u64, (WalPos, u64, Vec<u8>)> = BTreeMap::new();
+        let mut model = Model::new();
         for op in ops {
             match op {
                 Op::Schedule(n) => {
@@ -407,30 +497,58 @@ proptest! {
                 }
                 Op::Done(_) => {}
                 Op::Gc => { wal.collect_garbage().unwrap(); }
+                Op::Compact => { compact(&wal, &mut model); }
                 Op::Reopen => {
-                    close(wal);
-                    let mut positions = BTreeMap::new();
-                    let (reopened, report) = Wal::open(cfg.clone(), |rec, pos| match rec {
-                        RecordRef::Schedule { id, due_ms, message, .. } => {
-                            positions.insert(id, (pos, due_ms, message.to_vec()));
-                        }
-                        RecordRef::Done { id, .. } => {
-                            positions.remove(&id);
-                        }
-                    })
-                    .unwrap();
-                    prop_assert!(report.corruptions.is_empty());
-                    let got: Vec<(u64, u64, &Vec<u8>)> = positions.iter().map(|(k, v)| (*k, v.1, &v.2)).collect();
-                    let want: Vec<(u64, u64, &Vec<u8>)> = model.iter().map(|(k, v)| (*k, v.1, &v.2)).collect();
-                    prop_assert_eq!(got, want);
-                    reopened.set_live_counts(positions.values().map(|v| v.0));
-                    // Segment ordinals are renumbered on open: take the new positions.
-                    model = positions;
-                    wal = reopened;
+                    (wal, model) = reopen_and_compare(wal, &cfg, &model)?;
                 }
             }
         }
+        reopen_and_compare(wal, &cfg, &model)?;
     }
+}
+
+/// The compaction step of `recovery_equivalence` does compact: sparse
+/// sealed segments are rewritten into copies, and what they held survives
+/// a reopen.
+#[test]
+fn the_model_compaction_moves_live_records_and_removes_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = WalConfig {
+        segment_bytes: 1024,
+        ..WalConfig::new(dir.path())
+    };
+    let (wal, _, _) = open_live(cfg.clone()).unwrap();
+    let mut model = Model::new();
+    for n in 0..40u8 {
+        let msg = vec![n; 100];
+        let a = schedule(&wal, u64::from(n), &msg);
+        model.insert(a.id, (a.pos, u64::from(n), msg));
+    }
+    // Keep one in five: every sealed segment falls under the threshold.
+    let ids: Vec<u64> = model.keys().copied().collect();
+    for (i, id) in ids.iter().enumerate() {
+        if i % 5 != 0 {
+            let (pos, _, _) = model.remove(id).unwrap();
+            wal.append_done(*id, pos)
+                .unwrap()
+                .blocking_recv()
+                .unwrap()
+                .unwrap();
+        }
+    }
+    let before = model.clone();
+    let mut compacted = 0;
+    while compact(&wal, &mut model) {
+        compacted += 1;
+        assert!(compacted < 100, "compaction does not converge");
+    }
+    assert!(compacted > 0, "nothing was compacted");
+    let moved = model
+        .iter()
+        .filter(|(id, (pos, _, _))| before[*id].0 != *pos)
+        .count();
+    assert!(moved > 0, "no live record was moved");
+    reopen_and_compare(wal, &cfg, &model).unwrap();
 }
 
 #[test]

@@ -9,7 +9,9 @@ use crate::common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::{config_toml, now_ms, wait_for, Client, Delayd, DelaydOptions, Names, DEADLINE};
+use common::{
+    config_toml, now_ms, wait_for, Client, Delayd, DelaydOptions, Names, DEADLINE, LATE_MS,
+};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 
@@ -72,7 +74,10 @@ async fn a_stopping_instance_hands_its_messages_to_another() {
         "the leaving instance holds nothing; the test proves nothing"
     );
 
+    // Consuming from before anything falls due: receive times are arrival times.
+    let mut receiver = client.consume(&names.target_queue).await;
     let status = leaving.sigterm_and_wait(Duration::from_secs(20)).await;
+    let handed_off_ms = now_ms();
     assert_eq!(status.code(), Some(0), "log:\n{}", leaving.log_tail(40));
     let log = leaving.log_tail(40);
     assert!(
@@ -80,7 +85,6 @@ async fn a_stopping_instance_hands_its_messages_to_another() {
         "not all {held} handed off:\n{log}"
     );
 
-    let mut receiver = client.consume(&names.target_queue).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut arrived = BTreeMap::new();
     while arrived.len() < COUNT {
@@ -91,6 +95,14 @@ async fn a_stopping_instance_hands_its_messages_to_another() {
         let id = received.message_id().unwrap_or_default().to_owned();
         let (at, delay, i) = sent[&id];
         assert!(received.at_ms >= at + delay, "{id} arrived early");
+        // A message handed off after its due time leaves once the other
+        // instance has it: bounded by the later of the two.
+        let bound = (at + delay).max(handed_off_ms) + LATE_MS;
+        assert!(
+            received.at_ms < bound,
+            "{id} arrived {} ms late",
+            received.at_ms - (bound - LATE_MS)
+        );
         assert_eq!(received.delivery.data, format!("body {i}").as_bytes());
         let headers = received.properties().headers().clone().unwrap_or_default();
         for key in headers.inner().keys() {

@@ -71,15 +71,22 @@ fn messages_cli(args: &[&str]) -> (bool, String, String) {
 }
 
 /// Receives every message of `sent` (`message_id` -> publish time, ms) within
-/// 60 s: each once, none early (before `delay_ms` after its publish), and no
-/// message outside `sent`.
+/// 60 s: each once, none early (before `delay_ms` after its publish), none
+/// more than `late_ms` after `delay_ms` counted from the later of its
+/// publish and `since_ms` (when whatever held the messages back in the
+/// broker ended; 0 if nothing did), and no message outside `sent`. The
+/// receiver must consume from before the first message falls due, so that
+/// its receive times are arrival times.
 async fn receive_each_once(
     receiver: &mut Receiver,
     sent: &BTreeMap<String, u64>,
     delay_ms: u64,
+    since_ms: u64,
+    late_ms: u64,
 ) -> Vec<Received> {
     let mut arrived: HashSet<String> = HashSet::new();
     let mut all = Vec::new();
+    let mut latest = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
     while arrived.len() < sent.len() {
         let received = receiver.next(deadline).await.unwrap_or_else(|| {
@@ -94,9 +101,18 @@ async fn receive_each_once(
             .get(&id)
             .unwrap_or_else(|| panic!("unexpected message {id:?}"));
         assert!(received.at_ms >= sent_at + delay_ms, "{id} arrived early");
+        let late = received
+            .at_ms
+            .saturating_sub((*sent_at).max(since_ms) + delay_ms);
+        latest = latest.max(late);
+        assert!(
+            late <= late_ms,
+            "{id} arrived {late} ms late (more than {late_ms} ms)"
+        );
         assert!(arrived.insert(id.clone()), "{id} arrived twice");
         all.push(received);
     }
+    println!("latest of {}: {latest} ms late", sent.len());
     all
 }
 
@@ -473,15 +489,12 @@ async fn backpressure_stops_consuming_at_max_pending_and_loses_nothing() {
     let gauge = format!("delayd_backpressure{{route=\"{}\"}} 1", s.names.route);
     assert!(metrics.contains(&gauge), "no `{gauge}` in /metrics");
 
-    // Everything arrives, exactly once and not early, as delayd resumes.
+    // Everything arrives, exactly once and not early, as delayd resumes:
+    // LIMIT at a time, each a second after it was let in, so the last ones
+    // leave about COUNT / LIMIT seconds after they were published.
     let mut receiver = s.client.consume(&s.names.target_queue).await;
-    receive_each_once(&mut receiver, &sent, 1000).await;
-    if let Some(extra) = receiver
-        .next(Instant::now() + Duration::from_millis(500))
-        .await
-    {
-        panic!("an extra message arrived: {:?}", extra.message_id());
-    }
+    let throughput_ms = (COUNT as u64 / LIMIT) * 1000;
+    receive_each_once(&mut receiver, &sent, 1000, 0, throughput_ms + LATE_MS).await;
     watching.store(false, Ordering::Relaxed);
     let _ = watcher.join();
     // It got to the limit (the watcher saw it: a test that never sampled
@@ -607,11 +620,13 @@ async fn a_full_disk_pauses_consuming_and_loses_nothing_once_space_is_freed() {
         delayd.log_tail(50)
     );
 
-    // Space is freed: delayd resumes by itself and every message arrives,
-    // once, not early, byte-equal.
-    std::fs::remove_file(disk.path().join("filler")).expect("remove filler");
+    // Space is freed: delayd resumes by itself (its held deliveries probe
+    // the disk every 5 s) and every message arrives, once, not early,
+    // byte-equal, a second after it could be stored.
     let mut receiver = client.consume(&names.target_queue).await;
-    for received in receive_each_once(&mut receiver, &sent, 1000).await {
+    std::fs::remove_file(disk.path().join("filler")).expect("remove filler");
+    let stored_by_ms = now_ms() + 5000;
+    for received in receive_each_once(&mut receiver, &sent, 1000, stored_by_ms, LATE_MS).await {
         assert_eq!(received.delivery.data, body, "body changed");
     }
     wait_consuming_again(&delayd, &observer, &names).await;
@@ -654,7 +669,7 @@ async fn stored_messages_are_delivered_while_the_disk_is_full() {
     disk.fill("filler");
 
     let mut receiver = client.consume(&s.target_queue).await;
-    receive_each_once(&mut receiver, &sent, 5000).await;
+    receive_each_once(&mut receiver, &sent, 5000, 0, LATE_MS).await;
     wait_pending(&delayd, 0).await;
     // The disk really was full: their Done records did not fit.
     wait_for(
@@ -677,7 +692,7 @@ async fn stored_messages_are_delivered_while_the_disk_is_full() {
     client
         .publish(&s.from_exchange, "k", b"after", delayed("after", 500))
         .await;
-    receive_each_once(&mut receiver, &after, 500).await;
+    receive_each_once(&mut receiver, &after, 500, 0, LATE_MS).await;
     assert_eq!(
         delayd
             .sigterm_and_wait(Duration::from_secs(15))
@@ -707,6 +722,7 @@ async fn backpressure_on_a_quorum_queue_with_a_delivery_limit_loses_nothing() {
         },
     )
     .await;
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
     let mut sent = BTreeMap::new();
     for i in 0..COUNT {
         let id = format!("quorum-{i}");
@@ -720,8 +736,9 @@ async fn backpressure_on_a_quorum_queue_with_a_delivery_limit_loses_nothing() {
             )
             .await;
     }
-    let mut receiver = s.client.consume(&s.names.target_queue).await;
-    for received in receive_each_once(&mut receiver, &sent, 300).await {
+    // Four at a time (max_pending), each 300 ms after it was let in.
+    let throughput_ms = (COUNT as u64 / 4) * 300;
+    for received in receive_each_once(&mut receiver, &sent, 300, 0, throughput_ms + LATE_MS).await {
         assert_eq!(
             received.delivery.data,
             received.message_id().unwrap_or_default().as_bytes()
@@ -764,6 +781,7 @@ async fn big_messages_pass_a_small_byte_budget_intact() {
         &s.from_queue,
     )
     .await;
+    let mut receiver = client.consume(&s.target_queue).await;
     let mut sent = BTreeMap::new();
     let body = |i: usize| -> Vec<u8> { (0..700_000).map(|j| (i * 31 + j) as u8).collect() };
     for i in 0..COUNT {
@@ -773,8 +791,7 @@ async fn big_messages_pass_a_small_byte_budget_intact() {
             .publish(&s.from_exchange, "k", &body(i), delayed(&id, 800))
             .await;
     }
-    let mut receiver = client.consume(&s.target_queue).await;
-    for received in receive_each_once(&mut receiver, &sent, 800).await {
+    for received in receive_each_once(&mut receiver, &sent, 800, 0, LATE_MS).await {
         let id = received.message_id().unwrap_or_default().to_owned();
         let i: usize = id["big-".len()..].parse().unwrap();
         assert!(received.delivery.data == body(i), "{id} changed");
@@ -819,7 +836,7 @@ async fn a_wal_failure_without_intake_traffic_stops_delayd() {
 
     // The messages still go out (they were stored); then delayd stops.
     let mut receiver = client.consume(&s.target_queue).await;
-    receive_each_once(&mut receiver, &sent, 1500).await;
+    receive_each_once(&mut receiver, &sent, 1500, 0, LATE_MS).await;
     let status = delayd.wait_exit("of the WAL failure", DEADLINE).await;
     assert!(
         !status.success(),

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     now_ms, rabbitmq_major, reject, seeded, toml_string, unique_suffix, wait_for, Client,
-    DelaydOptions, Names, Received, Setup, DEADLINE,
+    DelaydOptions, Names, Received, Setup, DEADLINE, LATE_MS,
 };
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
@@ -151,6 +151,11 @@ async fn mixed_ttls_leave_in_ttl_order_and_none_early() {
             "{id} arrived {} ms after publishing, before its TTL of {ttl} ms",
             r.at_ms - at
         );
+        assert!(
+            r.at_ms < at + ttl + LATE_MS,
+            "{id} arrived {} ms after its TTL of {ttl} ms",
+            r.at_ms - at - ttl
+        );
         assert_eq!(r.properties().expiration(), &None, "{id} keeps expiration");
         order.push(id);
     }
@@ -198,7 +203,8 @@ async fn dead_letter_headers_match_rabbitmq_after_one_and_several_cycles() {
         ("CC", string_array(&["order.cc"])),
         ("BCC", string_array(&["order.bcc"])),
     ]);
-    let published_s = now_ms() / 1000;
+    let published_ms = now_ms();
+    let published_s = published_ms / 1000;
     s.client
         .publish(
             &s.names.from_exchange,
@@ -208,6 +214,7 @@ async fn dead_letter_headers_match_rabbitmq_after_one_and_several_cycles() {
         )
         .await;
     let (ours, theirs) = take_pair(&mut target).await;
+    assert_on_time(&ours, published_ms, 300);
     let first_time = assert_same_deaths(&ours, &theirs, 1);
     assert!(
         (published_s..=now_ms() / 1000).contains(&first_time),
@@ -252,6 +259,7 @@ async fn dead_letter_headers_match_rabbitmq_after_one_and_several_cycles() {
     // Two more cycles: each copy goes back to its own wait queue, directly.
     let (mut ours, mut theirs) = (ours, theirs);
     for cycle in 2..=3 {
+        let republished_ms = now_ms();
         for (copy, queue) in [(&ours, &s.names.from_queue), (&theirs, &wait_queue)] {
             let headers = copy.properties().headers().clone().unwrap_or_default();
             s.client
@@ -264,6 +272,7 @@ async fn dead_letter_headers_match_rabbitmq_after_one_and_several_cycles() {
                 .await;
         }
         (ours, theirs) = take_pair(&mut target).await;
+        assert_on_time(&ours, republished_ms, 200);
         let time = assert_same_deaths(&ours, &theirs, cycle);
         assert_eq!(time, first_time, "x-death time is that of the first death");
         let entry = &x_death(&ours)[0];
@@ -281,6 +290,22 @@ async fn dead_letter_headers_match_rabbitmq_after_one_and_several_cycles() {
         );
     }
     s.client.close().await;
+}
+
+/// `received` (published at `sent_ms` with a TTL of `ttl_ms`) arrived no
+/// sooner than its TTL and no more than [`LATE_MS`] after it.
+fn assert_on_time(received: &Received, sent_ms: u64, ttl_ms: u64) {
+    let due = sent_ms + ttl_ms;
+    assert!(
+        received.at_ms >= due,
+        "arrived {} ms before its TTL",
+        due - received.at_ms
+    );
+    assert!(
+        received.at_ms < due + LATE_MS,
+        "arrived {} ms after its TTL",
+        received.at_ms - due
+    );
 }
 
 /// Reads delayd's copy (with `x-delayd-id`) and the broker's copy of one message.
@@ -367,9 +392,11 @@ async fn replaced_routing_key_drops_cc_and_message_ttl_caps_expiration() {
         .await;
     let r = target.expect("the dead-lettered message").await;
     assert!(r.at_ms >= sent + 1500, "arrived before message_ttl");
+    // Bounded by message_ttl (and not the message's 10 minutes).
     assert!(
-        r.at_ms < sent + 600_000,
-        "message_ttl did not cap the expiration"
+        r.at_ms < sent + 1500 + LATE_MS,
+        "arrived {} ms after message_ttl: it did not cap the expiration",
+        r.at_ms - sent - 1500
     );
     assert_eq!(r.delivery.routing_key.as_str(), "replaced");
     assert_eq!(r.header("CC"), None);
@@ -508,6 +535,11 @@ async fn retry_succeeds_on_attempt_two() {
         "retried {} ms after the rejection, before the 800 ms back-off",
         second.at_ms - rejected_at
     );
+    assert!(
+        second.at_ms < rejected_at + 800 + LATE_MS,
+        "retried {} ms after the 800 ms back-off",
+        second.at_ms - rejected_at - 800
+    );
     assert_eq!(attempt(&second), Some(2));
     assert_eq!(work_queue_count(&second, &r.work_queue), 1);
     assert_eq!(
@@ -518,16 +550,22 @@ async fn retry_succeeds_on_attempt_two() {
     assert_eq!(second.delivery.data, b"push");
     assert_eq!(second.message_id(), Some("p1"));
     // Acked on attempt 2: nothing pending, nothing parked, no third try.
+    // delayd stored one rejection and published one retry (counted before
+    // its Done, so before pending falls to 0); with nothing left pending
+    // and nothing more rejected, no third attempt can follow.
     wait_for("no pending retry", DEADLINE, || async {
         (s.delayd.pending() == 0).then_some(())
     })
     .await;
     assert_eq!(
-        work.next(Instant::now() + Duration::from_millis(1500))
-            .await
-            .map(|r| attempt(&r)),
-        None,
-        "a third attempt arrived after success"
+        s.delayd.metric("delayd_scheduled_total"),
+        1.0,
+        "rejections stored"
+    );
+    assert_eq!(
+        s.delayd.metric("delayd_fired_total"),
+        1.0,
+        "retries published: a third attempt went out after success"
     );
     assert_nothing_parked(&s.client, &r.park_queue).await;
     r.s.client.close().await;
@@ -561,6 +599,11 @@ async fn retry_parks_after_max_attempts() {
                 "attempt {n} came {} ms after the rejection, before its {wait} ms back-off",
                 got.at_ms - rejected_at
             );
+            assert!(
+                got.at_ms < rejected_at + wait + LATE_MS,
+                "attempt {n} came {} ms after its {wait} ms back-off",
+                got.at_ms - rejected_at - wait
+            );
             assert_eq!(attempt(&got), Some(n));
             if broker_counts {
                 assert_eq!(work_queue_count(&got, &r.work_queue), n - 1);
@@ -581,12 +624,19 @@ async fn retry_parks_after_max_attempts() {
     let reason = p.header_text("x-delayd-park-reason").unwrap_or_default();
     assert!(reason.contains("3 failed attempts"), "{reason}");
     assert_eq!(s.delayd.pending(), 0);
+    // Parked (counted once its publish is confirmed, which may trail the
+    // broker's queue count) and never retried again: attempts 2 and 3 were
+    // the only ones delayd published, nothing is pending, so no fourth
+    // attempt can follow.
+    wait_for("the park counted", DEADLINE, || async {
+        (s.delayd.metric("delayd_parked_total") >= 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(s.delayd.metric("delayd_parked_total"), 1.0, "parked");
     assert_eq!(
-        work.next(Instant::now() + Duration::from_millis(1000))
-            .await
-            .map(|r| attempt(&r)),
-        None,
-        "a fourth attempt arrived after parking"
+        s.delayd.metric("delayd_fired_total"),
+        2.0,
+        "retries published: a fourth attempt went out after parking"
     );
     r.s.client.close().await;
 }
@@ -596,6 +646,10 @@ async fn retry_parks_after_max_attempts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_retry_loses_nothing() {
     const N: usize = 30;
+    const BACKOFF_MS: u64 = 3000;
+    /// Between two rejections: the retries fall due one by one, this far
+    /// apart, over 1.45 s (all stored before the first is due).
+    const SPREAD: Duration = Duration::from_millis(50);
     let mut r = retry_setup("retry-kill", "[\"3s\"]", 2).await;
     let mut work = r.s.client.consume(&r.work_queue).await;
     for i in 0..N {
@@ -608,37 +662,81 @@ async fn killed_mid_retry_loses_nothing() {
             )
             .await;
     }
+    let mut firsts = Vec::with_capacity(N);
     for _ in 0..N {
-        let got = work
-            .next_unacked(Instant::now() + DEADLINE)
-            .await
-            .expect("first attempt");
-        reject(&got).await;
+        firsts.push(
+            work.next_unacked(Instant::now() + DEADLINE)
+                .await
+                .expect("first attempt"),
+        );
+    }
+    // id -> when it was rejected (ms): its retry is due BACKOFF_MS later.
+    let mut rejected_ms = std::collections::HashMap::new();
+    let mut pace = tokio::time::interval(SPREAD);
+    for got in &firsts {
+        pace.tick().await;
+        rejected_ms.insert(got.message_id().unwrap_or_default().to_owned(), now_ms());
+        reject(got).await;
     }
     let delayd = &r.s.delayd;
     wait_for("every rejection stored", DEADLINE, || async {
         (delayd.pending() == N as u64).then_some(())
     })
     .await;
+    let first_due = rejected_ms.values().min().expect("N > 0") + BACKOFF_MS;
+    assert!(
+        now_ms() < first_due,
+        "the rejections were stored only after the first retry fell due"
+    );
     // Killed while retries are going out: after a seeded number of them
-    // arrived, with the rest due, being published or confirmed.
-    let kill_after = seeded("retry kill after arrivals", 0..N as u64 - 5) as usize;
+    // arrived (at least one), with the rest due one after another, being
+    // published or confirmed.
+    let kill_after = seeded("retry kill after arrivals", 1..N as u64 - 5) as usize;
     let mut seen = std::collections::BTreeSet::new();
     let deadline = Instant::now() + DEADLINE;
+    // A retry arrives no sooner than its back-off after the rejection, and
+    // no more than LATE_MS after the later of that and `since_ms`.
+    let check = |got: &Received, since_ms: u64| {
+        assert_eq!(attempt(got), Some(2));
+        let id = got.message_id().unwrap_or_default();
+        let due = rejected_ms[id] + BACKOFF_MS;
+        assert!(
+            got.at_ms >= due,
+            "{id} retried {} ms early",
+            due - got.at_ms
+        );
+        assert!(
+            got.at_ms < due.max(since_ms) + LATE_MS,
+            "{id} retried {} ms late",
+            got.at_ms - due.max(since_ms)
+        );
+        id.to_owned()
+    };
     while seen.len() < kill_after {
         let got = work.next(deadline).await.expect("a retry before the kill");
-        assert_eq!(attempt(&got), Some(2));
-        seen.insert(got.message_id().unwrap_or_default().to_owned());
+        seen.insert(check(&got, 0));
     }
+    // Something really is in flight at the kill: not every retry has gone
+    // out, and delayd still holds some.
+    let pending = r.s.delayd.pending();
+    assert!(
+        pending > 0 && seen.len() < N,
+        "nothing in flight at the kill: {pending} pending, {} of {N} retries arrived",
+        seen.len()
+    );
+    println!(
+        "killed with {pending} pending, {} of {N} retries arrived",
+        seen.len()
+    );
     r.s.delayd.kill_9();
     r.s.delayd.restart().await;
+    let restarted_ms = now_ms();
     while seen.len() < N {
         let got = work
             .next(deadline)
             .await
             .unwrap_or_else(|| panic!("only {} of {N} retries arrived: {seen:?}", seen.len()));
-        assert_eq!(attempt(&got), Some(2));
-        seen.insert(got.message_id().unwrap_or_default().to_owned());
+        seen.insert(check(&got, restarted_ms));
     }
     assert_nothing_parked(&r.s.client, &r.park_queue).await;
     r.s.client.close().await;

@@ -5,14 +5,16 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Header, Headers, OwnedHeaders};
+use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Message};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 use super::{now_ms, toml_string, unique_suffix, Delayd};
 
@@ -183,14 +185,58 @@ impl Producer {
     }
 }
 
-/// Reads a topic from the beginning with a group of its own.
+/// Reads a topic from the beginning on a thread of its own, which stamps
+/// each record as it arrives: `received_ms` is the arrival time however late
+/// the test reads the record. Make it before producing.
 pub struct Reader {
-    consumer: BaseConsumer,
+    records: Mutex<mpsc::Receiver<Record>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
     topic: String,
 }
 
 impl Reader {
+    /// A topic that exists is assigned (every partition, from its
+    /// beginning), so the reader is in place when this returns. One that
+    /// does not exist yet (delayd creates its invalid and unroutable topics)
+    /// is subscribed to with a group of its own, and read once it appears.
     pub fn new(topic: &str) -> Reader {
+        let (tx, rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (topic, stop) = (topic.to_owned(), stop.clone());
+            std::thread::spawn(move || {
+                let consumer = Reader::consumer(&topic);
+                let _ = ready_tx.send(());
+                while !stop.load(Ordering::Acquire) {
+                    let record = match consumer.poll(Duration::from_millis(100)) {
+                        Some(Ok(m)) => Reader::record(&m),
+                        Some(Err(e)) => {
+                            eprintln!("reader of {topic}: {e}");
+                            continue;
+                        }
+                        None => continue,
+                    };
+                    if tx.send(record).is_err() {
+                        return;
+                    }
+                }
+            })
+        };
+        ready_rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("the reader of {topic} did not start: {e}"));
+        Reader {
+            records: Mutex::new(rx),
+            stop,
+            thread: Some(thread),
+            topic: topic.to_owned(),
+        }
+    }
+
+    /// A consumer of `topic`, assigned or subscribed (see [`Reader::new`]).
+    fn consumer(topic: &str) -> BaseConsumer {
         let consumer: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap())
             .set("group.id", format!("delayd-it-reader.{}", unique_suffix()))
@@ -200,41 +246,58 @@ impl Reader {
             .set("topic.metadata.refresh.interval.ms", "1000")
             .create()
             .expect("Kafka consumer");
-        consumer.subscribe(&[topic]).expect("subscribe");
-        Reader {
-            consumer,
-            topic: topic.to_owned(),
+        let metadata = consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("metadata of {topic}: {e}"));
+        let partitions: Vec<i32> = metadata
+            .topics()
+            .iter()
+            .filter(|t| t.name() == topic && t.error().is_none())
+            .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+            .collect();
+        if partitions.is_empty() {
+            consumer.subscribe(&[topic]).expect("subscribe");
+            return consumer;
+        }
+        let mut list = TopicPartitionList::new();
+        for p in partitions {
+            list.add_partition_offset(topic, p, Offset::Beginning)
+                .expect("partition offset");
+        }
+        consumer.assign(&list).expect("assign");
+        consumer
+    }
+
+    fn record(m: &BorrowedMessage<'_>) -> Record {
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Record {
+            key: m.key().map(<[u8]>::to_vec),
+            value: m.payload().map(<[u8]>::to_vec),
+            headers,
+            partition: m.partition(),
+            timestamp_ms: m.timestamp().to_millis(),
+            received_ms: now_ms(),
         }
     }
 
     /// The next record, or `None` once `deadline` passes.
     pub fn next(&self, deadline: Instant) -> Option<Record> {
-        while Instant::now() < deadline {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.consumer.poll(left.min(Duration::from_millis(100))) {
-                Some(Ok(m)) => {
-                    let headers = m
-                        .headers()
-                        .map(|h| {
-                            h.iter()
-                                .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
-                                .collect()
-                        })
-                        .unwrap_or_default();
-                    return Some(Record {
-                        key: m.key().map(<[u8]>::to_vec),
-                        value: m.payload().map(<[u8]>::to_vec),
-                        headers,
-                        partition: m.partition(),
-                        timestamp_ms: m.timestamp().to_millis(),
-                        received_ms: now_ms(),
-                    });
-                }
-                Some(Err(e)) => eprintln!("reader of {}: {e}", self.topic),
-                None => {}
+        let left = deadline.saturating_duration_since(Instant::now());
+        let records = self.records.lock().expect("reader poisoned");
+        match records.recv_timeout(left) {
+            Ok(record) => Some(record),
+            Err(mpsc::RecvTimeoutError::Timeout) => None,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                panic!("the reader of {} stopped", self.topic)
             }
         }
-        None
     }
 
     /// Reads until `count` records arrived; panics at `within`.
@@ -257,6 +320,15 @@ impl Reader {
     /// Every record that arrives before `deadline`.
     pub fn drain_until(&self, deadline: Instant) -> Vec<Record> {
         std::iter::from_fn(|| self.next(deadline)).collect()
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 
@@ -316,6 +388,28 @@ pub fn collect_counting(
     total: u32,
     within: Duration,
 ) -> (HashMap<u32, Record>, u32) {
+    collect(reader, total, within, false)
+}
+
+/// [`collect_counting`] for one instance with its own WAL: a duplicate is
+/// the same stored record published again (its Done lost in a crash), so it
+/// must carry the `x-delayd-id` of the first copy; another id means the
+/// message was stored twice. (Not for several instances: a record stored by
+/// one that stopped and read again by another is stored twice on purpose.)
+pub fn collect_same_ids(
+    reader: &Reader,
+    total: u32,
+    within: Duration,
+) -> (HashMap<u32, Record>, u32) {
+    collect(reader, total, within, true)
+}
+
+fn collect(
+    reader: &Reader,
+    total: u32,
+    within: Duration,
+    same_ids: bool,
+) -> (HashMap<u32, Record>, u32) {
     let deadline = Instant::now() + within;
     let mut seen: HashMap<u32, Record> = HashMap::new();
     let mut copies = 0u32;
@@ -324,7 +418,19 @@ pub fn collect_counting(
             panic!("{} of {total} arrived within {within:?}", seen.len());
         };
         copies += 1;
-        seen.entry(value_of(&g)).or_insert(g);
+        let value = value_of(&g);
+        if same_ids {
+            let id = g.header_text("x-delayd-id");
+            assert!(id.is_some(), "record {value} without x-delayd-id: {g:?}");
+            if let Some(first) = seen.get(&value) {
+                assert_eq!(
+                    first.header_text("x-delayd-id"),
+                    id,
+                    "record {value} arrived twice with different x-delayd-ids: stored twice"
+                );
+            }
+        }
+        seen.entry(value).or_insert(g);
     }
     let duplicates = copies - total;
     eprintln!("{total} records arrived, {duplicates} duplicate copies");
@@ -337,9 +443,9 @@ pub fn value_of(g: &Record) -> u32 {
         .expect("a numeric value")
 }
 
-/// Record `i` (sent at `sent[i].0` with delay `sent[i].1`) left delayd (its
-/// timestamp is delayd's send time) and reached the reader no sooner than
-/// `sent + delay`.
+/// Record `i` (sent at `sent[i].0` with delay `sent[i].1`) left delayd no
+/// sooner than `sent + delay`, by its own timestamp (delayd's send time),
+/// and reached the reader no sooner either.
 pub fn assert_none_early(got: &HashMap<u32, Record>, sent: &[(u64, u64)]) {
     for (i, &(sent_ms, delay)) in sent.iter().enumerate() {
         let g = &got[&(i as u32)];
@@ -352,15 +458,64 @@ pub fn assert_none_early(got: &HashMap<u32, Record>, sent: &[(u64, u64)]) {
     }
 }
 
+/// How late a record may reach the reader before a test counts it as a bug
+/// (as [`super::LATE_MS`] for RabbitMQ).
+pub const LATE_MS: u64 = super::LATE_MS;
+
+/// [`assert_none_early`], and none late: every record `i` reached the reader
+/// (made before the records were sent) within `late_ms` of its delay after
+/// the later of its send and `since_ms(i)`, when the last disruption that
+/// could hold it back ended (a restart, a rebalance; 0 if none): a record
+/// read late is due its delay after it was read, and one stored before the
+/// disruption fires when it ends.
+pub fn assert_on_time(
+    got: &HashMap<u32, Record>,
+    sent: &[(u64, u64)],
+    since_ms: impl Fn(u32) -> u64,
+    late_ms: u64,
+) {
+    assert_none_early(got, sent);
+    let mut latest = (0, 0);
+    for (i, &(sent_ms, delay)) in sent.iter().enumerate() {
+        let g = &got[&(i as u32)];
+        let late = g
+            .received_ms
+            .saturating_sub(sent_ms.max(since_ms(i as u32)) + delay);
+        latest = latest.max((late, i));
+        assert!(
+            late <= late_ms,
+            "record {i} late: sent {sent_ms}, delay {delay}, received {} ({late} ms late, more than {late_ms})",
+            g.received_ms
+        );
+    }
+    println!(
+        "latest of {} records: {} ms late (record {})",
+        sent.len(),
+        latest.0,
+        latest.1
+    );
+}
+
 /// Polls delayd's log until its consumer holds at least one partition.
 pub async fn wait_assigned(delayd: &Delayd) {
-    super::wait_for("a Kafka assignment", Duration::from_secs(30), || async {
-        delayd
-            .log_tail(50)
+    wait_assigned_partitions(delayd, 1).await;
+}
+
+/// Polls delayd's log until its latest assignment, since it last started,
+/// holds at least `count` partitions.
+pub async fn wait_assigned_partitions(delayd: &Delayd, count: usize) {
+    let what = format!("a Kafka assignment of {count} partition(s)");
+    super::wait_for(&what, Duration::from_secs(30), || async {
+        let tail = delayd.log_tail(200);
+        // Only this start's lines: an earlier run's assignment says nothing.
+        let this_start = tail
+            .rfind("===== delayd start")
+            .map_or(tail.as_str(), |at| &tail[at..]);
+        this_start
             .lines()
             .rev()
             .find(|l| l.contains("Kafka partitions"))
-            .filter(|l| l.contains("assigned partitions=[(\""))
+            .filter(|l| l.contains("assigned partitions=[(\"") && l.matches("(\"").count() >= count)
             .map(|_| ())
     })
     .await;

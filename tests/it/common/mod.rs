@@ -41,6 +41,11 @@ use tempfile::TempDir;
 /// Longest wait for anything that should happen "soon" (start-up, a message).
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
+/// How late a message may arrive before a test counts it as a bug: generous
+/// on a noisy 2-core machine, but finite, so a regression that made every
+/// delivery seconds late fails.
+pub const LATE_MS: u64 = 5000;
+
 /// Interval between two polls of a condition.
 const POLL: Duration = Duration::from_millis(50);
 
