@@ -51,7 +51,7 @@ pub struct WalSection {
     pub on_corruption: OnCorruption,
     /// How long a group commit waits for more records before its
     /// fdatasync. Fewer fdatasyncs, acks that much later; due times count
-    /// from arrival, so deliveries are not delayed by it.
+    /// from arrival, so deliveries are not delayed by it. Default 5 ms.
     #[serde(with = "duration")]
     pub commit_delay: Duration,
 }
@@ -65,7 +65,7 @@ impl Default for WalSection {
             max_message_bytes: 16 << 20,
             compact_below: 0.5,
             on_corruption: OnCorruption::Skip,
-            commit_delay: Duration::ZERO,
+            commit_delay: Duration::from_millis(5),
         }
     }
 }
