@@ -105,12 +105,18 @@ impl Intake {
         let route = this.route.name().to_owned();
         let mut paused: Option<Pressure> = None;
         this.pressure.set_paused(&route, None);
+        // Limits are looked at between deliveries and on this tick: with the
+        // prefetch all taken (held at a limit or waiting for a full disk) no
+        // delivery comes to trigger the pause.
+        let mut recheck = tokio::time::interval(RECHECK);
+        recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             paused = this.apply_backpressure(&mut *source, paused).await;
+            // Both sources' `next` are channel receives: cancel-safe.
             let delivery = tokio::select! {
                 d = source.next() => d,
                 _ = stop.cancelled() => break,
-                _ = tokio::time::sleep(RECHECK), if paused.is_some() => continue,
+                _ = recheck.tick() => continue,
             };
             let delivery = match delivery {
                 Ok(d) => d,
