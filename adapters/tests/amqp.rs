@@ -861,3 +861,137 @@ async fn out_of_order_acks_settle_everything_exactly_once() {
     rabbit.close().await;
     cleanup(&[&queue], &[&exchange]).await;
 }
+
+/// A TCP proxy in front of the broker that can stop passing the client's
+/// bytes on (as a connection dying with frames still unsent does) and then
+/// cut every connection it carries. Connections made after a cut pass.
+struct CuttableProxy {
+    addr: std::net::SocketAddr,
+    stalled: Arc<AtomicBool>,
+    pumps: Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl CuttableProxy {
+    async fn start() -> CuttableProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stalled = Arc::new(AtomicBool::new(false));
+        let pumps = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let accept = tokio::spawn({
+            let (stalled, pumps) = (stalled.clone(), pumps.clone());
+            async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    let broker = tokio::net::TcpStream::connect("127.0.0.1:5672")
+                        .await
+                        .expect("connect to the broker");
+                    let (client_read, client_write) = client.into_split();
+                    let (broker_read, broker_write) = broker.into_split();
+                    let up = tokio::spawn(pump(client_read, broker_write, Some(stalled.clone())));
+                    let down = tokio::spawn(pump(broker_read, client_write, None));
+                    pumps.lock().unwrap().extend([up, down]);
+                }
+            }
+        });
+        CuttableProxy {
+            addr,
+            stalled,
+            pumps,
+            accept,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.addr)
+    }
+
+    /// From now on the client's bytes are read and dropped.
+    fn stall(&self) {
+        self.stalled.store(true, Ordering::SeqCst);
+    }
+
+    /// Close every connection at once (no AMQP close), and pass again.
+    fn cut(&self) {
+        for pump in self.pumps.lock().unwrap().drain(..) {
+            pump.abort();
+        }
+        self.stalled.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for CuttableProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+/// Copy `from` to `to`; while `stalled` is set, read and drop instead.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    stalled: Option<Arc<AtomicBool>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if stalled.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
+            continue;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// An ack that never reached the broker (the connection died with it
+/// unsent) must not be reported as done: delayd forgets a stored message
+/// once its ack succeeds, and RabbitMQ redelivers this one, which would then
+/// be stored and sent a second time. Ok must mean RabbitMQ processed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_lost_with_its_connection_is_not_reported_as_done() {
+    logs();
+    let _shared = BROKER.read().await;
+    let queue = unique("lost-ack");
+    let (conn, channel) = plain().await;
+    declare_queue(&channel, &queue).await;
+    publish_plain(&channel, "", &queue, b"once", BasicProperties::default()).await;
+    let proxy = CuttableProxy::start().await;
+    let rabbit = BrokerConnections::new(&proxy.url()).unwrap();
+    let mut source = AmqpSource::start(rabbit.consume.clone(), SourceConfig::new(&queue)).unwrap();
+    let first = next(&mut source).await;
+    assert!(!first.redelivered);
+
+    // The ack goes into a connection that no longer reaches the broker.
+    proxy.stall();
+    let mut ack = tokio::spawn(first.ack.ack());
+    let early = tokio::time::timeout(Duration::from_secs(2), &mut ack).await;
+    assert!(
+        early.is_err(),
+        "the ack was reported as done ({early:?}) though the broker never got it"
+    );
+    proxy.cut();
+    let result = tokio::time::timeout(DEADLINE, ack)
+        .await
+        .expect("the ack to end once the connection is cut")
+        .unwrap();
+    assert!(result.is_err(), "a lost ack must fail, got {result:?}");
+
+    // The broker gives the message back, marked redelivered, on the new connection.
+    let again = next(&mut source).await;
+    assert!(again.redelivered, "the message comes back redelivered");
+    assert_eq!(again.message.body, b"once");
+    again.ack.ack().await.expect("ack on the new connection");
+    eventually("an empty queue", || async {
+        queue_counts(&queue).await.0 == 0
+    })
+    .await;
+    drop(source);
+    rabbit.close().await;
+    conn.close(200, "bye".into()).await.expect("close");
+    cleanup(&[&queue], &[]).await;
+}

@@ -11,7 +11,10 @@
 //! just waits meanwhile. Deliveries handed out from the dead channel can no
 //! longer be settled: their [`AckHandle`] returns
 //! [`SourceError::Connection`], and RabbitMQ redelivers those messages (with
-//! `redelivered = true`) on the new channel.
+//! `redelivered = true`) on the new channel. An ack succeeds only once
+//! RabbitMQ is known to have processed it (a round trip on the channel
+//! follows it), so a message whose ack was lost in a dying connection is
+//! never reported as acked.
 //!
 //! [`Source::pause`] cancels the consumer (`basic.cancel`): new messages stay
 //! in the broker, deliveries already received are still returned by `next`
@@ -268,6 +271,9 @@ struct AckCoalescer {
     waiting: Vec<AckWaiter>,
     /// A task is about to send `ready`: others just wait for it.
     flushing: bool,
+    /// The session's channel and prefetch, for the round trip that proves
+    /// an ack was processed (see [`flush_acks`]).
+    session: Option<(Channel, u16)>,
 }
 
 impl AckCoalescer {
@@ -289,12 +295,44 @@ impl AckCoalescer {
 
     /// What the flusher sends next; when nothing is left it stops being the
     /// flusher (under the same lock, so no settle is left without one).
-    fn take(&mut self) -> Option<(Option<Acker>, Vec<AckWaiter>)> {
+    fn take(&mut self) -> Option<Flush> {
         if self.ready.is_none() && self.waiting.is_empty() {
             self.flushing = false;
             return None;
         }
-        Some((self.ready.take(), std::mem::take(&mut self.waiting)))
+        Some(Flush {
+            acker: self.ready.take(),
+            waiters: std::mem::take(&mut self.waiting),
+            session: self.session.clone(),
+        })
+    }
+}
+
+/// One `multiple` ack to send and who waits for it.
+struct Flush {
+    acker: Option<Acker>,
+    waiters: Vec<AckWaiter>,
+    session: Option<(Channel, u16)>,
+}
+
+/// How long the round trip after an ack may take before the ack counts as
+/// not confirmed (the message is then still recognised if redelivered).
+const ACK_CONFIRM_WAIT: Duration = Duration::from_secs(10);
+
+/// Prove that the broker processed everything sent on `channel` so far:
+/// RabbitMQ handles a channel's methods in order, so once a synchronous one
+/// sent after an ack is answered, the ack was applied. `basic.qos` with the
+/// session's own prefetch changes nothing.
+async fn round_trip(channel: &Channel, prefetch: u16) -> Result<(), SourceError> {
+    let qos = channel.basic_qos(prefetch, BasicQosOptions { global: false });
+    match tokio::time::timeout(ACK_CONFIRM_WAIT, qos).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(SourceError::Connection(format!(
+            "basic.ack sent, but the channel failed before the broker confirmed processing it: {error}"
+        ))),
+        Err(_) => Err(SourceError::Connection(format!(
+            "basic.ack sent, but the broker did not answer the round trip after it within {ACK_CONFIRM_WAIT:?}"
+        ))),
     }
 }
 
@@ -310,22 +348,42 @@ fn settle_result(result: Result<bool, lapin::Error>, what: &str) -> Result<(), S
 }
 
 /// The single flusher of a channel: let the other deliveries settled in this
-/// wake-up join, send one `multiple` ack for all of them, tell the waiters,
-/// and repeat while more became ready. Only one flusher at a time, so
-/// `multiple` acks go out in increasing tag order (an older one sent after a
-/// newer one would name an unknown tag and close the channel).
+/// wake-up join, send one `multiple` ack for all of them, make a round trip
+/// on the channel, tell the waiters, and repeat while more became ready.
+/// Only one flusher at a time, so `multiple` acks go out in increasing tag
+/// order (an older one sent after a newer one would name an unknown tag and
+/// close the channel).
+///
+/// Why the round trip: lapin reports an ack as sent once it is queued for
+/// the socket. If the connection dies before RabbitMQ reads it, RabbitMQ
+/// redelivers the message, and had delayd forgotten it as acked, it would
+/// store and send it a second time under a new id. Waiters therefore hear
+/// success only once RabbitMQ answered a method sent after the ack.
 async fn flush_acks(acks: &Mutex<AckCoalescer>) {
     tokio::task::yield_now().await;
     loop {
         let next = acks.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Some((acker, waiters)) = next else {
+        let Some(Flush {
+            acker,
+            waiters,
+            session,
+        }) = next
+        else {
             return;
         };
         let result = match acker {
-            Some(acker) => settle_result(
-                acker.ack(BasicAckOptions { multiple: true }).await,
-                "basic.ack",
-            ),
+            Some(acker) => {
+                match settle_result(
+                    acker.ack(BasicAckOptions { multiple: true }).await,
+                    "basic.ack",
+                ) {
+                    Ok(()) => match &session {
+                        Some((channel, prefetch)) => round_trip(channel, *prefetch).await,
+                        None => Ok(()),
+                    },
+                    Err(e) => Err(e),
+                }
+            }
             None => Ok(()),
         };
         for waiter in waiters {
@@ -338,7 +396,8 @@ async fn flush_acks(acks: &Mutex<AckCoalescer>) {
 }
 
 impl AckHandle for AmqpAck {
-    /// Completes once a (possibly `multiple`) ack covering this delivery was sent.
+    /// Completes once a (possibly `multiple`) ack covering this delivery was
+    /// sent and RabbitMQ answered a method sent after it on the channel.
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
         Box::pin(async move {
             let (waiter, done) = oneshot::channel();
@@ -440,6 +499,8 @@ impl Worker {
                 .unwrap_or_else(|e| e.into_inner())
                 .settled
                 .clear();
+            self.acks.lock().unwrap_or_else(|e| e.into_inner()).session =
+                Some((channel.clone(), self.config.prefetch));
             self.consuming.set(true);
             let end = self.consume(channel, consumer).await;
             self.consuming.set(false);
@@ -681,7 +742,7 @@ mod coalescer_tests {
         assert_eq!(c.frontier, 1);
         assert!(!c.settle(2, None, None), "a flush is already due");
         assert_eq!(c.frontier, 3);
-        let (_, waiters) = c.take().expect("work to flush");
+        let waiters = c.take().expect("work to flush").waiters;
         assert_eq!(waiters.len(), 2, "one flush covers tags 1 and 3");
         assert!(c.settled.is_empty());
         assert!(c.take().is_none());
