@@ -220,6 +220,47 @@ mod tests {
     }
 
     #[test]
+    fn digest_depends_on_route_bytes_and_where_one_ends() {
+        let d = digest("a", b"m");
+        assert_eq!(d, digest("a", b"m"));
+        assert_ne!(d, digest("b", b"m"));
+        assert_ne!(d, digest("a", b"n"));
+        // The route's length is hashed: ("ab", "c") is not ("a", "bc").
+        assert_ne!(digest("ab", b"c"), digest("a", b"bc"));
+        assert_ne!(d, [0; 32]);
+        assert_ne!(d, [1; 32]);
+    }
+
+    #[test]
+    fn records_in_going_segments_get_a_digest_once() {
+        let mut u = Unconfirmed::new(10);
+        let in_0 = P;
+        let in_1 = WalPos {
+            segment: 1,
+            offset: 16,
+        };
+        u.add(1, 10, in_0);
+        u.add(2, 20, in_1);
+        u.add(3, 30, in_1);
+        let mut going = u.written_in(&[1]);
+        going.sort_unstable();
+        assert_eq!(going, vec![(2, in_1), (3, in_1)]);
+        u.set_digest(2, [7; 32]);
+        assert_eq!(u.candidates(20), vec![(2, Evidence::Digest([7; 32]))]);
+        assert_eq!(
+            u.written_in(&[1]),
+            vec![(3, in_1)],
+            "a digested record is not digested again"
+        );
+        assert_eq!(u.written_in(&[0]), vec![(1, in_0)]);
+        assert!(u.written_in(&[2]).is_empty());
+        // An id no longer remembered gets no digest (and is not brought back).
+        u.remove(3);
+        u.set_digest(3, [9; 32]);
+        assert!(u.candidates(30).is_empty());
+    }
+
+    #[test]
     fn capacity_zero_remembers_nothing() {
         let mut u = Unconfirmed::new(0);
         u.add(1, 10, P);
