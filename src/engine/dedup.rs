@@ -20,6 +20,12 @@
 //! of its route and bytes before deleting the segment. Without that, a Kafka
 //! partition given back after a crash redelivered records whose segment was
 //! already gone, and each was stored and sent again under a new id.
+//!
+//! A record is remembered only once durable. A redelivery can come sooner:
+//! the connection its original came on died while the original was still
+//! being written. [`Writing`] counts the stores being written by
+//! fingerprint, and a redelivery with one of those waits for them to end
+//! before it is compared.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -153,6 +159,53 @@ impl Unconfirmed {
     }
 }
 
+/// Stores queued for the WAL and not yet durable, by fingerprint. A stored
+/// message is remembered only once durable, so a redelivery that arrives
+/// while its original is still being written (the connection it came on
+/// died meanwhile) must wait for that write before it is compared.
+#[derive(Debug, Default)]
+pub struct Writing {
+    counts: HashMap<u64, u32>,
+    /// Redeliveries waiting for some fingerprint's writes to end.
+    waiters: usize,
+}
+
+impl Writing {
+    /// A store with this fingerprint was queued.
+    pub fn begin(&mut self, fp: u64) {
+        *self.counts.entry(fp).or_default() += 1;
+    }
+
+    /// One ended (durable or failed). True if it was the last with `fp` and
+    /// a redelivery waits (someone must be woken).
+    pub fn end(&mut self, fp: u64) -> bool {
+        match self.counts.get_mut(&fp) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                self.counts.remove(&fp);
+                self.waiters > 0
+            }
+            None => false,
+        }
+    }
+
+    /// Is a store with this fingerprint being written?
+    pub fn contains(&self, fp: u64) -> bool {
+        self.counts.contains_key(&fp)
+    }
+
+    pub fn add_waiter(&mut self) {
+        self.waiters += 1;
+    }
+
+    pub fn remove_waiter(&mut self) {
+        self.waiters = self.waiters.saturating_sub(1);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,6 +311,26 @@ mod tests {
         u.remove(3);
         u.set_digest(3, [9; 32]);
         assert!(u.candidates(30).is_empty());
+    }
+
+    #[test]
+    fn writes_are_counted_per_fingerprint_and_the_last_end_wakes_waiters() {
+        let mut w = Writing::default();
+        w.begin(7);
+        w.begin(7);
+        w.begin(8);
+        assert!(w.contains(7) && w.contains(8) && !w.contains(9));
+        assert!(!w.end(7), "one write of 7 is still going");
+        assert!(w.contains(7));
+        assert!(!w.end(7), "nobody waits");
+        assert!(!w.contains(7));
+        w.add_waiter();
+        assert!(w.end(8), "the last write of 8 ended and a redelivery waits");
+        assert!(!w.end(8), "already ended");
+        w.remove_waiter();
+        w.remove_waiter();
+        w.begin(9);
+        assert!(!w.end(9), "no waiter left");
     }
 
     #[test]

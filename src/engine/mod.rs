@@ -158,6 +158,59 @@ pub enum Storing<F> {
     New(F),
 }
 
+/// [`Engine::store`]'s start: at once, or once the original is written.
+enum Start<S, W> {
+    Now(S),
+    After(W, String, Vec<u8>),
+}
+
+/// A store being written (see [`dedup::Writing`]); ends on drop, whether
+/// it became durable, failed or was abandoned.
+struct WritingGuard {
+    engine: Engine,
+    fp: u64,
+}
+
+impl WritingGuard {
+    fn begin(engine: &Engine, fp: u64) -> Self {
+        engine.state().writing.begin(fp);
+        Self {
+            engine: engine.clone(),
+            fp,
+        }
+    }
+}
+
+impl Drop for WritingGuard {
+    fn drop(&mut self) {
+        let wake = self.engine.state().writing.end(self.fp);
+        if wake {
+            self.engine.inner.written.notify_waiters();
+        }
+    }
+}
+
+/// A redelivery waiting in [`Engine::wait_for_original`]; counted so that
+/// ends of writes wake anyone only when someone waits.
+struct WritingWaiter {
+    engine: Engine,
+}
+
+impl WritingWaiter {
+    fn new(engine: &Engine) -> Self {
+        engine.state().writing.add_waiter();
+        Self {
+            engine: engine.clone(),
+        }
+    }
+}
+
+impl Drop for WritingWaiter {
+    fn drop(&mut self) {
+        self.engine.state().writing.remove_waiter();
+    }
+}
+
 /// A pending message, for listing.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PendingInfo {
@@ -272,6 +325,9 @@ pub(crate) struct Inner {
     clock: Arc<dyn Clock>,
     /// Wakes the dispatcher when an earlier deadline arrives.
     wake: Notify,
+    /// Wakes redeliveries waiting for their original to be written
+    /// (see [`Engine::wait_for_original`]).
+    written: Notify,
     /// The deadline the dispatcher sleeps until (u64::MAX when idle).
     planned_wake: AtomicU64,
     /// Messages due at or before this (the start time) are rate limited.
@@ -366,6 +422,7 @@ impl Engine {
                 state: Mutex::new(state),
                 clock,
                 wake: Notify::new(),
+                written: Notify::new(),
                 planned_wake: AtomicU64::new(u64::MAX),
                 overdue_until: now,
                 compacting: tokio::sync::Mutex::new(()),
@@ -452,6 +509,9 @@ impl Engine {
     /// not stored again. Call [`Engine::confirm_ack`] with the id once the
     /// source ack succeeded. Like [`Engine::schedule`], the record is queued
     /// before this returns.
+    ///
+    /// A redelivery whose original may still be being written (see
+    /// [`Engine::wait_for_original`]) is queued only after that write.
     pub fn store(
         &self,
         route: &str,
@@ -459,13 +519,58 @@ impl Engine {
         message: Vec<u8>,
         redelivered: bool,
     ) -> impl Future<Output = Result<Stored, EngineError>> + Send + 'static {
-        let storing = self.begin_store(route, due_ms, message, redelivered);
+        let start = match self.wait_for_original(route, &message, redelivered) {
+            None => Start::Now(self.begin_store(route, due_ms, message, redelivered)),
+            Some(wait) => Start::After(wait, route.to_owned(), message),
+        };
+        let engine = self.clone();
         async move {
+            let storing = match start {
+                Start::Now(storing) => storing,
+                Start::After(wait, route, message) => {
+                    wait.await;
+                    engine.begin_store(&route, due_ms, message, redelivered)
+                }
+            };
             match storing {
                 Storing::Duplicate => Ok(Stored::Duplicate),
                 Storing::New(stored) => Ok(Stored::New(stored.await?)),
             }
         }
+    }
+
+    /// For a redelivery: `Some` while a store of the same bytes is being
+    /// written, resolving once none is. The original of a redelivery is
+    /// remembered only once durable; if its connection died before that,
+    /// the broker's copy can arrive first, and compared at once it would be
+    /// stored a second time. Await it before [`Engine::begin_store`].
+    pub fn wait_for_original(
+        &self,
+        route: &str,
+        message: &[u8],
+        redelivered: bool,
+    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        if !redelivered {
+            return None;
+        }
+        let fp = fingerprint(route, message);
+        if !self.state().writing.contains(fp) {
+            return None;
+        }
+        let engine = self.clone();
+        Some(async move {
+            let _waiter = WritingWaiter::new(&engine);
+            loop {
+                let notified = engine.inner.written.notified();
+                tokio::pin!(notified);
+                // Registered before looking, so an end in between still wakes it.
+                notified.as_mut().enable();
+                if !engine.state().writing.contains(fp) {
+                    return;
+                }
+                notified.await;
+            }
+        })
     }
 
     /// [`Engine::store`], saying at once whether the delivery is a
@@ -486,12 +591,14 @@ impl Engine {
                 .increment(1);
             return Storing::Duplicate;
         }
+        let writing = WritingGuard::begin(self, fp);
         let scheduled = self.schedule_at(route, due_ms, message);
         let engine = self.clone();
         Storing::New(async move {
             let (id, pos) = scheduled.await?;
             // Until the source ack is confirmed, a redelivery of it is a duplicate.
             engine.state().unconfirmed.add(id, fp, pos);
+            drop(writing);
             Ok(id)
         })
     }

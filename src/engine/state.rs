@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::wal::WalPos;
 use crate::wheel::{Expired, TimingWheel};
 
-use super::dedup::Unconfirmed;
+use super::dedup::{Unconfirmed, Writing};
 use super::keys::KeyIndex;
 
 /// What the wheel keeps per pending message besides its id and deadline:
@@ -70,6 +70,8 @@ pub struct State {
     pub routes: Vec<Arc<str>>,
     route_index: HashMap<Arc<str>, u16>,
     pub unconfirmed: Unconfirmed,
+    /// Stores being written, for redeliveries that arrive meanwhile.
+    pub writing: Writing,
     /// Pending messages by lookup key (message_id / Kafka key).
     pub keys: KeyIndex,
     /// Deliveries admitted under the backpressure limits and being stored.
@@ -91,6 +93,7 @@ impl State {
             routes: Vec::new(),
             route_index: HashMap::new(),
             unconfirmed: Unconfirmed::new(dedup_window),
+            writing: Writing::default(),
             keys: KeyIndex::default(),
             reserved: 0,
             blocked: HashMap::new(),

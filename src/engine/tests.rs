@@ -393,6 +393,43 @@ async fn redelivery_of_an_unacked_message_is_not_stored_twice() {
     assert_eq!(engine.pending(), 3);
 }
 
+/// The connection an original came on can die while its record is still
+/// being written; the broker's copy then arrives before the original is
+/// remembered (that happens once it is durable). The copy must wait for the
+/// write and be recognised, not stored a second time under a new id.
+#[tokio::test]
+async fn a_redelivery_arriving_while_its_original_is_written_is_recognised() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    // Each group commit waits this long: the original is not durable yet
+    // when its copy comes.
+    cfg.wal.commit_delay = Duration::from_millis(300);
+    let (engine, _) = Engine::open(cfg, Arc::new(SystemClock)).unwrap();
+    let due = now() + 1_000_000;
+    let msg = b"its connection died before it was durable".to_vec();
+    let original = engine.store("r", due, msg.clone(), false);
+    // Only a redelivery of these very bytes on this route waits.
+    assert!(engine.wait_for_original("r", &msg, true).is_some());
+    assert!(engine.wait_for_original("r", &msg, false).is_none());
+    assert!(engine
+        .wait_for_original("r", b"other bytes", true)
+        .is_none());
+    assert!(engine.wait_for_original("q", &msg, true).is_none());
+    let copy = engine.store("r", due, msg.clone(), true);
+    let (original, copy) = tokio::join!(original, copy);
+    assert!(matches!(original.unwrap(), Stored::New(_)));
+    assert_eq!(
+        copy.unwrap(),
+        Stored::Duplicate,
+        "the copy was stored beside its original"
+    );
+    assert_eq!(engine.pending(), 1);
+    assert!(
+        engine.wait_for_original("r", &msg, true).is_none(),
+        "nothing of these bytes is being written any more"
+    );
+}
+
 fn keyed(message_id: Option<&str>, kafka_key: Option<&[u8]>, body: &str) -> Vec<u8> {
     let mut m = delayd_adapters::Message::with_body(body.as_bytes().to_vec());
     m.properties.message_id = message_id.map(str::to_owned);

@@ -199,6 +199,16 @@ impl StreamStore {
         encoded: Vec<u8>,
         redelivered: bool,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
+        if let Some(wait) = self
+            .engine
+            .wait_for_original(&self.route, &encoded, redelivered)
+        {
+            let this = self.clone();
+            return Box::pin(async move {
+                wait.await;
+                this.store(due_ms, encoded, redelivered).await
+            });
+        }
         let record_of = |id| {
             Record::Schedule {
                 id,
