@@ -416,7 +416,12 @@ async fn a_redelivery_arriving_while_its_original_is_written_is_recognised() {
         .is_none());
     assert!(engine.wait_for_original("q", &msg, true).is_none());
     let copy = engine.store("r", due, msg.clone(), true);
-    let (original, copy) = tokio::join!(original, copy);
+    // Bounded: a copy that waited forever would be as wrong.
+    let (original, copy) = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(original, copy)
+    })
+    .await
+    .expect("the copy waited past the original's write");
     assert!(matches!(original.unwrap(), Stored::New(_)));
     assert_eq!(
         copy.unwrap(),
