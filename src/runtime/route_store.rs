@@ -43,6 +43,19 @@ impl RouteStore {
         encoded: Vec<u8>,
         redelivered: bool,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
+        // A redelivery whose original is still being written waits for it
+        // (see `Engine::wait_for_original`), as `Engine::store` does.
+        let (engine, route) = match self {
+            RouteStore::Kafka(s) => (&s.engine, &s.route),
+            RouteStore::Stream(s) => (&s.engine, &s.route),
+        };
+        if let Some(wait) = engine.wait_for_original(route, &encoded, redelivered) {
+            let (this, message) = (self.clone(), message.clone());
+            return Box::pin(async move {
+                wait.await;
+                this.store(&message, due_ms, encoded, redelivered).await
+            });
+        }
         match self {
             RouteStore::Kafka(s) => s.store(message, due_ms, encoded, redelivered),
             RouteStore::Stream(s) => s.store(due_ms, encoded, redelivered),

@@ -53,8 +53,8 @@ const RESTORE_BATCH: usize = 4096;
 
 /// One Kafka route's broker-kept store.
 pub struct KafkaStore {
-    route: String,
-    engine: Engine,
+    pub(super) route: String,
+    pub(super) engine: Engine,
     state: StateTopic,
     runtime: tokio::runtime::Handle,
     /// Engine ids of the pending messages read from each source partition
@@ -182,16 +182,6 @@ impl KafkaStore {
             // Not from Kafka (config validation prevents it): local only.
             return Box::pin(self.engine.store(&self.route, due_ms, encoded, redelivered));
         };
-        if let Some(wait) = self
-            .engine
-            .wait_for_original(&self.route, &encoded, redelivered)
-        {
-            let (this, message) = (self.clone(), message.clone());
-            return Box::pin(async move {
-                wait.await;
-                this.store(&message, due_ms, encoded, redelivered).await
-            });
-        }
         let value = encode_value(due_ms, &encoded);
         let wal = match self
             .engine

@@ -88,8 +88,8 @@ struct Ids {
 
 /// One RabbitMQ route's broker-kept store.
 pub struct StreamStore {
-    route: String,
-    engine: Engine,
+    pub(super) route: String,
+    pub(super) engine: Engine,
     /// A broker handle of its own: each lock attempt opens a connection.
     broker: Broker,
     names: StateNames,
@@ -199,16 +199,6 @@ impl StreamStore {
         encoded: Vec<u8>,
         redelivered: bool,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
-        if let Some(wait) = self
-            .engine
-            .wait_for_original(&self.route, &encoded, redelivered)
-        {
-            let this = self.clone();
-            return Box::pin(async move {
-                wait.await;
-                this.store(due_ms, encoded, redelivered).await
-            });
-        }
         let record_of = |id| {
             Record::Schedule {
                 id,
