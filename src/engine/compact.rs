@@ -35,12 +35,44 @@ fn sweep_keys(inner: &Inner) {
 /// Delete what is dead, then compact at most one sparse segment.
 pub(crate) async fn once(inner: &Arc<Inner>) -> Result<(), EngineError> {
     let _one_at_a_time = inner.compacting.lock().await;
+    write_missing_dones(inner).await?;
     collect_garbage(inner).await?;
     if let Some(segment) = inner.wal.compaction_candidate() {
         compact(inner, segment).await?;
         collect_garbage(inner).await?;
     }
     Ok(())
+}
+
+/// Write the Dones recovery found missing (see `engine::missing_dones`)
+/// before anything is deleted: until then the copies they retire are held
+/// dead only by Dones that collection may remove.
+async fn write_missing_dones(inner: &Inner) -> Result<(), EngineError> {
+    let missing = std::mem::take(&mut *inner.missing_dones.lock().expect("poisoned"));
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let written = async {
+        let mut replies = Vec::with_capacity(missing.len());
+        for &(id, segment) in &missing {
+            replies.push(inner.wal.append_done_copy(id, segment)?);
+        }
+        for reply in replies {
+            reply.await.map_err(|_| EngineError::WriterGone)??;
+        }
+        Ok::<_, EngineError>(())
+    }
+    .await;
+    if written.is_err() {
+        // Tried again next round; nothing is collected until they are durable.
+        *inner.missing_dones.lock().expect("poisoned") = missing;
+    } else {
+        tracing::info!(
+            count = missing.len(),
+            "wrote the Dones a compaction cut short left out"
+        );
+    }
+    written
 }
 
 /// Delete dead segments, keeping what redelivery detection needs of them.

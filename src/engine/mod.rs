@@ -336,6 +336,9 @@ pub(crate) struct Inner {
     /// segment at once would each copy a message, and the second, finding
     /// it moved by the first, would retire it by id (a lost message).
     compacting: tokio::sync::Mutex<()>,
+    /// Dones recovery found missing, as (id, first seq of the segment to
+    /// name): written before anything is collected (see `compact::once`).
+    missing_dones: Mutex<Vec<(u64, u64)>>,
     /// See [`Engine::on_cancel`].
     cancel_hook: std::sync::OnceLock<CancelHook>,
     /// Tests only: where the dispatcher waits once, after planning an idle
@@ -352,6 +355,31 @@ pub(crate) struct IdleGate {
     pub open: StdMutex<()>,
 }
 
+/// Copies retired only by Dones that name their original's segment.
+///
+/// A cancel (or delivery) that lands while compaction copies its message
+/// writes a Done naming the original's segment, and compaction then retires
+/// the copy with a second Done naming the copy's. Killed between the two,
+/// the log holds a copy whose only Done outlives nothing but the original:
+/// once the original's segment and that Done were collected, the copy would
+/// come back. Returns the Done each such copy still needs.
+fn missing_dones(wal: &Wal, retired_copies: Vec<(u64, u32, u64)>) -> Vec<(u64, u64)> {
+    let mut needed: std::collections::BTreeMap<u64, Option<u64>> = Default::default();
+    for (id, copy, named) in retired_copies {
+        let Some(copy_seq) = wal.segment_first_seq(copy) else {
+            continue;
+        };
+        let entry = needed.entry(id).or_insert(Some(copy_seq));
+        if named == copy_seq {
+            *entry = None; // its own Done was written
+        }
+    }
+    needed
+        .into_iter()
+        .filter_map(|(id, copy_seq)| copy_seq.map(|seq| (id, seq)))
+        .collect()
+}
+
 impl Engine {
     /// Open the WAL, rebuild the wheel from it, and return the engine.
     pub fn open(
@@ -364,6 +392,11 @@ impl Engine {
             std::collections::VecDeque::with_capacity(config.dedup_window.min(1 << 16));
         let mut too_many_routes = false;
         let mut superseded = Vec::new();
+        // Messages whose live Schedule is a compaction copy with the
+        // original still on disk: id -> the copy's segment; and the Dones
+        // that retired them: (id, the segment each names).
+        let mut copied = std::collections::HashMap::new();
+        let mut retired_copies = Vec::new();
         let (wal, report) = Wal::open(config.wal.clone(), |record, pos| match record {
             RecordRef::Schedule {
                 id,
@@ -388,6 +421,7 @@ impl Engine {
                 // compaction was cut short before removing its segment).
                 if let Some(old) = replaced.filter(|o| o.pos.segment != pos.segment) {
                     superseded.push((pos.segment, old.pos.segment));
+                    copied.insert(id, pos.segment);
                 }
                 if let Some(key) = (config.key_of)(message) {
                     state.keys.insert(key_hash(route_id, key), id);
@@ -399,8 +433,11 @@ impl Engine {
                     recent.push_back((id, fingerprint(route, message), pos));
                 }
             }
-            RecordRef::Done { id, .. } => {
+            RecordRef::Done { id, segment, .. } => {
                 state.disarm(id);
+                if let Some(&copy) = copied.get(&id) {
+                    retired_copies.push((id, copy, segment));
+                }
             }
         })?;
         if too_many_routes {
@@ -412,6 +449,7 @@ impl Engine {
         for (copy, original) in superseded {
             wal.keep_after(copy, original);
         }
+        let missing_dones = missing_dones(&wal, retired_copies);
         // Done records removed messages without naming their key.
         state.sweep_keys();
         wal.set_live_counts(state.armed_positions());
@@ -426,6 +464,7 @@ impl Engine {
                 planned_wake: AtomicU64::new(u64::MAX),
                 overdue_until: now,
                 compacting: tokio::sync::Mutex::new(()),
+                missing_dones: Mutex::new(missing_dones),
                 cancel_hook: std::sync::OnceLock::new(),
                 #[cfg(test)]
                 idle_gate: StdMutex::new(None),

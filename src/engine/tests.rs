@@ -1228,3 +1228,58 @@ async fn a_message_armed_while_the_dispatcher_plans_its_sleep_wakes_it() {
     assert!(late < 500, "fired {late} ms after it was due");
     r.stop().await;
 }
+
+/// A cancel that lands while compaction copies its message names the
+/// original's segment; compaction then retires the copy with a second Done.
+/// Killed between the two, the log holds the original, the copy and a Done
+/// naming only the original. Recovery must retire the copy for good: without
+/// a Done naming the copy's segment, collecting the original and the Done
+/// (but not the copy's segment, kept by another message) brings the
+/// cancelled message back at the next restart.
+#[tokio::test]
+async fn a_cancel_that_raced_a_compaction_copy_stays_cancelled_after_two_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    // A 600-byte frame seals its segment; a small one does not.
+    cfg.wal.segment_bytes = 500;
+    cfg.wal.compact_below = 0.0; // only garbage collection, no compaction
+    cfg.gc_interval = Duration::from_secs(3600);
+    let (big, small) = (vec![7u8; 600], vec![1u8; 10]);
+    let far = now() + 3_600_000;
+    let wait = |rx: tokio::sync::oneshot::Receiver<Result<crate::wal::Appended, WalError>>| {
+        rx.blocking_recv().unwrap().unwrap()
+    };
+    let cancelled = tokio::task::spawn_blocking({
+        let wal_cfg = cfg.wal.clone();
+        move || {
+            let (wal, _) = Wal::open(wal_cfg, |_, _| {}).unwrap();
+            // Segment S: the message that is cancelled.
+            let original = wait(wal.append_schedule(far, "r", big.clone()).unwrap());
+            // Segment N: a message that stays, then the compaction copy.
+            wait(wal.append_schedule(far, "r", small).unwrap());
+            let copy = wait(wal.append_copy(original.id, far, "r", big.clone()).unwrap());
+            assert_ne!(copy.pos.segment, original.pos.segment);
+            // Segment D: the cancel's Done, naming S; then a filler, retired
+            // from the head so that D holds nothing live.
+            wait(wal.append_done(original.id, original.pos).unwrap());
+            let filler = wait(wal.append_schedule(far, "r", big).unwrap());
+            wait(wal.append_done(filler.id, filler.pos).unwrap());
+            // Killed here: compaction's Done for the copy never written.
+            wal.close().unwrap();
+            original.id
+        }
+    })
+    .await
+    .unwrap();
+    for restart in 0..2 {
+        let (engine, report) = Engine::open(cfg.clone(), Arc::new(SystemClock)).unwrap();
+        assert!(report.corruptions.is_empty());
+        assert!(
+            engine.read(cancelled).unwrap().is_none(),
+            "restart {restart}: the cancelled message came back"
+        );
+        assert_eq!(engine.pending(), 1, "restart {restart}");
+        engine.compact_now().await.unwrap();
+        engine.close().await.unwrap();
+    }
+}

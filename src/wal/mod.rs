@@ -87,6 +87,13 @@
 //! the original's (recovery notices the pair; a running compaction records it
 //! at once): a Done names only the copy's segment, and deleting it first would
 //! let the original come back.
+//!
+//! A message retired while compaction copies it gets a Done naming the
+//! original's segment, then (from the compaction) a second one naming the
+//! copy's. A crash between the two leaves a copy retired only by a Done that
+//! outlives nothing but the original: recovery notices (a Done for a message
+//! whose live Schedule is such a copy, and none naming the copy's segment)
+//! and the engine writes the missing Done before it deletes anything.
 
 mod frame;
 mod halt;
