@@ -39,7 +39,9 @@
 //! channel; the writer takes every record that is waiting (a batch), writes
 //! them and a Commit frame with one `write`, issues one `fdatasync`, and only
 //! then tells each
-//! appender its record is durable (group commit). A delivered message's Done
+//! appender its record is durable (group commit). With `commit_delay` set,
+//! a batch stays open that long after its first record was sent; the writer
+//! sleeps through it rather than waking for every record that joins. A delivered message's Done
 //! is lazy: it waits, unwritten, for the next batch written anyway (or
 //! 100 ms), so it costs no fdatasync of its own; losing it to a crash sends
 //! the message again after the restart (at-least-once), never loses one. A segment is sealed when it

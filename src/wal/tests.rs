@@ -741,6 +741,47 @@ fn a_fired_done_waits_for_the_next_batch_and_costs_no_fsync_of_its_own() {
     close(wal);
 }
 
+/// With a commit delay the writer sleeps through a batch's wait instead of
+/// waking for each record. A Schedule that joins a batch of lazy Dones must
+/// still be written once its own commit delay is up, not when the Dones'
+/// far longer wait is; and records sent within one delay share one fsync.
+#[test]
+fn a_schedule_joining_lazy_dones_waits_only_its_commit_delay() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = WalConfig {
+        lazy_done_wait: std::time::Duration::from_secs(3600),
+        commit_delay: std::time::Duration::from_millis(200),
+        ..config(dir.path())
+    };
+    let (wal, _, _) = open_live(cfg).unwrap();
+    let a = schedule(&wal, 10, b"a");
+    let fsyncs = wal.fsyncs();
+    wal.append_fired(a.id, a.pos).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let replies: Vec<_> = (0..3u64)
+        .map(|i| wal.append_schedule(20 + i, "r", vec![b'b'; 10]).unwrap())
+        .collect();
+    for mut reply in replies {
+        loop {
+            match reply.try_recv() {
+                Ok(appended) => {
+                    appended.unwrap();
+                    break;
+                }
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
+                Err(e) => panic!("{e}"),
+            };
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the Schedules wait as long as the lazy Done may"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+    assert_eq!(wal.fsyncs(), fsyncs + 1, "one fsync for all four records");
+    close(wal);
+}
+
 #[test]
 fn a_fired_done_alone_is_written_within_the_lazy_interval() {
     let dir = tempfile::tempdir().unwrap();

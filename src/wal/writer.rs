@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use tokio::sync::oneshot;
 
@@ -76,7 +77,8 @@ impl AppendRequest {
 }
 
 enum Command {
-    Append(AppendRequest, Reply),
+    /// A record, with when it was sent: its wait counts from then.
+    Append(AppendRequest, Reply, Instant),
     /// Everything sent before this is durable when the reply comes.
     Close(oneshot::Sender<Result<(), WalError>>),
 }
@@ -132,7 +134,7 @@ impl Writer {
         let (reply, rx) = oneshot::channel();
         let guard = self.tx.lock().expect("writer sender poisoned");
         let tx = guard.as_ref().ok_or(WalError::Stopped)?;
-        tx.send(Command::Append(request, reply))
+        tx.send(Command::Append(request, reply, Instant::now()))
             .map_err(|_| WalError::Stopped)?;
         Ok(rx)
     }
@@ -199,15 +201,36 @@ impl WriterState {
         let mut bytes = 0;
         // When the batch must be written unless it fills first: lazy Dones
         // wait `lazy_done_wait` at most, other records `commit_delay`.
-        let mut deadline: Option<std::time::Instant> = None;
+        let mut deadline: Option<Instant> = None;
         loop {
             let first = match deadline {
                 None => match rx.recv() {
                     Ok(cmd) => cmd,
                     Err(_) => break,
                 },
+                // Sleep out the wait, in steps of `commit_delay` at most,
+                // rather than waking for every record that joins the batch:
+                // one wake-up per batch instead of one per record. A record
+                // that may not wait as long as the batch (a Schedule joining
+                // lazy Dones) is found within one step, and its own wait
+                // counts from when it was sent.
+                Some(at) if !self.config.commit_delay.is_zero() => {
+                    let left = at.saturating_duration_since(Instant::now());
+                    std::thread::sleep(left.min(self.config.commit_delay));
+                    match rx.try_recv() {
+                        Ok(cmd) => cmd,
+                        Err(mpsc::TryRecvError::Empty) => {
+                            if at <= Instant::now() {
+                                self.write_batch(&mut batch);
+                                (bytes, deadline) = (0, None);
+                            }
+                            continue;
+                        }
+                        Err(mpsc::TryRecvError::Disconnected) => break,
+                    }
+                }
                 Some(at) => {
-                    let left = at.saturating_duration_since(std::time::Instant::now());
+                    let left = at.saturating_duration_since(Instant::now());
                     match rx.recv_timeout(left) {
                         Ok(cmd) => cmd,
                         Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -223,14 +246,13 @@ impl WriterState {
             let mut next = Some(first);
             while let Some(cmd) = next.take() {
                 match cmd {
-                    Command::Append(req, reply) => {
-                        let now = std::time::Instant::now();
+                    Command::Append(req, reply, sent) => {
                         let wait = if req.is_lazy() {
                             self.config.lazy_done_wait
                         } else {
                             self.config.commit_delay
                         };
-                        deadline = Some(deadline.map_or(now + wait, |at| at.min(now + wait)));
+                        deadline = Some(deadline.map_or(sent + wait, |at| at.min(sent + wait)));
                         bytes += req.size();
                         batch.push((req, reply));
                     }
@@ -240,7 +262,7 @@ impl WriterState {
                     next = rx.try_recv().ok();
                 }
             }
-            let due = deadline.is_none_or(|at| at <= std::time::Instant::now());
+            let due = deadline.is_none_or(|at| at <= Instant::now());
             if !due && close.is_none() && bytes < self.config.max_batch_bytes {
                 continue;
             }
@@ -378,7 +400,7 @@ impl WriterState {
             }
             return Err(err);
         }
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         if let Err(source) = file.sync_data() {
             let err = WalError::Fatal {
                 op: "fdatasync",
