@@ -189,25 +189,39 @@ impl Dispatcher {
         first: OwnedSemaphorePermit,
     ) -> Result<(), Closed> {
         let mut wanted: VecDeque<Wanted> = {
-            let state = self.inner.state();
+            let mut state = self.inner.state();
             batch
                 .drain(..)
                 .map(|entry| Wanted {
                     entry,
                     route: state.route_name(entry.data.route),
                     attempt: state.in_flight(entry.id).map_or(0, |f| f.attempt),
+                    kept: state.bodies.take(entry.id),
                 })
                 .collect()
         };
         let mut first = Some(first);
-        while !wanted.is_empty() {
-            let wal = self.inner.wal.clone();
-            let positions: Vec<WalPos> = wanted.iter().map(|w| w.entry.data.pos).collect();
-            let chunk = (self.budget as u64 / 4).max(1);
-            let records = tokio::task::spawn_blocking(move || read_chunk(&wal, positions, chunk))
-                .await
-                .unwrap_or_default();
-            if records.is_empty() {
+        while let Some(front) = wanted.front() {
+            let bodies: Vec<Body> = if front.kept.is_some() {
+                // Kept in memory since it was stored: no read.
+                wanted
+                    .iter_mut()
+                    .map_while(|w| w.kept.take())
+                    .map(Ok)
+                    .collect()
+            } else {
+                let wal = self.inner.wal.clone();
+                let positions: Vec<WalPos> = wanted
+                    .iter()
+                    .take_while(|w| w.kept.is_none())
+                    .map(|w| w.entry.data.pos)
+                    .collect();
+                let chunk = (self.budget as u64 / 4).max(1);
+                tokio::task::spawn_blocking(move || read_chunk(&wal, positions, chunk))
+                    .await
+                    .unwrap_or_default()
+            };
+            if bodies.is_empty() {
                 // The read task failed: settle one so the loop moves on.
                 let w = wanted.pop_front().expect("not empty");
                 let permit = self.permit(&mut first).await?;
@@ -225,16 +239,16 @@ impl Dispatcher {
                 ));
                 continue;
             }
-            for record in records {
+            for body in bodies {
                 let w = wanted.pop_front().expect("read in order");
                 if w.entry.deadline <= self.inner.overdue_until {
                     self.limiter.wait().await;
                 }
                 let permit = self.permit(&mut first).await?;
                 // Room for its bytes too, while earlier ones are published.
-                let size = match &record {
-                    Ok(Record::Schedule { message, .. }) => message.len().clamp(1, self.budget),
-                    _ => 1,
+                let size = match &body {
+                    Ok((_, message)) => message.len().clamp(1, self.budget),
+                    Err(_) => 1,
                 };
                 let byte_permit = self
                     .bytes
@@ -242,7 +256,7 @@ impl Dispatcher {
                     .acquire_many_owned(size as u32)
                     .await
                     .map_err(|_| Closed)?;
-                self.deliver(w, record, (permit, Some(byte_permit)));
+                self.deliver(w, body, (permit, Some(byte_permit)));
             }
         }
         Ok(())
@@ -268,7 +282,7 @@ impl Dispatcher {
     fn deliver(
         &self,
         w: Wanted,
-        record: Result<Record, crate::wal::WalError>,
+        body: Body,
         permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
     ) {
         let fired_ms = self.inner.clock.now_ms();
@@ -276,12 +290,11 @@ impl Dispatcher {
             entry,
             route,
             attempt,
+            ..
         } = w;
         let mut key = None;
-        let delivery = match record {
-            Ok(Record::Schedule {
-                due_ms, message, ..
-            }) => {
+        let delivery = match body {
+            Ok((due_ms, message)) => {
                 key = (self.inner.config.key_of)(&message)
                     .map(|k| super::key_hash(entry.data.route, k));
                 if attempt == 0 {
@@ -298,10 +311,7 @@ impl Dispatcher {
                     attempt,
                 })
             }
-            Ok(Record::Done { .. }) => {
-                failed(format!("WAL position {:?} holds a Done", entry.data.pos))
-            }
-            Err(e) => failed(format!("cannot read message from the WAL: {e}")),
+            Err(reason) => failed(reason),
         };
         let settle = Settle {
             id: entry.id,
@@ -329,23 +339,30 @@ struct Wanted {
     entry: Expired<Slot>,
     route: Arc<str>,
     attempt: u32,
+    /// Its due time and bytes, if kept in memory (see `bodies`).
+    kept: Option<(u64, Vec<u8>)>,
 }
 
-/// Read records at `positions` in order until their bytes reach `chunk`
-/// (at least one).
-fn read_chunk(
-    wal: &crate::wal::Wal,
-    positions: Vec<WalPos>,
-    chunk: u64,
-) -> Vec<Result<Record, crate::wal::WalError>> {
+/// A message's due time and stored bytes, or why they cannot be had.
+type Body = Result<(u64, Vec<u8>), String>;
+
+/// Read the messages at `positions` in order until their bytes reach
+/// `chunk` (at least one).
+fn read_chunk(wal: &crate::wal::Wal, positions: Vec<WalPos>, chunk: u64) -> Vec<Body> {
     let mut out = Vec::new();
     let mut total = 0u64;
     for pos in positions {
-        let record = wal.read(pos);
-        if let Ok(Record::Schedule { message, .. }) = &record {
+        let body = match wal.read(pos) {
+            Ok(Record::Schedule {
+                due_ms, message, ..
+            }) => Ok((due_ms, message)),
+            Ok(Record::Done { .. }) => Err(format!("WAL position {pos:?} holds a Done")),
+            Err(e) => Err(format!("cannot read message from the WAL: {e}")),
+        };
+        if let Ok((_, message)) = &body {
             total += message.len() as u64;
         }
-        out.push(record);
+        out.push(body);
         if total >= chunk {
             break;
         }
