@@ -16,6 +16,7 @@ pub mod bench;
 pub mod client;
 pub mod config;
 pub mod engine;
+pub mod finisher;
 pub mod inspect;
 pub mod messages;
 pub mod route;

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use crate::finisher::Finisher;
 use crate::wal::{Record, WalPos};
 use crate::wheel::Expired;
 
@@ -104,6 +105,8 @@ struct Dispatcher {
     budget: usize,
     /// Paces messages that were already overdue at start-up.
     limiter: RateLimiter,
+    /// Where publishes are completed (settled), together in one task.
+    completing: Finisher,
 }
 
 /// A semaphore was closed: the dispatcher is going away.
@@ -122,6 +125,7 @@ impl Dispatcher {
             bytes: Arc::new(Semaphore::new(budget)),
             budget,
             limiter,
+            completing: Finisher::start(),
         }
     }
 
@@ -231,7 +235,7 @@ impl Dispatcher {
                     key: None,
                 };
                 let delivery = failed("WAL read task failed".to_string());
-                tokio::spawn(complete(
+                self.completing.run(complete(
                     self.inner.clone(),
                     settle,
                     delivery,
@@ -318,7 +322,8 @@ impl Dispatcher {
             route,
             key,
         };
-        tokio::spawn(complete(self.inner.clone(), settle, delivery, permits));
+        self.completing
+            .run(complete(self.inner.clone(), settle, delivery, permits));
     }
 
     /// Let in-flight publishes finish (their Done records get written).

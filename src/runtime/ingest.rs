@@ -24,6 +24,7 @@ use super::backpressure::Backpressure;
 use super::brokers::Brokers;
 use super::deliver::park;
 use super::route_store::RouteStore;
+use crate::finisher::Finisher;
 
 /// A delivery whose WAL record is queued (or that is invalid, or that waits
 /// for room).
@@ -101,6 +102,7 @@ impl Intake {
     /// else returned to the broker); once relieved it resumes.
     pub async fn run(self, mut source: Box<dyn Source>, stop: CancellationToken) {
         let permits = Arc::new(Semaphore::new(self.concurrency.max(1)));
+        let finisher = Finisher::start();
         let this = Arc::new(self);
         let route = this.route.name().to_owned();
         let mut paused: Option<Pressure> = None;
@@ -160,7 +162,7 @@ impl Intake {
             let started = span.in_scope(|| this.start(delivery));
             let this = this.clone();
             let stop = stop.clone();
-            tokio::spawn(
+            finisher.run(
                 async move {
                     this.finish(started, &stop).await;
                     drop((permit, byte_permit));
