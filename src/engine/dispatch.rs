@@ -193,39 +193,25 @@ impl Dispatcher {
         first: OwnedSemaphorePermit,
     ) -> Result<(), Closed> {
         let mut wanted: VecDeque<Wanted> = {
-            let mut state = self.inner.state();
+            let state = self.inner.state();
             batch
                 .drain(..)
                 .map(|entry| Wanted {
                     entry,
                     route: state.route_name(entry.data.route),
                     attempt: state.in_flight(entry.id).map_or(0, |f| f.attempt),
-                    kept: state.bodies.take(entry.id),
                 })
                 .collect()
         };
         let mut first = Some(first);
-        while let Some(front) = wanted.front() {
-            let bodies: Vec<Body> = if front.kept.is_some() {
-                // Kept in memory since it was stored: no read.
-                wanted
-                    .iter_mut()
-                    .map_while(|w| w.kept.take())
-                    .map(Ok)
-                    .collect()
-            } else {
-                let wal = self.inner.wal.clone();
-                let positions: Vec<WalPos> = wanted
-                    .iter()
-                    .take_while(|w| w.kept.is_none())
-                    .map(|w| w.entry.data.pos)
-                    .collect();
-                let chunk = (self.budget as u64 / 4).max(1);
-                tokio::task::spawn_blocking(move || read_chunk(&wal, positions, chunk))
-                    .await
-                    .unwrap_or_default()
-            };
-            if bodies.is_empty() {
+        while !wanted.is_empty() {
+            let wal = self.inner.wal.clone();
+            let positions: Vec<WalPos> = wanted.iter().map(|w| w.entry.data.pos).collect();
+            let chunk = (self.budget as u64 / 4).max(1);
+            let records = tokio::task::spawn_blocking(move || read_chunk(&wal, positions, chunk))
+                .await
+                .unwrap_or_default();
+            if records.is_empty() {
                 // The read task failed: settle one so the loop moves on.
                 let w = wanted.pop_front().expect("not empty");
                 let permit = self.permit(&mut first).await?;
@@ -243,16 +229,16 @@ impl Dispatcher {
                 ));
                 continue;
             }
-            for body in bodies {
+            for record in records {
                 let w = wanted.pop_front().expect("read in order");
                 if w.entry.deadline <= self.inner.overdue_until {
                     self.limiter.wait().await;
                 }
                 let permit = self.permit(&mut first).await?;
                 // Room for its bytes too, while earlier ones are published.
-                let size = match &body {
-                    Ok((_, message)) => message.len().clamp(1, self.budget),
-                    Err(_) => 1,
+                let size = match &record {
+                    Ok(Record::Schedule { message, .. }) => message.len().clamp(1, self.budget),
+                    _ => 1,
                 };
                 let byte_permit = self
                     .bytes
@@ -260,7 +246,7 @@ impl Dispatcher {
                     .acquire_many_owned(size as u32)
                     .await
                     .map_err(|_| Closed)?;
-                self.deliver(w, body, (permit, Some(byte_permit)));
+                self.deliver(w, record, (permit, Some(byte_permit)));
             }
         }
         Ok(())
@@ -286,7 +272,7 @@ impl Dispatcher {
     fn deliver(
         &self,
         w: Wanted,
-        body: Body,
+        record: Result<Record, crate::wal::WalError>,
         permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
     ) {
         let fired_ms = self.inner.clock.now_ms();
@@ -294,11 +280,12 @@ impl Dispatcher {
             entry,
             route,
             attempt,
-            ..
         } = w;
         let mut key = None;
-        let delivery = match body {
-            Ok((due_ms, message)) => {
+        let delivery = match record {
+            Ok(Record::Schedule {
+                due_ms, message, ..
+            }) => {
                 key = (self.inner.config.key_of)(&message)
                     .map(|k| super::key_hash(entry.data.route, k));
                 if attempt == 0 {
@@ -315,7 +302,10 @@ impl Dispatcher {
                     attempt,
                 })
             }
-            Err(reason) => failed(reason),
+            Ok(Record::Done { .. }) => {
+                failed(format!("WAL position {:?} holds a Done", entry.data.pos))
+            }
+            Err(e) => failed(format!("cannot read message from the WAL: {e}")),
         };
         let settle = Settle {
             id: entry.id,
@@ -344,30 +334,23 @@ struct Wanted {
     entry: Expired<Slot>,
     route: Arc<str>,
     attempt: u32,
-    /// Its due time and bytes, if kept in memory (see `bodies`).
-    kept: Option<(u64, Vec<u8>)>,
 }
 
-/// A message's due time and stored bytes, or why they cannot be had.
-type Body = Result<(u64, Vec<u8>), String>;
-
-/// Read the messages at `positions` in order until their bytes reach
-/// `chunk` (at least one).
-fn read_chunk(wal: &crate::wal::Wal, positions: Vec<WalPos>, chunk: u64) -> Vec<Body> {
+/// Read records at `positions` in order until their bytes reach `chunk`
+/// (at least one).
+fn read_chunk(
+    wal: &crate::wal::Wal,
+    positions: Vec<WalPos>,
+    chunk: u64,
+) -> Vec<Result<Record, crate::wal::WalError>> {
     let mut out = Vec::new();
     let mut total = 0u64;
     for pos in positions {
-        let body = match wal.read(pos) {
-            Ok(Record::Schedule {
-                due_ms, message, ..
-            }) => Ok((due_ms, message)),
-            Ok(Record::Done { .. }) => Err(format!("WAL position {pos:?} holds a Done")),
-            Err(e) => Err(format!("cannot read message from the WAL: {e}")),
-        };
-        if let Ok((_, message)) = &body {
+        let record = wal.read(pos);
+        if let Ok(Record::Schedule { message, .. }) = &record {
             total += message.len() as u64;
         }
-        out.push(body);
+        out.push(record);
         if total >= chunk {
             break;
         }

@@ -10,7 +10,6 @@
 //! Restart: the WAL is replayed into a fresh wheel. Messages that fell due
 //! while delayd was down fire at `overdue_rate` per second, not all at once.
 
-mod bodies;
 mod clock;
 mod compact;
 mod dedup;
@@ -505,8 +504,6 @@ impl Engine {
         due_ms: u64,
         message: Vec<u8>,
     ) -> impl Future<Output = Result<(u64, WalPos), EngineError>> + Send + 'static {
-        let kept =
-            bodies::Bodies::wanted(due_ms, self.now_ms(), message.len()).then(|| message.clone());
         let queued = self.queue_schedule(route, due_ms, message);
         let engine = self.clone();
         async move {
@@ -519,9 +516,6 @@ impl Engine {
             {
                 let mut state = engine.state();
                 state.arm(appended.id, due_ms, slot);
-                if let Some(message) = kept {
-                    state.bodies.offer(appended.id, due_ms, message);
-                }
 
                 if let Some(hash) = key {
                     state.keys.insert(hash, appended.id);
@@ -803,7 +797,6 @@ impl Engine {
         let Some(entry) = state.disarm(id) else {
             return Ok(None);
         };
-        state.bodies.take(id);
         if let Some(hash) = hash {
             state.keys.remove(hash, id);
         }

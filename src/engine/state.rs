@@ -7,7 +7,6 @@ use std::sync::Arc;
 use crate::wal::WalPos;
 use crate::wheel::{Expired, TimingWheel};
 
-use super::bodies::Bodies;
 use super::dedup::{Unconfirmed, Writing};
 use super::keys::KeyIndex;
 
@@ -80,8 +79,6 @@ pub struct State {
     /// Routes whose target is unreachable, and where each waiting id is.
     pub blocked: HashMap<u16, Blocked>,
     blocked_ids: HashMap<u64, (u16, u64)>,
-    /// Bytes of messages due soon, so firing them needs no WAL read.
-    pub bodies: Bodies,
 }
 
 impl State {
@@ -101,7 +98,6 @@ impl State {
             reserved: 0,
             blocked: HashMap::new(),
             blocked_ids: HashMap::new(),
-            bodies: Bodies::default(),
         }
     }
 
