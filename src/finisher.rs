@@ -69,14 +69,24 @@ fn report(result: Result<(), Box<dyn std::any::Any + Send>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Arc;
 
     #[tokio::test]
     async fn every_future_runs_to_the_end_despite_a_panic_and_a_dropped_finisher() {
         let finisher = Finisher::start();
-        let done = Arc::new(AtomicUsize::new(0));
+        let (done, panicked) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
         let (release, released) = tokio::sync::watch::channel(false);
+        {
+            let panicked = panicked.clone();
+            finisher.run(async move {
+                panicked.store(true, Ordering::SeqCst);
+                panic!("one future fails");
+            });
+        }
         for _ in 0..100 {
             let (done, mut released) = (done.clone(), released.clone());
             finisher.run(async move {
@@ -84,12 +94,20 @@ mod tests {
                 done.fetch_add(1, Ordering::SeqCst);
             });
         }
-        // One that panics takes none of the others with it.
-        finisher.run(async { panic!("one future fails") });
         drop(finisher);
         drop(released);
-        release.send(true).unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // The others are released only once the panic has happened: it
+        // must have taken none of them with it.
+        while !panicked.load(Ordering::SeqCst) {
+            assert!(std::time::Instant::now() < deadline, "never polled");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        // Err: no receiver is left, every waiting future was dropped.
+        assert!(
+            release.send(true).is_ok(),
+            "futures were dropped with the panic"
+        );
         while done.load(Ordering::SeqCst) < 100 {
             assert!(std::time::Instant::now() < deadline, "futures were dropped");
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;

@@ -38,13 +38,13 @@
 //! One writer thread owns the head segment. Appenders send records over a
 //! channel; the writer takes every record that is waiting (a batch), writes
 //! them and a Commit frame with one `write`, issues one `fdatasync`, and only
-//! then tells each
-//! appender its record is durable (group commit). With `commit_delay` set,
-//! a batch stays open that long after its first record was sent; the writer
-//! sleeps through it rather than waking for every record that joins. A delivered message's Done
-//! is lazy: it waits, unwritten, for the next batch written anyway (or
-//! 100 ms), so it costs no fdatasync of its own; losing it to a crash sends
-//! the message again after the restart (at-least-once), never loses one. A segment is sealed when it
+//! then tells each appender its record is durable (group commit). With
+//! `commit_delay` set, a batch stays open that long after its first record
+//! was sent; the writer sleeps through it rather than waking for every
+//! record that joins. A delivered message's Done is lazy: it waits,
+//! unwritten, for the next batch written anyway (or 100 ms), so it costs no
+//! fdatasync of its own; losing it to a crash sends the message again after
+//! the restart (at-least-once), never loses one. A segment is sealed when it
 //! passes `segment_bytes`; the new file and the directory are fsynced before
 //! any record in it is acknowledged.
 //!

@@ -199,8 +199,10 @@ impl WriterState {
         // crash rules require).
         let mut batch: Vec<(AppendRequest, Reply)> = Vec::new();
         let mut bytes = 0;
-        // When the batch must be written unless it fills first: lazy Dones
-        // wait `lazy_done_wait` at most, other records `commit_delay`.
+        // When the batch must be written: lazy Dones wait `lazy_done_wait`
+        // at most, other records `commit_delay`. A batch that reaches
+        // `max_batch_bytes` goes at once, or (while the writer sleeps out a
+        // commit delay) when it wakes, one step later at most.
         let mut deadline: Option<Instant> = None;
         loop {
             let first = match deadline {
