@@ -204,13 +204,22 @@ impl Dispatcher {
                 .collect()
         };
         let mut first = Some(first);
+        let chunk = (self.budget as u64 / 4).max(1);
         while !wanted.is_empty() {
+            // Most due messages are still in the page cache: read those here
+            // and take the hop to a blocking thread only for the disk.
             let wal = self.inner.wal.clone();
-            let positions: Vec<WalPos> = wanted.iter().map(|w| w.entry.data.pos).collect();
-            let chunk = (self.budget as u64 / 4).max(1);
-            let records = tokio::task::spawn_blocking(move || read_chunk(&wal, positions, chunk))
+            let mut records = read_front(wanted.iter().map(|w| w.entry.data.pos), chunk, |pos| {
+                wal.read_cached(pos)
+            });
+            if records.is_empty() {
+                let positions: Vec<WalPos> = wanted.iter().map(|w| w.entry.data.pos).collect();
+                records = tokio::task::spawn_blocking(move || {
+                    read_front(positions, chunk, |pos| Some(wal.read(pos)))
+                })
                 .await
                 .unwrap_or_default();
+            }
             if records.is_empty() {
                 // The read task failed: settle one so the loop moves on.
                 let w = wanted.pop_front().expect("not empty");
@@ -338,15 +347,17 @@ struct Wanted {
 
 /// Read records at `positions` in order until their bytes reach `chunk`
 /// (at least one).
-fn read_chunk(
-    wal: &crate::wal::Wal,
-    positions: Vec<WalPos>,
+/// Read the front of `positions` with `read`, up to `chunk` bytes; stops
+/// early at the first position `read` gives up on.
+fn read_front(
+    positions: impl IntoIterator<Item = WalPos>,
     chunk: u64,
+    mut read: impl FnMut(WalPos) -> Option<Result<Record, crate::wal::WalError>>,
 ) -> Vec<Result<Record, crate::wal::WalError>> {
     let mut out = Vec::new();
     let mut total = 0u64;
     for pos in positions {
-        let record = wal.read(pos);
+        let Some(record) = read(pos) else { break };
         if let Ok(Record::Schedule { message, .. }) = &record {
             total += message.len() as u64;
         }

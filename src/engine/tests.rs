@@ -131,6 +131,60 @@ async fn fires_in_due_order_and_never_early() {
     r.stop().await;
 }
 
+/// Messages whose frames left the page cache (a long delay under memory
+/// pressure) are read from the disk on a blocking thread and fire byte-equal,
+/// in due order: the dispatcher's cached-read path gives way to it.
+#[tokio::test]
+async fn messages_no_longer_in_the_page_cache_fire_from_the_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = start(config(dir.path()), Arc::new(SystemClock));
+    let base = now() + 1500;
+    let queued: Vec<_> = (0..30u64)
+        .map(|i| {
+            // Some span several pages, so one read needs more than one.
+            let size = if i % 3 == 0 { 9_000 } else { 40 };
+            let msg: Vec<u8> = (0..size).map(|b| (b as u64 * 31 + i) as u8).collect();
+            let due = base + (i * 53) % 300;
+            let stored = r.engine.schedule("orders", due, msg.clone());
+            (due, msg, stored)
+        })
+        .collect();
+    let mut want = Vec::new();
+    for (due, msg, stored) in queued {
+        want.push((due, stored.await.unwrap(), msg));
+    }
+    let positions: Vec<_> = r
+        .engine
+        .list(&ListQuery {
+            limit: 100,
+            ..Default::default()
+        })
+        .into_iter()
+        .map(|info| info.pos)
+        .collect();
+    assert_eq!(positions.len(), want.len());
+    if !crate::wal::evict_from_page_cache(dir.path()) {
+        eprintln!("skipped: the WAL is on tmpfs, nothing leaves the page cache");
+        r.stop().await;
+        return;
+    }
+    for pos in positions {
+        assert!(
+            r.engine.wal().read_cached(pos).is_none(),
+            "{pos:?} still cached"
+        );
+    }
+    assert!(now() < base, "scheduling took longer than the margin");
+    want.sort();
+    for (due, id, msg) in want {
+        let f = r.recv().await;
+        assert_eq!((f.due_ms, f.id), (due, id));
+        assert_eq!(f.message, msg);
+        assert!(f.fired_ms >= f.due_ms);
+    }
+    r.stop().await;
+}
+
 #[tokio::test]
 async fn equal_due_times_fire_in_arrival_order() {
     let dir = tempfile::tempdir().unwrap();

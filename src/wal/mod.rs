@@ -216,6 +216,9 @@ pub enum WalError {
     },
     #[error("WAL segment ordinal {0} is gone")]
     NoSegment(u32),
+    /// From [`Wal::read_cached`]: the frame is not all in the page cache.
+    #[error("the WAL frame is not in the page cache")]
+    NotCached,
     #[error("{0}")]
     Invalid(String),
     #[error("WAL directory {} does not exist (an unmounted volume?); create it, or set wal.create_dir = true to let delayd create it", .0.display())]
@@ -381,8 +384,23 @@ impl Wal {
         self.segments().mark_dead(pos.segment);
     }
 
-    /// Read the Schedule frame at `pos`.
+    /// Read the Schedule frame at `pos`. Blocks while the disk reads it.
     pub fn read(&self, pos: WalPos) -> Result<Record, WalError> {
+        self.read_from(pos, reader::Source::Disk)
+    }
+
+    /// Read the Schedule frame at `pos` if it is all in the page cache, as a
+    /// recently written one usually is; `None` if reading it would wait for
+    /// the disk (or the file system cannot tell), so it is safe to call on an
+    /// async thread.
+    pub fn read_cached(&self, pos: WalPos) -> Option<Result<Record, WalError>> {
+        match self.read_from(pos, reader::Source::CacheOnly) {
+            Err(WalError::NotCached) => None,
+            other => Some(other),
+        }
+    }
+
+    fn read_from(&self, pos: WalPos, source: reader::Source) -> Result<Record, WalError> {
         let (file, path, salt) = self
             .segments()
             .file(pos.segment)
@@ -393,6 +411,7 @@ impl Wal {
             pos.offset as u64,
             self.shared.config.max_frame_len(),
             salt,
+            source,
         )
     }
 
@@ -531,3 +550,22 @@ impl Wal {
 
 #[cfg(test)]
 mod tests;
+
+/// Tests only: drop the (clean, fsynced) pages of every segment in `dir`
+/// from the page cache, as memory pressure would. False on a file system
+/// that keeps files only in memory (tmpfs), where nothing can be dropped.
+#[cfg(test)]
+pub(crate) fn evict_from_page_cache(dir: &Path) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    if rustix::fs::statfs(dir).expect("statfs").f_type as i64 == TMPFS_MAGIC {
+        return false;
+    }
+    for entry in std::fs::read_dir(dir).expect("read WAL dir") {
+        let path = entry.expect("dir entry").path();
+        if path.extension().is_some_and(|e| e == "log") {
+            let file = std::fs::File::open(&path).expect("open segment");
+            rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).expect("fadvise");
+        }
+    }
+    true
+}

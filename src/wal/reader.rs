@@ -2,7 +2,10 @@
 //! recovery, compaction and inspection.
 
 use std::fs::File;
+use std::io::IoSliceMut;
 use std::os::unix::fs::FileExt;
+
+use rustix::io::{Errno, ReadWriteFlags};
 use std::path::Path;
 
 use super::frame::{self, FrameError, Parsed, Record, RecordRef, Salt};
@@ -12,6 +15,18 @@ use super::WalError;
 /// `pread` usually reads the whole frame; a longer one takes a second.
 const FIRST_READ: usize = 4096;
 
+/// Where the bytes of a frame may come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// Wherever they are: the call blocks while the disk reads them.
+    Disk,
+    /// Only the page cache (`preadv2` with `RWF_NOWAIT`): a read that would
+    /// wait for the disk fails with [`WalError::NotCached`] instead. Lets a
+    /// caller on an async thread read recent frames without a hop to a
+    /// blocking thread.
+    CacheOnly,
+}
+
 /// Read the record at `offset` of a segment whose header has `salt`.
 pub fn read_frame_at(
     file: &File,
@@ -19,14 +34,19 @@ pub fn read_frame_at(
     offset: u64,
     max_len: u32,
     salt: Salt,
+    source: Source,
 ) -> Result<Record, WalError> {
     let corrupt = |reason: String| WalError::Corrupt {
         segment: path.to_path_buf(),
         offset,
         reason,
     };
+    let io = |e: ReadError| match e {
+        ReadError::NotCached => WalError::NotCached,
+        ReadError::Io(e) => WalError::io(path, e),
+    };
     let mut buf = vec![0u8; FIRST_READ.max(frame::HEADER_BYTES)];
-    let got = read_up_to(file, &mut buf, offset).map_err(|e| WalError::io(path, e))?;
+    let got = read_up_to(file, &mut buf, offset, source).map_err(io)?;
     if got < frame::HEADER_BYTES {
         return Err(corrupt(format!(
             "frame header cut short: {got} of {} bytes",
@@ -40,8 +60,13 @@ pub fn read_frame_at(
     let total = frame::HEADER_BYTES + len as usize;
     if total > got {
         buf.resize(total, 0);
-        file.read_exact_at(&mut buf[got..], offset + got as u64)
-            .map_err(|e| WalError::io(path, e))?;
+        let rest = read_up_to(file, &mut buf[got..], offset + got as u64, source).map_err(io)?;
+        if got + rest < total {
+            return Err(corrupt(format!(
+                "frame cut short: {} of {total} bytes",
+                got + rest
+            )));
+        }
     }
     match frame::parse(&buf[..total], max_len, salt) {
         Ok((Parsed::Record(record), _)) => Ok(record.to_owned()),
@@ -50,15 +75,40 @@ pub fn read_frame_at(
     }
 }
 
+enum ReadError {
+    NotCached,
+    Io(std::io::Error),
+}
+
 /// Fill `buf` from `offset` as far as the file goes; returns the bytes read.
-fn read_up_to(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+fn read_up_to(
+    file: &File,
+    buf: &mut [u8],
+    offset: u64,
+    source: Source,
+) -> Result<usize, ReadError> {
     let mut filled = 0;
     while filled < buf.len() {
-        match file.read_at(&mut buf[filled..], offset + filled as u64) {
+        let at = offset + filled as u64;
+        let read = match source {
+            Source::Disk => file.read_at(&mut buf[filled..], at),
+            Source::CacheOnly => {
+                // A short count means the rest is not cached: the next call
+                // fails with EAGAIN. Any other failure (EOPNOTSUPP on a file
+                // system without RWF_NOWAIT) is left to the blocking read.
+                let mut slices = [IoSliceMut::new(&mut buf[filled..])];
+                match rustix::io::preadv2(file, &mut slices, at, ReadWriteFlags::NOWAIT) {
+                    Ok(n) => Ok(n),
+                    Err(Errno::INTR) => continue,
+                    Err(_) => return Err(ReadError::NotCached),
+                }
+            }
+        };
+        match read {
             Ok(0) => break,
             Ok(n) => filled += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(e) => return Err(ReadError::Io(e)),
         }
     }
     Ok(filled)

@@ -101,6 +101,38 @@ fn appended_records_come_back_after_reopen() {
     assert!(c.id > b.id);
 }
 
+/// A frame dropped from the page cache is not read by `read_cached` (which
+/// must not block an async thread on the disk), and `read` still reads it.
+#[test]
+fn a_cached_read_of_a_frame_only_on_disk_gives_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = WalConfig {
+        segment_bytes: 1 << 20,
+        ..WalConfig::new(dir.path())
+    };
+    let (wal, _, _) = open_live(cfg).unwrap();
+    let small = schedule(&wal, 1, b"small");
+    let big_body: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+    let big = schedule(&wal, 2, &big_body);
+    if !evict_from_page_cache(dir.path()) {
+        eprintln!("skipped: the WAL is on tmpfs, nothing leaves the page cache");
+        return;
+    }
+    // All cached reads first: a disk read brings in its neighbours too.
+    let frames = [(small, b"small".to_vec()), (big, big_body)];
+    for (a, _) in &frames {
+        assert!(wal.read_cached(a.pos).is_none(), "read from the disk");
+    }
+    for (a, body) in frames {
+        match wal.read(a.pos).unwrap() {
+            Record::Schedule { id, message, .. } => {
+                assert_eq!((id, message), (a.id, body));
+            }
+            other => panic!("read a {other:?}"),
+        }
+    }
+}
+
 /// Frames shorter and longer than the first read, including the last frame
 /// of the file (where the first read stops at the end of the file).
 #[test]
@@ -120,13 +152,17 @@ fn frames_of_every_size_read_back_byte_equal() {
         })
         .collect();
     for (a, msg) in &appended {
-        match wal.read(a.pos).unwrap() {
+        let read = wal.read(a.pos).unwrap();
+        match &read {
             Record::Schedule { id, message, .. } => {
-                assert_eq!(id, a.id);
-                assert_eq!(&message, msg, "message of {} bytes", msg.len());
+                assert_eq!(*id, a.id);
+                assert_eq!(message, msg, "message of {} bytes", msg.len());
             }
             other => panic!("read a {other:?}"),
         }
+        // Just written, so in the page cache: read there, the same record.
+        let cached = wal.read_cached(a.pos).expect("just written, still cached");
+        assert_eq!(cached.unwrap(), read, "message of {} bytes", msg.len());
     }
 }
 
