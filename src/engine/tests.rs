@@ -735,6 +735,40 @@ async fn a_redelivery_of_a_message_that_already_fired_is_recognised() {
     r.stop().await;
 }
 
+/// A message cancelled while its source ack is still unconfirmed: the
+/// broker redelivers it (the ack was lost), and the copy must be recognised
+/// as the cancelled message, not stored again to fire after all. That holds
+/// across a restart too, where the unconfirmed set is seeded from the log.
+#[tokio::test]
+async fn a_redelivery_of_a_message_cancelled_before_its_ack_was_confirmed_stays_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    let due = now() + 1_000_000;
+    let msg = b"cancel me".to_vec();
+    {
+        let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+        let Stored::New(id) = engine.store("r", due, msg.clone(), false).await.unwrap() else {
+            panic!("the first copy is new");
+        };
+        assert!(engine.cancel(id).await.unwrap());
+        assert_eq!(engine.pending(), 0);
+        assert_eq!(
+            engine.store("r", due, msg.clone(), true).await.unwrap(),
+            Stored::Duplicate
+        );
+        assert_eq!(engine.pending(), 0);
+        engine.close().await.unwrap();
+    }
+    // After a restart the ack's fate is unknown: still a duplicate.
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    assert_eq!(engine.pending(), 0);
+    assert_eq!(
+        engine.store("r", due, msg, true).await.unwrap(),
+        Stored::Duplicate
+    );
+    assert_eq!(engine.pending(), 0);
+    engine.close().await.unwrap();
+}
+
 /// Kafka gives a crashed instance's partitions back seconds after its
 /// restart: by then the records recovered from the WAL have fired and their
 /// segments could be collected. The redelivery must still be recognised, not
