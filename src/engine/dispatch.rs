@@ -345,8 +345,6 @@ struct Wanted {
     attempt: u32,
 }
 
-/// Read records at `positions` in order until their bytes reach `chunk`
-/// (at least one).
 /// Read the front of `positions` with `read`, up to `chunk` bytes; stops
 /// early at the first position `read` gives up on.
 fn read_front(

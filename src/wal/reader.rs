@@ -4,9 +4,9 @@
 use std::fs::File;
 use std::io::IoSliceMut;
 use std::os::unix::fs::FileExt;
+use std::path::Path;
 
 use rustix::io::{Errno, ReadWriteFlags};
-use std::path::Path;
 
 use super::frame::{self, FrameError, Parsed, Record, RecordRef, Salt};
 use super::WalError;
