@@ -20,7 +20,9 @@
 //! `benches/id_index.rs` compares this table with `hashbrown::HashTable` doing the same
 //! job (figures in docs/benchmarks.md): this one is about 20 % smaller and inserts
 //! sequential ids faster from 1M entries up; hashbrown finds about 2× and removes about
-//! 1.5× faster at every size.
+//! 1.5× faster at every size. Inside the wheel (`benches/wheel.rs`, one insert and one
+//! expiry per step) this table made the wheel about twice as fast as hashbrown did, at
+//! 1M and at 10M pending, so it stays.
 
 /// An unused cell. Never a valid cell: slab indices stay below `2^bits - 1`.
 const EMPTY: u32 = u32::MAX;
