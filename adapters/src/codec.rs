@@ -527,6 +527,32 @@ mod tests {
             prop_assert_eq!(back, m);
         }
 
+        /// NaN headers (left out of `round_trips`, where NaN != NaN) come
+        /// back with the very bits they had: sign, quiet or signalling, payload.
+        #[test]
+        fn nan_headers_round_trip_bit_for_bit(
+            sign32 in any::<bool>(), payload32 in 1u32..=0x007F_FFFF,
+            sign64 in any::<bool>(), payload64 in 1u64..=0x000F_FFFF_FFFF_FFFF,
+        ) {
+            let bits32 = (u32::from(sign32) << 31) | 0x7F80_0000 | payload32;
+            let bits64 = (u64::from(sign64) << 63) | 0x7FF0_0000_0000_0000 | payload64;
+            let m = Message {
+                headers: FieldTable(vec![
+                    ("f".into(), Value::F32(f32::from_bits(bits32))),
+                    ("d".into(), Value::F64(f64::from_bits(bits64))),
+                ]),
+                ..Message::default()
+            };
+            let back = decode(&encode(&m)).unwrap();
+            match (back.headers.get("f"), back.headers.get("d")) {
+                (Some(Value::F32(f)), Some(Value::F64(d))) => {
+                    prop_assert!(f.is_nan() && d.is_nan());
+                    prop_assert_eq!((f.to_bits(), d.to_bits()), (bits32, bits64));
+                }
+                other => prop_assert!(false, "decoded {:?}", other),
+            }
+        }
+
         #[test]
         fn truncated_input_is_an_error_not_a_panic(m in message_strategy(), cut in 0usize..1000) {
             let bytes = encode(&m);
