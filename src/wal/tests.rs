@@ -321,20 +321,22 @@ fn flipped_bit_with_refuse_policy_fails_to_open_naming_segment_and_offset() {
     }
 }
 
-/// Every single bit flip in the first frames of a sealed segment is
-/// reported, and costs at most the one record it hit: every other message
-/// is recovered (the scan resynchronises on the next frame).
+/// Every single bit flip in the first frames of a sealed segment, and every
+/// flip in the headers of all its other frames (the last one included) plus
+/// a fixed sample of their payload bits, is reported and costs at most the
+/// one record it hit: every other message is recovered (the scan
+/// resynchronises on the next frame).
 #[test]
 fn every_single_bit_flip_in_a_sealed_segment_is_caught_and_costs_one_record() {
     let dir = tempfile::tempdir().unwrap();
     let ids = multi_segment_log(dir.path());
     let first = segments_of(dir.path())[0].clone();
     let clean = std::fs::read(&first).unwrap();
-    // Frame boundaries of the first four frames (Schedules and Commits).
+    // Frame boundaries of the whole segment (Schedules and Commits).
     let salt = frame::header_salt(&clean).unwrap();
     let mut frames = Vec::new(); // (start, end, Some(id) for a Schedule)
     let mut at = frame::SEGMENT_HEADER_BYTES as usize;
-    while frames.len() < 4 {
+    while at < clean.len() {
         let (parsed, size) = frame::parse(&clean[at..], 1 << 20, salt).unwrap();
         let id = match parsed {
             frame::Parsed::Record(RecordRef::Schedule { id, .. }) => Some(id),
@@ -343,7 +345,23 @@ fn every_single_bit_flip_in_a_sealed_segment_is_caught_and_costs_one_record() {
         frames.push((at, at + size, id));
         at += size;
     }
-    for bit in (frames[0].0 * 8)..(frames[3].1 * 8) {
+    assert!(frames.len() > 8, "only {} frames", frames.len());
+    // Every bit of the first four frames; the header bits and 16 payload
+    // bits (xorshift, fixed seed) of each later frame.
+    let mut bits: Vec<usize> = ((frames[0].0 * 8)..(frames[3].1 * 8)).collect();
+    const HEAD: usize = frame::HEADER_BYTES + 9; // len, crc, type, seq
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    for &(start, end, _) in &frames[4..] {
+        bits.extend((start * 8)..((start + HEAD) * 8));
+        for _ in 0..16 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let payload_bits = (end - start - HEAD) * 8;
+            bits.push((start + HEAD) * 8 + (rng as usize) % payload_bits);
+        }
+    }
+    for bit in bits {
         let trial = tempfile::tempdir().unwrap();
         copy_dir(dir.path(), trial.path());
         let mut bytes = clean.clone();
