@@ -187,6 +187,32 @@ async fn get_one(channel: &Channel, queue: &str) -> lapin::message::BasicGetMess
 }
 
 /// Every AMQP field type RabbitMQ carries, nested ones included.
+/// A new queue named after `what`, holding `bodies` (published to it
+/// directly), and the plain connection that filled it.
+async fn queue_holding(what: &str, bodies: &[&[u8]]) -> (String, Connection, Channel) {
+    let queue = unique(what);
+    let (conn, channel) = plain().await;
+    declare_queue(&channel, &queue).await;
+    for body in bodies {
+        publish_plain(&channel, "", &queue, body, BasicProperties::default()).await;
+    }
+    (queue, conn, channel)
+}
+
+/// A source on a new queue bound to a new fanout exchange (both named after
+/// `what`), once its consumer is registered: (queue, exchange, source).
+async fn fanout_source(rabbit: &BrokerConnections, what: &str) -> (String, String, AmqpSource) {
+    let queue = unique(what);
+    let exchange = unique(&format!("{what}-x"));
+    let config = SourceConfig::new(&queue).with_exchange(&exchange, ExchangeType::Fanout);
+    let source = AmqpSource::start(rabbit.consume.clone(), config).unwrap();
+    eventually("the source's consumer", || async {
+        rabbit.consume.is_connected() && queue_counts(&queue).await.1 == 1
+    })
+    .await;
+    (queue, exchange, source)
+}
+
 fn every_header() -> AmqpTable {
     let mut inner = BTreeMap::new();
     inner.insert("inner-long".into(), AMQPValue::LongLongInt(-42));
@@ -521,12 +547,7 @@ async fn publishes_to_a_missing_exchange_fail_with_not_found_and_the_sink_keeps_
 async fn close_gives_unacked_deliveries_back_and_leaves_the_connection_open() {
     logs();
     let _shared = BROKER.read().await;
-    let queue = unique("close");
-    let (conn, channel) = plain().await;
-    declare_queue(&channel, &queue).await;
-    for body in [&b"a"[..], b"b", b"c"] {
-        publish_plain(&channel, "", &queue, body, BasicProperties::default()).await;
-    }
+    let (queue, conn, _channel) = queue_holding("close", &[b"a", b"b", b"c"]).await;
     let rabbit = BrokerConnections::new(&url()).unwrap();
     let mut source = AmqpSource::start(rabbit.consume.clone(), SourceConfig::new(&queue)).unwrap();
     let unacked = next(&mut source).await;
@@ -619,15 +640,8 @@ async fn declare_queue_creates_durable_queues_and_accepts_existing_ones() {
 async fn pause_stops_deliveries_and_resume_restarts_them() {
     logs();
     let _shared = BROKER.read().await;
-    let queue = unique("pause");
-    let exchange = unique("pause-x");
     let rabbit = BrokerConnections::new(&url()).unwrap();
-    let config = SourceConfig::new(&queue).with_exchange(&exchange, ExchangeType::Fanout);
-    let mut source = AmqpSource::start(rabbit.consume.clone(), config).unwrap();
-    eventually("the source's consumer", || async {
-        rabbit.consume.is_connected() && queue_counts(&queue).await.1 == 1
-    })
-    .await;
+    let (queue, exchange, mut source) = fanout_source(&rabbit, "pause").await;
 
     let (conn, channel) = plain().await;
     publish_plain(
@@ -813,15 +827,8 @@ async fn source_and_sink_recover_after_the_broker_closes_every_connection() {
 async fn out_of_order_acks_settle_everything_exactly_once() {
     logs();
     let _shared = BROKER.read().await;
-    let queue = unique("acks");
-    let exchange = unique("acks-x");
     let rabbit = BrokerConnections::new(&url()).unwrap();
-    let config = SourceConfig::new(&queue).with_exchange(&exchange, ExchangeType::Fanout);
-    let mut source = AmqpSource::start(rabbit.consume.clone(), config).unwrap();
-    eventually("the source's consumer", || async {
-        rabbit.consume.is_connected() && queue_counts(&queue).await.1 == 1
-    })
-    .await;
+    let (queue, exchange, mut source) = fanout_source(&rabbit, "acks").await;
     let (conn, channel) = plain().await;
     const N: u32 = 2000;
     for i in 0..N {
@@ -956,10 +963,7 @@ async fn pump(
 async fn an_ack_lost_with_its_connection_is_not_reported_as_done() {
     logs();
     let _shared = BROKER.read().await;
-    let queue = unique("lost-ack");
-    let (conn, channel) = plain().await;
-    declare_queue(&channel, &queue).await;
-    publish_plain(&channel, "", &queue, b"once", BasicProperties::default()).await;
+    let (queue, conn, _channel) = queue_holding("lost-ack", &[b"once"]).await;
     let proxy = CuttableProxy::start().await;
     let rabbit = BrokerConnections::new(&proxy.url()).unwrap();
     let mut source = AmqpSource::start(rabbit.consume.clone(), SourceConfig::new(&queue)).unwrap();
