@@ -84,6 +84,43 @@ impl Running {
         self.engine.close().await.unwrap();
     }
 
+    /// Queue every message at once (one group commit) on `route`, then wait
+    /// until all are durable; returns (due, id, message) of each.
+    async fn schedule_all(
+        &self,
+        route: &str,
+        messages: Vec<(u64, Vec<u8>)>,
+    ) -> Vec<(u64, u64, Vec<u8>)> {
+        let queued: Vec<_> = messages
+            .into_iter()
+            .map(|(due, msg)| {
+                let stored = self.engine.schedule(route, due, msg.clone());
+                (due, msg, stored)
+            })
+            .collect();
+        let mut scheduled = Vec::with_capacity(queued.len());
+        for (due, msg, stored) in queued {
+            scheduled.push((due, stored.await.unwrap(), msg));
+        }
+        scheduled
+    }
+
+    /// Receive exactly `scheduled` from `route`, in (due, id) order, byte
+    /// equal and none early.
+    async fn expect_in_due_order(&mut self, route: &str, mut scheduled: Vec<(u64, u64, Vec<u8>)>) {
+        scheduled.sort();
+        for (due, id, msg) in scheduled {
+            let f = self.recv().await;
+            assert_eq!((f.due_ms, f.id, &*f.route), (due, id, route));
+            assert_eq!(f.message, msg);
+            assert!(
+                f.fired_ms >= f.due_ms,
+                "fired {} ms early",
+                f.due_ms - f.fired_ms
+            );
+        }
+    }
+
     async fn recv(&mut self) -> Fired {
         tokio::time::timeout(Duration::from_secs(10), self.rx.recv())
             .await
@@ -103,30 +140,12 @@ async fn fires_in_due_order_and_never_early() {
     // Every record is queued at once (one group commit), well before the
     // first is due, so a loaded machine cannot arm one after a later one fired.
     let base = now() + 1500;
-    let queued: Vec<_> = (0..60u64)
-        .map(|i| {
-            let due = base + (i * 37) % 400;
-            let msg = format!("m{i}").into_bytes();
-            let stored = r.engine.schedule("orders", due, msg.clone());
-            (due, msg, stored)
-        })
+    let messages = (0..60u64)
+        .map(|i| (base + (i * 37) % 400, format!("m{i}").into_bytes()))
         .collect();
-    let mut want = Vec::new();
-    for (due, msg, stored) in queued {
-        want.push((due, stored.await.unwrap(), msg));
-    }
+    let scheduled = r.schedule_all("orders", messages).await;
     assert!(now() < base, "scheduling took longer than the margin");
-    want.sort();
-    for (due, id, msg) in want {
-        let f = r.recv().await;
-        assert_eq!((f.due_ms, f.id, &f.message), (due, id, &msg));
-        assert!(
-            f.fired_ms >= f.due_ms,
-            "fired {} ms early",
-            f.due_ms - f.fired_ms
-        );
-        assert_eq!(&*f.route, "orders");
-    }
+    r.expect_in_due_order("orders", scheduled).await;
     assert_eq!(r.engine.pending(), 0);
     r.stop().await;
 }
@@ -139,20 +158,15 @@ async fn messages_no_longer_in_the_page_cache_fire_from_the_disk() {
     let dir = tempfile::tempdir().unwrap();
     let mut r = start(config(dir.path()), Arc::new(SystemClock));
     let base = now() + 1500;
-    let queued: Vec<_> = (0..30u64)
+    let messages = (0..30u64)
         .map(|i| {
             // Some span several pages, so one read needs more than one.
             let size = if i % 3 == 0 { 9_000 } else { 40 };
             let msg: Vec<u8> = (0..size).map(|b| (b as u64 * 31 + i) as u8).collect();
-            let due = base + (i * 53) % 300;
-            let stored = r.engine.schedule("orders", due, msg.clone());
-            (due, msg, stored)
+            (base + (i * 53) % 300, msg)
         })
         .collect();
-    let mut want = Vec::new();
-    for (due, msg, stored) in queued {
-        want.push((due, stored.await.unwrap(), msg));
-    }
+    let scheduled = r.schedule_all("orders", messages).await;
     let positions: Vec<_> = r
         .engine
         .list(&ListQuery {
@@ -162,7 +176,7 @@ async fn messages_no_longer_in_the_page_cache_fire_from_the_disk() {
         .into_iter()
         .map(|info| info.pos)
         .collect();
-    assert_eq!(positions.len(), want.len());
+    assert_eq!(positions.len(), scheduled.len());
     if !crate::wal::evict_from_page_cache(dir.path()) {
         eprintln!("skipped: the WAL is on tmpfs, nothing leaves the page cache");
         r.stop().await;
@@ -175,13 +189,7 @@ async fn messages_no_longer_in_the_page_cache_fire_from_the_disk() {
         );
     }
     assert!(now() < base, "scheduling took longer than the margin");
-    want.sort();
-    for (due, id, msg) in want {
-        let f = r.recv().await;
-        assert_eq!((f.due_ms, f.id), (due, id));
-        assert_eq!(f.message, msg);
-        assert!(f.fired_ms >= f.due_ms);
-    }
+    r.expect_in_due_order("orders", scheduled).await;
     r.stop().await;
 }
 

@@ -101,16 +101,32 @@ fn appended_records_come_back_after_reopen() {
     assert!(c.id > b.id);
 }
 
+/// A log whose segments (1 MiB) hold everything a test writes.
+fn open_one_segment(dir: &Path) -> Wal {
+    let cfg = WalConfig {
+        segment_bytes: 1 << 20,
+        ..WalConfig::new(dir)
+    };
+    open_live(cfg).unwrap().0
+}
+
+/// The Schedule `read` gave for `a`: checks its id, returns its message.
+fn schedule_message(a: &Appended, read: Record) -> Vec<u8> {
+    match read {
+        Record::Schedule { id, message, .. } => {
+            assert_eq!(id, a.id);
+            message
+        }
+        other => panic!("read a {other:?}"),
+    }
+}
+
 /// A frame dropped from the page cache is not read by `read_cached` (which
 /// must not block an async thread on the disk), and `read` still reads it.
 #[test]
 fn a_cached_read_of_a_frame_only_on_disk_gives_up() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = WalConfig {
-        segment_bytes: 1 << 20,
-        ..WalConfig::new(dir.path())
-    };
-    let (wal, _, _) = open_live(cfg).unwrap();
+    let wal = open_one_segment(dir.path());
     let small = schedule(&wal, 1, b"small");
     let big_body: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
     let big = schedule(&wal, 2, &big_body);
@@ -124,12 +140,7 @@ fn a_cached_read_of_a_frame_only_on_disk_gives_up() {
         assert!(wal.read_cached(a.pos).is_none(), "read from the disk");
     }
     for (a, body) in frames {
-        match wal.read(a.pos).unwrap() {
-            Record::Schedule { id, message, .. } => {
-                assert_eq!((id, message), (a.id, body));
-            }
-            other => panic!("read a {other:?}"),
-        }
+        assert_eq!(schedule_message(&a, wal.read(a.pos).unwrap()), body);
     }
 }
 
@@ -138,11 +149,7 @@ fn a_cached_read_of_a_frame_only_on_disk_gives_up() {
 #[test]
 fn frames_of_every_size_read_back_byte_equal() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = WalConfig {
-        segment_bytes: 1 << 20,
-        ..WalConfig::new(dir.path())
-    };
-    let (wal, _, _) = open_live(cfg).unwrap();
+    let wal = open_one_segment(dir.path());
     let sizes = [0usize, 1, 100, 4000, 4096, 4097, 10_000, 65_536, 3];
     let appended: Vec<(Appended, Vec<u8>)> = sizes
         .iter()
@@ -153,16 +160,11 @@ fn frames_of_every_size_read_back_byte_equal() {
         .collect();
     for (a, msg) in &appended {
         let read = wal.read(a.pos).unwrap();
-        match &read {
-            Record::Schedule { id, message, .. } => {
-                assert_eq!(*id, a.id);
-                assert_eq!(message, msg, "message of {} bytes", msg.len());
-            }
-            other => panic!("read a {other:?}"),
-        }
         // Just written, so in the page cache: read there, the same record.
         let cached = wal.read_cached(a.pos).expect("just written, still cached");
         assert_eq!(cached.unwrap(), read, "message of {} bytes", msg.len());
+        let message = schedule_message(a, read);
+        assert_eq!(&message, msg, "message of {} bytes", msg.len());
     }
 }
 
