@@ -27,7 +27,7 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: CancellationToken) {
 /// half of it, so its size stays proportional to what is pending.
 fn sweep_keys(inner: &Inner) {
     let mut state = inner.state();
-    if state.keys.len() as u64 > 2 * state.pending() + 1024 {
+    if state.indexed_keys() as u64 > 2 * state.pending() + 1024 {
         state.sweep_keys();
     }
 }

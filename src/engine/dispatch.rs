@@ -406,7 +406,7 @@ async fn complete(
         Outcome::Done => {
             state.retire(id, &flight);
             if let Some(hash) = key {
-                state.keys.remove(hash, id);
+                state.unindex_key(hash, id);
             }
             // Compaction may have moved the record: `flight.slot.pos` is current.
             if let Err(e) = inner.wal.append_fired(id, flight.slot.pos) {

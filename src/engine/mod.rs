@@ -424,7 +424,7 @@ impl Engine {
                     copied.insert(id, pos.segment);
                 }
                 if let Some(key) = (config.key_of)(message) {
-                    state.keys.insert(key_hash(route_id, key), id);
+                    state.index_key(key_hash(route_id, key), id);
                 }
                 if config.dedup_window > 0 {
                     if recent.len() == config.dedup_window {
@@ -518,7 +518,7 @@ impl Engine {
                 state.arm(appended.id, due_ms, slot);
 
                 if let Some(hash) = key {
-                    state.keys.insert(hash, appended.id);
+                    state.index_key(hash, appended.id);
                 }
             }
             if due_ms < engine.inner.planned_wake.load(Ordering::Acquire) {
@@ -760,11 +760,7 @@ impl Engine {
             }
         }
         let state = self.state();
-        let side = state
-            .held
-            .iter()
-            .chain(state.blocked.values().flat_map(|b| b.waiting.iter()));
-        for (&(due, id), &slot) in side {
+        for (&(due, id), &slot) in state.waiting_aside(None, (0, 0)).flatten() {
             out.push(PendingInfo {
                 id,
                 route: state.route_name(slot.route),
@@ -798,7 +794,7 @@ impl Engine {
             return Ok(None);
         };
         if let Some(hash) = hash {
-            state.keys.remove(hash, id);
+            state.unindex_key(hash, id);
         }
         // Written under the lock so it is ordered before any compaction copy.
         let done = self.inner.wal.append_done(id, entry.data.pos)?;
@@ -829,7 +825,7 @@ impl Engine {
             let Some(route_id) = state.route_id(route) else {
                 return Ok(Vec::new());
             };
-            state.keys.ids(key_hash(route_id, key))
+            state.ids_for_key(key_hash(route_id, key))
         };
         let mut found = Vec::new();
         for id in candidates {
@@ -939,23 +935,8 @@ impl Engine {
         let state = self.state();
         let after = query.after.unwrap_or((0, 0));
         let lower = after.max((query.due_from.unwrap_or(0), 0));
-        let ordered = state
-            .held
-            .range(lower..)
-            .take_while(|((due, _), _)| query.due_to.is_none_or(|t| *due <= t));
-        for (&(due, id), &slot) in ordered {
-            if !page.offer(id, due, slot, Phase::Waiting) {
-                break;
-            }
-        }
-        for (&route_id, blocked) in &state.blocked {
-            if route.is_some_and(|r| r != route_id) {
-                continue;
-            }
-            let ordered = blocked
-                .waiting
-                .range(lower..)
-                .take_while(|((due, _), _)| query.due_to.is_none_or(|t| *due <= t));
+        for range in state.waiting_aside(route, lower) {
+            let ordered = range.take_while(|((due, _), _)| query.due_to.is_none_or(|t| *due <= t));
             for (&(due, id), &slot) in ordered {
                 if !page.offer(id, due, slot, Phase::Waiting) {
                     break;

@@ -47,8 +47,7 @@ pub struct Admission {
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        let mut state = self.inner.state();
-        state.reserved = state.reserved.saturating_sub(1);
+        self.inner.state().unreserve();
     }
 }
 
@@ -60,11 +59,9 @@ impl Engine {
             return Err(Pressure::MaxDisk);
         }
         let max_pending = self.inner.config.max_pending;
-        let mut state = self.state();
-        if max_pending > 0 && state.pending() + state.reserved >= max_pending {
+        if !self.state().reserve(max_pending) {
             return Err(Pressure::MaxPending);
         }
-        state.reserved += 1;
         Ok(Admission {
             inner: self.inner.clone(),
         })
@@ -73,11 +70,8 @@ impl Engine {
     /// The limit reached right now, if any.
     pub fn pressure(&self) -> Option<Pressure> {
         let max_pending = self.inner.config.max_pending;
-        if max_pending > 0 {
-            let state = self.state();
-            if state.pending() + state.reserved >= max_pending {
-                return Some(Pressure::MaxPending);
-            }
+        if max_pending > 0 && self.state().pending_and_reserved() >= max_pending {
+            return Some(Pressure::MaxPending);
         }
         let max_disk = self.inner.config.max_disk;
         if max_disk > 0 && self.inner.wal.space().bytes >= max_disk {
@@ -90,11 +84,8 @@ impl Engine {
     pub fn relieved(&self) -> bool {
         let low = |max: u64| max - (max / 10).max(1);
         let max_pending = self.inner.config.max_pending;
-        if max_pending > 0 {
-            let state = self.state();
-            if state.pending() + state.reserved > low(max_pending) {
-                return false;
-            }
+        if max_pending > 0 && self.state().pending_and_reserved() > low(max_pending) {
+            return false;
         }
         let max_disk = self.inner.config.max_disk;
         !(max_disk > 0 && self.inner.wal.space().bytes > low(max_disk))

@@ -54,30 +54,35 @@ pub struct Blocked {
 pub const PROBE_INITIAL_MS: u64 = 250;
 pub const PROBE_MAX_MS: u64 = 5000;
 
+/// The pending set and its side tables. Everything that the pending count
+/// depends on is private and changed only through the methods below, which
+/// keep the counts, the wheel and the side indexes in step. The two dedup
+/// tables are public: they are self-contained types whose own methods keep
+/// their invariants, and they count nothing pending.
 pub struct State {
     wheel: TimingWheel<Slot>,
     /// Handed to the sink, not yet settled: still pending, not in the wheel.
     in_flight: HashMap<u64, InFlight>,
     /// Popped from the wheel while the wall clock is behind their deadline
     /// (the clock stepped back): they wait here, keyed by (deadline, id).
-    pub held: BTreeMap<(u64, u64), Slot>,
+    held: BTreeMap<(u64, u64), Slot>,
     /// Id → deadline of every held entry, so finding one is O(1).
     held_at: HashMap<u64, u64>,
     /// Publish attempts so far, for messages re-armed after a failure.
     attempts: HashMap<u64, u32>,
     /// Pending messages per route: armed, held, blocked or in flight.
     counts: Vec<u64>,
-    pub routes: Vec<Arc<str>>,
+    routes: Vec<Arc<str>>,
     route_index: HashMap<Arc<str>, u16>,
     pub unconfirmed: Unconfirmed,
     /// Stores being written, for redeliveries that arrive meanwhile.
     pub writing: Writing,
     /// Pending messages by lookup key (message_id / Kafka key).
-    pub keys: KeyIndex,
+    keys: KeyIndex,
     /// Deliveries admitted under the backpressure limits and being stored.
-    pub reserved: u64,
+    reserved: u64,
     /// Routes whose target is unreachable, and where each waiting id is.
-    pub blocked: HashMap<u16, Blocked>,
+    blocked: HashMap<u16, Blocked>,
     blocked_ids: HashMap<u64, (u16, u64)>,
 }
 
@@ -135,6 +140,71 @@ impl State {
 
     pub fn pending(&self) -> u64 {
         self.counts.iter().sum()
+    }
+
+    /// Pending messages plus deliveries admitted and still being stored.
+    pub fn pending_and_reserved(&self) -> u64 {
+        self.pending() + self.reserved
+    }
+
+    /// Admit one delivery to be stored if that stays under `max_pending`
+    /// (0 = no limit). Each `true` is paired with one [`State::unreserve`].
+    pub fn reserve(&mut self, max_pending: u64) -> bool {
+        if max_pending > 0 && self.pending_and_reserved() >= max_pending {
+            return false;
+        }
+        self.reserved += 1;
+        true
+    }
+
+    /// An admitted delivery is stored (now pending) or failed.
+    pub fn unreserve(&mut self) {
+        debug_assert!(self.reserved > 0, "unreserve without reserve");
+        self.reserved = self.reserved.saturating_sub(1);
+    }
+
+    /// Index a pending message under its key hash (cancel by key).
+    pub fn index_key(&mut self, hash: u64, id: u64) {
+        self.keys.insert(hash, id);
+    }
+
+    /// Forget a message's key-index entry (it left or was cancelled).
+    pub fn unindex_key(&mut self, hash: u64, id: u64) {
+        self.keys.remove(hash, id);
+    }
+
+    /// Ids indexed under a key hash: candidates, to verify against the WAL.
+    pub fn ids_for_key(&self, hash: u64) -> Vec<u64> {
+        self.keys.ids(hash)
+    }
+
+    /// Key-index entries, live or stale (see [`State::sweep_keys`]).
+    pub fn indexed_keys(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// The entries waiting outside the wheel (held back from a clock that
+    /// stepped back, or on a blocked route), in (deadline, id) order from
+    /// `lower` within each range: the held range first, then each blocked
+    /// route's that `route` admits (`None`: all).
+    pub fn waiting_aside(
+        &self,
+        route: Option<u16>,
+        lower: (u64, u64),
+    ) -> impl Iterator<Item = std::collections::btree_map::Range<'_, (u64, u64), Slot>> {
+        let held = std::iter::once(self.held.range(lower..));
+        let blocked = self
+            .blocked
+            .iter()
+            .filter(move |(&r, _)| route.is_none_or(|want| want == r))
+            .map(move |(_, b)| b.waiting.range(lower..));
+        held.chain(blocked)
+    }
+
+    /// How many entries are held back from a clock that stepped back.
+    #[cfg(test)]
+    pub fn held_count(&self) -> usize {
+        self.held.len()
     }
 
     /// Arm a message: into the wheel, counted against its route.

@@ -579,7 +579,7 @@ async fn cancel_by_key_cancels_only_that_key_on_that_route() {
     r.stop().await;
     // Delivered and cancelled messages left the index; a restart rebuilds it.
     let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
-    assert_eq!(engine.state().keys.len(), 0);
+    assert_eq!(engine.state().indexed_keys(), 0);
 }
 
 #[tokio::test]
@@ -600,7 +600,7 @@ async fn key_index_is_rebuilt_on_restart() {
     assert!(r.engine.cancel(b).await.unwrap());
     r.stop().await;
     let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
-    assert_eq!(engine.state().keys.len(), 1);
+    assert_eq!(engine.state().indexed_keys(), 1);
     assert_eq!(engine.cancel_by_key("a", b"x").await.unwrap(), vec![a]);
     assert_eq!(engine.pending(), 0);
     engine.close().await.unwrap();
@@ -1051,7 +1051,7 @@ fn held_entries_are_found_relocated_and_cancelled_by_id() {
     assert_eq!((cancelled.id, cancelled.deadline), (999, 5_999));
     assert!(!state.is_pending(999));
     assert_eq!(state.pending(), 999);
-    assert_eq!(state.held.len(), 999);
+    assert_eq!(state.held_count(), 999);
 }
 
 /// A crash between a compaction's copy and the removal of the compacted
