@@ -130,6 +130,10 @@ pub struct BenchReport {
     /// With `--metrics`: delayd's resident memory at the end of the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delayd_resident_bytes: Option<f64>,
+    /// The bench's own CPU time over the run per message received: the
+    /// same client's cost to publish with confirms and to consume.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bench_cpu_us_per_message: Option<f64>,
 }
 
 const RUN: &str = "x-bench-run";
@@ -167,6 +171,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         args.rate > 0 && args.count > 0,
         "--rate and --count must be positive"
     );
+    let own_cpu_before = scrape::own_cpu_seconds();
     let scraper = args
         .metrics
         .as_deref()
@@ -371,6 +376,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Some(scrape::cpu_us_per_message(before, after, report.received));
         report.delayd_resident_bytes = Some(after.resident_bytes);
     }
+    if let (Some(before), Some(after)) = (own_cpu_before, scrape::own_cpu_seconds()) {
+        report.bench_cpu_us_per_message =
+            Some((after - before) * 1e6 / report.received.max(1) as f64);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -396,6 +405,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "delayd: {cpu:.1} us CPU per message, {:.1} MB resident",
                 rss / 1e6
             );
+        }
+        if let Some(own) = report.bench_cpu_us_per_message {
+            match report.delayd_cpu_us_per_message {
+                Some(cpu) => println!(
+                    "bench: {own:.1} us CPU per message (delayd/bench {:.2})",
+                    cpu / own.max(1e-9)
+                ),
+                None => println!("bench: {own:.1} us CPU per message"),
+            }
         }
     }
     close.await;
@@ -459,6 +477,7 @@ fn summarise(
         lateness_max_ms: t.lateness.max(),
         delayd_cpu_us_per_message: None,
         delayd_resident_bytes: None,
+        bench_cpu_us_per_message: None,
     }
 }
 

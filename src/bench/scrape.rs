@@ -75,6 +75,24 @@ pub fn parse(text: &str) -> anyhow::Result<ProcessSample> {
     })
 }
 
+/// This process's own CPU time (user and system, all threads) from
+/// `/proc/self/stat`: what the bench itself spends on the same AMQP or Kafka
+/// work, to set beside delayd's in the same run.
+pub fn own_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    parse_stat_cpu(&stat, rustix::param::clock_ticks_per_second())
+}
+
+/// `utime + stime` (fields 14 and 15) of a `/proc/PID/stat` line, in seconds.
+fn parse_stat_cpu(stat: &str, ticks_per_second: u64) -> Option<f64> {
+    // The command name (field 2) may hold spaces and parentheses: count
+    // from the last ')'; field 3 is then the first.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+    let utime: u64 = fields.nth(11)?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some((utime + stime) as f64 / ticks_per_second.max(1) as f64)
+}
+
 /// CPU microseconds per message between two samples.
 pub fn cpu_us_per_message(before: ProcessSample, after: ProcessSample, messages: u64) -> f64 {
     (after.cpu_seconds - before.cpu_seconds) * 1e6 / messages.max(1) as f64
@@ -83,6 +101,26 @@ pub fn cpu_us_per_message(before: ProcessSample, after: ProcessSample, messages:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stat_cpu_is_utime_plus_stime_counted_from_the_last_paren() {
+        // A command name with a space and a ')' of its own.
+        let stat = "4242 (a) b) S 1 4242 4242 0 -1 4194560 900 0 0 0 250 130 0 0 20 0 9 0 77 0";
+        assert_eq!(parse_stat_cpu(stat, 100), Some(3.8));
+        assert_eq!(parse_stat_cpu("4242 (short) S 1", 100), None);
+    }
+
+    #[test]
+    fn own_cpu_is_read_and_grows() {
+        let before = own_cpu_seconds().expect("/proc/self/stat");
+        let start = std::time::Instant::now();
+        let mut x = 0u64;
+        while start.elapsed() < std::time::Duration::from_millis(100) {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+        }
+        let after = own_cpu_seconds().expect("/proc/self/stat");
+        assert!(after >= before + 0.02, "{before} -> {after}");
+    }
 
     #[test]
     fn reads_the_two_process_metrics_with_or_without_labels() {
