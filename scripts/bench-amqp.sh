@@ -7,12 +7,18 @@
 #   RATES="5000" RUNS=5 SECONDS_EACH=10 bash scripts/bench-amqp.sh
 #   HOP=1 bash scripts/bench-amqp.sh           # also the broker alone, one hop
 #   PENDING=1000000 bash scripts/bench-amqp.sh # then RSS with 1M pending
+#   RELAY=1 bash scripts/bench-amqp.sh         # and the two-hop floor after each run
+#   RUN_ENV="TOKIO_WORKER_THREADS=1 DELAYD_WAL__COMMIT_DELAY=10ms" bash scripts/bench-amqp.sh
+#                                              # delayd's environment only, not the bench's
 #
 # Starts RabbitMQ (scripts/rabbitmq.sh) if needed, builds delayd in release
 # mode and, for every run, starts a fresh delayd (config/examples/bench.toml,
 # an empty WAL in a scratch directory), waits for /readyz, runs `delayd
 # bench --metrics` (x-delay 1-5 s, 256-byte bodies) and stops delayd with
-# SIGTERM. Rates are interleaved (2k, 5k, 7k, 2k, ...) so a noisy minute on
+# SIGTERM. With RELAY=1 each run through delayd is followed by one through
+# examples/relay.rs (delayd's two broker hops with its own adapters, no WAL,
+# no wheel, no delay): the floor under delayd's lateness on this machine.
+# Rates are interleaved (2k, 5k, 7k, 2k, ...) so a noisy minute on
 # this shared machine spreads over all of them. One line per run, then the
 # median p99 per rate.
 set -euo pipefail
@@ -24,6 +30,7 @@ pending="${PENDING:-0}"
 
 bash scripts/rabbitmq.sh >/dev/null
 cargo build --release --quiet
+[ "${RELAY:-0}" = 1 ] && cargo build --release --quiet --example relay
 delayd="$PWD/target/release/delayd"
 config="$PWD/config/examples/bench.toml"
 work="$(mktemp -d /var/tmp/delayd-bench-amqp.XXXXXX)"
@@ -43,8 +50,9 @@ trap cleanup EXIT
 
 start_delayd() {
     rm -rf "$work/wal"
+    # shellcheck disable=SC2086 # RUN_ENV is a list of NAME=VALUE words
     (cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \
-        exec "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
+        exec env ${RUN_ENV:-} "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
     pid=$!
     for _ in $(seq 1 150); do
         curl -sf http://127.0.0.1:9464/readyz >/dev/null && return 0
@@ -69,6 +77,28 @@ line() {
 }
 
 results="$work/results"
+
+relay() { # rate, run
+    # delayd's queue is bound to the same exchange: without it gone the
+    # broker would store a copy of every message (see examples/relay.rs).
+    rabbitmqctl -q delete_queue delayd.bench >/dev/null 2>&1 || true
+    RUST_LOG=warn "$PWD/target/release/examples/relay" amqp://guest:guest@127.0.0.1:5672/%2f \
+        bench.delayed relay.bench bench.out >>"$work/relay.log" 2>&1 &
+    local relay_pid=$!
+    # Its queue is declared and its consumer registered: wait for both.
+    for _ in $(seq 1 100); do
+        rabbitmqctl -q list_queues name consumers 2>/dev/null |
+            awk '$1 == "relay.bench" && $2 > 0 {found = 1} END {exit !found}' && break
+        sleep 0.2
+    done
+    local report
+    report="$("$delayd" bench --quiet --json --exchange bench.delayed --queue bench.q \
+        --bind-to bench.out --delay-min 0 --delay-max 0 --rate "$1" --count $(($1 * secs)))" || true
+    kill -INT "$relay_pid" 2>/dev/null || true
+    wait "$relay_pid" 2>/dev/null || true
+    printf '%-28s %s\n' "relay (floor), $1/s #$2" "$(echo "$report" | line)"
+    echo "relay $1 $(echo "$report" | jq .lateness_p99_ms)" >>"$results"
+}
 if [ "${HOP:-0}" = 1 ]; then
     for rate in $rates; do
         report="$("$delayd" bench --quiet --json --exchange bench.hop --queue bench.hop.q \
@@ -86,13 +116,18 @@ for run in $(seq 1 "$runs"); do
             --delay-min 1000 --delay-max 5000 --rate "$rate" --count $((rate * secs)))" || true
         stop_delayd
         printf '%-28s %s\n' "through delayd, $rate/s #$run" "$(echo "$report" | line)"
-        echo "$rate $(echo "$report" | jq .lateness_p99_ms)" >>"$results"
+        echo "delayd $rate $(echo "$report" | jq .lateness_p99_ms)" >>"$results"
+        if [ "${RELAY:-0}" = 1 ]; then
+            relay "$rate" "$run"
+        fi
     done
 done
-for rate in $rates; do
-    median="$(awk -v r="$rate" '$1 == r {print $2}' "$results" | sort -n |
-        awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}')"
-    echo "median p99 at $rate/s over $runs runs: $median ms"
+for what in delayd relay; do
+    for rate in $rates; do
+        median="$(awk -v w="$what" -v r="$rate" '$1 == w && $2 == r {print $3}' "$results" |
+            sort -n | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}')"
+        [ -n "$median" ] && echo "$what: median p99 at $rate/s over $runs runs: $median ms"
+    done
 done
 
 if [ "$pending" -gt 0 ]; then

@@ -290,6 +290,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     for seq in 0..args.count {
         let at = started + Duration::from_secs_f64(seq as f64 / args.rate as f64);
         tokio::time::sleep_until(at.into()).await;
+        let permit = permits.clone().acquire_owned().await?;
         // Spread delays evenly but interleaved (a cheap deterministic shuffle).
         let delay = args.delay_min
             + if spread == 0 {
@@ -297,20 +298,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             } else {
                 (seq.wrapping_mul(2_654_435_761)) % (spread + 1)
             };
+        // The clock starts when the publish is queued in the client, which
+        // `Sink::publish` does before it returns: time the bench spends
+        // before that (waiting for a permit, a task to be scheduled) is the
+        // bench's, not the lateness of what it measures.
         let due = SystemClock.now_ms() + delay;
         last_due = last_due.max(due);
         let message = bench_message(&run_id, seq, delay, due, args.body_bytes);
-        let permit = permits.clone().acquire_owned().await?;
-        let (sink, target, failures, bar, confirmed) = (
-            sink.clone(),
-            target.clone(),
-            failures.clone(),
-            pub_bar.clone(),
-            confirmed.clone(),
-        );
+        let publish = sink.publish(message, target.clone());
+        let (failures, bar, confirmed) = (failures.clone(), pub_bar.clone(), confirmed.clone());
         let delaying_exchange = args.delaying_exchange;
         tokio::spawn(async move {
-            let published = match sink.publish(message, target).await {
+            let published = match publish.await {
                 Ok(PublishOutcome::Delivered) => true,
                 Ok(PublishOutcome::Unroutable) => delaying_exchange,
                 Err(_) => false,
