@@ -174,9 +174,22 @@ impl Dispatcher {
     /// Nothing due: sleep until the next deadline, an earlier arrival, or
     /// a second at most (so the gauges settle once idle). False on shutdown.
     async fn sleep(&self, now: u64, next: Option<u64>, shutdown: &CancellationToken) -> bool {
-        let wait = next.map_or(1000, |d| d.saturating_sub(now).min(1000));
+        let most = Duration::from_secs(1);
+        let wait = match next {
+            // Already due (no room to fire it yet): look again shortly.
+            Some(d) if d <= now => Duration::from_millis(1),
+            // To the microsecond: a sleep of whole milliseconds counted from
+            // `now` would end up to a millisecond late. Never early: a wake
+            // before the deadline pops nothing and sleeps again.
+            Some(d) => self
+                .inner
+                .clock
+                .until(d)
+                .clamp(Duration::from_micros(50), most),
+            None => most,
+        };
         let go_on = tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(wait.max(1))) => true,
+            _ = tokio::time::sleep(wait) => true,
             _ = self.inner.wake.notified() => true,
             _ = shutdown.cancelled() => false,
         };
