@@ -10,6 +10,7 @@
 #   RELAY=1 bash scripts/bench-amqp.sh         # and the two-hop floor after each run
 #   RUN_ENV="TOKIO_WORKER_THREADS=1 DELAYD_WAL__COMMIT_DELAY=10ms" bash scripts/bench-amqp.sh
 #                                              # delayd's environment only, not the bench's
+#   BIN=/tmp/delayd-other bash scripts/bench-amqp.sh  # another build, for A/B runs
 #
 # Starts RabbitMQ (scripts/rabbitmq.sh) if needed, builds delayd in release
 # mode and, for every run, starts a fresh delayd (config/examples/bench.toml,
@@ -31,7 +32,8 @@ pending="${PENDING:-0}"
 bash scripts/rabbitmq.sh >/dev/null
 cargo build --release --quiet
 [ "${RELAY:-0}" = 1 ] && cargo build --release --quiet --example relay
-delayd="$PWD/target/release/delayd"
+# BIN: another build to measure (A/B runs), for delayd and the bench alike.
+delayd="${BIN:-$PWD/target/release/delayd}"
 config="$PWD/config/examples/bench.toml"
 work="$(mktemp -d /var/tmp/delayd-bench-amqp.XXXXXX)"
 pid=""
