@@ -6,7 +6,7 @@
 #   bash scripts/bench-amqp.sh                 # rates 2000 5000 7000, 3 runs each
 #   RATES="5000" RUNS=5 SECONDS_EACH=10 bash scripts/bench-amqp.sh
 #   HOP=1 bash scripts/bench-amqp.sh           # also the broker alone, one hop
-#   PENDING=1000000 bash scripts/bench-amqp.sh # then RSS with 1M pending
+#   PENDING=1000000 bash scripts/bench-amqp.sh # then RSS with 1M pending, and after a restart
 #   RELAY=1 bash scripts/bench-amqp.sh         # and the two-hop floor after each run
 #   RUN_ENV="TOKIO_WORKER_THREADS=1 DELAYD_WAL__COMMIT_DELAY=10ms" bash scripts/bench-amqp.sh
 #                                              # delayd's environment only, not the bench's
@@ -50,8 +50,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-start_delayd() {
-    rm -rf "$work/wal"
+start_delayd() { # "keep": on the WAL of the last run, else an empty one
+    [ "${1:-}" = keep ] || rm -rf "$work/wal"
     # shellcheck disable=SC2086 # RUN_ENV is a list of NAME=VALUE words
     (cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \
         exec env ${RUN_ENV:-} "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
@@ -137,11 +137,19 @@ if [ "$pending" -gt 0 ]; then
     "$delayd" bench --quiet --exchange bench.delayed --queue bench.q --bind-to bench.out \
         --count "$pending" --rate 12000 --publish-only \
         --delay-min 7200000 --delay-max 7300000 >/dev/null
-    until curl -s http://127.0.0.1:9464/metrics |
-        awk -v n="$pending" '/^delayd_pending_messages[{ ]/ {s += $NF} END {exit !(s >= n)}'; do
-        sleep 1
-    done
-    printf '%-28s RSS %s MB\n' "$pending pending" \
-        "$(awk '/VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$pid/status")"
+    wait_pending() {
+        until curl -s http://127.0.0.1:9464/metrics |
+            awk -v n="$pending" '/^delayd_pending_messages[{ ]/ {s += $NF} END {exit !(s >= n)}'; do
+            sleep 1
+        done
+    }
+    rss() { awk '/VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$pid/status"; }
+    wait_pending
+    printf '%-28s RSS %s MB\n' "$pending pending" "$(rss)"
+    # A restart rebuilds them all from the WAL: what a memory limit must allow.
+    stop_delayd
+    start_delayd keep
+    wait_pending
+    printf '%-28s RSS %s MB\n' "$pending pending, restarted" "$(rss)"
     stop_delayd
 fi

@@ -78,14 +78,20 @@ pub fn recover(
         );
         let mut frames = 0u64;
         let mut cut_at = None;
-        let mut scanner = Scanner::new(&buf, config.max_frame_len()).with_last_seq(last_seq);
-        let items: Vec<ScanItem<'_>> = scanner.by_ref().collect();
-        let torn = if is_last {
+        let scan = || Scanner::new(&buf, config.max_frame_len()).with_last_seq(last_seq);
+        // Only the last segment can have a torn tail, and judging one needs
+        // the whole list of items. It is built only when a first pass finds
+        // a bad frame: a list of every frame of a 64 MiB segment is tens of
+        // MiB that the allocator keeps after recovery (measured: 178 MB
+        // resident against 87 MB with 1M pending).
+        let torn = if is_last && scan().any(|item| matches!(item, ScanItem::Bad { .. })) {
+            let items: Vec<ScanItem<'_>> = scan().collect();
             reader::torn_tail(&items, salt, first_seq.saturating_sub(1))
         } else {
             None
         };
-        for (index, item) in items.into_iter().enumerate() {
+        let mut scanner = scan();
+        for (index, item) in scanner.by_ref().enumerate() {
             if torn == Some(index) {
                 if let ScanItem::Bad { offset, reason, .. } = &item {
                     tracing::warn!(segment = %path.display(), offset, %reason, "truncating torn WAL tail");
