@@ -80,9 +80,12 @@ mod tests {
         let clock = SystemClock;
         let now = clock.now_ms();
         // Some of the current millisecond is gone: less than 5 ms remain
-        // until now + 5, and more than 3 (unless this thread slept).
+        // until now + 5, and not a whole number of milliseconds (counting
+        // whole milliseconds from `now_ms` gives exactly 5, or 4 at a tick;
+        // a nanosecond clock lands on a whole millisecond once in a million).
         let left = clock.until(now + 5);
         assert!(left < Duration::from_millis(5), "{left:?}");
+        assert_ne!(left.subsec_nanos() % 1_000_000, 0, "{left:?}");
         assert_eq!(clock.until(now), Duration::ZERO);
         assert_eq!(clock.until(now.saturating_sub(10)), Duration::ZERO);
     }
