@@ -46,8 +46,13 @@ where
             let mut i = w;
             while i < n {
                 pending.push(
-                    wal.append_schedule(4_000_000_000_000 + i, "bench", message(i))
-                        .unwrap(),
+                    wal.append_schedule(
+                        4_000_000_000_000 + i,
+                        u128::from(i) + 1,
+                        "bench",
+                        message(i),
+                    )
+                    .unwrap(),
                 );
                 i += writers;
                 if pending.len() == 64 {

@@ -22,6 +22,7 @@ use crate::api::{
     MessageTarget,
 };
 use crate::engine::{Engine, EngineError, ListQuery, PendingInfo};
+use crate::id::MessageId;
 use crate::route::Route;
 use crate::status::{RouteIntake, RuntimeStatus};
 use crate::wal::Record;
@@ -368,7 +369,8 @@ fn summary(
     info: &PendingInfo,
 ) -> MessageSummary {
     let mut row = MessageSummary {
-        id: info.id.to_string(),
+        id: MessageId::legacy(info.id).to_string(),
+        seq: info.id.to_string(),
         route: info.route.to_string(),
         due_ms: info.due_ms,
         due: rfc3339(info.due_ms),
@@ -380,7 +382,11 @@ fn summary(
         source: None,
         target: None,
     };
-    if let Ok(Record::Schedule { message, .. }) = engine.wal().read(info.pos) {
+    if let Ok(Record::Schedule {
+        id, uid, message, ..
+    }) = engine.wal().read(info.pos)
+    {
+        row.id = MessageId::or_legacy(uid, id).to_string();
         row.size = Some(message.len());
         if let Ok(m) = delayd_adapters::decode(&message) {
             if let Some(route) = routes.and_then(|r| r.get(&*info.route)) {
@@ -409,9 +415,16 @@ struct ShowParams {
     body: bool,
 }
 
-fn parse_id(id: &str) -> Result<u64, ApiError> {
-    id.parse()
-        .map_err(|_| ApiError::no_such_id(format!("{id:?}")))
+/// The local id of the pending message whose identity is `id` (as listed,
+/// and as its `x-delayd-id`).
+async fn resolve_id(engine: &Engine, id: &str) -> Result<u64, ApiError> {
+    let uid: MessageId = id
+        .parse()
+        .map_err(|_| ApiError::no_such_id(format!("{id:?}")))?;
+    let engine = engine.clone();
+    tokio::task::spawn_blocking(move || engine.find_by_uid(uid))
+        .await??
+        .ok_or_else(|| ApiError::no_such_id(uid))
 }
 
 async fn show(
@@ -420,7 +433,7 @@ async fn show(
     query: Result<Query<ShowParams>, QueryRejection>,
 ) -> Result<Json<MessageDetail>, ApiError> {
     let Query(p) = query?;
-    let id = parse_id(&id)?;
+    let id = resolve_id(&state.engine, &id).await?;
     let engine = state.engine.clone();
     let found = tokio::task::spawn_blocking(move || engine.read(id)).await??;
     let (info, record) = found.ok_or_else(|| ApiError::no_such_id(id))?;
@@ -450,12 +463,12 @@ async fn cancel(
     State(state): State<AdminState>,
     Path(id): Path<String>,
 ) -> Result<Json<Cancelled>, ApiError> {
-    let id = parse_id(&id)?;
-    if !state.engine.cancel(id).await? {
+    let local = resolve_id(&state.engine, &id).await?;
+    if !state.engine.cancel(local).await? {
         return Err(ApiError::no_such_id(id));
     }
     Ok(Json(Cancelled {
-        cancelled: CancelledIds::One(id.to_string()),
+        cancelled: CancelledIds::One(id),
     }))
 }
 
@@ -489,6 +502,19 @@ async fn cancel_by_key(
             "a cancel by message_id or key needs route",
         ));
     };
+    // Their identities, read before their records can go.
+    let engine = state.engine.clone();
+    let (r, k) = (route.clone(), key.clone());
+    let uids = tokio::task::spawn_blocking(move || -> Result<_, EngineError> {
+        let mut uids = HashMap::new();
+        for id in engine.find_by_key(&r, &k)? {
+            if let Some((_, Record::Schedule { uid, .. })) = engine.read(id)? {
+                uids.insert(id, MessageId::or_legacy(uid, id));
+            }
+        }
+        Ok(uids)
+    })
+    .await??;
     let ids = state.engine.cancel_by_key(&route, &key).await?;
     if ids.is_empty() {
         let shown = String::from_utf8_lossy(&key);
@@ -498,7 +524,12 @@ async fn cancel_by_key(
         ));
     }
     Ok(Json(Cancelled {
-        cancelled: CancelledIds::Many(ids.iter().map(u64::to_string).collect()),
+        cancelled: CancelledIds::Many(
+            ids.iter()
+                .map(|id| uids.get(id).copied().unwrap_or(MessageId::legacy(*id)))
+                .map(|uid| uid.to_string())
+                .collect(),
+        ),
     }))
 }
 

@@ -17,8 +17,13 @@ pub struct MessagePage {
 /// are `None` when the record cannot be read or decoded.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MessageSummary {
-    /// A string: ids pass 2^53, beyond what JSON numbers keep exactly.
+    /// The message's identity, the `x-delayd-id` it goes out with (see
+    /// `crate::id`); what `GET`/`DELETE /v1/messages/{id}` take.
     pub id: String,
+    /// Its sequence number in this instance's WAL (local; a string, since it
+    /// can pass 2^53, beyond what JSON numbers keep exactly).
+    #[serde(default)]
+    pub seq: String,
     pub route: String,
     pub due_ms: u64,
     /// `due_ms` in RFC 3339.

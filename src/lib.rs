@@ -3,6 +3,7 @@
 //! - [`wal`]: the write-ahead log, the only source of truth.
 //! - [`wheel`]: the hierarchical timing wheel, an index rebuilt from the WAL.
 //! - [`engine`]: owns both; schedules, cancels, fires due messages to a sink.
+//! - [`id`]: a message's identity (`x-delayd-id`).
 //! - [`route`]: delay headers and egress rewrites (pure logic).
 //! - [`config`]: figment defaults < file < environment.
 //! - [`runtime`]: `delayd run`, wiring the above to broker adapters.
@@ -17,6 +18,7 @@ pub mod client;
 pub mod config;
 pub mod engine;
 pub mod finisher;
+pub mod id;
 pub mod inspect;
 pub mod messages;
 pub mod route;

@@ -124,7 +124,7 @@ fn inspect_topic(
         let live = state.read_partition(partition, Duration::from_secs(30))?;
         let mut p = PartitionReport::default();
         for value in live.values() {
-            p.add(decode_value(value).map(|(due, _)| due), value.len());
+            p.add(decode_value(value).map(|v| v.due_ms), value.len());
         }
         r.pending += p.pending;
         r.partitions.insert(partition, p);

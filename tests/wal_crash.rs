@@ -46,7 +46,7 @@ fn child(dir: &str) {
                 for i in 0.. {
                     let n = worker * 1_000_000_000 + i;
                     let appended = wal
-                        .append_schedule(n, "crash", payload(n))
+                        .append_schedule(n, u128::from(n), "crash", payload(n))
                         .unwrap()
                         .await
                         .unwrap()

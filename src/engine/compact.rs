@@ -153,12 +153,14 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                 Record::Schedule {
                     id,
                     due_ms,
+                    uid,
                     route,
                     message,
                     ..
                 } => {
                     if state.locate(id).is_some_and(|(slot, _, _)| slot.pos == old) {
-                        copies.push((id, old, inner.wal.append_copy(id, due_ms, &route, message)?));
+                        let copy = inner.wal.append_copy(id, due_ms, uid, &route, message)?;
+                        copies.push((id, old, copy));
                     }
                 }
                 Record::Done {

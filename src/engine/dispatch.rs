@@ -10,6 +10,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::finisher::Finisher;
+use crate::id::MessageId;
 use crate::wal::{Record, WalPos};
 use crate::wheel::Expired;
 
@@ -20,6 +21,8 @@ use super::{BoxFuture, Inner};
 #[derive(Debug, Clone)]
 pub struct Fired {
     pub id: u64,
+    /// The message's identity (`x-delayd-id`).
+    pub uid: MessageId,
     pub route: Arc<str>,
     /// The due time it was scheduled for.
     pub due_ms: u64,
@@ -306,7 +309,10 @@ impl Dispatcher {
         let mut key = None;
         let delivery = match record {
             Ok(Record::Schedule {
-                due_ms, message, ..
+                due_ms,
+                uid,
+                message,
+                ..
             }) => {
                 key = (self.inner.config.key_of)(&message)
                     .map(|k| super::key_hash(entry.data.route, k));
@@ -317,6 +323,7 @@ impl Dispatcher {
                 }
                 self.dispatch.deliver(Fired {
                     id: entry.id,
+                    uid: MessageId::or_legacy(uid, entry.id),
                     route: route.clone(),
                     due_ms,
                     fired_ms,

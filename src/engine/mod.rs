@@ -36,6 +36,7 @@ use std::time::Duration;
 use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
+use crate::id::MessageId;
 use crate::wal::{
     Appended, Record, RecordRef, RecoveryReport, SpaceReport, Wal, WalConfig, WalError, WalPos,
 };
@@ -487,24 +488,28 @@ impl Engine {
     /// The record is queued for the WAL before this returns, so calls made in
     /// order get increasing ids; messages due at the same millisecond fire in
     /// id order.
+    ///
+    /// The message gets a new identity ([`MessageId::mint`]).
     pub fn schedule(
         &self,
         route: &str,
         due_ms: u64,
         message: Vec<u8>,
     ) -> impl Future<Output = Result<u64, EngineError>> + Send + 'static {
-        let scheduled = self.schedule_at(route, due_ms, message);
+        let scheduled = self.schedule_at(route, due_ms, MessageId::mint(), message);
         async move { Ok(scheduled.await?.0) }
     }
 
-    /// [`Engine::schedule`], resolving with the record's id and position.
+    /// [`Engine::schedule`] with a given identity, resolving with the
+    /// record's id and position.
     fn schedule_at(
         &self,
         route: &str,
         due_ms: u64,
+        uid: MessageId,
         message: Vec<u8>,
     ) -> impl Future<Output = Result<(u64, WalPos), EngineError>> + Send + 'static {
-        let queued = self.queue_schedule(route, due_ms, message);
+        let queued = self.queue_schedule(route, due_ms, uid, message);
         let engine = self.clone();
         async move {
             let (route_id, key, appended) = queued?;
@@ -532,6 +537,7 @@ impl Engine {
         &self,
         route: &str,
         due_ms: u64,
+        uid: MessageId,
         message: Vec<u8>,
     ) -> Result<Queued, EngineError> {
         let route_id = self
@@ -539,7 +545,10 @@ impl Engine {
             .intern(route)
             .ok_or(EngineError::TooManyRoutes)?;
         let key = (self.inner.config.key_of)(&message).map(|k| key_hash(route_id, k));
-        let appended = self.inner.wal.append_schedule(due_ms, route, message)?;
+        let appended = self
+            .inner
+            .wal
+            .append_schedule(due_ms, uid.as_u128(), route, message)?;
         Ok((route_id, key, appended))
     }
 
@@ -551,15 +560,18 @@ impl Engine {
     ///
     /// A redelivery whose original may still be being written (see
     /// [`Engine::wait_for_original`]) is queued only after that write.
+    ///
+    /// `uid` is the message's identity, stored with it (see [`crate::id`]).
     pub fn store(
         &self,
         route: &str,
         due_ms: u64,
+        uid: MessageId,
         message: Vec<u8>,
         redelivered: bool,
     ) -> impl Future<Output = Result<Stored, EngineError>> + Send + 'static {
         let start = match self.wait_for_original(route, &message, redelivered) {
-            None => Start::Now(self.begin_store(route, due_ms, message, redelivered)),
+            None => Start::Now(self.begin_store(route, due_ms, uid, message, redelivered)),
             Some(wait) => Start::After(wait, route.to_owned(), message),
         };
         let engine = self.clone();
@@ -568,7 +580,7 @@ impl Engine {
                 Start::Now(storing) => storing,
                 Start::After(wait, route, message) => {
                     wait.await;
-                    engine.begin_store(&route, due_ms, message, redelivered)
+                    engine.begin_store(&route, due_ms, uid, message, redelivered)
                 }
             };
             match storing {
@@ -621,6 +633,7 @@ impl Engine {
         &self,
         route: &str,
         due_ms: u64,
+        uid: MessageId,
         message: Vec<u8>,
         redelivered: bool,
     ) -> Storing<impl Future<Output = Result<u64, EngineError>> + Send + 'static> {
@@ -631,7 +644,7 @@ impl Engine {
             return Storing::Duplicate;
         }
         let writing = WritingGuard::begin(self, fp);
-        let scheduled = self.schedule_at(route, due_ms, message);
+        let scheduled = self.schedule_at(route, due_ms, uid, message);
         let engine = self.clone();
         Storing::New(async move {
             let (id, pos) = scheduled.await?;
@@ -885,6 +898,32 @@ impl Engine {
             // Moved by compaction meanwhile: the sweep removes its key later.
             _ => None,
         }
+    }
+
+    /// The id here of the pending message whose identity is `uid`. A
+    /// legacy id is the id itself; any other is looked for by reading every
+    /// pending record (an admin lookup: no index costs RAM per message).
+    pub fn find_by_uid(&self, uid: MessageId) -> Result<Option<u64>, EngineError> {
+        if uid.is_legacy() {
+            let id = uid.as_u128() as u64;
+            return Ok(self.is_pending(id).then_some(id));
+        }
+        let all = self.list(&ListQuery {
+            limit: usize::MAX,
+            ..ListQuery::default()
+        });
+        for info in all {
+            match self.inner.wal.read(info.pos) {
+                Ok(Record::Schedule {
+                    id, uid: stored, ..
+                }) if id == info.id && MessageId::or_legacy(stored, id) == uid => {
+                    return Ok(Some(id));
+                }
+                // Fired or moved by compaction meanwhile: not this one.
+                _ => {}
+            }
+        }
+        Ok(None)
     }
 
     /// The stored record of a pending message: (route, due, encoded message).

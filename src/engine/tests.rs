@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use super::*;
+use crate::id::MessageId;
 
 /// Records what it is given; fails the first `fail_first` tries of listed ids.
 struct Collector {
@@ -433,23 +434,37 @@ async fn redelivery_of_an_unacked_message_is_not_stored_twice() {
     let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
     let due = now() + 1_000_000;
     let msg = b"payload".to_vec();
-    let Stored::New(first) = engine.store("r", due, msg.clone(), false).await.unwrap() else {
+    let Stored::New(first) = engine
+        .store("r", due, MessageId::mint(), msg.clone(), false)
+        .await
+        .unwrap()
+    else {
         panic!("the first copy is new");
     };
     // The ack never reached the broker, which redelivers.
     assert_eq!(
-        engine.store("r", due + 5, msg.clone(), true).await.unwrap(),
+        engine
+            .store("r", due + 5, MessageId::mint(), msg.clone(), true)
+            .await
+            .unwrap(),
         Stored::Duplicate
     );
     assert_eq!(engine.pending(), 1);
     // Once an ack is confirmed, the same bytes redelivered are a new message.
     engine.confirm_ack(first);
-    let Stored::New(second) = engine.store("r", due, msg.clone(), false).await.unwrap() else {
+    let Stored::New(second) = engine
+        .store("r", due, MessageId::mint(), msg.clone(), false)
+        .await
+        .unwrap()
+    else {
         panic!("stored again after the ack");
     };
     engine.confirm_ack(second);
     assert!(matches!(
-        engine.store("r", due, msg, true).await.unwrap(),
+        engine
+            .store("r", due, MessageId::mint(), msg, true)
+            .await
+            .unwrap(),
         Stored::New(_)
     ));
     assert_eq!(engine.pending(), 3);
@@ -469,7 +484,7 @@ async fn a_redelivery_arriving_while_its_original_is_written_is_recognised() {
     let (engine, _) = Engine::open(cfg, Arc::new(SystemClock)).unwrap();
     let due = now() + 1_000_000;
     let msg = b"its connection died before it was durable".to_vec();
-    let original = engine.store("r", due, msg.clone(), false);
+    let original = engine.store("r", due, MessageId::mint(), msg.clone(), false);
     // Only a redelivery of these very bytes on this route waits.
     assert!(engine.wait_for_original("r", &msg, true).is_some());
     assert!(engine.wait_for_original("r", &msg, false).is_none());
@@ -477,7 +492,7 @@ async fn a_redelivery_arriving_while_its_original_is_written_is_recognised() {
         .wait_for_original("r", b"other bytes", true)
         .is_none());
     assert!(engine.wait_for_original("q", &msg, true).is_none());
-    let copy = engine.store("r", due, msg.clone(), true);
+    let copy = engine.store("r", due, MessageId::mint(), msg.clone(), true);
     // Bounded: a copy that waited forever would be as wrong.
     let (original, copy) = tokio::time::timeout(Duration::from_secs(10), async {
         tokio::join!(original, copy)
@@ -678,12 +693,18 @@ async fn a_redelivered_message_sharing_only_a_hash_with_a_stored_one_is_stored()
     let (a, b) = crc_colliding_bodies("r");
     assert_ne!(a, b);
     assert!(matches!(
-        engine.store("r", due, a, false).await.unwrap(),
+        engine
+            .store("r", due, MessageId::mint(), a, false)
+            .await
+            .unwrap(),
         Stored::New(_)
     ));
     // `b` was never stored: a broker redelivering it must not be told it was.
     assert!(matches!(
-        engine.store("r", due, b, true).await.unwrap(),
+        engine
+            .store("r", due, MessageId::mint(), b, true)
+            .await
+            .unwrap(),
         Stored::New(_)
     ));
     assert_eq!(engine.pending(), 2);
@@ -706,13 +727,19 @@ async fn equal_kafka_records_at_different_offsets_are_both_stored() {
     // Every Kafka record is flagged redelivered.
     for offset in [7, 8] {
         assert!(matches!(
-            engine.store("r", due, record(offset), true).await.unwrap(),
+            engine
+                .store("r", due, MessageId::mint(), record(offset), true)
+                .await
+                .unwrap(),
             Stored::New(_)
         ));
     }
     // The one at offset 7 read again (no commit happened) is a duplicate.
     assert_eq!(
-        engine.store("r", due, record(7), true).await.unwrap(),
+        engine
+            .store("r", due, MessageId::mint(), record(7), true)
+            .await
+            .unwrap(),
         Stored::Duplicate
     );
     assert_eq!(engine.pending(), 2);
@@ -725,7 +752,7 @@ async fn a_redelivery_of_a_message_that_already_fired_is_recognised() {
     let msg = b"fires at once".to_vec();
     assert!(matches!(
         r.engine
-            .store("r", now(), msg.clone(), false)
+            .store("r", now(), MessageId::mint(), msg.clone(), false)
             .await
             .unwrap(),
         Stored::New(_)
@@ -737,7 +764,10 @@ async fn a_redelivery_of_a_message_that_already_fired_is_recognised() {
     assert_eq!(fired.message, msg);
     // Its ack never reached the broker: the redelivery is the same message.
     assert_eq!(
-        r.engine.store("r", now(), msg, true).await.unwrap(),
+        r.engine
+            .store("r", now(), MessageId::mint(), msg, true)
+            .await
+            .unwrap(),
         Stored::Duplicate
     );
     r.stop().await;
@@ -754,13 +784,20 @@ async fn a_redelivery_of_a_message_cancelled_before_its_ack_was_confirmed_stays_
     let msg = b"cancel me".to_vec();
     {
         let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
-        let Stored::New(id) = engine.store("r", due, msg.clone(), false).await.unwrap() else {
+        let Stored::New(id) = engine
+            .store("r", due, MessageId::mint(), msg.clone(), false)
+            .await
+            .unwrap()
+        else {
             panic!("the first copy is new");
         };
         assert!(engine.cancel(id).await.unwrap());
         assert_eq!(engine.pending(), 0);
         assert_eq!(
-            engine.store("r", due, msg.clone(), true).await.unwrap(),
+            engine
+                .store("r", due, MessageId::mint(), msg.clone(), true)
+                .await
+                .unwrap(),
             Stored::Duplicate
         );
         assert_eq!(engine.pending(), 0);
@@ -770,7 +807,10 @@ async fn a_redelivery_of_a_message_cancelled_before_its_ack_was_confirmed_stays_
     let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
     assert_eq!(engine.pending(), 0);
     assert_eq!(
-        engine.store("r", due, msg, true).await.unwrap(),
+        engine
+            .store("r", due, MessageId::mint(), msg, true)
+            .await
+            .unwrap(),
         Stored::Duplicate
     );
     assert_eq!(engine.pending(), 0);
@@ -790,7 +830,7 @@ async fn a_redelivery_is_recognised_after_its_segment_would_have_been_collected(
     let unacked = b"its ack never reached the broker".to_vec();
     let Stored::New(first) = r
         .engine
-        .store("r", now(), unacked.clone(), true)
+        .store("r", now(), MessageId::mint(), unacked.clone(), true)
         .await
         .unwrap()
     else {
@@ -799,7 +839,12 @@ async fn a_redelivery_is_recognised_after_its_segment_would_have_been_collected(
     // Fill and seal several segments with messages whose acks are confirmed.
     for i in 0..120u32 {
         let body = [i.to_le_bytes().to_vec(), vec![1; 300]].concat();
-        if let Stored::New(id) = r.engine.store("r", now(), body, false).await.unwrap() {
+        if let Stored::New(id) = r
+            .engine
+            .store("r", now(), MessageId::mint(), body, false)
+            .await
+            .unwrap()
+        {
             r.engine.confirm_ack(id);
         }
     }
@@ -817,7 +862,7 @@ async fn a_redelivery_is_recognised_after_its_segment_would_have_been_collected(
     );
     assert_eq!(
         r.engine
-            .store("r", now(), unacked.clone(), true)
+            .store("r", now(), MessageId::mint(), unacked.clone(), true)
             .await
             .unwrap(),
         Stored::Duplicate,
@@ -825,7 +870,10 @@ async fn a_redelivery_is_recognised_after_its_segment_would_have_been_collected(
     );
     // Matched once, it is forgotten: the next copy is a new message.
     assert!(matches!(
-        r.engine.store("r", now(), unacked, true).await.unwrap(),
+        r.engine
+            .store("r", now(), MessageId::mint(), unacked, true)
+            .await
+            .unwrap(),
         Stored::New(_)
     ));
     r.stop().await;
@@ -839,7 +887,9 @@ async fn compaction_keeps_a_record_that_is_durable_but_not_yet_armed() {
     let (engine, _) = Engine::open(cfg.clone(), Arc::new(SystemClock)).unwrap();
     let far = now() + 3_600_000;
     // Durable, but the task that would arm it has not run yet.
-    let (route, _, appended) = engine.queue_schedule("r", far, vec![7; 300]).unwrap();
+    let (route, _, appended) = engine
+        .queue_schedule("r", far, MessageId::mint(), vec![7; 300])
+        .unwrap();
     let appended = appended.await.unwrap().unwrap();
     // Fill and seal its segment with messages that are then cancelled, so it
     // is almost all dead: the compaction candidate.
@@ -971,7 +1021,7 @@ async fn equal_deadlines_fire_in_id_order_whatever_order_they_were_armed_in() {
     let mut appended = Vec::new();
     for i in 0..600u32 {
         let (route, _, rx) = engine
-            .queue_schedule("r", due, i.to_le_bytes().to_vec())
+            .queue_schedule("r", due, MessageId::mint(), i.to_le_bytes().to_vec())
             .unwrap();
         appended.push((route, rx.await.unwrap().unwrap()));
     }
@@ -1074,10 +1124,10 @@ async fn a_compaction_cut_short_before_removal_never_resurrects_a_cancelled_mess
         let wal_cfg = cfg.wal.clone();
         move || {
             let (wal, _) = Wal::open(wal_cfg, |_, _| {}).unwrap();
-            let y = wait(wal.append_schedule(far, "r", b"y".to_vec()).unwrap());
+            let y = wait(wal.append_schedule(far, 1, "r", b"y".to_vec()).unwrap());
             // Big enough to fill the first segment: the copy lands in the next.
-            let z = wait(wal.append_schedule(far, "r", vec![b'z'; 9000]).unwrap());
-            let copy = wait(wal.append_copy(y.id, far, "r", b"y".to_vec()).unwrap());
+            let z = wait(wal.append_schedule(far, 2, "r", vec![b'z'; 9000]).unwrap());
+            let copy = wait(wal.append_copy(y.id, far, 1, "r", b"y".to_vec()).unwrap());
             assert_ne!(copy.pos.segment, y.pos.segment);
             wal.close().unwrap();
             (y.id, z.id)
@@ -1350,15 +1400,18 @@ async fn a_cancel_that_raced_a_compaction_copy_stays_cancelled_after_two_restart
         move || {
             let (wal, _) = Wal::open(wal_cfg, |_, _| {}).unwrap();
             // Segment S: the message that is cancelled.
-            let original = wait(wal.append_schedule(far, "r", big.clone()).unwrap());
+            let original = wait(wal.append_schedule(far, 1, "r", big.clone()).unwrap());
             // Segment N: a message that stays, then the compaction copy.
-            wait(wal.append_schedule(far, "r", small).unwrap());
-            let copy = wait(wal.append_copy(original.id, far, "r", big.clone()).unwrap());
+            wait(wal.append_schedule(far, 2, "r", small).unwrap());
+            let copy = wait(
+                wal.append_copy(original.id, far, 1, "r", big.clone())
+                    .unwrap(),
+            );
             assert_ne!(copy.pos.segment, original.pos.segment);
             // Segment D: the cancel's Done, naming S; then a filler, retired
             // from the head so that D holds nothing live.
             wait(wal.append_done(original.id, original.pos).unwrap());
-            let filler = wait(wal.append_schedule(far, "r", big).unwrap());
+            let filler = wait(wal.append_schedule(far, 3, "r", big).unwrap());
             wait(wal.append_done(filler.id, filler.pos).unwrap());
             // Killed here: compaction's Done for the copy never written.
             wal.close().unwrap();

@@ -8,6 +8,8 @@
 //!   due time whatever the route's mode (a retry route must not count another
 //!   attempt, a TTL route must not restart the TTL), and to restore the
 //!   message before storing it;
+//! - `x-delayd-handoff-id`: the message's identity, which the receiving
+//!   delayd keeps (the copy is the same message, not a new one);
 //! - `x-delayd-handoff-deliver-at`: the message's own `x-deliver-at`, when it
 //!   had one;
 //! - delivery mode 2 (persistent), so the broker keeps it as durably as the
@@ -19,13 +21,24 @@
 use delayd_adapters::{Message, Value};
 
 use super::delay::X_DELIVER_AT;
+use crate::id::MessageId;
 
 pub const X_DELAYD_HANDOFF: &str = "x-delayd-handoff";
+const HANDOFF_ID: &str = "x-delayd-handoff-id";
 const SAVED_DELIVER_AT: &str = "x-delayd-handoff-deliver-at";
 const SAVED_DELIVERY_MODE: &str = "x-delayd-handoff-delivery-mode";
 
-/// Turn a stored message into its hand-off copy, due at `due_ms`.
-pub fn prepare(message: &mut Message, due_ms: u64) {
+/// What a hand-off copy carries besides the original message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HandedOff {
+    pub due_ms: u64,
+    /// `None` for a copy from a delayd that did not send identities.
+    pub uid: Option<MessageId>,
+}
+
+/// Turn a stored message into its hand-off copy, due at `due_ms`, keeping
+/// its identity `uid`.
+pub fn prepare(message: &mut Message, due_ms: u64, uid: MessageId) {
     let headers = &mut message.headers;
     // Its own x-deliver-at (the last, if repeated) is renamed where it stands,
     // so the header order comes back unchanged.
@@ -39,6 +52,10 @@ pub fn prepare(message: &mut Message, due_ms: u64) {
     headers
         .0
         .push((X_DELAYD_HANDOFF.to_owned(), Value::Bool(true)));
+    headers.0.push((
+        HANDOFF_ID.to_owned(),
+        Value::LongString(uid.to_string().into_bytes()),
+    ));
     if message.properties.delivery_mode != Some(2) {
         let mode = message.properties.delivery_mode.map_or(0, i64::from);
         headers.insert(SAVED_DELIVERY_MODE, Value::I64(mode));
@@ -50,7 +67,7 @@ pub fn prepare(message: &mut Message, due_ms: u64) {
 /// time it carries. `None` for any other message (left untouched), and for
 /// a marked one whose due time cannot be read (the route then plans it as
 /// usual: from its own headers, never earlier than they say).
-pub fn receive(message: &mut Message) -> Option<u64> {
+pub fn receive(message: &mut Message) -> Option<HandedOff> {
     message.headers.get(X_DELAYD_HANDOFF)?;
     let ours = message
         .headers
@@ -67,6 +84,9 @@ pub fn receive(message: &mut Message) -> Option<u64> {
     let headers = &mut message.headers;
     headers.0.remove(ours);
     headers.remove(X_DELAYD_HANDOFF);
+    let uid = headers
+        .remove(HANDOFF_ID)
+        .and_then(|v| v.as_text().and_then(|t| t.parse().ok()));
     if let Some((name, _)) = headers.0.iter_mut().find(|(k, _)| k == SAVED_DELIVER_AT) {
         *name = X_DELIVER_AT.to_owned();
     }
@@ -80,13 +100,17 @@ pub fn receive(message: &mut Message) -> Option<u64> {
         }
         None => {}
     }
-    Some(due)
+    Some(HandedOff { due_ms: due, uid })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use delayd_adapters::FieldTable;
+
+    fn uid() -> MessageId {
+        "8000000000000000000000000000002a".parse().unwrap()
+    }
 
     fn original() -> Message {
         let mut m = Message::with_body(&b"body"[..]);
@@ -110,13 +134,19 @@ mod tests {
         };
         for before in [original(), with_own] {
             let mut m = before.clone();
-            prepare(&mut m, 1_700_000_000_123);
+            prepare(&mut m, 1_700_000_000_123, uid());
             assert_eq!(m.properties.delivery_mode, Some(2));
             assert_eq!(
                 m.headers.get(X_DELIVER_AT),
                 Some(&Value::I64(1_700_000_000_123))
             );
-            assert_eq!(receive(&mut m), Some(1_700_000_000_123));
+            assert_eq!(
+                receive(&mut m),
+                Some(HandedOff {
+                    due_ms: 1_700_000_000_123,
+                    uid: Some(uid())
+                })
+            );
             assert_eq!(
                 delayd_adapters::encode(&m),
                 delayd_adapters::encode(&before)
@@ -128,7 +158,7 @@ mod tests {
     fn a_copy_through_kafka_headers_keeps_its_due_time() {
         let mut m = original();
         m.properties.delivery_mode = None;
-        prepare(&mut m, 42_000);
+        prepare(&mut m, 42_000, uid());
         // What a Kafka round trip makes of the values.
         for (_, value) in m.headers.0.iter_mut() {
             if let Value::I64(n) = value {
@@ -138,7 +168,13 @@ mod tests {
             }
         }
         m.properties.delivery_mode = None;
-        assert_eq!(receive(&mut m), Some(42_000));
+        assert_eq!(
+            receive(&mut m),
+            Some(HandedOff {
+                due_ms: 42_000,
+                uid: Some(uid())
+            })
+        );
         assert!(m.headers.get(X_DELIVER_AT).is_none());
         assert!(m.headers.get(X_DELAYD_HANDOFF).is_none());
     }
@@ -172,7 +208,7 @@ mod tests {
     #[test]
     fn a_due_time_in_a_short_string_is_read() {
         let mut m = original();
-        prepare(&mut m, 7_000);
+        prepare(&mut m, 7_000, uid());
         let due = m
             .headers
             .0
@@ -181,7 +217,7 @@ mod tests {
             .find(|(k, _)| k == X_DELIVER_AT)
             .expect("x-deliver-at");
         due.1 = Value::ShortString(" 7000 ".into());
-        assert_eq!(receive(&mut m), Some(7_000));
+        assert_eq!(receive(&mut m).map(|h| h.due_ms), Some(7_000));
         assert_eq!(m.properties.delivery_mode, Some(1));
         assert!(m.headers.get(X_DELIVER_AT).is_none());
     }
@@ -191,9 +227,9 @@ mod tests {
         let mut m = original();
         m.properties.delivery_mode = Some(2);
         let before = m.clone();
-        prepare(&mut m, 1);
+        prepare(&mut m, 1, uid());
         assert!(m.headers.get(SAVED_DELIVERY_MODE).is_none());
-        assert_eq!(receive(&mut m), Some(1));
+        assert_eq!(receive(&mut m).map(|h| h.due_ms), Some(1));
         assert_eq!(
             delayd_adapters::encode(&m),
             delayd_adapters::encode(&before)

@@ -13,6 +13,7 @@ use std::time::Duration;
 use delayd_adapters::{Message, Target, Value};
 
 use crate::config::{BrokerConfig, Config, DestinationConfig, Mode, RouteConfig};
+use crate::id::MessageId;
 
 pub use delay::InvalidDelay;
 pub use ttl::InvalidTtl;
@@ -218,7 +219,7 @@ impl Route {
     }
 
     /// Rewrite a due message for republishing, by the route's mode.
-    pub fn for_delivery(&self, message: &mut Message, id: u64, now_ms: u64) {
+    pub fn for_delivery(&self, message: &mut Message, id: MessageId, now_ms: u64) {
         match &self.mode {
             RouteMode::Delay => rewrite::for_delivery(message, id),
             RouteMode::Ttl {
@@ -347,7 +348,7 @@ to = {{ broker = "rabbit", exchange = "out" }}
         let mut m = Message::with_body("x");
         m.properties.expiration = Some("500".into());
         assert_eq!(r.plan(&mut m, 1000), Ok(Plan::Due(1500)));
-        r.for_delivery(&mut m, 7, 5_000_000);
+        r.for_delivery(&mut m, MessageId::legacy(7), 5_000_000);
         assert_eq!(m.properties.expiration, None);
         assert_eq!(
             m.headers
@@ -432,7 +433,7 @@ to = {{ broker = "rabbit", exchange = "out" }}
             }
         );
         // The x-delay that counted is the one negated on the way out.
-        r.for_delivery(&mut m, 1, 5000);
+        r.for_delivery(&mut m, MessageId::legacy(1), 5000);
         assert_eq!(m.headers.0[0].1, text("1000"));
         assert_eq!(m.headers.0[3].1, Value::I32(-5000));
 

@@ -3,19 +3,20 @@
 //!
 //! - `x-delay` becomes its negative (as the plugin does, a signed 32-bit int
 //!   when it fits, else 64-bit), so consumers can tell it was delayed.
-//! - `x-delayd-id` is added (the delayd message id, as a long string), so
-//!   consumers can deduplicate the rare republish after a crash.
+//! - `x-delayd-id` is added (the message's identity, `crate::id`, as a long
+//!   string), so consumers can deduplicate the rare republish after a crash.
 //! - `x-delayd-error` is added on messages sent to an invalid/unroutable place.
 
 use delayd_adapters::{Message, Value};
 
 use super::delay::{delay_ms, X_DELAY};
+use crate::id::MessageId;
 
 pub const X_DELAYD_ID: &str = "x-delayd-id";
 pub const X_DELAYD_ERROR: &str = "x-delayd-error";
 
 /// Rewrite a due message's headers for republishing.
-pub fn for_delivery(message: &mut Message, id: u64) {
+pub fn for_delivery(message: &mut Message, id: MessageId) {
     // Only a positive delay is negated; 0 or negative stay as they were.
     if let Some(delay) = message
         .headers
@@ -32,8 +33,9 @@ pub fn for_delivery(message: &mut Message, id: u64) {
     add_id(message, id);
 }
 
-/// Add `x-delayd-id`, for consumers to deduplicate.
-pub fn add_id(message: &mut Message, id: u64) {
+/// Add `x-delayd-id`, for consumers to deduplicate (replacing one the
+/// message brought in: it is a new message to delayd, see `crate::id`).
+pub fn add_id(message: &mut Message, id: MessageId) {
     message
         .headers
         .insert(X_DELAYD_ID, Value::LongString(id.to_string().into_bytes()));
@@ -80,7 +82,7 @@ mod tests {
             ]),
             ..Message::default()
         };
-        for_delivery(&mut m, 42);
+        for_delivery(&mut m, MessageId::legacy(42));
         assert_eq!(m.headers.0[1], (X_DELAY.into(), Value::I32(-5000)));
         assert_eq!(
             m.headers.get(X_DELAYD_ID),
@@ -93,10 +95,10 @@ mod tests {
     fn huge_delay_negates_to_i64_and_no_delay_header_is_left_alone() {
         let mut m = Message::default();
         m.headers.insert(X_DELAY, Value::I64(1 << 40));
-        for_delivery(&mut m, 1);
+        for_delivery(&mut m, MessageId::legacy(1));
         assert_eq!(m.headers.get(X_DELAY), Some(&Value::I64(-(1 << 40))));
         let mut plain = Message::default();
-        for_delivery(&mut plain, 1);
+        for_delivery(&mut plain, MessageId::legacy(1));
         assert!(plain.headers.get(X_DELAY).is_none());
     }
 
@@ -109,7 +111,7 @@ mod tests {
         ] {
             let mut m = Message::default();
             m.headers.insert(X_DELAY, delay.clone());
-            for_delivery(&mut m, 3);
+            for_delivery(&mut m, MessageId::legacy(3));
             assert_eq!(m.headers.get(X_DELAY), Some(&delay));
             assert_eq!(m.headers.len(), 2);
         }

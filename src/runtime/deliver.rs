@@ -8,6 +8,7 @@ use delayd_adapters::{BoxFuture, Message, PublishOutcome, SinkError};
 use tracing::Instrument;
 
 use crate::engine::{Dispatch, Fired, Outcome};
+use crate::id::MessageId;
 use crate::route::{bridge, rewrite, BrokerKind, Destination, Route};
 
 use super::brokers::Brokers;
@@ -52,7 +53,7 @@ impl Dispatch for Deliverer {
             (Some(store), Ok(m)) => store.pending_done(fired.id, m),
             _ => None,
         };
-        let message = match decoded.map(|m| for_delivery(&route, m, fired.id)) {
+        let message = match decoded.map(|m| for_delivery(&route, m, fired.uid)) {
             Ok(m) => m,
             Err(e) => {
                 // Our own encoding failed to decode: keep the raw bytes visible.
@@ -68,7 +69,7 @@ impl Dispatch for Deliverer {
         // The message moves into the publish (no copy of its body); the
         // stored bytes stay for the rare message that must be parked.
         let publish = brokers.publish(&route.to.broker, message, target.clone());
-        let span = tracing::debug_span!("deliver", id = fired.id, route = %route.name());
+        let span = tracing::debug_span!("deliver", id = %fired.uid, route = %route.name());
         Box::pin(
             async move {
                 let aside = |reason: &str| {
@@ -91,7 +92,7 @@ impl Dispatch for Deliverer {
                             "unroutable: exchange {:?} has no queue bound for routing key {key:?}",
                             target.destination
                         );
-                        tracing::warn!(id = fired.id, %reason, "message unroutable");
+                        tracing::warn!(id = %fired.uid, %reason, "message unroutable");
                         let message = aside(&reason);
                         park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                     }
@@ -99,7 +100,7 @@ impl Dispatch for Deliverer {
                         if fired.attempt + 1 >= MISSING_TARGET_ATTEMPTS =>
                     {
                         let reason = format!("unknown target: {e}");
-                        tracing::warn!(id = fired.id, %reason, "target missing; parking the message");
+                        tracing::warn!(id = %fired.uid, %reason, "target missing; parking the message");
                         let message = aside(&reason);
                         park(&brokers, &route.unroutable, &message, &route, "unroutable").await
                     }
@@ -111,7 +112,7 @@ impl Dispatch for Deliverer {
                     Err(SinkError::Permanent(e)) => {
                         // Retrying cannot help: park it with the broker's reason.
                         let reason = format!("cannot publish: {e}");
-                        tracing::warn!(id = fired.id, %reason, "message cannot be published; parking it");
+                        tracing::warn!(id = %fired.uid, %reason, "message cannot be published; parking it");
                         let mut message = aside(&reason);
                         rewrite::strip_checked_properties(&mut message);
                         park(&brokers, &route.unroutable, &message, &route, "unroutable").await
@@ -144,11 +145,11 @@ fn prepare_for_target(route: &Route, message: &mut Message) {
 /// (`x-delay` negated, the delayd id added) and mapped for the target broker.
 fn prepared(route: &Route, fired: &Fired) -> Result<Message, delayd_adapters::CodecError> {
     let message = delayd_adapters::decode(&fired.message)?;
-    Ok(for_delivery(route, message, fired.id))
+    Ok(for_delivery(route, message, fired.uid))
 }
 
 /// A decoded stored message, rewritten and mapped for delivery.
-fn for_delivery(route: &Route, mut message: Message, id: u64) -> Message {
+fn for_delivery(route: &Route, mut message: Message, id: MessageId) -> Message {
     let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
     route.for_delivery(&mut message, id, now_ms);
     prepare_for_target(route, &mut message);

@@ -8,6 +8,7 @@
 //! fires them at their original due time: none early, none lost; a crash
 //! between a confirm and its Done leaves a copy on both sides (a duplicate).
 
+use crate::id::MessageId;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -111,7 +112,10 @@ fn start(
             return None;
         }
     };
-    let Record::Schedule { message, .. } = record else {
+    let Record::Schedule {
+        message, uid, id, ..
+    } = record
+    else {
         return None;
     };
     let mut message = match delayd_adapters::decode(&message) {
@@ -121,7 +125,7 @@ fn start(
             return None;
         }
     };
-    handoff::prepare(&mut message, info.due_ms);
+    handoff::prepare(&mut message, info.due_ms, MessageId::or_legacy(uid, id));
     let from = &route.config.from;
     let target = match route.from_kind {
         BrokerKind::Amqp => Target::queue(from.queue.clone().unwrap_or_default()),

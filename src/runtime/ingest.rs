@@ -25,6 +25,7 @@ use super::brokers::Brokers;
 use super::deliver::park;
 use super::route_store::RouteStore;
 use crate::finisher::Finisher;
+use crate::id::MessageId;
 
 /// A delivery whose WAL record is queued (or that is invalid, or that waits
 /// for room).
@@ -60,6 +61,8 @@ enum Attempt {
 struct Held {
     message: delayd_adapters::Message,
     due: u64,
+    /// Its identity, assigned at intake (see `crate::id`).
+    uid: MessageId,
     redelivered: bool,
     ack: Box<dyn AckHandle>,
 }
@@ -257,17 +260,19 @@ impl Intake {
         } = delivery;
         let now = self.engine.now_ms();
         // A copy another instance handed back keeps its due time, whatever
-        // the route's mode says (see `route::handoff`).
-        let plan = match handoff::receive(&mut message) {
-            Some(due) => Ok(Plan::Due(due)),
-            None => self.route.plan(&mut message, now),
+        // the route's mode says, and its identity (see `route::handoff`).
+        let (plan, handed_uid) = match handoff::receive(&mut message) {
+            Some(h) => (Ok(Plan::Due(h.due_ms)), h.uid),
+            None => (self.route.plan(&mut message, now), None),
         };
         match plan {
             Ok(Plan::Park) => Started::Park { message, ack },
             Ok(Plan::Due(due)) => {
+                let uid = handed_uid.unwrap_or_else(|| identity_of(&message));
                 let held = Held {
                     message,
                     due,
+                    uid,
                     redelivered,
                     ack,
                 };
@@ -287,13 +292,16 @@ impl Intake {
     fn store(&self, held: Held, admission: Admission) -> Attempt {
         let encoded = delayd_adapters::encode(&held.message);
         let stored = match &self.store {
-            Some(store) => store.store(&held.message, held.due, encoded, held.redelivered),
-            None => {
-                Box::pin(
-                    self.engine
-                        .store(self.route.name(), held.due, encoded, held.redelivered),
-                )
+            Some(store) => {
+                store.store(&held.message, held.due, held.uid, encoded, held.redelivered)
             }
+            None => Box::pin(self.engine.store(
+                self.route.name(),
+                held.due,
+                held.uid,
+                encoded,
+                held.redelivered,
+            )),
         };
         Attempt::Storing {
             held,
@@ -459,5 +467,16 @@ impl Intake {
                 }
             }
         }
+    }
+}
+
+/// A new delivery's identity: a Kafka record's follows from where it was
+/// read (the same if it is read again); any other is minted.
+pub fn identity_of(message: &delayd_adapters::Message) -> MessageId {
+    match (message.partition, message.offset) {
+        (Some(partition), Some(offset)) => {
+            MessageId::of_kafka_record(&message.source, partition, offset, message.timestamp_ms)
+        }
+        _ => MessageId::mint(),
     }
 }

@@ -10,6 +10,7 @@ use delayd_adapters::{BoxFuture, Message};
 use super::store::KafkaStore;
 use super::stream_store::{Phase, StreamStore};
 use crate::engine::{EngineError, Stored};
+use crate::id::MessageId;
 
 #[derive(Clone)]
 pub enum RouteStore {
@@ -40,6 +41,7 @@ impl RouteStore {
         &self,
         message: &Message,
         due_ms: u64,
+        uid: MessageId,
         encoded: Vec<u8>,
         redelivered: bool,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
@@ -53,12 +55,13 @@ impl RouteStore {
             let (this, message) = (self.clone(), message.clone());
             return Box::pin(async move {
                 wait.await;
-                this.store(&message, due_ms, encoded, redelivered).await
+                this.store(&message, due_ms, uid, encoded, redelivered)
+                    .await
             });
         }
         match self {
-            RouteStore::Kafka(s) => s.store(message, due_ms, encoded, redelivered),
-            RouteStore::Stream(s) => s.store(due_ms, encoded, redelivered),
+            RouteStore::Kafka(s) => s.store(message, due_ms, uid, encoded, redelivered),
+            RouteStore::Stream(s) => s.store(due_ms, uid, encoded, redelivered),
         }
     }
 

@@ -37,6 +37,7 @@ use delayd_adapters::{BoxFuture, Message};
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::{Engine, EngineError, Stored, Storing};
+use crate::id::MessageId;
 
 /// A restore that makes no progress this long is started again.
 const RESTORE_STALL: Duration = Duration::from_secs(30);
@@ -125,11 +126,15 @@ impl KafkaStore {
                 if let Some((
                     _,
                     crate::wal::Record::Schedule {
-                        due_ms, message, ..
+                        due_ms,
+                        uid,
+                        message,
+                        ..
                     },
                 )) = engine.read(info.id)?
                 {
-                    out.push((info.id, due_ms, message));
+                    let uid = MessageId::or_legacy(uid, info.id);
+                    out.push((info.id, due_ms, uid, message));
                 }
             }
             Ok(out)
@@ -138,7 +143,7 @@ impl KafkaStore {
         let mut written = 0;
         if !mirrored {
             let mut puts = Vec::new();
-            for (_, due_ms, message) in &stored {
+            for (_, due_ms, uid, message) in &stored {
                 let key = delayd_adapters::decode(message)
                     .ok()
                     .as_ref()
@@ -150,10 +155,11 @@ impl KafkaStore {
                         self.route
                     );
                 };
-                puts.push(
-                    self.state
-                        .put(partition, &key, &encode_value(*due_ms, message)),
-                );
+                puts.push(self.state.put(
+                    partition,
+                    &key,
+                    &encode_value(*due_ms, uid.as_u128(), message),
+                ));
             }
             for put in puts {
                 put.await?;
@@ -161,7 +167,7 @@ impl KafkaStore {
             }
         }
         let mut released = 0;
-        for (id, _, _) in stored {
+        for (id, _, _, _) in stored {
             if self.engine.release(id).await? {
                 released += 1;
             }
@@ -175,17 +181,21 @@ impl KafkaStore {
         self: &Arc<Self>,
         message: &Message,
         due_ms: u64,
+        uid: MessageId,
         encoded: Vec<u8>,
         redelivered: bool,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
         let Some((partition, key)) = state_key(message) else {
             // Not from Kafka (config validation prevents it): local only.
-            return Box::pin(self.engine.store(&self.route, due_ms, encoded, redelivered));
+            return Box::pin(
+                self.engine
+                    .store(&self.route, due_ms, uid, encoded, redelivered),
+            );
         };
-        let value = encode_value(due_ms, &encoded);
+        let value = encode_value(due_ms, uid.as_u128(), &encoded);
         let wal = match self
             .engine
-            .begin_store(&self.route, due_ms, encoded, redelivered)
+            .begin_store(&self.route, due_ms, uid, encoded, redelivered)
         {
             Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
             Storing::New(wal) => wal,
@@ -329,14 +339,26 @@ impl KafkaStore {
             if key_topic(key) != Some(tp.0.as_bytes()) {
                 continue; // another source topic's partition of the same number
             }
-            let Some((due_ms, encoded)) = decode_value(value) else {
+            let Some(value) = decode_value(value) else {
                 tracing::error!(route = %self.route, key = %String::from_utf8_lossy(key), "state record of an unknown format; left in place");
                 continue;
             };
+            // A version 1 value has no identity: the record's own, from
+            // its source coordinates.
+            let uid = match value.uid {
+                Some(uid) => MessageId::from_u128(uid),
+                None => delayd_adapters::decode(value.encoded)
+                    .map(|m| super::ingest::identity_of(&m))
+                    .unwrap_or_else(|_| MessageId::mint()),
+            };
             // Not a redelivery: stored whatever the local WAL had (released).
-            let stored = self
-                .engine
-                .store(&self.route, due_ms, encoded.to_vec(), false);
+            let stored = self.engine.store(
+                &self.route,
+                value.due_ms,
+                uid,
+                value.encoded.to_vec(),
+                false,
+            );
             batch.push((key, stored));
             if batch.len() == RESTORE_BATCH {
                 restored += self.settle_restored(tp, &mut batch).await?;

@@ -17,17 +17,18 @@
 //!   stops consuming and releases every message it holds here: the next
 //!   owner fires them.
 //!
-//! Engine ids are local; the store's ids ([`u128`]) are what the streams
-//! know. A message can fire before its engine id is known here (a zero
+//! Engine ids are local; the streams know a message by its identity
+//! ([`MessageId`], the `x-delayd-id` it goes out with), so whichever owner
+//! restores it sends it under the same id. A message can fire before its engine id is known here (a zero
 //! delay): its Done is then remembered and written once the id is.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use delayd_adapters::amqp::state::{
-    fresh_nonce, Candidate, LiveRecord, Record, StateError, StateNames, StateSession,
+    Candidate, LiveRecord, Record, StateError, StateNames, StateSession,
 };
 use delayd_adapters::amqp::Broker;
 use delayd_adapters::BoxFuture;
@@ -36,6 +37,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::{Engine, EngineError, Stored, Storing};
+use crate::id::MessageId;
 
 /// Records appended per publish batch.
 const WRITE_BATCH: usize = 1000;
@@ -98,8 +100,6 @@ pub struct StreamStore {
     writer: Mutex<Option<mpsc::UnboundedSender<Write>>>,
     writer_task: tokio::sync::Mutex<Option<(JoinHandle<()>, Arc<StateSession>)>>,
     phase: AtomicU8,
-    id_high: u64,
-    next_id: AtomicU64,
     /// `store.checkpoint_records`.
     checkpoint_floor: u64,
 }
@@ -125,8 +125,6 @@ impl StreamStore {
             writer: Mutex::new(None),
             writer_task: tokio::sync::Mutex::new(None),
             phase: AtomicU8::new(Phase::Electing as u8),
-            id_high: (fresh_nonce() >> 64) as u64,
-            next_id: AtomicU64::new(0),
             checkpoint_floor,
         }))
     }
@@ -151,10 +149,6 @@ impl StreamStore {
 
     fn ids(&self) -> MutexGuard<'_, Ids> {
         self.ids.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn next_store_id(&self) -> u128 {
-        (u128::from(self.id_high) << 64) | u128::from(self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
     fn send(&self, write: Write) -> bool {
@@ -193,9 +187,13 @@ impl StreamStore {
 
     /// Store a consumed delivery: its WAL record and its Schedule, both
     /// durable when the future resolves (and the message armed).
+    ///
+    /// The state record's id is the message's identity `uid`, so whoever
+    /// restores it gives it out under the same `x-delayd-id`.
     pub fn store(
         self: &Arc<Self>,
         due_ms: u64,
+        uid: MessageId,
         encoded: Vec<u8>,
         redelivered: bool,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
@@ -221,11 +219,11 @@ impl StreamStore {
                 ))
             });
         }
-        let store_id = self.next_store_id();
+        let store_id = uid.as_u128();
         let record = record_of(store_id);
         let wal = match self
             .engine
-            .begin_store(&self.route, due_ms, encoded, redelivered)
+            .begin_store(&self.route, due_ms, uid, encoded, redelivered)
         {
             Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
             Storing::New(wal) => wal,
@@ -450,9 +448,10 @@ impl StreamStore {
             let stored: Vec<_> = chunk
                 .iter()
                 .map(|r| {
+                    let uid = MessageId::from_u128(r.id);
                     let s = self
                         .engine
-                        .store(&self.route, r.due_ms, r.message.clone(), false);
+                        .store(&self.route, r.due_ms, uid, r.message.clone(), false);
                     (r.id, s)
                 })
                 .collect();

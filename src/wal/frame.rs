@@ -4,8 +4,11 @@
 pub const HEADER_BYTES: usize = 8;
 /// `type u8 | seq u64`: the smallest possible `len`.
 pub const MIN_LEN: u32 = 9;
-/// Bytes of a Schedule payload before route and message: id, due, route_len.
-pub const SCHEDULE_OVERHEAD: usize = 8 + 8 + 2;
+/// Bytes of a Schedule payload before route and message: id, due, uid,
+/// route_len.
+pub const SCHEDULE_OVERHEAD: usize = 8 + 8 + 16 + 2;
+/// The same for a Schedule written before messages had a uid (type 1).
+const SCHEDULE_V1_OVERHEAD: usize = 8 + 8 + 2;
 
 pub const SEGMENT_MAGIC: &[u8; 8] = b"DELAYDWL";
 /// Version 2 salts every frame's CRC and ends each batch with a Commit frame.
@@ -13,9 +16,12 @@ pub const SEGMENT_MAGIC: &[u8; 8] = b"DELAYDWL";
 pub const SEGMENT_VERSION: u32 = 2;
 pub const SEGMENT_HEADER_BYTES: u64 = 16;
 
-const TYPE_SCHEDULE: u8 = 1;
+/// A Schedule without a uid (written before identities existed; read only).
+const TYPE_SCHEDULE_V1: u8 = 1;
 const TYPE_DONE: u8 = 2;
 const TYPE_COMMIT: u8 = 3;
+/// A Schedule with the message's uid (what is written now).
+const TYPE_SCHEDULE: u8 = 4;
 
 /// The segment's CRC salt: a random `u32` from the header of a version 2
 /// segment, mixed into every frame's CRC so that bytes a producer wrote into
@@ -66,6 +72,9 @@ pub enum Record {
         seq: u64,
         id: u64,
         due_ms: u64,
+        /// The message's identity ([`crate::id::MessageId`]); 0 for a
+        /// record written before identities existed.
+        uid: u128,
         route: String,
         message: Vec<u8>,
     },
@@ -83,6 +92,7 @@ pub enum RecordRef<'a> {
         seq: u64,
         id: u64,
         due_ms: u64,
+        uid: u128,
         route: &'a str,
         message: &'a [u8],
     },
@@ -106,12 +116,14 @@ impl RecordRef<'_> {
                 seq,
                 id,
                 due_ms,
+                uid,
                 route,
                 message,
             } => Record::Schedule {
                 seq,
                 id,
                 due_ms,
+                uid,
                 route: route.to_owned(),
                 message: message.to_vec(),
             },
@@ -120,20 +132,30 @@ impl RecordRef<'_> {
     }
 }
 
+/// The fields of a Schedule frame.
+#[derive(Debug, Clone, Copy)]
+pub struct Schedule<'a> {
+    pub id: u64,
+    pub due_ms: u64,
+    pub uid: u128,
+    pub route: &'a str,
+    pub message: &'a [u8],
+}
+
 /// Append a Schedule frame to `out`.
-pub fn put_schedule(
-    out: &mut Vec<u8>,
-    salt: Salt,
-    seq: u64,
-    id: u64,
-    due_ms: u64,
-    route: &str,
-    message: &[u8],
-) {
+pub fn put_schedule(out: &mut Vec<u8>, salt: Salt, seq: u64, schedule: &Schedule<'_>) {
+    let Schedule {
+        id,
+        due_ms,
+        uid,
+        route,
+        message,
+    } = *schedule;
     let len = MIN_LEN as usize + SCHEDULE_OVERHEAD + route.len() + message.len();
     let start = begin(out, len, TYPE_SCHEDULE, seq);
     out.extend_from_slice(&id.to_le_bytes());
     out.extend_from_slice(&due_ms.to_le_bytes());
+    out.extend_from_slice(&uid.to_le_bytes());
     out.extend_from_slice(&(route.len() as u16).to_le_bytes());
     out.extend_from_slice(route.as_bytes());
     out.extend_from_slice(message);
@@ -244,7 +266,8 @@ pub fn parse(buf: &[u8], max_len: u32, salt: Salt) -> Result<(Parsed<'_>, usize)
     let seq = u64::from_le_bytes(buf[9..17].try_into().expect("8 bytes"));
     let payload = &buf[17..total];
     let parsed = match kind {
-        TYPE_SCHEDULE => Parsed::Record(parse_schedule(seq, payload)?),
+        TYPE_SCHEDULE => Parsed::Record(parse_schedule(seq, payload, true)?),
+        TYPE_SCHEDULE_V1 => Parsed::Record(parse_schedule(seq, payload, false)?),
         TYPE_DONE => {
             if payload.len() != 16 {
                 return Err(FrameError::BadPayload("Done payload is not 16 bytes"));
@@ -269,14 +292,26 @@ pub fn parse(buf: &[u8], max_len: u32, salt: Salt) -> Result<(Parsed<'_>, usize)
     Ok((parsed, total))
 }
 
-fn parse_schedule(seq: u64, payload: &[u8]) -> Result<RecordRef<'_>, FrameError> {
-    if payload.len() < SCHEDULE_OVERHEAD {
+/// A Schedule's payload; `with_uid` for type 4 (type 1 has none: uid 0).
+fn parse_schedule(seq: u64, payload: &[u8], with_uid: bool) -> Result<RecordRef<'_>, FrameError> {
+    let overhead = if with_uid {
+        SCHEDULE_OVERHEAD
+    } else {
+        SCHEDULE_V1_OVERHEAD
+    };
+    if payload.len() < overhead {
         return Err(FrameError::BadPayload("Schedule payload too short"));
     }
     let id = u64::from_le_bytes(payload[0..8].try_into().expect("8 bytes"));
     let due_ms = u64::from_le_bytes(payload[8..16].try_into().expect("8 bytes"));
-    let route_len = u16::from_le_bytes(payload[16..18].try_into().expect("2 bytes")) as usize;
-    let rest = &payload[SCHEDULE_OVERHEAD..];
+    let uid = if with_uid {
+        u128::from_le_bytes(payload[16..32].try_into().expect("16 bytes"))
+    } else {
+        0
+    };
+    let at = overhead - 2;
+    let route_len = u16::from_le_bytes(payload[at..overhead].try_into().expect("2 bytes")) as usize;
+    let rest = &payload[overhead..];
     if rest.len() < route_len {
         return Err(FrameError::BadPayload("route longer than payload"));
     }
@@ -286,6 +321,7 @@ fn parse_schedule(seq: u64, payload: &[u8]) -> Result<RecordRef<'_>, FrameError>
         seq,
         id,
         due_ms,
+        uid,
         route,
         message: &rest[route_len..],
     })
@@ -318,6 +354,17 @@ mod tests {
     use super::*;
 
     const SALT: Salt = Salt(Some(0x5eed_1234));
+    const UID: u128 = 0x8000_0000_0000_0001_0000_0000_0000_0002;
+
+    fn sched<'a>(id: u64, due_ms: u64, route: &'a str, message: &'a [u8]) -> Schedule<'a> {
+        Schedule {
+            id,
+            due_ms,
+            uid: UID,
+            route,
+            message,
+        }
+    }
 
     fn record(buf: &[u8], salt: Salt) -> Result<(RecordRef<'_>, usize), FrameError> {
         match parse(buf, 1 << 20, salt)? {
@@ -329,7 +376,7 @@ mod tests {
     #[test]
     fn schedule_round_trip() {
         let mut buf = Vec::new();
-        put_schedule(&mut buf, SALT, 7, 5, 1234, "orders", b"hello");
+        put_schedule(&mut buf, SALT, 7, &sched(5, 1234, "orders", b"hello"));
         let (rec, size) = record(&buf, SALT).unwrap();
         assert_eq!(size, buf.len());
         assert_eq!(
@@ -338,6 +385,7 @@ mod tests {
                 seq: 7,
                 id: 5,
                 due_ms: 1234,
+                uid: UID,
                 route: "orders",
                 message: b"hello"
             }
@@ -367,10 +415,45 @@ mod tests {
         );
     }
 
+    /// A type 1 Schedule, as delayd wrote them before messages had a uid,
+    /// spelled out byte by byte (not made with today's writer), still reads,
+    /// with uid 0.
+    #[test]
+    fn a_schedule_without_uid_still_reads() {
+        let mut frame = Vec::new();
+        frame.extend_from_slice(&(9u32 + 18 + 1 + 2).to_le_bytes()); // len
+        frame.extend_from_slice(&[0; 4]); // crc, below
+        frame.push(1); // type: Schedule without uid
+        frame.extend_from_slice(&7u64.to_le_bytes()); // seq
+        frame.extend_from_slice(&5u64.to_le_bytes()); // id
+        frame.extend_from_slice(&1234u64.to_le_bytes()); // due_ms
+        frame.extend_from_slice(&1u16.to_le_bytes()); // route_len
+        frame.extend_from_slice(b"r");
+        frame.extend_from_slice(b"hi");
+        let crc = crc32c::crc32c_append(
+            crc32c::crc32c_append(crc32c::crc32c(&0x5eed_1234u32.to_le_bytes()), &frame[..4]),
+            &frame[8..],
+        );
+        frame[4..8].copy_from_slice(&crc.to_le_bytes());
+        let (rec, size) = record(&frame, SALT).unwrap();
+        assert_eq!(size, frame.len());
+        assert_eq!(
+            rec,
+            RecordRef::Schedule {
+                seq: 7,
+                id: 5,
+                due_ms: 1234,
+                uid: 0,
+                route: "r",
+                message: b"hi"
+            }
+        );
+    }
+
     #[test]
     fn a_frame_from_another_salt_or_none_is_rejected() {
         let mut buf = Vec::new();
-        put_schedule(&mut buf, SALT, 1, 1, 99, "r", b"payload");
+        put_schedule(&mut buf, SALT, 1, &sched(1, 99, "r", b"payload"));
         assert_eq!(
             parse(&buf, 1 << 20, Salt::new(0x5eed_1235)).unwrap_err(),
             FrameError::BadCrc
@@ -388,7 +471,7 @@ mod tests {
     #[test]
     fn every_flipped_bit_is_detected() {
         let mut buf = Vec::new();
-        put_schedule(&mut buf, SALT, 1, 1, 99, "r", b"payload bytes");
+        put_schedule(&mut buf, SALT, 1, &sched(1, 99, "r", b"payload bytes"));
         for bit in 0..buf.len() * 8 {
             let mut bad = buf.clone();
             bad[bit / 8] ^= 1 << (bit % 8);
@@ -439,7 +522,7 @@ mod tests {
     #[test]
     fn records_know_their_seq_and_own_their_bytes() {
         let mut buf = Vec::new();
-        put_schedule(&mut buf, SALT, 41, 5, 1234, "orders", b"hello");
+        put_schedule(&mut buf, SALT, 41, &sched(5, 1234, "orders", b"hello"));
         let first = buf.len();
         put_done(&mut buf, SALT, 42, 5, 3);
         put_commit(&mut buf, SALT, 43, 41);
@@ -456,6 +539,7 @@ mod tests {
                 seq: 41,
                 id: 5,
                 due_ms: 1234,
+                uid: UID,
                 route: "orders".into(),
                 message: b"hello".to_vec()
             }
@@ -478,7 +562,7 @@ mod tests {
     fn the_smallest_and_largest_lengths_are_framed() {
         // Empty route and message: the shortest Schedule payload.
         let mut buf = Vec::new();
-        put_schedule(&mut buf, SALT, 1, 2, 3, "", b"");
+        put_schedule(&mut buf, SALT, 1, &sched(2, 3, "", b""));
         let (rec, size) = record(&buf, SALT).unwrap();
         assert_eq!(size, HEADER_BYTES + MIN_LEN as usize + SCHEDULE_OVERHEAD);
         assert_eq!(
@@ -487,6 +571,7 @@ mod tests {
                 seq: 1,
                 id: 2,
                 due_ms: 3,
+                uid: UID,
                 route: "",
                 message: b""
             }

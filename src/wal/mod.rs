@@ -21,9 +21,14 @@
 //! when recovery scans forward after a damaged one. `seq` increases across
 //! the whole log (one per frame; a torn tail can leave a gap). Record types:
 //!
-//! - `1 Schedule`: `id u64 | due_ms u64 | route_len u16 | route | message`.
-//!   `id` is the `seq` of the message's first Schedule frame and never changes,
-//!   even when compaction copies the record to a newer segment.
+//! - `4 Schedule`: `id u64 | due_ms u64 | uid u128 | route_len u16 | route |
+//!   message`. `id` is the `seq` of the message's first Schedule frame and
+//!   never changes, even when compaction copies the record to a newer
+//!   segment; it names the message inside this log only. `uid` is the
+//!   message's identity across instances and restarts (`x-delayd-id`, see
+//!   `crate::id`), which every copy keeps.
+//! - `1 Schedule` (read only): the same without `uid`, as written before
+//!   messages had one; such a message is known by its `id`.
 //! - `2 Done`: `id u64 | segment u64`: the message left delayd (delivered,
 //!   cancelled or dead-lettered); `segment` is the `first_seq` of the segment
 //!   that held its Schedule frame when it was written.
@@ -303,26 +308,32 @@ impl Wal {
     pub fn append_schedule(
         &self,
         due_ms: u64,
+        uid: u128,
         route: &str,
         message: Vec<u8>,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
         self.check_size(route, &message)?;
         self.shared
             .writer
-            .send(AppendRequest::schedule(None, due_ms, route, message))
+            .send(AppendRequest::schedule(None, due_ms, uid, route, message))
     }
 
-    /// Append a compaction copy of an existing Schedule (same id).
+    /// Append a compaction copy of an existing Schedule (same id and uid).
     pub fn append_copy(
         &self,
         id: u64,
         due_ms: u64,
+        uid: u128,
         route: &str,
         message: Vec<u8>,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
-        self.shared
-            .writer
-            .send(AppendRequest::schedule(Some(id), due_ms, route, message))
+        self.shared.writer.send(AppendRequest::schedule(
+            Some(id),
+            due_ms,
+            uid,
+            route,
+            message,
+        ))
     }
 
     /// Append a Done for the message whose Schedule sits at `pos`, and count

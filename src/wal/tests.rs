@@ -39,8 +39,13 @@ fn open_live(cfg: WalConfig) -> Result<(Wal, Live, RecoveryReport), WalError> {
     Ok((wal, live, report))
 }
 
+/// A uid for a test message: distinct per due time, never 0.
+fn uid_of(due: u64) -> u128 {
+    (1u128 << 127) | u128::from(due)
+}
+
 fn schedule(wal: &Wal, due: u64, msg: &[u8]) -> Appended {
-    wal.append_schedule(due, "r", msg.to_vec())
+    wal.append_schedule(due, uid_of(due), "r", msg.to_vec())
         .unwrap()
         .blocking_recv()
         .unwrap()
@@ -88,6 +93,7 @@ fn appended_records_come_back_after_reopen() {
             seq: b.id,
             id: b.id,
             due_ms: 20,
+            uid: uid_of(20),
             route: "r".into(),
             message: b"b".to_vec()
         }
@@ -415,7 +421,7 @@ fn oversized_record_is_refused() {
     };
     let (wal, _, _) = open_live(cfg).unwrap();
     assert!(matches!(
-        wal.append_schedule(1, "r", vec![0; 2048]),
+        wal.append_schedule(1, 1, "r", vec![0; 2048]),
         Err(WalError::TooLarge { .. })
     ));
 }
@@ -460,12 +466,13 @@ fn compact(wal: &Wal, model: &mut Model) -> bool {
             Record::Schedule {
                 id,
                 due_ms,
+                uid,
                 route,
                 message,
                 ..
             } => {
                 if model.get(&id).is_some_and(|(pos, _, _)| *pos == at) {
-                    let copy = wal.append_copy(id, due_ms, &route, message).unwrap();
+                    let copy = wal.append_copy(id, due_ms, uid, &route, message).unwrap();
                     copies.push((id, at, copy));
                 }
             }
@@ -815,7 +822,7 @@ fn a_schedule_joining_lazy_dones_waits_only_its_commit_delay() {
     wal.append_fired(a.id, a.pos).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let replies: Vec<_> = (0..3u64)
-        .map(|i| wal.append_schedule(20 + i, "r", vec![b'b'; 10]).unwrap())
+        .map(|i| wal.append_schedule(20 + i, 1, "r", vec![b'b'; 10]).unwrap())
         .collect();
     for mut reply in replies {
         loop {

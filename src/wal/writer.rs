@@ -23,6 +23,8 @@ pub enum AppendRequest {
         /// `Some` for a compaction copy, which keeps its id.
         id: Option<u64>,
         due_ms: u64,
+        /// The message's identity (kept by a compaction copy too).
+        uid: u128,
         route: String,
         message: Vec<u8>,
     },
@@ -38,10 +40,17 @@ pub enum AppendRequest {
 }
 
 impl AppendRequest {
-    pub fn schedule(id: Option<u64>, due_ms: u64, route: &str, message: Vec<u8>) -> Self {
+    pub fn schedule(
+        id: Option<u64>,
+        due_ms: u64,
+        uid: u128,
+        route: &str,
+        message: Vec<u8>,
+    ) -> Self {
         AppendRequest::Schedule {
             id,
             due_ms,
+            uid,
             route: route.to_owned(),
             message,
         }
@@ -334,11 +343,19 @@ impl WriterState {
                 AppendRequest::Schedule {
                     id,
                     due_ms,
+                    uid,
                     route,
                     message,
                 } => {
                     let id = id.unwrap_or(seq);
-                    frame::put_schedule(&mut self.buf, salt, seq, id, due_ms, &route, &message);
+                    let schedule = frame::Schedule {
+                        id,
+                        due_ms,
+                        uid,
+                        route: &route,
+                        message: &message,
+                    };
+                    frame::put_schedule(&mut self.buf, salt, seq, &schedule);
                     (id, None)
                 }
                 AppendRequest::Done { id, segment, .. } => {

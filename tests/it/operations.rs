@@ -862,11 +862,16 @@ fn wal_inspect_reports_a_corrupted_frame_with_segment_and_offset() {
     let (wal, _) = Wal::open(WalConfig::new(dir.path()), |_, _| {}).expect("open WAL");
     runtime.block_on(async {
         for i in 0..3u64 {
-            wal.append_schedule(4_000_000_000_000 + i, "orders", vec![b'x'; 64])
-                .expect("append")
-                .await
-                .expect("writer")
-                .expect("durable");
+            wal.append_schedule(
+                4_000_000_000_000 + i,
+                u128::from(i) + 1,
+                "orders",
+                vec![b'x'; 64],
+            )
+            .expect("append")
+            .await
+            .expect("writer")
+            .expect("durable");
         }
     });
     wal.close().expect("close WAL");

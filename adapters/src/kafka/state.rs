@@ -95,25 +95,47 @@ pub fn key_topic(key: &[u8]) -> Option<&[u8]> {
     parts.next()
 }
 
-const VALUE_VERSION: u8 = 1;
+/// Version 2 carries the message's identity; version 1 (read only) did not.
+const VALUE_VERSION: u8 = 2;
+const VALUE_VERSION_1: u8 = 1;
 
-/// A Schedule record's value: version, due time, encoded message.
-pub fn encode_value(due_ms: u64, encoded: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(9 + encoded.len());
+/// A Schedule record's value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateValue<'a> {
+    pub due_ms: u64,
+    /// The message's identity (`x-delayd-id`); `None` in a version 1 value.
+    pub uid: Option<u128>,
+    pub encoded: &'a [u8],
+}
+
+/// A Schedule record's value: version 2, due time, identity, encoded
+/// message (big endian).
+pub fn encode_value(due_ms: u64, uid: u128, encoded: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(25 + encoded.len());
     out.push(VALUE_VERSION);
     out.extend_from_slice(&due_ms.to_be_bytes());
+    out.extend_from_slice(&uid.to_be_bytes());
     out.extend_from_slice(encoded);
     out
 }
 
-/// (due time, encoded message) of a Schedule record's value.
-pub fn decode_value(value: &[u8]) -> Option<(u64, &[u8])> {
+/// A Schedule record's value, or `None` if it is not one this delayd reads.
+pub fn decode_value(value: &[u8]) -> Option<StateValue<'_>> {
     let (&version, rest) = value.split_first()?;
-    if version != VALUE_VERSION || rest.len() < 8 {
-        return None;
+    let due_ms = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
+    match version {
+        VALUE_VERSION_1 => Some(StateValue {
+            due_ms,
+            uid: None,
+            encoded: &rest[8..],
+        }),
+        VALUE_VERSION => Some(StateValue {
+            due_ms,
+            uid: Some(u128::from_be_bytes(rest.get(8..24)?.try_into().ok()?)),
+            encoded: &rest[24..],
+        }),
+        _ => None,
     }
-    let (due, encoded) = rest.split_at(8);
-    Some((u64::from_be_bytes(due.try_into().ok()?), encoded))
 }
 
 /// One route's state topic. Cheap to clone: clones share the producer.
@@ -514,12 +536,35 @@ mod tests {
 
     #[test]
     fn a_value_round_trips_and_a_foreign_one_is_refused() {
-        let v = encode_value(1_700_000_000_123, b"encoded");
-        assert_eq!(decode_value(&v), Some((1_700_000_000_123, &b"encoded"[..])));
+        let v = encode_value(1_700_000_000_123, 7 << 64 | 9, b"encoded");
+        assert_eq!(
+            decode_value(&v),
+            Some(StateValue {
+                due_ms: 1_700_000_000_123,
+                uid: Some(7 << 64 | 9),
+                encoded: b"encoded"
+            })
+        );
         assert_eq!(decode_value(&v[..8]), None, "too short");
+        assert_eq!(decode_value(&v[..20]), None, "too short for its identity");
         let mut other = v.clone();
-        other[0] = 2;
+        other[0] = 3;
         assert_eq!(decode_value(&other), None, "unknown version");
+    }
+
+    /// A version 1 value, as delayd wrote them before identities, spelled
+    /// out byte by byte: it still reads, without an identity.
+    #[test]
+    fn a_version_1_value_still_decodes() {
+        let v1 = [&[1u8][..], &1_000u64.to_be_bytes(), b"msg"].concat();
+        assert_eq!(
+            decode_value(&v1),
+            Some(StateValue {
+                due_ms: 1_000,
+                uid: None,
+                encoded: b"msg"
+            })
+        );
     }
 
     #[test]
