@@ -310,12 +310,28 @@ pub enum Mode {
     Retry,
 }
 
+/// What a route's delays count from (`delay_from`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DelayFrom {
+    /// When the broker took the message, where it says: a Kafka record's
+    /// timestamp, RabbitMQ's `timestamp_in_ms` header; else as `intake`.
+    #[default]
+    Broker,
+    /// When delayd read the message.
+    Intake,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     pub name: String,
     #[serde(default)]
     pub mode: Mode,
+    /// What `x-delay` and a TTL count from (see `route::clock`). A restart,
+    /// a rebalance or a backlog shifts no due time with `broker`.
+    #[serde(default)]
+    pub delay_from: DelayFrom,
     pub from: FromConfig,
     pub to: ToConfig,
     /// Where messages that cannot be scheduled go (default: queue `delayd.invalid`

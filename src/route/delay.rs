@@ -126,7 +126,8 @@ pub fn delay_ms(value: &Value) -> Option<i128> {
     whole_ms(X_DELAY, number(X_DELAY, value).ok()?).ok()
 }
 
-/// The due time (epoch ms) of a message that arrived at `now_ms`.
+/// The due time (epoch ms) of a message whose delay counts from `now_ms`
+/// (its arrival: see `super::clock`).
 pub fn due_from_headers(
     headers: &FieldTable,
     now_ms: u64,

@@ -2,6 +2,7 @@
 //! Compiled once from the config; pure logic, no broker I/O.
 
 pub mod bridge;
+pub mod clock;
 pub mod delay;
 pub mod handoff;
 pub mod retry;
@@ -12,7 +13,7 @@ use std::time::Duration;
 
 use delayd_adapters::{Message, Target, Value};
 
-use crate::config::{BrokerConfig, Config, DestinationConfig, Mode, RouteConfig};
+use crate::config::{BrokerConfig, Config, DelayFrom, DestinationConfig, Mode, RouteConfig};
 use crate::id::MessageId;
 
 pub use delay::InvalidDelay;
@@ -175,19 +176,24 @@ impl Route {
 
     /// When the message is due, by the route's mode. Retry mode may instead
     /// park it, and writes the new attempt number (and the park reason and
-    /// count) on the message.
+    /// count) on the message. Delays and TTLs count from the route's
+    /// `delay_from` (see [`clock`]); `now_ms` is delayd's clock.
     pub fn plan(&self, message: &mut Message, now_ms: u64) -> Result<Plan, Unschedulable> {
         delayd_adapters::check_nesting(&message.headers)?;
+        let since = match self.config.delay_from {
+            DelayFrom::Broker => clock::counts_from(message, now_ms),
+            DelayFrom::Intake => now_ms,
+        };
         match &self.mode {
             RouteMode::Delay => Ok(Plan::Due(delay::due_from_headers(
                 &message.headers,
-                now_ms,
+                since,
                 self.max_delay,
             )?)),
             RouteMode::Ttl { message_ttl, .. } => Ok(Plan::Due(ttl::due(
                 message.properties.expiration.as_deref(),
                 *message_ttl,
-                now_ms,
+                since,
                 self.max_delay,
             )?)),
             RouteMode::Retry(policy) => Ok(
