@@ -288,6 +288,7 @@ async fn open_stores(
                     engine,
                     was_mirrored,
                     config.store.checkpoint_records,
+                    &config.wal.dir,
                 )
                 .await
             }
@@ -298,8 +299,23 @@ async fn open_stores(
             opened.with_context(|| format!("route {}: store.kind = \"broker\"", route.name))?,
         );
     }
-    let routes: Vec<&str> = stores.keys().map(String::as_str).collect();
+    // Kafka routes are marked now (their WAL copies are in the state topic
+    // already); RabbitMQ routes once they have no local-only message left
+    // (see `StreamStore::adopt_cached`). Routes no longer broker-kept lose
+    // their mark.
+    let routes: Vec<&str> = stores
+        .iter()
+        .filter(|(name, store)| {
+            matches!(store, RouteStore::Kafka(_)) || mirrored.contains(name.as_str())
+        })
+        .map(|(name, _)| name.as_str())
+        .collect();
     store::mark_mirrored(&config.wal.dir, &routes)?;
+    for store in stores.values() {
+        if let RouteStore::Stream(s) = store {
+            s.mark_if_drained()?;
+        }
+    }
     Ok(stores)
 }
 
@@ -340,6 +356,7 @@ async fn open_stream_store(
     engine: &Engine,
     mirrored: bool,
     checkpoint_records: u64,
+    wal_dir: &std::path::Path,
 ) -> anyhow::Result<RouteStore> {
     let store = stream_store::StreamStore::new(
         url,
@@ -347,6 +364,7 @@ async fn open_stream_store(
         &route.name,
         engine.clone(),
         checkpoint_records,
+        wal_dir.to_owned(),
     )?;
     let (released, kept) = store.adopt_cached(mirrored).await?;
     if released > 0 {

@@ -484,6 +484,19 @@ pub fn mirrored_routes(wal_dir: &std::path::Path) -> anyhow::Result<HashSet<Stri
 
 /// Record that the WAL in `wal_dir` now mirrors these routes' state topics
 /// (written whole, then renamed, then the directory synced).
+/// Add `route` to the routes marked in `wal_dir` (see [`mark_mirrored`]).
+pub fn add_mirrored(wal_dir: &std::path::Path, route: &str) -> anyhow::Result<()> {
+    // One read-modify-write at a time: routes drain concurrently.
+    static MARKING: Mutex<()> = Mutex::new(());
+    let _one = MARKING.lock().unwrap_or_else(|e| e.into_inner());
+    let mut routes = mirrored_routes(wal_dir)?;
+    if routes.insert(route.to_owned()) {
+        let routes: Vec<&str> = routes.iter().map(String::as_str).collect();
+        mark_mirrored(wal_dir, &routes)?;
+    }
+    Ok(())
+}
+
 pub fn mark_mirrored(wal_dir: &std::path::Path, routes: &[&str]) -> anyhow::Result<()> {
     use anyhow::Context;
     use std::io::Write;

@@ -102,6 +102,9 @@ pub struct StreamStore {
     phase: AtomicU8,
     /// `store.checkpoint_records`.
     checkpoint_floor: u64,
+    /// The WAL directory, where the route is marked broker-kept (see
+    /// `store::mark_mirrored`) once no message of it is local-only.
+    wal_dir: std::path::PathBuf,
 }
 
 impl StreamStore {
@@ -111,6 +114,7 @@ impl StreamStore {
         route: &str,
         engine: Engine,
         checkpoint_floor: u64,
+        wal_dir: std::path::PathBuf,
     ) -> anyhow::Result<Arc<Self>> {
         let broker = Broker::new(
             url,
@@ -126,6 +130,7 @@ impl StreamStore {
             writer_task: tokio::sync::Mutex::new(None),
             phase: AtomicU8::new(Phase::Electing as u8),
             checkpoint_floor,
+            wal_dir,
         }))
     }
 
@@ -161,8 +166,12 @@ impl StreamStore {
     /// At start, before anything fires: what the local WAL holds for this
     /// route. If it mirrored the streams (`mirrored`), they hold every one
     /// and the copies are released; if not (the route kept its state
-    /// locally until now), they stay here and fire from here. Returns how
-    /// many were (released, kept).
+    /// locally until now), they are local-only: they fire from here until
+    /// this instance owns the route, which then writes them into the
+    /// streams ([`StreamStore::adopt_local`]). The route is marked
+    /// broker-kept only once none is local-only, so a restart before that
+    /// keeps them again rather than releasing them. Returns how many were
+    /// (released, kept).
     pub async fn adopt_cached(&self, mirrored: bool) -> anyhow::Result<(u64, u64)> {
         let ids: Vec<u64> = self
             .engine
@@ -282,11 +291,80 @@ impl StreamStore {
         }
     }
 
+    /// Mark the route broker-kept in the WAL directory once no message of
+    /// it is local-only (see [`StreamStore::adopt_cached`]).
+    pub(super) fn mark_if_drained(&self) -> anyhow::Result<()> {
+        if self.ids().local_only.is_empty() {
+            super::store::add_mirrored(&self.wal_dir, &self.route)?;
+        }
+        Ok(())
+    }
+
+    /// The new owner writes the messages this WAL kept from before the
+    /// route used the broker store into its streams; from then on they are
+    /// broker-kept like any other.
+    async fn adopt_local(&self) -> anyhow::Result<u64> {
+        let local: Vec<u64> = self.ids().local_only.iter().copied().collect();
+        let mut written = Vec::new();
+        for id in local {
+            let Some((
+                _,
+                crate::wal::Record::Schedule {
+                    due_ms,
+                    uid,
+                    message,
+                    ..
+                },
+            )) = self.engine.read(id)?
+            else {
+                continue; // fired meanwhile
+            };
+            let uid = MessageId::or_legacy(uid, id).as_u128();
+            let record = Record::Schedule {
+                id: uid,
+                due_ms,
+                message,
+            }
+            .encode();
+            let (reply, done) = oneshot::channel();
+            if !self.send(Write::Schedule {
+                id: uid,
+                record,
+                reply,
+            }) {
+                anyhow::bail!("the state writer stopped");
+            }
+            written.push((id, uid, done));
+        }
+        let n = written.len() as u64;
+        for (id, uid, done) in written {
+            done.await
+                .unwrap_or_else(|_| Err("the state writer stopped".into()))
+                .map_err(|e| anyhow::anyhow!("writing a local message to the state stream: {e}"))?;
+            let still_local = self.ids().local_only.remove(&id);
+            if still_local {
+                self.bind(id, uid);
+            } else {
+                // Fired while its Schedule was being written.
+                self.write_done(uid);
+            }
+        }
+        self.mark_if_drained()?;
+        Ok(n)
+    }
+
     /// Message `id` was delivered, parked or cancelled here.
     pub fn done(&self, id: u64) {
         let store_id = {
             let mut ids = self.ids();
             if ids.local_only.remove(&id) {
+                let drained = ids.local_only.is_empty();
+                drop(ids);
+                if drained {
+                    if let Err(e) = self.mark_if_drained() {
+                        tracing::error!(route = %self.route, error = %e, "cannot mark the route broker-kept; a restart keeps its WAL copies as local-only");
+                    }
+                }
                 return;
             }
             match ids.by_engine.remove(&id) {
@@ -431,12 +509,19 @@ impl StreamStore {
         let gauge =
             metrics::gauge!("delayd_store_restoring_partitions", "route" => self.route.clone());
         gauge.set(1.0);
-        let result = self.arm(live).await;
+        let result = match self.arm(live).await {
+            Ok(()) => self.adopt_local().await.map(|n| {
+                if n > 0 {
+                    tracing::info!(route = %self.route, written = n, "messages this WAL kept from before the route used the broker store written to its state stream");
+                }
+            }),
+            Err(e) => Err(e.into()),
+        };
         gauge.set(0.0);
         if let Err(e) = result {
             *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
             let _ = writer.await;
-            return Err(e.into());
+            return Err(e);
         }
         Ok((writer, failed))
     }

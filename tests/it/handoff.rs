@@ -2,7 +2,9 @@
 //! route; one is stopped with SIGTERM while it holds pending messages. It
 //! gives them back to the route's queue marked with their due times, the
 //! other instance takes them, and every message arrives once, none early,
-//! byte-equal, without hand-off headers.
+//! byte-equal, without hand-off headers, under the `x-delayd-id` the admin
+//! API listed for it before the hand-off: one identity per message, across
+//! two replicas and the copy one gives the other.
 
 use crate::common;
 
@@ -73,6 +75,28 @@ async fn a_stopping_instance_hands_its_messages_to_another() {
         held > 0,
         "the leaving instance holds nothing; the test proves nothing"
     );
+    // Each message's id as both instances list it: distinct messages,
+    // distinct ids, whichever replica stored them.
+    let mut listed: BTreeMap<String, String> = BTreeMap::new();
+    for instance in [&leaving, &staying] {
+        let (status, page) = instance.api("GET", "/v1/messages?limit=1000", None);
+        assert_eq!(status, 200, "{page}");
+        for item in page["items"].as_array().expect("items") {
+            let message_id = item["message_id"].as_str().expect("message_id").to_owned();
+            let id = item["id"].as_str().expect("id").to_owned();
+            assert!(
+                listed.insert(message_id, id).is_none(),
+                "{item} listed twice"
+            );
+        }
+    }
+    assert_eq!(listed.len(), COUNT);
+    let distinct: std::collections::BTreeSet<&String> = listed.values().collect();
+    assert_eq!(
+        distinct.len(),
+        COUNT,
+        "two replicas gave distinct messages the same id"
+    );
 
     // Consuming from before anything falls due: receive times are arrival times.
     let mut receiver = client.consume(&names.target_queue).await;
@@ -104,6 +128,11 @@ async fn a_stopping_instance_hands_its_messages_to_another() {
             received.at_ms - (bound - LATE_MS)
         );
         assert_eq!(received.delivery.data, format!("body {i}").as_bytes());
+        assert_eq!(
+            received.header_text("x-delayd-id").as_ref(),
+            Some(&listed[&id]),
+            "{id} left under another id than the one listed before the hand-off"
+        );
         let headers = received.properties().headers().clone().unwrap_or_default();
         for key in headers.inner().keys() {
             assert!(

@@ -56,13 +56,14 @@ fn headers_without(props: &BasicProperties, key: &str) -> FieldTable {
     t
 }
 
-/// Asserts `x-delayd-id` is a long string of decimal digits, and returns it.
-fn assert_delayd_id(received: &Received) -> u64 {
+/// Asserts `x-delayd-id` is a long string of 32 hex digits (128 bits), and
+/// returns it.
+fn assert_delayd_id(received: &Received) -> u128 {
     let id = received
         .header_text("x-delayd-id")
         .unwrap_or_else(|| panic!("no long-string x-delayd-id in {:?}", received.properties()));
-    id.parse()
-        .unwrap_or_else(|e| panic!("x-delayd-id {id:?} is not a number: {e}"))
+    assert_eq!(id.len(), 32, "x-delayd-id {id:?} is not 32 hex digits");
+    u128::from_str_radix(&id, 16).unwrap_or_else(|e| panic!("x-delayd-id {id:?} is not hex: {e}"))
 }
 
 /// Like [`setup`], with an invalid queue of the test's own (so tests running
@@ -923,7 +924,7 @@ struct Arrivals {
     /// The `x-delayd-id` each seq first arrived with. A later copy must
     /// carry the same one: the same stored record published again (its
     /// Done lost in a crash), never the message stored twice.
-    delayd_ids: Vec<Option<u64>>,
+    delayd_ids: Vec<Option<u128>>,
 }
 
 /// Reads `queue` until every one of `total` seqs arrived or `deadline`.

@@ -498,3 +498,39 @@ async fn deleting_the_lock_queue_ends_the_owners_session_and_loses_nothing() {
     assert_eq!(duplicates, 0);
     r.delete_streams().await;
 }
+
+/// A route that kept its state in the local WAL is switched to the broker
+/// store, stopped with SIGTERM and started again: every message the WAL
+/// held arrives, none early. (The first broker start once kept them only
+/// locally yet marked the route broker-kept, and the next start released
+/// them all: 100 of 100 lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_a_route_to_the_broker_store_keeps_what_the_wal_held() {
+    const COUNT: usize = 100;
+    let r = StreamRoute::new("stream-switch").await;
+    let _cleanup = r.names.cleanup();
+    let mut a = Delayd::start_consuming(
+        |wal, http| config_toml(&r.names, wal, http, &r.opts),
+        &r.names.from_queue,
+    )
+    .await;
+    let sent = r.send("switch", COUNT, 15_000..18_000).await;
+    r.wait_stored(&a, COUNT).await;
+    let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
+
+    // The same WAL, now with the broker store: started, stopped, started.
+    let any_port = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    std::fs::write(a.config_path(), r.config(&a.wal_dir(), any_port)).expect("write config");
+    for _ in 0..2 {
+        a.restart().await;
+        r.wait_owner(&a).await;
+        let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
+        assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
+    }
+    a.restart().await;
+    r.wait_owner(&a).await;
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0, "clean stops leave nothing to fire twice");
+    r.delete_streams().await;
+}
