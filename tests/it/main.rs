@@ -9,6 +9,7 @@
 mod common;
 
 mod bench;
+mod clock;
 mod broker_store;
 mod handoff;
 mod kafka_sidecar;

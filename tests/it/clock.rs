@@ -1,0 +1,148 @@
+//! What a delay counts from (`delay_from = "broker"`, the default): the
+//! moment the broker took the message, not the moment delayd read it. With
+//! delayd down for 12 s while messages with 4 s delays are published, all
+//! leave within 2 s of the restart, none early; counted from the read,
+//! they left 4 s after it (12 s late).
+
+use crate::common;
+
+use std::time::{Duration, Instant};
+
+use common::kafka::{collect_unique, wait_assigned, KafkaRoute, Producer, Reader, Record};
+use common::{now_ms, wait_for, Client, Delayd, DelaydOptions, Names, DEADLINE};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::BasicProperties;
+
+const COUNT: usize = 50;
+const DELAY_MS: u64 = 4000;
+/// How long delayd stays down once the first message is published.
+const DOWN_MS: u64 = 12_000;
+/// Every message leaves within this of the restarted delayd's first read.
+const BACK_WITHIN_MS: u64 = 2000;
+
+/// Sleeps until `DOWN_MS` after `since_ms`: the outage the scenario injects
+/// (a fixed span on purpose, not a wait for something to happen).
+async fn stay_down(since_ms: u64) {
+    let until = since_ms + DOWN_MS;
+    let now = now_ms();
+    if until > now {
+        tokio::time::sleep(Duration::from_millis(until - now)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_delays_count_from_the_record_timestamp() {
+    let r = KafkaRoute::new("clock", 2).await;
+    let mut delayd = r.start("").await;
+    wait_assigned(&delayd).await;
+    let reader = Reader::new(&r.to);
+    let status = delayd.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", delayd.log_tail(40));
+
+    // An idempotent producer: its first record waits for a producer id,
+    // which must not make it late either (the record's timestamp is when
+    // the producer made it).
+    let producer = Producer::new();
+    let first_ms = now_ms();
+    let mut sent = Vec::new();
+    for i in 0..COUNT {
+        let record = Record::new(&format!("k{i}"), format!("{i}").as_bytes())
+            .header("x-delay", Some(DELAY_MS.to_string().as_bytes()));
+        sent.push(now_ms());
+        producer.send(&r.from, &record).await;
+    }
+    stay_down(first_ms).await;
+    delayd.restart().await;
+    wait_assigned(&delayd).await;
+    let back_ms = now_ms();
+    let got = collect_unique(&reader, COUNT as u32, Duration::from_secs(30));
+    let mut worst = 0;
+    for (i, &sent_ms) in sent.iter().enumerate() {
+        let g = &got[&(i as u32)];
+        assert!(
+            g.received_ms >= sent_ms + DELAY_MS,
+            "record {i} early: sent {sent_ms}, received {}",
+            g.received_ms
+        );
+        worst = worst.max(g.received_ms.saturating_sub(back_ms));
+    }
+    println!("kafka: last record {worst} ms after the restarted delayd held its partitions");
+    assert!(
+        worst <= BACK_WITHIN_MS,
+        "a record left {worst} ms after the restart: its delay counted from delayd's read"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_delays_count_from_the_broker_s_timestamp() {
+    if common::rabbitmq_major().is_some_and(|v| v < 4) {
+        // 3.x before 3.12 has no message interceptors: no broker timestamp
+        // to count from (docs/headers.md). The 4.3 test broker stamps one.
+        eprintln!("skipped: RabbitMQ {:?} stamps no timestamp_in_ms", common::rabbitmq_major());
+        return;
+    }
+    let names = Names::new("clock");
+    let _cleanup = names.cleanup();
+    let client = Client::connect("delayd-it-clock").await;
+    client
+        .declare_target(&names.to_exchange, &names.target_queue)
+        .await;
+    let mut delayd = Delayd::start(&names, DelaydOptions::default()).await;
+    let status = delayd.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", delayd.log_tail(40));
+
+    // delayd declared the exchange and its queue: they wait in the broker.
+    let first_ms = now_ms();
+    let mut sent = Vec::new();
+    for i in 0..COUNT {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("x-delay"),
+            AMQPValue::LongLongInt(DELAY_MS as i64),
+        );
+        let props = BasicProperties::default()
+            .with_message_id(format!("clock-{i}").as_str().into())
+            .with_headers(headers);
+        sent.push(now_ms());
+        client
+            .publish(&names.from_exchange, "k", format!("{i}").as_bytes(), props)
+            .await;
+    }
+    let mut receiver = client.consume(&names.target_queue).await;
+    stay_down(first_ms).await;
+    delayd.restart().await;
+    // Consuming again (the broker sees its consumer).
+    let restart_ms = now_ms();
+    let deadline = Instant::now() + DEADLINE;
+    let mut worst = 0;
+    let mut arrived = std::collections::BTreeSet::new();
+    while arrived.len() < COUNT {
+        let received = receiver
+            .next(deadline)
+            .await
+            .unwrap_or_else(|| panic!("only {} of {COUNT} arrived", arrived.len()));
+        let i: usize = received
+            .message_id()
+            .and_then(|id| id.strip_prefix("clock-"))
+            .and_then(|n| n.parse().ok())
+            .expect("one of ours");
+        assert!(received.at_ms >= sent[i] + DELAY_MS, "clock-{i} early");
+        assert!(
+            received.header("timestamp_in_ms").is_some(),
+            "the broker stamps no timestamp_in_ms: is the set_header_timestamp interceptor on?"
+        );
+        worst = worst.max(received.at_ms.saturating_sub(restart_ms));
+        arrived.insert(i);
+    }
+    receiver.close().await;
+    println!("rabbitmq: last message {worst} ms after the restart");
+    assert!(
+        worst <= BACK_WITHIN_MS,
+        "a message left {worst} ms after the restart: its delay counted from delayd's read"
+    );
+    wait_for("nothing pending", DEADLINE, || async {
+        (delayd.pending() == 0).then_some(())
+    })
+    .await;
+    client.close().await;
+}
