@@ -119,6 +119,12 @@ pub struct BenchReport {
     pub early: u64,
     /// Copies beyond the first (not counting the bench's own redeliveries).
     pub duplicates: u64,
+    /// Of those, copies with the first copy's `x-delayd-id` (one message
+    /// sent twice: acceptable, a consumer deduplicates them) ...
+    pub duplicates_same_id: u64,
+    /// ... and copies under another id (one message stored twice: a bug,
+    /// a consumer that deduplicates on the id sees two messages).
+    pub duplicates_different_id: u64,
     /// Copies the broker redelivered to the bench after its ack was lost.
     pub redelivered_to_bench: u64,
     pub lateness_p50_ms: u64,
@@ -139,11 +145,15 @@ pub struct BenchReport {
 const RUN: &str = "x-bench-run";
 const SEQ: &str = "x-bench-seq";
 const DUE: &str = "x-bench-due";
+const DELAYD_ID: &str = crate::route::rewrite::X_DELAYD_ID;
 
 struct Tally {
     seen: Vec<u64>, // bitset of sequence numbers
+    /// The `x-delayd-id` each sequence number first arrived with.
+    first_ids: Vec<Option<Box<str>>>,
     received: u64,
     duplicates: u64,
+    duplicates_different_id: u64,
     /// Seen again, flagged redelivered by the broker: the bench's ack was
     /// lost, not a duplicate from delayd.
     redelivered_to_bench: u64,
@@ -194,8 +204,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     let tally = Arc::new(Mutex::new(Tally {
         seen: vec![0; args.count.div_ceil(64) as usize],
+        first_ids: vec![None; args.count as usize],
         received: 0,
         duplicates: 0,
+        duplicates_different_id: 0,
         redelivered_to_bench: 0,
         early: 0,
         lateness: Histogram::new(3)?,
@@ -244,6 +256,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let (Some(seq), Some(due)) = (number(h.get(SEQ)), number(h.get(DUE))) else {
                     continue;
                 };
+                let id = h
+                    .get(DELAYD_ID)
+                    .and_then(|v| v.as_text())
+                    .map(Box::<str>::from);
                 let mut t = tally.lock().expect("tally");
                 let (word, bit) = ((seq as u64 / 64) as usize, seq as u64 % 64);
                 if word >= t.seen.len() || t.seen[word] & (1 << bit) != 0 {
@@ -251,10 +267,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                         t.redelivered_to_bench += 1;
                     } else {
                         t.duplicates += 1;
+                        if t.first_ids
+                            .get(seq as usize)
+                            .is_some_and(|first| *first != id)
+                        {
+                            t.duplicates_different_id += 1;
+                        }
                     }
                     continue;
                 }
                 t.seen[word] |= 1 << bit;
+                if let Some(first) = t.first_ids.get_mut(seq as usize) {
+                    *first = id;
+                }
                 t.received += 1;
                 let at = Instant::now();
                 t.first.get_or_insert(at);
@@ -383,7 +408,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         println!(
-            "published {} ({:.0} msg/s; {} not confirmed), received {} ({:.0} msg/s)\nlateness p50 {} ms, p99 {} ms, max {} ms\nlost {}, early {}, duplicates {}",
+            "published {} ({:.0} msg/s; {} not confirmed), received {} ({:.0} msg/s)\nlateness p50 {} ms, p99 {} ms, max {} ms\nlost {}, early {}, duplicates {} ({} same id, {} different id)",
             report.published,
             report.publish_rate,
             report.publish_failures,
@@ -394,7 +419,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             report.lateness_max_ms,
             report.lost,
             report.early,
-            report.duplicates
+            report.duplicates,
+            report.duplicates_same_id,
+            report.duplicates_different_id
         );
         if let (Some(cpu), Some(rss)) = (
             report.delayd_cpu_us_per_message,
@@ -470,6 +497,8 @@ fn summarise(
         publish_failures: failures,
         early: t.early,
         duplicates: t.duplicates,
+        duplicates_same_id: t.duplicates - t.duplicates_different_id,
+        duplicates_different_id: t.duplicates_different_id,
         redelivered_to_bench: t.redelivered_to_bench,
         lateness_p50_ms: t.lateness.value_at_quantile(0.5),
         lateness_p99_ms: t.lateness.value_at_quantile(0.99),
