@@ -84,6 +84,10 @@ fn describe_metrics() {
             "Pending messages read back from the state topic when a partition was assigned.",
         ),
         (
+            "delayd_store_records_skipped_total",
+            "Undecodable records (not written by delayd) skipped while reading the route's state streams.",
+        ),
+        (
             "delayd_store_write_failures_total",
             "State topic writes (Schedule or tombstone) that failed.",
         ),

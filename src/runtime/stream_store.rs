@@ -495,6 +495,12 @@ impl StreamStore {
         session: &Arc<StateSession>,
     ) -> Result<(JoinHandle<()>, CancellationToken), anyhow::Error> {
         let (generation, live) = recover(session).await?;
+        let skipped = session.skipped();
+        if skipped > 0 {
+            tracing::error!(route = %self.route, skipped, "undecodable records skipped in the route's state streams (not written by delayd)");
+            metrics::counter!("delayd_store_records_skipped_total", "route" => self.route.clone())
+                .increment(skipped);
+        }
         let (tx, rx) = mpsc::unbounded_channel();
         *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         let failed = CancellationToken::new();

@@ -78,7 +78,10 @@ async fn rabbitmq_delays_count_from_the_broker_s_timestamp() {
     if common::rabbitmq_major().is_some_and(|v| v < 4) {
         // 3.x before 3.12 has no message interceptors: no broker timestamp
         // to count from (docs/headers.md). The 4.3 test broker stamps one.
-        eprintln!("skipped: RabbitMQ {:?} stamps no timestamp_in_ms", common::rabbitmq_major());
+        eprintln!(
+            "skipped: RabbitMQ {:?} stamps no timestamp_in_ms",
+            common::rabbitmq_major()
+        );
         return;
     }
     let names = Names::new("clock");

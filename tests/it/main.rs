@@ -9,8 +9,8 @@
 mod common;
 
 mod bench;
-mod clock;
 mod broker_store;
+mod clock;
 mod handoff;
 mod kafka_sidecar;
 mod operations;

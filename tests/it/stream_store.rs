@@ -534,3 +534,35 @@ async fn switching_a_route_to_the_broker_store_keeps_what_the_wal_held() {
     assert_eq!(duplicates, 0, "clean stops leave nothing to fire twice");
     r.delete_streams().await;
 }
+
+/// A record no delayd wrote, published into the current generation stream
+/// (stream names are predictable), is skipped and counted: the next owner
+/// restores everything else, rather than failing its restore for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_record_in_a_state_stream_is_skipped_and_counted() {
+    const COUNT: usize = 100;
+    let r = StreamRoute::new("stream-garbage").await;
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start_owner().await;
+    let sent = r.send("garbage", COUNT, 10_000..14_000).await;
+    r.wait_stored(&a, COUNT).await;
+    a.kill_9();
+    std::fs::remove_dir_all(a.wal_dir()).expect("delete the killed owner's WAL");
+    let current = *generations(&r).await.last().expect("a generation stream");
+    let stream = format!("{}.{current}", r.pointer());
+    r.client
+        .publish(
+            "",
+            &stream,
+            b"\x00not a delayd record",
+            BasicProperties::default(),
+        )
+        .await;
+
+    a.restart().await;
+    r.wait_owner(&a).await;
+    assert_eq!(a.metric("delayd_store_records_skipped_total"), 1.0);
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    eprintln!("duplicates after the kill: {duplicates}");
+    r.delete_streams().await;
+}

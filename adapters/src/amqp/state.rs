@@ -56,7 +56,7 @@
 //! aged out: an outage of every instance, however long, loses nothing.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,9 +92,15 @@ pub enum StateError {
     /// A read made no progress for too long.
     #[error("reading stream {stream} stalled after {records} records")]
     Stalled { stream: String, records: u64 },
-    /// A record of an unknown format.
-    #[error("stream {stream}: a record of an unknown format at offset {offset}")]
-    Corrupt { stream: String, offset: i64 },
+    /// A record written by a newer delayd (a format version this one does
+    /// not know): refused rather than skipped, since skipping a Schedule
+    /// would lose its message.
+    #[error("stream {stream}: the record at offset {offset} has format version {version}, newer than this delayd reads ({VERSION}); run the delayd version that wrote it")]
+    NewerFormat {
+        stream: String,
+        offset: i64,
+        version: u8,
+    },
 }
 
 fn protocol(what: impl Into<String>) -> impl FnOnce(lapin::Error) -> StateError {
@@ -125,6 +131,9 @@ pub enum Record {
 }
 
 const VERSION: u8 = 1;
+/// Version bytes above [`VERSION`] up to this are a newer delayd's formats;
+/// any other undecodable record is garbage, skipped and counted.
+const NEWEST_PLAUSIBLE_VERSION: u8 = 15;
 const SCHEDULE: u8 = 1;
 const DONE: u8 = 2;
 const MARKER: u8 = 3;
@@ -378,6 +387,7 @@ impl Candidate {
             names: self.names,
             drain,
             cancelled,
+            skipped: AtomicU64::new(0),
         })
     }
 
@@ -399,6 +409,8 @@ pub struct StateSession {
     drain: tokio::task::JoinHandle<()>,
     /// Set once the owner's lock consumer is gone.
     cancelled: Arc<AtomicBool>,
+    /// Undecodable records skipped by reads so far (see [`StateSession::read_all`]).
+    skipped: AtomicU64,
 }
 
 impl std::fmt::Debug for StateSession {
@@ -427,7 +439,13 @@ impl StateSession {
             names: names.clone(),
             drain: tokio::spawn(async {}),
             cancelled: Arc::new(AtomicBool::new(false)),
+            skipped: AtomicU64::new(0),
         })
+    }
+
+    /// Undecodable records the reads of this session skipped.
+    pub fn skipped(&self) -> u64 {
+        self.skipped.load(Ordering::Relaxed)
     }
 
     pub fn names(&self) -> &StateNames {
@@ -629,10 +647,27 @@ impl StateSession {
                 }
                 let offset = stream_offset(&delivery.properties);
                 let Some(record) = Record::decode(&delivery.data) else {
-                    return Err(StateError::Corrupt {
-                        stream: stream.to_owned(),
-                        offset,
-                    });
+                    match delivery.data.first() {
+                        Some(&version @ 2..=NEWEST_PLAUSIBLE_VERSION) => {
+                            return Err(StateError::NewerFormat {
+                                stream: stream.to_owned(),
+                                offset,
+                                version,
+                            })
+                        }
+                        _ => {
+                            // Not ours (stream names are predictable): one
+                            // such record must not wedge the route for good.
+                            tracing::error!(
+                                stream,
+                                offset,
+                                bytes = delivery.data.len(),
+                                "skipping an undecodable record in a state stream"
+                            );
+                            self.skipped.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                    }
                 };
                 if record == (Record::Marker { nonce }) {
                     let _ = channel
