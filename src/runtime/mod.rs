@@ -94,8 +94,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if !stores.is_empty() {
         let stores = stores.clone();
         engine.on_cancel(Arc::new(move |route, id, message| {
-            if let Some(store) = stores.get(route) {
-                store.cancelled(id, message);
+            match stores.get(route) {
+                Some(store) => store.cancelled(id, message),
+                None => Box::pin(async { Ok(()) }),
             }
         }));
     }
@@ -564,6 +565,7 @@ impl RuntimeStatus for Status {
                 let store = self.stores.get(name);
                 let restoring = store.is_some_and(RouteStore::restoring);
                 let intake = match c {
+                    _ if store.is_some_and(RouteStore::state_missing) => RouteIntake::StateMissing,
                     _ if store.is_some_and(RouteStore::standby) => RouteIntake::Standby,
                     _ if store.is_some_and(RouteStore::electing) => RouteIntake::Starting,
                     _ if restoring => RouteIntake::Restoring,

@@ -74,11 +74,12 @@ impl RouteStore {
         }
     }
 
-    /// A pending message was cancelled (its local Done is durable).
-    pub fn cancelled(&self, id: u64, stored: &[u8]) {
+    /// A pending message was cancelled (its local Done is durable):
+    /// resolves once its removal from the store is durable too.
+    pub fn cancelled(&self, id: u64, stored: &[u8]) -> BoxFuture<'static, Result<(), String>> {
         match self {
             RouteStore::Kafka(s) => s.cancelled(id, stored),
-            RouteStore::Stream(s) => s.done(id),
+            RouteStore::Stream(s) => s.cancelled(id),
         }
     }
 
@@ -102,6 +103,11 @@ impl RouteStore {
         matches!(self, RouteStore::Stream(s) if s.phase() == Phase::Standby)
     }
 
+    /// The route's state streams are incomplete: not consumed, not ready.
+    pub fn state_missing(&self) -> bool {
+        matches!(self, RouteStore::Stream(s) if s.state_missing())
+    }
+
     /// Whether this instance owns the route is not known yet (RabbitMQ).
     pub fn electing(&self) -> bool {
         matches!(self, RouteStore::Stream(s) if s.phase() == Phase::Electing)
@@ -117,6 +123,7 @@ impl RouteStore {
                 "state_stream": s.stream(),
                 "restoring": s.restoring(),
                 "owner": matches!(s.phase(), Phase::Restoring | Phase::Active),
+                "state_missing": s.state_missing(),
             }),
         }
     }

@@ -295,22 +295,28 @@ impl KafkaStore {
 
     /// A pending message was cancelled (its local Done is durable):
     /// tombstone its state record, or a restore would bring it back. The
-    /// tombstone is queued now, after its Schedule; a failure is logged.
-    pub fn cancelled(&self, id: u64, stored: &[u8]) {
+    /// tombstone is queued now, after its Schedule; the future resolves
+    /// once it is written (bounded by [`TOMBSTONE_TIMEOUT`]), so the cancel
+    /// (an API call, a source tombstone's offset) is acknowledged only then.
+    pub fn cancelled(&self, id: u64, stored: &[u8]) -> BoxFuture<'static, Result<(), String>> {
         let Some((tp, key)) = delayd_adapters::decode(stored)
             .ok()
             .as_ref()
             .and_then(Self::key_of)
         else {
-            return;
+            return Box::pin(async { Ok(()) });
         };
         if let Some(ids) = self.owned().get_mut(&tp) {
             ids.remove(&id);
         }
         let write = self.state.delete(tp.1, &key);
         let route = self.route.clone();
-        tokio::spawn(async move {
-            match write.await {
+        Box::pin(async move {
+            let result = match tokio::time::timeout(TOMBSTONE_TIMEOUT, write).await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("no answer within {TOMBSTONE_TIMEOUT:?}")),
+            };
+            match &result {
                 Ok(()) => {
                     metrics::counter!("delayd_store_writes_total", "route" => route, "kind" => "tombstone").increment(1);
                 }
@@ -319,7 +325,8 @@ impl KafkaStore {
                     tracing::error!(route, error = %e, "cannot tombstone a cancelled message's state record: it comes back after a restore");
                 }
             }
-        });
+            result
+        })
     }
 
     /// Read source partition `tp`'s pending messages from the state topic
