@@ -315,7 +315,7 @@ impl StreamStore {
     /// it is local-only (see [`StreamStore::adopt_cached`]).
     pub(super) fn mark_if_drained(&self) -> anyhow::Result<()> {
         if self.ids().local_only.is_empty() {
-            super::store::add_mirrored(&self.wal_dir, &self.route)?;
+            super::mirrored::add_mirrored(&self.wal_dir, &self.route)?;
         }
         Ok(())
     }
