@@ -309,6 +309,16 @@ fn queue_arguments(from: &crate::config::FromConfig) -> delayd_adapters::FieldTa
     let mut table = delayd_adapters::FieldTable::default();
     if let Some(kind) = &from.queue_type {
         table.insert("x-queue-type", Value::LongString(kind.as_str().into()));
+        // RabbitMQ 4 gives a quorum queue a delivery limit of 20, and counts
+        // a delivery returned by a lost connection (4.3: a crash, a
+        // network cut) against it: past it the broker drops the message.
+        // delayd never hands a delivery back to be tried later, so the
+        // limit can only lose messages here. An explicit one is kept.
+        if *kind == crate::config::QueueKind::Quorum
+            && !from.queue_arguments.contains_key("x-delivery-limit")
+        {
+            table.insert("x-delivery-limit", Value::I64(-1));
+        }
     }
     for (name, value) in &from.queue_arguments {
         let value = match value {
