@@ -8,6 +8,7 @@
 
 mod common;
 
+mod amqp10;
 mod bench;
 mod broker_store;
 mod clock;
