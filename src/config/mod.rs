@@ -54,6 +54,12 @@ pub struct WalSection {
     /// from arrival, so deliveries are not delayed by it. Default 5 ms.
     #[serde(with = "duration")]
     pub commit_delay: Duration,
+    /// How long a delivered message's Done may wait, unwritten, to ride the
+    /// next group commit instead of costing an fdatasync of its own. A Done
+    /// not durable when delayd is killed is a duplicate after the restart
+    /// (same `x-delayd-id`). Default 2 ms.
+    #[serde(with = "duration")]
+    pub done_wait: Duration,
 }
 
 impl Default for WalSection {
@@ -66,6 +72,7 @@ impl Default for WalSection {
             compact_below: 0.5,
             on_corruption: OnCorruption::Skip,
             commit_delay: Duration::from_millis(5),
+            done_wait: Duration::from_millis(2),
         }
     }
 }

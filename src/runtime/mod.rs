@@ -43,6 +43,7 @@ pub fn engine_config(config: &Config) -> EngineConfig {
     wal.on_corruption = config.wal.on_corruption;
     wal.create_dir = config.wal.create_dir;
     wal.commit_delay = config.wal.commit_delay;
+    wal.lazy_done_wait = config.wal.done_wait;
     EngineConfig {
         max_in_flight: config.engine.max_in_flight,
         max_bytes_in_flight: config.engine.max_bytes_in_flight.clamp(1, u32::MAX as u64) as usize,

@@ -263,7 +263,9 @@ async fn dead_letter_headers_match_rabbitmq_after_one_and_several_cycles() {
         // RabbitMQ 3 does. delayd keeps counting on purpose, so that a
         // retry cap on the count works (docs/operations.md, "RabbitMQ
         // versions"); cycles after the first are compared on 3.x only.
-        eprintln!("RabbitMQ 4: x-death after a client republish is not compared (delayd keeps counting)");
+        eprintln!(
+            "RabbitMQ 4: x-death after a client republish is not compared (delayd keeps counting)"
+        );
         s.client.close().await;
         return;
     }
