@@ -127,6 +127,12 @@ fn check(path: Option<PathBuf>) -> anyhow::Result<()> {
         config.brokers.len(),
         config.routes.len()
     );
+    for (name, broker) in &config.brokers {
+        println!(
+            "  broker {name}: {}",
+            delayd::config::describe_broker(broker)
+        );
+    }
     for r in &config.routes {
         let from = r
             .from

@@ -14,7 +14,7 @@ mod ingest;
 mod store;
 
 pub use backpressure::Backpressure;
-pub use brokers::{kafka_client, BrokerHandle, Brokers};
+pub use brokers::{BrokerHandle, Brokers};
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -295,7 +295,7 @@ fn start_source(
                 source_cfg.capacity = prefetch as usize;
             }
             source_cfg.listener = listener;
-            let source = KafkaSource::start(client, source_cfg)
+            let source = KafkaSource::start(&client.named(format!("delayd-{name}")), source_cfg)
                 .with_context(|| format!("route {name}: cannot start consuming"))?;
             Ok(Box::new(source))
         }

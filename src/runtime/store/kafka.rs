@@ -75,11 +75,12 @@ impl KafkaStore {
         topic: &str,
         route: &str,
         source_topics: &[String],
+        replication_factor: Option<u16>,
         engine: Engine,
         stop: CancellationToken,
     ) -> anyhow::Result<Arc<Self>> {
         let partitions = StateTopic::partitions_of(client, source_topics).await?;
-        let state = StateTopic::open(client, topic, partitions).await?;
+        let state = StateTopic::open(client, topic, partitions, replication_factor).await?;
         tracing::info!(
             route,
             topic,

@@ -185,11 +185,22 @@ pub(super) async fn open_stores(
             config.broker(&route.from.broker),
         ) {
             (Some(BrokerHandle::Kafka { client }), _) => {
-                open_kafka_store(client, &topic, route, engine, stop, was_mirrored).await
+                let client = client.named(format!("delayd-{}", route.name));
+                let replication = config.store.replication_factor;
+                open_kafka_store(
+                    &client,
+                    &topic,
+                    route,
+                    engine,
+                    stop,
+                    was_mirrored,
+                    replication,
+                )
+                .await
             }
-            (_, Some(crate::config::BrokerConfig::Amqp { url })) => {
+            (Some(BrokerHandle::Amqp { connections }), _) => {
                 open_stream_store(
-                    url,
+                    connections.consume.endpoints().clone(),
                     &topic,
                     route,
                     engine,
@@ -233,12 +244,14 @@ async fn open_kafka_store(
     engine: &Engine,
     stop: &CancellationToken,
     mirrored: bool,
+    replication_factor: Option<u16>,
 ) -> anyhow::Result<RouteStore> {
     let store = KafkaStore::open(
         client,
         topic,
         &route.name,
         &route.from.topics,
+        replication_factor,
         engine.clone(),
         stop.clone(),
     )
@@ -257,7 +270,7 @@ async fn open_kafka_store(
 }
 
 async fn open_stream_store(
-    url: &str,
+    endpoints: std::sync::Arc<delayd_adapters::amqp::Endpoints>,
     stream: &str,
     route: &crate::config::RouteConfig,
     engine: &Engine,
@@ -266,7 +279,7 @@ async fn open_stream_store(
     wal_dir: &std::path::Path,
 ) -> anyhow::Result<RouteStore> {
     let store = StreamStore::new(
-        url,
+        endpoints,
         stream,
         &route.name,
         engine.clone(),

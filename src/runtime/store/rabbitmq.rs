@@ -116,17 +116,17 @@ pub struct StreamStore {
 
 impl StreamStore {
     pub fn new(
-        url: &str,
+        endpoints: Arc<delayd_adapters::amqp::Endpoints>,
         pointer: &str,
         route: &str,
         engine: Engine,
         checkpoint_floor: u64,
         wal_dir: std::path::PathBuf,
     ) -> anyhow::Result<Arc<Self>> {
-        let broker = Broker::new(
-            url,
+        let broker = Broker::with_endpoints(
+            endpoints,
             delayd_adapters::amqp::BrokerOptions::named(format!("delayd-state-{route}")),
-        )?;
+        );
         Ok(Arc::new(Self {
             route: route.to_owned(),
             engine,
