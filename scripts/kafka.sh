@@ -89,10 +89,8 @@ scram_user() {
     marker="$home/scram-user.$(printf %s "$password" | sha256sum | cut -c1-16)"
     [ -f "$marker" ] && return 0
     echo "kafka: setting the SCRAM-SHA-512 password of user delayd"
-    "${jvm[@]}" org.apache.kafka.tools.ConfigCommand --bootstrap-server 127.0.0.1:9092 \
-        --alter --entity-type users --entity-name delayd \
-        --add-config "SCRAM-SHA-512=[password=$password]" >"$logs/scram.log" 2>&1 ||
-        { cat "$logs/scram.log" >&2; exit 1; }
+    "${jvm[@]}" "$here/kafka/ScramUser.java" 127.0.0.1:9092 delayd "$password" \
+        >"$logs/scram.log" 2>&1 || { cat "$logs/scram.log" >&2; exit 1; }
     rm -f "$home"/scram-user.*
     touch "$marker"
 }

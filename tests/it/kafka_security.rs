@@ -14,7 +14,9 @@ use common::kafka::{
     Producer, Reader, Record,
 };
 use common::tls::{example_config, kafka_password, tls_file, wait_readyz};
-use common::{delayd_cli, now_ms, run_until_exit, toml_string, unique_suffix, Delayd, DEADLINE};
+use common::{
+    delayd_cli, must_replace, now_ms, run_until_exit, toml_string, unique_suffix, Delayd, DEADLINE,
+};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -55,23 +57,23 @@ async fn records_go_through_the_ssl_listener_with_a_client_certificate() {
     let r = KafkaRoute::new("kafka-ssl", 2).await;
     let path = |f: &str| toml_string(tls_file(f).to_str().unwrap());
     let delayd = Delayd::start_with(|wal, http| {
-        kafka::config(wal, http, &r.route, &r.from, &r.group, &r.to, "")
-            .replacen(
-                &format!("bootstrap = {}", toml_string(&kafka::bootstrap())),
-                "bootstrap = \"127.0.0.1:9094\"",
-                1,
-            )
-            .replacen(
-                "properties = { ",
-                &format!(
-                    "properties = {{ \"security.protocol\" = \"SSL\", \"ssl.ca.location\" = {}, \
-                     \"ssl.certificate.location\" = {}, \"ssl.key.location\" = {}, ",
-                    path("ca.crt"),
-                    path("client.crt"),
-                    path("client.key")
-                ),
-                1,
-            )
+        let text = kafka::config(wal, http, &r.route, &r.from, &r.group, &r.to, "");
+        let text = must_replace(
+            &text,
+            &format!("bootstrap = {}", toml_string(&kafka::bootstrap())),
+            "bootstrap = \"127.0.0.1:9094\"",
+        );
+        must_replace(
+            &text,
+            "properties = { ",
+            &format!(
+                "properties = {{ \"security.protocol\" = \"SSL\", \"ssl.ca.location\" = {}, \
+                 \"ssl.certificate.location\" = {}, \"ssl.key.location\" = {}, ",
+                path("ca.crt"),
+                path("client.crt"),
+                path("client.key")
+            ),
+        )
     })
     .await;
     wait_assigned(&delayd).await;

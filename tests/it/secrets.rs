@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::tls::wait_log_line;
 use common::{
-    amqp_url, config_toml, delayd_cli, now_ms, run_until_exit, toml_string, unique_suffix,
-    DelaydOptions, Names, Setup, DEADLINE,
+    amqp_url, config_toml, delayd_cli, must_replace, now_ms, run_until_exit, toml_string,
+    unique_suffix, DelaydOptions, Names, Setup, DEADLINE,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
@@ -86,7 +86,7 @@ async fn a_password_only_in_a_file_logs_in_and_shows_nowhere() {
     assert!(config.contains(&url_line));
     std::fs::write(
         s.delayd.config_path(),
-        config.replace(&url_line, &with_file),
+        must_replace(&config, &url_line, &with_file),
     )
     .unwrap();
     assert!(!std::fs::read_to_string(s.delayd.config_path())
@@ -163,7 +163,8 @@ async fn a_missing_secret_file_fails_check_and_run_naming_the_key_and_the_path()
     let url_line = format!("url = {}", toml_string(&amqp_url()));
     let missing = "/nonexistent/delayd-it/secret";
 
-    let amqp = base.replace(
+    let amqp = must_replace(
+        &base,
         &url_line,
         &format!(
             "url = {}\npassword_file = \"{missing}\"",
@@ -172,7 +173,8 @@ async fn a_missing_secret_file_fails_check_and_run_naming_the_key_and_the_path()
     );
     both_fail_naming(&amqp, "brokers.rabbit.password_file", missing).await;
 
-    let ca = base.replace(
+    let ca = must_replace(
+        &base,
         &url_line,
         &format!(
             "url = \"amqps://delayd@127.0.0.1:5671/%2f\"\ntls = {{ ca_file = \"{missing}\" }}"

@@ -271,6 +271,13 @@ impl Default for DelaydOptions {
     }
 }
 
+/// `text` with its first `from` replaced by `to`; panics if there is none
+/// (a test that edits a config must not quietly run the unedited one).
+pub fn must_replace(text: &str, from: &str, to: &str) -> String {
+    assert!(text.contains(from), "{from:?} is not in:\n{text}");
+    text.replacen(from, to, 1)
+}
+
 /// TOML string literal (basic string, escaped).
 pub fn toml_string(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
