@@ -2,9 +2,10 @@
 # Make sure Apache Kafka listens on 127.0.0.1:9092: a single node in KRaft
 # mode (broker and controller in one process, controller on 9093), with TLS
 # listeners beside it: SSL on 9094 (client certificate required) and
-# SASL_SSL on 9095 (SCRAM-SHA-512 user "delayd"), certificates and password
-# from scripts/tls.sh. A broker this script started earlier without them is
-# restarted once to add them (about 10 s).
+# SASL_SSL on 9095 (SCRAM-SHA-512 user "delayd", or OAUTHBEARER),
+# certificates and password from scripts/tls.sh. A broker this script
+# started with another configuration (an older scripts/kafka/server.properties)
+# is restarted with the current one (about 10 s).
 #
 #   scripts/kafka.sh          start it unless it already answers (the default)
 #   scripts/kafka.sh stop     stop the one this script started (SIGTERM, then wait)
@@ -95,16 +96,27 @@ scram_user() {
     touch "$marker"
 }
 
+# The broker's configuration as this script writes it (server.properties
+# with the certificates' directory and the storage).
+properties() {
+    sed "s|@TLS_DIR@|$tls_dir|g" "$here/kafka/server.properties"
+    echo "log.dirs=$data"
+}
+
 start() {
     bash "$here/tls.sh"
     if port_open; then
-        if answers_metadata && tls_listeners_open; then
+        local current=yes
+        if running_pid >/dev/null && ! properties | cmp -s - "$home/server.properties"; then
+            current=no
+        fi
+        if answers_metadata && tls_listeners_open && [ "$current" = yes ]; then
             echo "kafka: already listening on 127.0.0.1:9092 (SSL 9094, SASL_SSL 9095)"
             scram_user
             return
         fi
         if answers_metadata && running_pid >/dev/null; then
-            echo "kafka: running without the TLS listeners (9094, 9095): restarting it with them"
+            echo "kafka: running with an older configuration than scripts/kafka/server.properties: restarting it"
             stop
         elif answers_metadata; then
             echo "kafka: a broker this script did not start listens on 127.0.0.1:9092 without the SSL (9094) and SASL_SSL (9095) listeners the tests use" >&2
@@ -117,8 +129,7 @@ start() {
     fetch_jars
     mkdir -p "$data" "$logs"
     local props="$home/server.properties"
-    sed "s|@TLS_DIR@|$tls_dir|g" "$here/kafka/server.properties" >"$props"
-    echo "log.dirs=$data" >>"$props"
+    properties >"$props"
     if [ ! -f "$data/meta.properties" ]; then
         echo "kafka: formatting storage in $data"
         local id

@@ -1,9 +1,10 @@
 //! delayd against the test Kafka's TLS listeners (`scripts/kafka.sh`): SSL on
 //! 127.0.0.1:9094 with a client certificate, SASL_SSL on 127.0.0.1:9095 with
 //! SCRAM-SHA-512 (the example `config/examples/kafka-sasl-ssl.toml` run as
-//! the docs show it, the password in a file that shows up nowhere), a
-//! zstd-compressed source topic, the default `client.id`, and a state topic
-//! replication factor the cluster cannot meet.
+//! the docs show it, the password in a file that shows up nowhere) and with
+//! OAUTHBEARER tokens from an OIDC endpoint (librdkafka's `oidc` method,
+//! rdkafka's `curl` feature), a zstd-compressed source topic, the default
+//! `client.id`, and a state topic replication factor the cluster cannot meet.
 
 use crate::common;
 
@@ -207,4 +208,131 @@ async fn a_state_topic_replication_factor_the_cluster_cannot_meet_stops_delayd_s
         "{output}"
     );
     assert!(!kafka::topic_exists(&format!("delayd.state.{}", r.route)).await);
+}
+
+/// base64 of `bytes` with `alphabet`'s last two characters (`+/` or `-_`),
+/// without padding when `pad` is false.
+fn base64(bytes: &[u8], last_two: &str, pad: bool) -> String {
+    let alphabet: Vec<char> =
+        format!("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789{last_two}")
+            .chars()
+            .collect();
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = (u32::from(chunk[0]) << 16)
+            | (u32::from(*chunk.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*chunk.get(2).unwrap_or(&0));
+        for i in 0..=chunk.len() {
+            out.push(alphabet[((n >> (18 - 6 * i)) & 63) as usize]);
+        }
+        if pad {
+            out.push_str(&"=".repeat(3 - chunk.len()));
+        }
+    }
+    out
+}
+
+/// An OIDC token endpoint for the test: answers a client-credentials
+/// request that carries `client_id:secret` with an unsigned JWT for
+/// principal `delayd` (what the test broker's OAUTHBEARER validator takes),
+/// and anything else with 401. Returns its URL and how many tokens it gave.
+async fn token_endpoint(
+    client_id: &str,
+    secret: &str,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicU32>) {
+    use axum::http::{header, HeaderMap, StatusCode};
+    const JSON: [(header::HeaderName, &str); 1] = [(header::CONTENT_TYPE, "application/json")];
+    use axum::routing::post;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+
+    let expected = format!(
+        "Basic {}",
+        base64(format!("{client_id}:{secret}").as_bytes(), "+/", true)
+    );
+    let issued = Arc::new(AtomicU32::new(0));
+    let counter = issued.clone();
+    let app = axum::Router::new().route(
+        "/token",
+        post(move |headers: HeaderMap, body: String| {
+            let (expected, counter) = (expected.clone(), counter.clone());
+            async move {
+                let auth = headers
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default();
+                if auth != expected || !body.contains("grant_type=client_credentials") {
+                    return (StatusCode::UNAUTHORIZED, JSON, "{}".to_owned());
+                }
+                let now = now_ms() / 1000;
+                let header = base64(br#"{"alg":"none"}"#, "-_", false);
+                let claims = format!(r#"{{"sub":"delayd","iat":{now},"exp":{}}}"#, now + 3600);
+                let claims = base64(claims.as_bytes(), "-_", false);
+                counter.fetch_add(1, Ordering::Relaxed);
+                let token = format!("{header}.{claims}.");
+                (
+                    StatusCode::OK,
+                    JSON,
+                    format!(
+                        r#"{{"access_token":"{token}","token_type":"Bearer","expires_in":3600}}"#
+                    ),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the token endpoint");
+    let url = format!("http://{}/token", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, issued)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oauthbearer_with_an_oidc_token_endpoint_and_a_client_secret_from_a_file() {
+    use std::sync::atomic::Ordering;
+    let secret = format!("oidc-secret-{}", unique_suffix());
+    let (url, issued) = token_endpoint("delayd", &secret).await;
+    let r = KafkaRoute::new("kafka-oidc", 1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let secret_file = dir.path().join("oidc-secret");
+    std::fs::write(&secret_file, &secret).unwrap();
+    let properties = format!(
+        "\"security.protocol\" = \"SASL_SSL\", \"ssl.ca.location\" = {ca}, \
+         \"sasl.mechanisms\" = \"OAUTHBEARER\", \"sasl.oauthbearer.method\" = \"oidc\", \
+         \"sasl.oauthbearer.client.id\" = \"delayd\", \
+         \"sasl.oauthbearer.client.secret\" = \"${{file:{file}}}\", \
+         \"sasl.oauthbearer.token.endpoint.url\" = {url}, ",
+        ca = toml_string(tls_file("ca.crt").to_str().unwrap()),
+        file = secret_file.display(),
+        url = toml_string(&url),
+    );
+    let mut delayd = Delayd::start_with(|wal, http| {
+        let text = kafka::config(wal, http, &r.route, &r.from, &r.group, &r.to, "");
+        let text = must_replace(
+            &text,
+            &format!("bootstrap = {}", toml_string(&kafka::bootstrap())),
+            "bootstrap = \"127.0.0.1:9095\"",
+        );
+        must_replace(
+            &text,
+            "properties = { ",
+            &format!("properties = {{ {properties}"),
+        )
+    })
+    .await;
+    wait_assigned(&delayd).await;
+    let reader = Reader::new(&r.to);
+    let sent = send_delayed(&Producer::new(), &r.from, 10).await;
+    let got = collect_unique(&reader, 10, Duration::from_secs(60));
+    assert_none_early(&got, &sent);
+    assert!(
+        issued.load(Ordering::Relaxed) >= 1,
+        "delayd's clients got their tokens from the endpoint"
+    );
+    delayd.sigterm_and_wait(DEADLINE).await;
+    assert!(
+        !delayd.full_log().contains(&secret),
+        "the client secret shows in the log"
+    );
 }
