@@ -140,7 +140,7 @@ impl Endpoints {
             list.push(Endpoint { uri, label });
         }
         let tls = if list.iter().any(Endpoint::is_tls) {
-            let options = settings.tls.clone().unwrap_or_else(TlsOptions::new);
+            let options = settings.tls.clone().unwrap_or_default();
             Some(Arc::new(TlsConnector::new(&options)?))
         } else {
             None

@@ -33,7 +33,7 @@ use rustls::{
 
 /// What a TLS connection to a broker trusts and presents. PEM contents, not
 /// paths: the caller reads the files (and names them in its errors).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct TlsOptions {
     /// CA certificates (PEM) that broker certificates must chain to, instead
     /// of the system's.
@@ -49,13 +49,24 @@ pub struct TlsOptions {
     pub verify_peer: bool,
 }
 
-impl TlsOptions {
-    /// The system's CAs, no client certificate, peer verification on.
-    pub fn new() -> Self {
+impl Default for TlsOptions {
+    /// The system's CAs, no client certificate, peer verification on (a
+    /// default that verified nothing would be a trap).
+    fn default() -> Self {
         Self {
+            ca_pem: None,
+            cert_pem: None,
+            key_pem: None,
+            server_name: None,
             verify_peer: true,
-            ..Self::default()
         }
+    }
+}
+
+impl TlsOptions {
+    /// The same as [`TlsOptions::default`].
+    pub fn new() -> Self {
+        Self::default()
     }
 }
 
