@@ -3,10 +3,13 @@
 FROM rust:1-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked && strip target/release/delayd
+# OpenSSL and libcurl for librdkafka's TLS, SASL and OIDC.
+RUN bash scripts/build-deps.sh && cargo build --release --locked && strip target/release/delayd
 
 FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates curl \
+# libssl3 and libcurl4: librdkafka's TLS, SASL and OIDC; ca-certificates:
+# the CAs of brokers with public certificates.
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates curl libssl3 libcurl4 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --home /var/lib/delayd delayd \
     && mkdir -p /var/lib/delayd/wal /etc/delayd && chown -R delayd /var/lib/delayd

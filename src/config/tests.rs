@@ -572,3 +572,22 @@ fn a_zero_replication_factor_is_refused() {
         .to_string();
     assert!(e.contains("store.replication_factor"), "{e}");
 }
+
+/// The worked examples in the docs are the files the broker tests run
+/// (tests/it/tls.rs, tests/it/kafka_security.rs), from `[brokers` on.
+#[test]
+fn the_docs_show_the_tested_examples_as_they_are() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (example, doc) in [
+        ("rabbitmq-tls.toml", "docs/configuration.md"),
+        ("kafka-sasl-ssl.toml", "docs/kafka.md"),
+    ] {
+        let text = std::fs::read_to_string(root.join("config/examples").join(example)).unwrap();
+        let body = &text[text.find("\n[brokers").expect("a [brokers section") + 1..];
+        let shown = std::fs::read_to_string(root.join(doc)).unwrap();
+        assert!(
+            shown.contains(&format!("```toml\n{body}```")),
+            "{doc} does not show {example} from [brokers on as it is"
+        );
+    }
+}
