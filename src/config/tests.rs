@@ -591,3 +591,21 @@ fn the_docs_show_the_tested_examples_as_they_are() {
         );
     }
 }
+
+#[test]
+fn a_type_error_under_brokers_never_shows_the_value() {
+    for (broker, secret) in [
+        ("urls = \"amqp://u:s3cret-url@h/%2f\"", "s3cret-url"),
+        ("url = [\"amqp://u:s3cret-list@h/%2f\"]", "s3cret-list"),
+    ] {
+        let e = Config::from_toml_str(&with_broker(broker))
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains(secret), "{e}");
+        assert!(e.contains("brokers.rabbit"), "{e}");
+    }
+    let e = Config::from_toml_str(&KAFKA_SECRETS.replace("\"PASSWORD\"", "123456789"))
+        .unwrap_err()
+        .to_string();
+    assert!(!e.contains("123456789"), "{e}");
+}

@@ -53,10 +53,15 @@ impl ConfigError {
                     .or_else(|| e.metadata.as_ref().map(|m| m.name.to_string()))
                     .or_else(|| file.map(|f| f.display().to_string()))
                     .unwrap_or_else(|| "config".into());
-                if key.is_empty() {
-                    format!("config error in {source}: {}", e.kind)
+                let kind = if e.path.first().is_some_and(|p| p == "brokers") {
+                    without_value(&e.kind)
                 } else {
-                    format!("config error in {source}: `{key}`: {}", e.kind)
+                    e.kind.to_string()
+                };
+                if key.is_empty() {
+                    format!("config error in {source}: {kind}")
+                } else {
+                    format!("config error in {source}: `{key}`: {kind}")
                 }
             })
             .collect();
@@ -106,6 +111,18 @@ fn check_amqp(amqp: &super::AmqpBrokerConfig) -> Result<(), (&'static str, Strin
         return Err(("tls.server_name", "is empty".into()));
     }
     Ok(())
+}
+
+/// A figment error about a broker, without the value it found: that may be
+/// a URL with its password or a Kafka secret given the wrong type.
+fn without_value(kind: &figment::error::Kind) -> String {
+    use figment::error::Kind;
+    match kind {
+        Kind::InvalidType(_, expected) => format!("invalid type: expected {expected}"),
+        Kind::InvalidValue(_, expected) => format!("invalid value: expected {expected}"),
+        Kind::Unsupported(_) => "unsupported type".into(),
+        other => other.to_string(),
+    }
 }
 
 /// Kafka's rule for topic names: at most 249 of `[A-Za-z0-9._-]`.
