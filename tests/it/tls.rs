@@ -285,3 +285,41 @@ async fn a_wrong_ca_a_wrong_server_name_or_no_client_certificate_fail_saying_whi
     println!("no client certificate: {line}");
     assert!(started.elapsed() < Duration::from_secs(120));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turning_peer_verification_off_takes_a_key_and_is_logged() {
+    let names = Names::new("tls-unverified");
+    let client = tls_client("delayd-it-tls-unverified").await;
+    client
+        .declare_target(&names.to_exchange, &names.target_queue)
+        .await;
+    let dir = common::tls::tls_dir().display().to_string();
+    // A CA that did not sign the broker's certificate: only a delayd that
+    // verifies nothing connects.
+    let edit = [(
+        format!("ca_file = \"{dir}/ca.crt\""),
+        format!("ca_file = \"{dir}/other-ca.crt\"\nverify_peer = false"),
+    )];
+    let delayd = Delayd::start_with(|wal, http| {
+        let text = tls_config(&names, wal, http, &[]);
+        common::must_replace(&text, &edit[0].0, &edit[0].1)
+    })
+    .await;
+    wait_log_line(
+        &delayd,
+        &["WARN", "tls.verify_peer = false", "not verified"],
+        DEADLINE,
+    )
+    .await;
+    wait_readyz(&delayd).await;
+    delayed_messages_arrive(&client, &names, 2).await;
+    let (ok, out, err) = delayd_cli(
+        "check",
+        &["--config", delayd.config_path().to_str().unwrap()],
+    );
+    assert!(ok, "{err}");
+    assert!(out.contains("PEER NOT VERIFIED"), "{out}");
+    drop(delayd);
+    delete_names(&client, &names).await;
+    client.close().await;
+}
