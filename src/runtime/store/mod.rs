@@ -180,11 +180,8 @@ pub(super) async fn open_stores(
     for route in &config.routes {
         let topic = config.store.topic(&route.name);
         let was_mirrored = mirrored.contains(&route.name);
-        let opened = match (
-            brokers.get(&route.from.broker),
-            config.broker(&route.from.broker),
-        ) {
-            (Some(BrokerHandle::Kafka { client }), _) => {
+        let opened = match brokers.get(&route.from.broker) {
+            Some(BrokerHandle::Kafka { client }) => {
                 let client = client.named(format!("delayd-{}", route.name));
                 let replication = config.store.replication_factor;
                 open_kafka_store(
@@ -198,7 +195,7 @@ pub(super) async fn open_stores(
                 )
                 .await
             }
-            (Some(BrokerHandle::Amqp { connections }), _) => {
+            Some(BrokerHandle::Amqp { connections }) => {
                 open_stream_store(
                     connections.consume.endpoints().clone(),
                     &topic,
@@ -210,7 +207,7 @@ pub(super) async fn open_stores(
                 )
                 .await
             }
-            _ => continue,
+            None => continue,
         };
         stores.insert(
             route.name.clone(),
