@@ -24,7 +24,9 @@
 //! A broker may have several endpoints (a cluster's nodes, see
 //! [`Endpoints`]): every connection attempt tries them in order and keeps
 //! the first that answers, so after its node dies a connection moves to the
-//! next one, and goes back to the first once that one answers again.
+//! next one. It stays there while it lives: a node that comes back is used
+//! again at the next reconnect, not sooner (moving a live connection would
+//! cost redeliveries for nothing).
 //! `amqps://` endpoints use delayd's own TLS client ([`super::tls`]).
 
 use std::net::SocketAddr;
