@@ -44,8 +44,11 @@ enum Command {
     },
     /// Load generator: publish delayed messages and measure their arrival.
     Bench(delayd::bench::BenchArgs),
-    /// List, show and cancel pending messages through the admin API.
+    /// List, show, cancel and purge pending messages through the admin API.
     Messages(delayd::messages::MessagesArgs),
+    /// Ask a running delayd whether it is alive (exit 0) or not (exit 1):
+    /// a container HEALTHCHECK or exec probe without curl.
+    Healthcheck(delayd::healthcheck::HealthcheckArgs),
 }
 
 #[derive(Subcommand)]
@@ -94,6 +97,7 @@ fn main() -> ExitCode {
             runtime().and_then(|rt| rt.block_on(delayd::bench::run(args)))
         }
         Command::Messages(args) => delayd::messages::run(args),
+        Command::Healthcheck(args) => delayd::healthcheck::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

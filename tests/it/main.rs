@@ -11,6 +11,7 @@ mod common;
 mod bench;
 mod broker_store;
 mod clock;
+mod deploy;
 mod handoff;
 mod kafka_sidecar;
 mod operations;
