@@ -235,7 +235,7 @@ check_live() {
     start_delayd "$(date +%s).$$"
     start_prometheus
     # Under load: 1500 messages at 100/s with delays of 1-3 s, 5 invalid, 5
-    # unroutable, and 120 due in an hour or more (they stay pending).
+    # unroutable, and 120 due in 10 minutes to a week (they stay pending).
     "$TOOLS/venv/bin/python" scripts/deploy/load.py --exchange "$EX.orders.delayed" \
         --target-queue "$EX.orders.target" --count 1500 --rate 100 --delay-min 1000 --delay-max 3000 \
         --invalid 5 --unroutable 5 --long 120 --long-exchange "$EX.later.delayed" >"$WORK/load.json" ||

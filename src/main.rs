@@ -90,8 +90,11 @@ fn main() -> ExitCode {
             .and_then(|c| delayd::store_inspect::run(&c, json)),
         Command::Bench(args) => {
             // Warnings only (the report is the output); RUST_LOG overrides.
+            // lapin logs every channel the broker closes at ERROR, the
+            // expected NOT_FOUND of checking whether an exchange exists
+            // included; the bench reports its own failures.
             delayd::telemetry::init_logging(&delayd::config::LogSection {
-                level: "warn".into(),
+                level: "warn,lapin::channel=off".into(),
                 ..Default::default()
             });
             runtime().and_then(|rt| rt.block_on(delayd::bench::run(args)))

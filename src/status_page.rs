@@ -437,7 +437,7 @@ async fn render(state: &AdminState, access: Access, p: PageParams) -> Result<Str
         "<h2>Routes</h2>\n<p>Pending in all: <b id=\"total-pending\">{total}</b></p>"
     );
     h.push_str(
-        "<table id=\"routes\"><thead><tr><th>route</th><th>pending</th><th>due: overdue</th>\
+        "<table id=\"routes\"><thead><tr><th>route</th><th>pending</th><th>overdue</th>\
          <th>≤ 1 min</th><th>≤ 1 h</th><th>≤ 1 day</th><th>later</th><th>due in</th>\
          <th>fired / s</th><th>lateness p50 / p99</th><th>intake</th><th>store</th></tr></thead><tbody>\n",
     );

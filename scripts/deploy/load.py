@@ -10,7 +10,8 @@ ingress exchanges over AMQP (pika) and check them at the target queue.
   to the route's invalid destination;
 - `--unroutable` messages with routing key nobody.N, which no queue binds:
   they go to the unroutable destination when due;
-- `--long` messages to --long-exchange, due in an hour: they stay pending.
+- `--long` messages to --long-exchange, due in 10 minutes to a week: they
+  stay pending.
 
 Prints a JSON summary; exits 1 if a message is lost, early, duplicated
 (unless --allow-duplicates) or later than --max-late-ms.
@@ -92,7 +93,10 @@ def main():
     for i in range(args.unroutable):
         publish(args.exchange, f"nobody.{i}", f"unroutable-{i}", 500)
     for i in range(args.long):
-        publish(args.long_exchange, f"later.{i}", f"later-{i}", 3_600_000 + i * 60_000)
+        # Spread over an hour, a day and a week (none within 10 minutes: they
+        # must stay pending while the checks run).
+        delay = [600_000 + i * 20_000, 7_200_000 + i * 600_000, 172_800_000 + i * 3_600_000][i % 3]
+        publish(args.long_exchange, f"later.{i}", f"later-{i}", delay)
     start = time.time()
     last_due = 0
     for i in range(args.count):
