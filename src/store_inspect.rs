@@ -152,7 +152,7 @@ fn inspect_streams(url: &str, pointer: &str) -> anyhow::Result<RouteReport> {
             partitions: BTreeMap::new(),
             streams: true,
         };
-        if let Some(generation) = session.current_generation().await? {
+        if let (Some(generation), _) = session.current_generation().await? {
             let mut live = std::collections::HashMap::new();
             let mut order = Vec::new();
             session

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{
@@ -141,7 +141,8 @@ pub fn decode_value(value: &[u8]) -> Option<StateValue<'_>> {
 /// One route's state topic. Cheap to clone: clones share the producer.
 #[derive(Clone)]
 pub struct StateTopic {
-    producer: FutureProducer<SinkContext>,
+    /// Replaced after a fatal error (see [`StateTopic::replace_if_fatal`]).
+    producer: Arc<RwLock<FutureProducer<SinkContext>>>,
     client: KafkaClientConfig,
     topic: String,
     /// Partitions the topic is known to have (at least).
@@ -173,20 +174,64 @@ impl StateTopic {
             topic: topic.to_owned(),
             reason,
         };
-        let producer: FutureProducer<SinkContext> = client
+        let producer = Self::producer_for(client)
+            .map_err(|e| err(format!("cannot create a producer: {e}")))?;
+        Ok(Self {
+            producer: Arc::new(RwLock::new(producer)),
+            client: client.clone(),
+            topic: topic.to_owned(),
+            known_partitions: Arc::new(AtomicI32::new(0)),
+        })
+    }
+
+    fn producer_for(client: &KafkaClientConfig) -> Result<FutureProducer<SinkContext>, KafkaError> {
+        client
             .client_config(
                 Role::Producer,
                 &[("linger.ms", "2"), ("message.timeout.ms", "30000")],
                 &[("enable.idempotence", "true"), ("acks", "all")],
             )
             .create_with_context(SinkContext)
-            .map_err(|e| err(format!("cannot create a producer: {e}")))?;
-        Ok(Self {
-            producer,
-            client: client.clone(),
-            topic: topic.to_owned(),
-            known_partitions: Arc::new(AtomicI32::new(0)),
-        })
+    }
+
+    fn producer(&self) -> FutureProducer<SinkContext> {
+        self.producer
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// An idempotent producer that hit a fatal error (librdkafka's
+    /// `rd_kafka_fatal_error`: a sequence gap it cannot repair, say) fails
+    /// every later write. Replace it, once, with a new one (a new producer
+    /// id): the writes that failed are retried by their callers.
+    fn replace_if_fatal(
+        producer: &Arc<RwLock<FutureProducer<SinkContext>>>,
+        failed: &FutureProducer<SinkContext>,
+        client: &KafkaClientConfig,
+        topic: &str,
+    ) {
+        let Some((code, reason)) = failed.client().fatal_error() else {
+            return;
+        };
+        let mut current = producer.write().unwrap_or_else(|e| e.into_inner());
+        if current.client().fatal_error().is_none() {
+            return; // already replaced
+        }
+        match Self::producer_for(client) {
+            Ok(fresh) => {
+                tracing::error!(
+                    topic,
+                    ?code,
+                    reason,
+                    "the Kafka state producer hit a fatal error; a new producer replaces it"
+                );
+                *current = fresh;
+            }
+            Err(e) => {
+                tracing::error!(topic, ?code, reason, error = %e, "the Kafka state producer hit a fatal error and a new one cannot be created; trying again at the next write")
+            }
+        }
     }
 
     /// Grow the topic to at least `partitions` (a source topic gained
@@ -397,18 +442,24 @@ impl StateTopic {
         record: FutureRecord<'_, [u8], [u8]>,
     ) -> BoxFuture<'static, Result<(), StateError>> {
         let topic = self.topic.clone();
-        match self.producer.send_result(record) {
+        let producer = self.producer();
+        let (shared, client) = (self.producer.clone(), self.client.clone());
+        let failed = move |source: KafkaError| {
+            Self::replace_if_fatal(&shared, &producer, &client, &topic);
+            Err(StateError::Write { topic, source })
+        };
+        match self.producer().send_result(record) {
             Ok(delivery) => Box::pin(async move {
                 match delivery.await {
                     Ok(Ok(_)) => Ok(()),
-                    Ok(Err((source, _))) => Err(StateError::Write { topic, source }),
-                    Err(_) => Err(StateError::Write {
-                        topic,
-                        source: KafkaError::Canceled,
-                    }),
+                    Ok(Err((source, _))) => failed(source),
+                    Err(_) => failed(KafkaError::Canceled),
                 }
             }),
-            Err((source, _)) => Box::pin(async move { Err(StateError::Write { topic, source }) }),
+            Err((source, _)) => {
+                let result = failed(source);
+                Box::pin(async move { result })
+            }
         }
     }
 
@@ -493,7 +544,7 @@ impl StateTopic {
 
     /// Wait up to `timeout` for queued writes (at shutdown).
     pub fn flush(&self, timeout: Duration) {
-        if let Err(e) = self.producer.flush(timeout) {
+        if let Err(e) = self.producer().flush(timeout) {
             tracing::warn!(error = %e, topic = %self.topic, "Kafka state producer flush");
         }
     }
