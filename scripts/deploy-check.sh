@@ -337,6 +337,16 @@ EOF
     [ "$mounts" = "bind:/etc/delayd/delayd.toml " ] || die "the container has mounts beyond its config: $mounts"
     [ "$health" = "[CMD delayd healthcheck --timeout 2s]" ] || die "the image's health check is not delayd healthcheck: $health"
     podman exec "$name" sh -c 'command -v curl' >/dev/null 2>&1 && die "the image carries curl"
+    # The broker-kept store: this one instance comes to own the route.
+    local i owner=""
+    for i in $(seq 1 100); do
+        owner=$(curl -fsS "http://127.0.0.1:$port/metrics" | grep "^delayd_store_owner{route=\"$route\"}" || true)
+        [ "$owner" = "delayd_store_owner{route=\"$route\"} 1" ] && break
+        sleep 0.2
+    done
+    [ "$owner" = "delayd_store_owner{route=\"$route\"} 1" ] ||
+        die "delayd_store_owner does not show the container owning $route: ${owner:-absent}"
+    wait_http "http://127.0.0.1:$port/readyz" 20 || die "the container never became ready"
     # The status page without a token: read-only, no cancel.
     local page
     page=$(curl -fsS "http://127.0.0.1:$port/") || die "GET / of the container"

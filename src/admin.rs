@@ -272,6 +272,8 @@ pub(crate) enum StoreRole {
     Owner,
     Standby,
     Restoring,
+    /// Its state stream is missing: not consumed (see docs/broker-store.md).
+    StateMissing,
     Starting,
 }
 
@@ -281,6 +283,7 @@ impl StoreRole {
             StoreRole::Owner => "owner",
             StoreRole::Standby => "standby",
             StoreRole::Restoring => "restoring",
+            StoreRole::StateMissing => "state missing",
             StoreRole::Starting => "starting",
         }
     }
@@ -301,6 +304,7 @@ pub(crate) fn store_roles(state: &AdminState) -> Vec<(String, StoreRole)> {
                 intake.get(name),
             ) {
                 (_, Some(RouteIntake::Standby)) => StoreRole::Standby,
+                (_, Some(RouteIntake::StateMissing)) => StoreRole::StateMissing,
                 (_, Some(RouteIntake::Restoring)) => StoreRole::Restoring,
                 (Some(true), _) | (None, Some(RouteIntake::Consuming)) => StoreRole::Owner,
                 (Some(false), _) => StoreRole::Standby,
