@@ -30,15 +30,15 @@
 # (go install, Go module proxy); kubernetes-validate and pika (PyPI, in a
 # venv); playwright-core (npm); the Prometheus Operator module (Go proxy)
 # for the ServiceMonitor CRD; a bookworm root (debootstrap). They live in
-# $DELAYD_TOOLS (/var/cache/delayd-tools) and $IMAGE_ROOT.
+# $DEPLOY_CHECK_TOOLS (/var/cache/delayd-tools) and $IMAGE_ROOT.
 #
 # RabbitMQ must be up on 127.0.0.1:5672 (scripts/rabbitmq.sh). The delayd
-# binary is $DELAYD_BIN, default target/debug/delayd (what `cargo test`
+# binary is $DEPLOY_CHECK_BIN, default target/debug/delayd (what `cargo test`
 # built; built here if missing); the image takes it too, stripped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-TOOLS=${DELAYD_TOOLS:-/var/cache/delayd-tools}
+TOOLS=${DEPLOY_CHECK_TOOLS:-/var/cache/delayd-tools}
 HELM_VERSION=v3.22.0
 KUBERNETES_VALIDATE_VERSION=1.37.0
 PLAYWRIGHT_VERSION=1.65.1
@@ -47,7 +47,7 @@ PROMETHEUS_OPERATOR_VERSION=v0.85.0
 KUBE_VERSIONS=1.29.0,1.37.0
 STEPS=("$@")
 [ "${#STEPS[@]}" -gt 0 ] || STEPS=(chart alerts dashboard page image)
-BIN=${DELAYD_BIN:-$REPO/target/debug/delayd}
+BIN=${DEPLOY_CHECK_BIN:-$REPO/target/debug/delayd}
 T0=$SECONDS
 
 say() { echo "deploy-check: $*" >&2; }
@@ -73,13 +73,20 @@ tools() {
     local t0=$SECONDS
     mkdir -p "$TOOLS/bin"
     apt_install prometheus chromium podman buildah debootstrap binutils python3-venv
-    # (helm built by go install does not know its own version: a stamp says it.)
+    # The two slow ones run meanwhile: helm's build (CPU) beside the image's
+    # root (network) and the downloads below. (helm built by go install does
+    # not know its own version: a stamp file says which it is.)
+    local helm_job="" root_job=""
     if [ ! -x "$TOOLS/bin/helm" ] || [ ! -f "$TOOLS/bin/.helm-$HELM_VERSION" ]; then
-        say "building helm $HELM_VERSION from the Go module proxy (once per machine, a few minutes)"
-        GOBIN="$TOOLS/bin" CGO_ENABLED=0 GOFLAGS=-mod=mod \
-            go install -trimpath -ldflags='-s -w' "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" ||
-            die "go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
-        rm -f "$TOOLS"/bin/.helm-* && touch "$TOOLS/bin/.helm-$HELM_VERSION"
+        say "building helm $HELM_VERSION from the Go module proxy (once per machine, about two minutes)"
+        (GOBIN="$TOOLS/bin" CGO_ENABLED=0 \
+            go install -trimpath -ldflags='-s -w' "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" &&
+            rm -f "$TOOLS"/bin/.helm-* && touch "$TOOLS/bin/.helm-$HELM_VERSION") >"$TOOLS/helm-build.log" 2>&1 &
+        helm_job=$!
+    fi
+    if want image; then
+        bash scripts/image.sh --root-only >"$TOOLS/image-root.log" 2>&1 &
+        root_job=$!
     fi
     if [ ! -f "$TOOLS/venv/.ready-$KUBERNETES_VALIDATE_VERSION" ]; then
         say "installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION and pika from PyPI"
@@ -102,6 +109,12 @@ tools() {
         die "go mod download github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR_VERSION"
     SERVICEMONITOR_CRD="$dir/example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml"
     [ -f "$SERVICEMONITOR_CRD" ] || die "no ServiceMonitor CRD in $dir"
+    if [ -n "$helm_job" ]; then
+        wait "$helm_job" || { tail -20 "$TOOLS/helm-build.log" >&2; die "go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION"; }
+    fi
+    if [ -n "$root_job" ]; then
+        wait "$root_job" || { tail -20 "$TOOLS/image-root.log" >&2; die "the image's base root (scripts/image.sh --root-only)"; }
+    fi
     [ $((SECONDS - t0)) -lt 2 ] || say "tools ready in $((SECONDS - t0)) s"
 }
 

@@ -8,6 +8,7 @@
 # no curl. The Dockerfile stays the recipe for registries.
 #
 #   scripts/image.sh [BINARY]     default: target/release/delayd
+#   scripts/image.sh --root-only  only make the base root (once per machine)
 #
 # Environment: IMAGE (localhost/delayd:dev), IMAGE_ROOT
 # (/var/tmp/delayd-image-root-bookworm), IMAGE_MIRROR
@@ -17,6 +18,8 @@
 # with apt when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT_ONLY=0
+[ "${1:-}" = --root-only ] && ROOT_ONLY=1 && shift
 BIN=${1:-target/release/delayd}
 IMAGE=${IMAGE:-localhost/delayd:dev}
 ROOT=${IMAGE_ROOT:-/var/tmp/delayd-image-root-bookworm}
@@ -26,7 +29,7 @@ say() { echo "image.sh: $*" >&2; }
 die() { say "$*"; exit 1; }
 
 [ "$(id -u)" -eq 0 ] || die "needs root (debootstrap and buildah mount)"
-[ -x "$BIN" ] || die "no delayd binary at $BIN (cargo build --release, or give one)"
+[ "$ROOT_ONLY" = 1 ] || [ -x "$BIN" ] || die "no delayd binary at $BIN (cargo build --release, or give one)"
 
 need=()
 for tool in buildah podman debootstrap; do command -v "$tool" >/dev/null || need+=("$tool"); done
@@ -57,6 +60,7 @@ if [ ! -f "$ROOT/.delayd-root-ready" ]; then
     mv "$partial" "$ROOT"
     say "root built in $((SECONDS - t0)) s"
 fi
+[ "$ROOT_ONLY" = 0 ] || exit 0
 
 t0=$SECONDS
 # Docker's image format: the OCI image config has no HEALTHCHECK.
