@@ -24,5 +24,6 @@ if ! command -v docker-compose >/dev/null; then
 fi
 cargo test --workspace --all-features --no-fail-fast -- --test-threads=2 "$@"
 if [ "$#" -eq 0 ]; then
+    bash scripts/deploy-check.sh   # chart, alert rules, dashboard, status page, image
     bash scripts/faults.sh --short
 fi

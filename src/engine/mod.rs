@@ -17,6 +17,7 @@ mod dispatch;
 mod keys;
 mod pressure;
 mod state;
+mod summary;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use dedup::fingerprint;
@@ -24,6 +25,7 @@ pub use dispatch::{Dispatch, Fired, Outcome};
 pub use keys::key_hash;
 pub use pressure::{Admission, Pressure};
 pub use state::Phase;
+pub use summary::DueSummary;
 
 use std::collections::BinaryHeap;
 use std::future::Future;

@@ -12,6 +12,7 @@ mod amqp10;
 mod bench;
 mod broker_store;
 mod clock;
+mod deploy;
 mod endpoints;
 mod handoff;
 mod kafka_security;
