@@ -219,7 +219,7 @@ fn power_cut_before_every_file_operation_loses_nothing_acknowledged() {
         wal.close().unwrap();
         fs.ops()
     };
-    assert!(total > 200, "{total} operations");
+    assert!(total > 100, "{total} operations");
     let (mut unsynced_cuts, mut torn_tails) = (0, 0);
     for k in 1..=total {
         for loss in [PowerLoss::DropUnsynced, PowerLoss::Torn { seed: k }] {
