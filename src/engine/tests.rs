@@ -1478,3 +1478,77 @@ async fn a_cancel_that_raced_a_compaction_copy_stays_cancelled_after_two_restart
         engine.close().await.unwrap();
     }
 }
+
+/// What the engine acknowledges (a schedule's future resolving, which is
+/// when delayd acks the source; a cancel's) survives a power loss that
+/// drops every unsynced write, also across compactions that copied the
+/// survivors and deleted their segments. On `SimFs`, a file system that
+/// forgets what was not synced (see `wal::sim`).
+#[tokio::test]
+async fn what_the_engine_acknowledged_survives_a_power_loss() {
+    use crate::wal::sim::{PowerLoss, SimFs};
+    let dir = std::path::Path::new("/vol/wal");
+    let on = |fs: &SimFs| {
+        let mut cfg = config(dir);
+        cfg.gc_interval = Duration::from_secs(3600); // compaction only when asked
+        cfg.wal.fs = Arc::new(fs.clone());
+        cfg.wal.on_corruption = crate::wal::OnCorruption::Refuse;
+        cfg
+    };
+    let fs = SimFs::with_dir(dir);
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let (engine, _) = Engine::open(on(&fs), clock.clone()).unwrap();
+    let far = 1_000_000 + 3_600_000;
+    let mut kept = std::collections::BTreeMap::new();
+    let mut cancelled = Vec::new();
+    for i in 0..600u64 {
+        let message = vec![(i % 251) as u8; 100 + (i as usize * 13) % 400];
+        let id = engine
+            .schedule("r", far + i, message.clone())
+            .await
+            .unwrap();
+        kept.insert(id, (far + i, message));
+    }
+    // Three in four cancelled: segments go sparse, and compaction copies
+    // the rest.
+    let ids: Vec<u64> = kept.keys().copied().collect();
+    for (n, id) in ids.into_iter().enumerate() {
+        if n % 4 != 0 {
+            assert!(engine.cancel(id).await.unwrap());
+            cancelled.push(id);
+            kept.remove(&id);
+        }
+    }
+    assert_eq!(kept.len(), 150);
+    let segments = engine.space().segments;
+    engine.compact_now().await.unwrap();
+    engine.compact_now().await.unwrap();
+    assert!(
+        engine.space().segments < segments,
+        "compaction removed segments ({segments} before)"
+    );
+
+    let fs = fs.power_loss(PowerLoss::DropUnsynced);
+    drop(engine);
+    let (engine, report) = Engine::open(on(&fs), clock).unwrap();
+    assert!(report.corruptions.is_empty());
+    assert_eq!(
+        engine.pending(),
+        kept.len() as u64,
+        "pending after the loss"
+    );
+    for (id, (due, message)) in &kept {
+        let (info, record) = engine
+            .read(*id)
+            .unwrap()
+            .unwrap_or_else(|| panic!("acknowledged message {id} lost"));
+        assert_eq!(info.due_ms, *due);
+        assert!(
+            matches!(&record, Record::Schedule { message: m, .. } if m == message),
+            "message {id} changed"
+        );
+    }
+    for id in &cancelled {
+        assert!(!engine.is_pending(*id), "cancelled message {id} came back");
+    }
+}

@@ -103,14 +103,18 @@
 //! and the engine writes the missing Done before it deletes anything.
 
 mod frame;
+pub mod fs;
 mod halt;
 mod lock;
 mod reader;
 mod recovery;
 mod segments;
+#[cfg(test)]
+pub(crate) mod sim;
 mod writer;
 
 pub use frame::{Record, RecordRef, SCHEDULE_OVERHEAD};
+pub use fs::{FileSystem, StdFs, WalFile};
 pub use halt::Halt;
 pub use lock::{live_holder, LOCK_FILE};
 pub use reader::{inspect_segment, FrameSummary, SegmentScan};
@@ -168,6 +172,9 @@ pub struct WalConfig {
     /// may be a volume that is not mounted, and starting empty there would
     /// silently drop every pending message.
     pub create_dir: bool,
+    /// The file layer every file operation of the log goes through:
+    /// [`StdFs`] but in tests (see [`fs`]).
+    pub fs: Arc<dyn FileSystem>,
 }
 
 impl WalConfig {
@@ -190,6 +197,7 @@ impl WalConfig {
             lazy_done_wait: std::time::Duration::from_millis(2),
             commit_delay: std::time::Duration::ZERO,
             create_dir: false,
+            fs: Arc::new(StdFs),
         }
     }
 }
@@ -271,7 +279,7 @@ struct Shared {
     segments: Arc<Mutex<SegmentTable>>,
     writer: Writer,
     /// Held for as long as any handle to the log exists.
-    _lock: lock::DirLock,
+    _lock: Box<dyn fs::DirGuard>,
 }
 
 impl Wal {
@@ -282,14 +290,22 @@ impl Wal {
         config: WalConfig,
         visit: impl FnMut(RecordRef<'_>, WalPos),
     ) -> Result<(Wal, RecoveryReport), WalError> {
-        if !config.dir.is_dir() {
+        let files = config.fs.clone();
+        if !files.is_dir(&config.dir) {
             if !config.create_dir {
                 return Err(WalError::MissingDir(config.dir.clone()));
             }
-            std::fs::create_dir_all(&config.dir).map_err(|e| WalError::io(&config.dir, e))?;
+            let created = files
+                .create_dir_all(&config.dir)
+                .map_err(|e| WalError::io(&config.dir, e))?;
+            // Each new directory's name is durable only once its parent is
+            // synced: else a power loss could take the whole log with it.
+            for dir in &created {
+                segments::sync_dir(&*files, fs::parent_dir(dir))?;
+            }
         }
         // Before recovery: it truncates, deletes and rewrites files.
-        let lock = lock::DirLock::acquire(&config.dir)?;
+        let lock = files.lock_dir(&config.dir)?;
         let (table, report) = recovery::recover(&config, visit)?;
         let segments = Arc::new(Mutex::new(table));
         let writer = Writer::start(config.clone(), segments.clone(), report.next_seq)?;
@@ -419,7 +435,7 @@ impl Wal {
             .file(pos.segment)
             .ok_or(WalError::NoSegment(pos.segment))?;
         reader::read_frame_at(
-            &file,
+            &*file,
             &path,
             pos.offset as u64,
             self.shared.config.max_frame_len(),
@@ -434,7 +450,7 @@ impl Wal {
             .segments()
             .file(segment)
             .ok_or(WalError::NoSegment(segment))?;
-        reader::scan_file(&file, &path, self.shared.config.max_frame_len())
+        reader::scan_file(&*file, &path, self.shared.config.max_frame_len())
     }
 
     /// Set the live-record counts after recovery (the caller knows liveness).
@@ -463,12 +479,15 @@ impl Wal {
         for ordinal in deletable {
             let removed = self.segments().remove(ordinal);
             if let Some(path) = removed {
-                std::fs::remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+                self.fs()
+                    .remove_file(&path)
+                    .map_err(|e| WalError::io(&path, e))?;
                 deleted += 1;
             }
         }
         if deleted > 0 {
-            segments::sync_dir(&self.shared.config.dir).map_err(|e| self.check_fatal(e))?;
+            segments::sync_dir(self.fs(), &self.shared.config.dir)
+                .map_err(|e| self.check_fatal(e))?;
         }
         Ok(deleted)
     }
@@ -499,8 +518,11 @@ impl Wal {
     /// Drop a segment after compaction moved everything needed out of it.
     pub fn remove_compacted(&self, segment: u32) -> Result<(), WalError> {
         if let Some(path) = self.segments().remove(segment) {
-            std::fs::remove_file(&path).map_err(|e| WalError::io(&path, e))?;
-            segments::sync_dir(&self.shared.config.dir).map_err(|e| self.check_fatal(e))?;
+            self.fs()
+                .remove_file(&path)
+                .map_err(|e| WalError::io(&path, e))?;
+            segments::sync_dir(self.fs(), &self.shared.config.dir)
+                .map_err(|e| self.check_fatal(e))?;
         }
         Ok(())
     }
@@ -539,6 +561,10 @@ impl Wal {
         self.shared.writer.close()
     }
 
+    fn fs(&self) -> &dyn FileSystem {
+        &*self.shared.config.fs
+    }
+
     fn segments(&self) -> std::sync::MutexGuard<'_, SegmentTable> {
         self.shared.segments.lock().expect("segment table poisoned")
     }
@@ -561,6 +587,8 @@ impl Wal {
     }
 }
 
+#[cfg(test)]
+mod power_loss;
 #[cfg(test)]
 mod tests;
 

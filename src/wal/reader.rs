@@ -2,13 +2,10 @@
 //! recovery, compaction and inspection.
 
 use std::fs::File;
-use std::io::IoSliceMut;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use rustix::io::{Errno, ReadWriteFlags};
-
 use super::frame::{self, FrameError, Parsed, Record, RecordRef, Salt};
+use super::fs::WalFile;
 use super::WalError;
 
 /// Most frames (a message with its headers) fit in this many bytes, so one
@@ -29,7 +26,7 @@ pub enum Source {
 
 /// Read the record at `offset` of a segment whose header has `salt`.
 pub fn read_frame_at(
-    file: &File,
+    file: &dyn WalFile,
     path: &Path,
     offset: u64,
     max_len: u32,
@@ -82,7 +79,7 @@ enum ReadError {
 
 /// Fill `buf` from `offset` as far as the file goes; returns the bytes read.
 fn read_up_to(
-    file: &File,
+    file: &dyn WalFile,
     buf: &mut [u8],
     offset: u64,
     source: Source,
@@ -92,17 +89,12 @@ fn read_up_to(
         let at = offset + filled as u64;
         let read = match source {
             Source::Disk => file.read_at(&mut buf[filled..], at),
-            Source::CacheOnly => {
-                // A short count means the rest is not cached: the next call
-                // fails with EAGAIN. Any other failure (EOPNOTSUPP on a file
-                // system without RWF_NOWAIT) is left to the blocking read.
-                let mut slices = [IoSliceMut::new(&mut buf[filled..])];
-                match rustix::io::preadv2(file, &mut slices, at, ReadWriteFlags::NOWAIT) {
-                    Ok(n) => Ok(n),
-                    Err(Errno::INTR) => continue,
-                    Err(_) => return Err(ReadError::NotCached),
-                }
-            }
+            // A short count means the rest is not cached: the next call
+            // says so.
+            Source::CacheOnly => match file.read_at_cached(&mut buf[filled..], at) {
+                Some(n) => Ok(n),
+                None => return Err(ReadError::NotCached),
+            },
         };
         match read {
             Ok(0) => break,
@@ -115,17 +107,36 @@ fn read_up_to(
 }
 
 /// Read a whole segment file into memory.
-pub fn read_all(file: &File, path: &Path) -> Result<Vec<u8>, WalError> {
-    let len = file.metadata().map_err(|e| WalError::io(path, e))?.len();
+pub fn read_all(file: &dyn WalFile, path: &Path) -> Result<Vec<u8>, WalError> {
+    let len = file.size().map_err(|e| WalError::io(path, e))?;
     let mut buf = vec![0u8; len as usize];
-    file.read_exact_at(&mut buf, 0)
-        .map_err(|e| WalError::io(path, e))?;
+    let mut filled = 0;
+    while filled < buf.len() {
+        match file.read_at(&mut buf[filled..], filled as u64) {
+            Ok(0) => {
+                return Err(WalError::io(
+                    path,
+                    std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the file shrank while it was read",
+                    ),
+                ))
+            }
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(WalError::io(path, e)),
+        }
+    }
     Ok(buf)
 }
 
 /// Every valid frame of a segment with its offset; bad frames are logged and
 /// skipped (the segment was already vetted by recovery).
-pub fn scan_file(file: &File, path: &Path, max_len: u32) -> Result<Vec<(u32, Record)>, WalError> {
+pub fn scan_file(
+    file: &dyn WalFile,
+    path: &Path,
+    max_len: u32,
+) -> Result<Vec<(u32, Record)>, WalError> {
     let buf = read_all(file, path)?;
     let mut out = Vec::new();
     for item in Scanner::new(&buf, max_len) {

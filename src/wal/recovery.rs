@@ -1,12 +1,12 @@
 //! Opening the log after a clean stop or a crash: replay every segment,
 //! truncate a torn tail, report corruption.
 
-use std::fs::{File, OpenOptions};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::frame::{self, RecordRef};
+use super::fs::FileSystem;
 use super::reader::{self, ScanItem, Scanner};
 use super::segments::{parse_segment_name, sync_dir, SegmentTable};
 use super::{OnCorruption, WalConfig, WalError, WalPos};
@@ -41,19 +41,20 @@ pub fn recover(
     let started = Instant::now();
     let mut report = RecoveryReport::default();
     let mut table = SegmentTable::default();
+    let fs = &*config.fs;
     let files = list_segments(config)?;
     let mut last_seq = 0u64;
     let count = files.len();
     for (index, (first_seq, path)) in files.into_iter().enumerate() {
         let is_last = index + 1 == count;
-        let file = File::open(&path).map_err(|e| WalError::io(&path, e))?;
-        let buf = reader::read_all(&file, &path)?;
+        let file = fs.open(&path).map_err(|e| WalError::io(&path, e))?;
+        let buf = reader::read_all(&*file, &path)?;
         let Some(salt) = frame::header_salt(&buf) else {
             if is_last && buf[..buf.len().min(16)].iter().all(|&b| b == 0) {
                 // Created but its header never reached the disk: nothing in it.
                 tracing::warn!(segment = %path.display(), "removing WAL segment with a torn header");
-                std::fs::remove_file(&path).map_err(|e| WalError::io(&path, e))?;
-                sync_dir(&config.dir)?;
+                fs.remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+                sync_dir(fs, &config.dir)?;
                 continue;
             }
             let corruption = Corruption {
@@ -72,7 +73,7 @@ pub fn recover(
         let ordinal = table.add(
             first_seq,
             path.clone(),
-            Arc::new(file),
+            Arc::from(file),
             buf.len() as u64,
             salt,
         );
@@ -140,15 +141,15 @@ pub fn recover(
         }
         last_seq = last_seq.max(scanner.last_seq());
         if let Some(cut) = cut_at {
-            truncate(&path, cut)?;
+            truncate(fs, &path, cut)?;
             report.truncated_bytes += buf.len() as u64 - cut;
             table.set_bytes(ordinal, cut);
         }
         if is_last && frames == 0 {
             // An empty head from the previous run: the new head replaces it.
             table.remove(ordinal);
-            std::fs::remove_file(&path).map_err(|e| WalError::io(&path, e))?;
-            sync_dir(&config.dir)?;
+            fs.remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+            sync_dir(fs, &config.dir)?;
             last_seq = last_seq.max(first_seq.saturating_sub(1));
             continue;
         }
@@ -190,15 +191,12 @@ fn handle_corruption(
     }
 }
 
-fn truncate(path: &PathBuf, len: u64) -> Result<(), WalError> {
-    let file = OpenOptions::new()
-        .write(true)
-        .open(path)
-        .map_err(|e| WalError::io(path, e))?;
+fn truncate(fs: &dyn FileSystem, path: &Path, len: u64) -> Result<(), WalError> {
+    let file = fs.open_write(path).map_err(|e| WalError::io(path, e))?;
     file.set_len(len).map_err(|e| WalError::io(path, e))?;
     file.sync_all().map_err(|source| WalError::Fatal {
         op: "fsync after truncation",
-        path: path.clone(),
+        path: path.to_path_buf(),
         source,
     })
 }
@@ -206,10 +204,10 @@ fn truncate(path: &PathBuf, len: u64) -> Result<(), WalError> {
 fn list_segments(config: &WalConfig) -> Result<Vec<(u64, PathBuf)>, WalError> {
     let dir = &config.dir;
     let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(|e| WalError::io(dir, e))? {
-        let entry = entry.map_err(|e| WalError::io(dir, e))?;
-        if let Some(seq) = entry.file_name().to_str().and_then(parse_segment_name) {
-            out.push((seq, entry.path()));
+    for path in config.fs.list(dir).map_err(|e| WalError::io(dir, e))? {
+        let name = path.file_name().and_then(|n| n.to_str());
+        if let Some(seq) = name.and_then(parse_segment_name) {
+            out.push((seq, path));
         }
     }
     out.sort();

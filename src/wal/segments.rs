@@ -2,11 +2,11 @@
 //! deleting and compacting them.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::frame::Salt;
+use super::fs::{FileSystem, WalFile};
 use super::WalError;
 
 pub fn segment_name(first_seq: u64) -> String {
@@ -22,9 +22,8 @@ pub fn parse_segment_name(name: &str) -> Option<u64> {
 }
 
 /// fsync a directory so that creates and deletes in it are durable.
-pub fn sync_dir(dir: &Path) -> Result<(), WalError> {
-    let d = File::open(dir).map_err(|e| WalError::io(dir, e))?;
-    d.sync_all().map_err(|source| WalError::Fatal {
+pub fn sync_dir(fs: &dyn FileSystem, dir: &Path) -> Result<(), WalError> {
+    fs.sync_dir(dir).map_err(|source| WalError::Fatal {
         op: "directory fsync",
         path: dir.to_path_buf(),
         source,
@@ -34,7 +33,7 @@ pub fn sync_dir(dir: &Path) -> Result<(), WalError> {
 struct Segment {
     first_seq: u64,
     path: PathBuf,
-    file: Arc<File>,
+    file: Arc<dyn WalFile>,
     salt: Salt,
     bytes: u64,
     schedules: u64,
@@ -65,7 +64,7 @@ impl SegmentTable {
         &mut self,
         first_seq: u64,
         path: PathBuf,
-        file: Arc<File>,
+        file: Arc<dyn WalFile>,
         bytes: u64,
         salt: Salt,
     ) -> u32 {
@@ -174,7 +173,7 @@ impl SegmentTable {
     }
 
     /// A segment's file, path and CRC salt, for reading frames.
-    pub fn file(&self, ordinal: u32) -> Option<(Arc<File>, PathBuf, Salt)> {
+    pub fn file(&self, ordinal: u32) -> Option<(Arc<dyn WalFile>, PathBuf, Salt)> {
         self.segments
             .get(&ordinal)
             .map(|s| (s.file.clone(), s.path.clone(), s.salt))
@@ -249,7 +248,7 @@ mod tests {
         let mut t = SegmentTable::default();
         for i in 0..n {
             let path = dir.path().join(segment_name(i * 100 + 1));
-            let file = Arc::new(File::create(&path).unwrap());
+            let file = Arc::new(std::fs::File::create(&path).unwrap());
             t.add(i * 100 + 1, path, file, 1000, Salt::UNSALTED);
         }
         (t, dir)

@@ -1,7 +1,5 @@
 //! The single writer thread: batches appends, one fdatasync per batch.
 
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -12,6 +10,7 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 
 use super::frame::{self, Salt};
+use super::fs::WalFile;
 use super::halt::Halt;
 use super::segments::{segment_name, sync_dir, SegmentTable};
 use super::{Appended, WalConfig, WalError, WalPos};
@@ -184,7 +183,7 @@ struct WriterState {
     fsyncs: Arc<AtomicU64>,
     config: WalConfig,
     segments: Arc<Mutex<SegmentTable>>,
-    file: Option<(File, PathBuf)>,
+    file: Option<(Box<dyn WalFile>, PathBuf)>,
     head: u32,
     head_bytes: u64,
     /// The head segment's CRC salt.
@@ -397,17 +396,14 @@ impl WriterState {
     /// start of the batch; an fsync error stops the log for good.
     fn flush(&mut self) -> Result<(), WalError> {
         let (file, path) = self.file.as_mut().ok_or(WalError::Stopped)?;
-        if let Err(e) = file.write_all(&self.buf) {
+        if let Err(e) = file.append(&self.buf) {
             let err = WalError::io(path, e);
             tracing::error!(error = %err, "WAL write failed; batch rejected");
             // The cut is made durable at once: the segment may be sealed
             // next, and a sealed segment must not end in half a batch.
+            // (Appends go to the end, so the next batch starts at the cut.)
             let cut = file.set_len(self.head_bytes).and_then(|_| file.sync_all());
-            if let Err(e) = cut.and_then(|_| {
-                use std::io::Seek;
-                file.seek(std::io::SeekFrom::Start(self.head_bytes))
-                    .map(|_| ())
-            }) {
+            if let Err(e) = cut {
                 let err = WalError::Fatal {
                     op: "cut-back of a failed write",
                     path: path.clone(),
@@ -440,22 +436,18 @@ impl WriterState {
 
     /// Seal the head and start a new segment named after the next seq.
     fn rotate(&mut self) -> Result<(), WalError> {
+        let fs = &*self.config.fs;
         let path = self.config.dir.join(segment_name(self.next_seq));
-        let mut file = OpenOptions::new()
-            .create_new(true)
-            .append(true)
-            .read(true)
-            .open(&path)
-            .map_err(|e| WalError::io(&path, e))?;
+        let file = fs.create_new(&path).map_err(|e| WalError::io(&path, e))?;
         let salt = Salt::random();
         let header = frame::segment_header(salt.value());
-        let written = file.write_all(&header).and_then(|_| file.sync_all());
+        let written = file.append(&header).and_then(|_| file.sync_all());
         if let Err(e) = written {
-            let _ = std::fs::remove_file(&path);
+            let _ = fs.remove_file(&path);
             return Err(WalError::io(&path, e));
         }
-        sync_dir(&self.config.dir)?;
-        let reader = File::open(&path).map_err(|e| WalError::io(&path, e))?;
+        sync_dir(fs, &self.config.dir)?;
+        let reader = fs.open(&path).map_err(|e| WalError::io(&path, e))?;
         let mut table = self.segments.lock().expect("segment table poisoned");
         if self.file.is_some() {
             table.seal(self.head);
@@ -463,7 +455,7 @@ impl WriterState {
         self.head = table.add(
             self.next_seq,
             path.clone(),
-            Arc::new(reader),
+            Arc::from(reader),
             frame::SEGMENT_HEADER_BYTES,
             salt,
         );

@@ -1221,6 +1221,8 @@ async fn sigterm_exits_zero_and_keeps_pending() {
         ..DelaydOptions::default()
     };
     let mut s = setup("sigterm", opts).await;
+    // When each publish was sent and when the broker confirmed it: the
+    // broker's own stamp, which the delay counts from, lies between.
     let mut sent_ms = Vec::new();
     for i in 0..COUNT {
         let props = BasicProperties::default()
@@ -1229,10 +1231,11 @@ async fn sigterm_exits_zero_and_keeps_pending() {
                 "x-delay",
                 AMQPValue::LongInt(DELAY_MS as i32),
             )]));
-        sent_ms.push(now_ms());
+        let before = now_ms();
         s.client
             .publish(&s.names.from_exchange, ROUTING_KEY, b"pending", props)
             .await;
+        sent_ms.push((before, now_ms()));
     }
     wait_for("delayd to store every message", DEADLINE, || async {
         (s.delayd.pending() == COUNT as u64).then_some(())
@@ -1248,30 +1251,68 @@ async fn sigterm_exits_zero_and_keeps_pending() {
     );
 
     s.delayd.restart().await;
+    let restarted_ms = now_ms();
     assert_eq!(
         s.delayd.pending(),
         COUNT as u64,
         "the restarted delayd recovers every pending message from its WAL"
     );
     let mut receiver = s.client.consume(&s.names.target_queue).await;
-    let mut arrived = BTreeMap::new();
+    // Every copy of each message (by message_id), with its x-delayd-id.
+    let mut arrived: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    let check = |received: &Received| -> (usize, String) {
+        let i: usize = received
+            .message_id()
+            .and_then(|id| id.parse().ok())
+            .expect("numeric message_id");
+        let (sent, confirmed) = sent_ms[i];
+        assert!(
+            received.at_ms >= sent + DELAY_MS,
+            "message {i} arrived {} ms early",
+            sent + DELAY_MS - received.at_ms
+        );
+        // Late by at most LATE_MS past its due time, or past the restart
+        // if it fell due while delayd was down.
+        let bound = (confirmed + DELAY_MS).max(restarted_ms) + LATE_MS;
+        assert!(
+            received.at_ms <= bound,
+            "message {i} arrived {} ms late",
+            received.at_ms - (bound - LATE_MS)
+        );
+        let uid = received
+            .header_text("x-delayd-id")
+            .unwrap_or_else(|| panic!("message {i} has no x-delayd-id"));
+        (i, uid)
+    };
     while arrived.len() < COUNT {
         let received = receiver
             .next(Instant::now() + DEADLINE)
             .await
             .unwrap_or_else(|| panic!("only {} of {COUNT} arrived", arrived.len()));
-        let i: usize = received
-            .message_id()
-            .and_then(|id| id.parse().ok())
-            .expect("numeric message_id");
-        let due = sent_ms[i] + DELAY_MS;
-        assert!(
-            received.at_ms >= due,
-            "message {i} arrived {} ms early",
-            due - received.at_ms
-        );
-        *arrived.entry(i).or_insert(0) += 1;
+        let (i, uid) = check(&received);
+        arrived.entry(i).or_default().push(uid);
     }
+    // Every publish confirmed (nothing left to send again), then a last
+    // look for copies still on their way.
+    wait_for("delayd to retire every message", DEADLINE, || async {
+        (s.delayd.pending() == 0).then_some(())
+    })
+    .await;
+    let settle = Instant::now() + Duration::from_secs(2);
+    while let Some(received) = receiver.next(settle).await {
+        let (i, uid) = check(&received);
+        arrived.entry(i).or_default().push(uid);
+    }
+    // A clean stop and start with nothing in flight: no message was
+    // published before the SIGTERM, and the restarted delayd publishes
+    // each once, so no duplicate of any kind is allowed.
+    let copies: BTreeMap<usize, usize> = arrived.iter().map(|(i, c)| (*i, c.len())).collect();
+    assert!(
+        copies.values().all(|&n| n == 1),
+        "copies per message: {copies:?}"
+    );
+    let uids: HashSet<&String> = arrived.values().flatten().collect();
+    assert_eq!(uids.len(), COUNT, "distinct messages share an x-delayd-id");
     receiver.close().await;
     s.client.close().await;
 }
