@@ -1,7 +1,8 @@
 //! Producers that speak AMQP 1.0, which RabbitMQ 4 speaks natively: the
 //! delay comes as the message annotations `x-opt-delivery-delay` (ms) and
 //! `x-opt-delivery-time` (a timestamp), as Tanzu RabbitMQ's delayed queues
-//! take it. RabbitMQ hands them to delayd's AMQP 0-9-1 consumer as headers.
+//! take it, or `x-delay` as an application property. RabbitMQ hands both to
+//! delayd's AMQP 0-9-1 consumer as headers.
 
 use crate::common;
 
@@ -9,8 +10,10 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::{now_ms, DelaydOptions, Names, Setup, LATE_MS};
-use fe2o3_amqp::types::messaging::{Data, Message, MessageAnnotations, Properties};
-use fe2o3_amqp::types::primitives::{Binary, Symbol, Timestamp, Value};
+use fe2o3_amqp::types::messaging::{
+    ApplicationProperties, Data, Message, MessageAnnotations, Properties,
+};
+use fe2o3_amqp::types::primitives::{Binary, SimpleValue, Symbol, Timestamp, Value};
 use fe2o3_amqp::{Connection, Sender, Session};
 
 /// What was sent: the earliest and latest acceptable arrival (epoch ms).
@@ -72,6 +75,25 @@ async fn amqp_1_0_delivery_delay_and_time_annotations_are_honoured() {
             .expect("accepted");
         expected.insert(id, window);
     }
+    // x-delay as an application property, as a 0-9-1 producer's header.
+    let id = "amqp10-property".to_owned();
+    let sent = now_ms();
+    let message = Message::builder()
+        .properties(Properties::builder().message_id(id.clone()).build())
+        .application_properties(
+            ApplicationProperties::builder()
+                .insert("x-delay", SimpleValue::Long(1800))
+                .build(),
+        )
+        .body(Data(Binary::from(id.clone().into_bytes())))
+        .build();
+    sender
+        .send(message)
+        .await
+        .expect("send")
+        .accepted_or_else(|state| state)
+        .expect("accepted");
+    expected.insert(id, (sent + 1800, sent + 1800 + LATE_MS));
     sender.close().await.expect("close sender");
     session.end().await.expect("end session");
     connection.close().await.expect("close connection");
