@@ -30,6 +30,7 @@ secs="${SECONDS_EACH:-10}"
 pending="${PENDING:-0}"
 
 bash scripts/rabbitmq.sh >/dev/null
+bash scripts/build-deps.sh
 cargo build --release --quiet
 [ "${RELAY:-0}" = 1 ] && cargo build --release --quiet --example relay
 # BIN: another build to measure (A/B runs), for delayd and the bench alike.

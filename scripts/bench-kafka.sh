@@ -18,6 +18,7 @@ pending="${PENDING:-1000000}"
 bootstrap=127.0.0.1:9092
 
 bash scripts/kafka.sh
+bash scripts/build-deps.sh
 cargo build --release --quiet
 delayd="$PWD/target/release/delayd"
 config="$PWD/config/examples/bench-kafka.toml"

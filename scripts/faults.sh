@@ -98,6 +98,9 @@ write_config() { # scenario, wal dir
     local s="$1" wal="$2"
     local segment="" engine=""
     [ "$s" = disk ] && segment=$'segment_bytes = 262144\n'
+    # WAL_COMMIT_DELAY="0ms": compare duplicates per kill with and without
+    # the group commit's wait (docs/fault-campaign.md).
+    [ -n "${WAL_COMMIT_DELAY:-}" ] && segment+="commit_delay = \"$WAL_COMMIT_DELAY\""$'\n'
     [ "$s" = handoff ] && engine=$'[engine]\nhandoff = true\n'
     local store=""
     case "$s" in store | store-amqp*)

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/rabbitmq.sh
+bash scripts/build-deps.sh
 cargo build --release --quiet
 BIN=target/release/delayd
 

@@ -22,6 +22,14 @@
 #                  beside the single node: delayd-c1@localhost,
 #                  delayd-c2@localhost, delayd-c3@localhost on AMQP ports
 #                  5681, 5682, 5683 (distribution ports 25681-25683).
+#   tls            one more 4.3 node of the same root, beside the single
+#                  node: delayd-tls@localhost with a TLS listener only,
+#                  amqps://127.0.0.1:5671 (distribution port 25679), certificates
+#                  from scripts/tls.sh, verify_peer + fail_if_no_peer_cert
+#                  (every client shows a certificate of the test CA), PLAIN and
+#                  EXTERNAL logins (rabbitmq_auth_mechanism_ssl, the user is the
+#                  certificate's CN), user "delayd" with the password in
+#                  $(scripts/tls.sh dir)/rabbitmq-password.
 #
 # For a 4.3 root, `rabbitmqctl`, `rabbitmq-plugins`, `rabbitmq-diagnostics`,
 # `rabbitmq-queues`, `rabbitmq-streams` and `rabbitmq-upgrade` in
@@ -84,14 +92,16 @@ take_lock() {
 
 # ---------------------------------------------------------------- the 4.3 root
 
-# Node "" is the single node; 1, 2, 3 are the cluster's.
-node_name() { if [ -z "$1" ]; then echo delayd@localhost; else echo "delayd-c$1@localhost"; fi; }
-node_port() { if [ -z "$1" ]; then echo 5672; else echo $((5680 + $1)); fi; }
-node_dist_port() { if [ -z "$1" ]; then echo 25680; else echo $((25680 + $1)); fi; }
-node_etc() { if [ -z "$1" ]; then echo /etc/rabbitmq; else echo "/etc/rabbitmq/cluster-$1"; fi; }
-node_data() { if [ -z "$1" ]; then echo /var/lib/rabbitmq/mnesia; else echo "/var/lib/rabbitmq/cluster-$1"; fi; }
-node_logs() { if [ -z "$1" ]; then echo /var/log/rabbitmq; else echo "/var/log/rabbitmq/cluster-$1"; fi; }
-node_label() { if [ -z "$1" ]; then echo "node $(node_name "$1")"; else echo "cluster node $1 ($(node_name "$1"))"; fi; }
+# Node "" is the single node; 1, 2, 3 are the cluster's; t is the TLS node.
+node_name() { case "$1" in "") echo delayd@localhost ;; t) echo delayd-tls@localhost ;; *) echo "delayd-c$1@localhost" ;; esac; }
+node_port() { case "$1" in "") echo 5672 ;; t) echo 5671 ;; *) echo $((5680 + $1)) ;; esac; }
+node_dist_port() { case "$1" in "") echo 25680 ;; t) echo 25679 ;; *) echo $((25680 + $1)) ;; esac; }
+node_etc() { case "$1" in "") echo /etc/rabbitmq ;; t) echo /etc/rabbitmq/tls-node ;; *) echo "/etc/rabbitmq/cluster-$1" ;; esac; }
+node_data() { case "$1" in "") echo /var/lib/rabbitmq/mnesia ;; t) echo /var/lib/rabbitmq/tls-node ;; *) echo "/var/lib/rabbitmq/cluster-$1" ;; esac; }
+node_logs() { case "$1" in "") echo /var/log/rabbitmq ;; t) echo /var/log/rabbitmq/tls-node ;; *) echo "/var/log/rabbitmq/cluster-$1" ;; esac; }
+node_label() { case "$1" in "") echo "node $(node_name "$1")" ;; t) echo "TLS node $(node_name "$1")" ;; *) echo "cluster node $1 ($(node_name "$1"))" ;; esac; }
+# Streams replicate over ports of their own: one range per node.
+node_stream_min() { case "$1" in "") echo 6000 ;; t) echo 6900 ;; *) echo $((6000 + $1 * 100)) ;; esac; }
 
 # A command of the root, as its rabbitmq user, for node $1 (given up after
 # CTL_TIMEOUT seconds).
@@ -197,24 +207,96 @@ SCHEDULER_BIND_TYPE=u
 ERL_EPMD_ADDRESS=127.0.0.1
 SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
 EOF
-    local stream_min=$((6000 + ${node:-0} * 100))
+    local stream_min
+    stream_min=$(node_stream_min "$node")
+    [ "$node" != t ] || install_tls_files
     {
         cat "$CONF_BASE"
         echo
         echo "# The test broker: $(node_label "$node"), written by scripts/rabbitmq.sh."
         echo "# guest/guest from loopback only (RabbitMQ's default, said out loud)."
         echo "loopback_users.guest = true"
-        echo "listeners.tcp.default = 127.0.0.1:$(node_port "$node")"
+        if [ "$node" = t ]; then
+            tls_listener_conf
+        else
+            echo "listeners.tcp.default = 127.0.0.1:$(node_port "$node")"
+        fi
         echo "# The log goes to the node's log file only (its stdout is a second copy)."
         echo "log.console = false"
         echo "# Streams replicate over ports of their own: one range per node."
         echo "stream.replication.port_range.min = $stream_min"
         echo "stream.replication.port_range.max = $((stream_min + 99))"
-        if [ -n "$node" ]; then
-            echo "cluster_name = delayd-test"
-        fi
+        case "$node" in
+        "") ;;
+        t) echo "cluster_name = delayd-tls" ;;
+        *) echo "cluster_name = delayd-test" ;;
+        esac
     } | put "$ROOT$etc/rabbitmq.conf"
     chroot "$ROOT" install -d -o rabbitmq -g rabbitmq "$data" "$logs"
+}
+
+# ---------------------------------------------------------------- the TLS node
+
+TLS_ETC=/etc/rabbitmq/tls-node/certs
+
+# The test CA and the server's certificate and key (scripts/tls.sh), copied
+# into the root for the node's rabbitmq user.
+install_tls_files() {
+    local src f
+    src=$(bash "$HERE/tls.sh" dir)
+    bash "$HERE/tls.sh" >&2
+    mkdir -p "$ROOT$TLS_ETC"
+    for f in ca.crt server.crt server.key; do
+        put "$ROOT$TLS_ETC/$f" <"$src/$f"
+    done
+    chroot "$ROOT" chown -R rabbitmq:rabbitmq "$TLS_ETC"
+    chmod 600 "$ROOT$TLS_ETC/server.key"
+}
+
+# A TLS listener only: every client must show a certificate signed by the
+# test CA; it then logs in with a password (PLAIN) or as the certificate's
+# CN (EXTERNAL, rabbitmq_auth_mechanism_ssl).
+tls_listener_conf() {
+    cat <<EOF
+listeners.tcp = none
+listeners.ssl.default = 127.0.0.1:$(node_port t)
+ssl_options.cacertfile = $TLS_ETC/ca.crt
+ssl_options.certfile = $TLS_ETC/server.crt
+ssl_options.keyfile = $TLS_ETC/server.key
+ssl_options.verify = verify_peer
+ssl_options.fail_if_no_peer_cert = true
+auth_mechanisms.1 = PLAIN
+auth_mechanisms.2 = AMQPLAIN
+auth_mechanisms.3 = EXTERNAL
+ssl_cert_login_from = common_name
+EOF
+}
+
+# User "delayd" (password from scripts/tls.sh; EXTERNAL logs in as it too)
+# with every permission on vhost /.
+tls_users() {
+    local password
+    password=$(cat "$(bash "$HERE/tls.sh" dir)/rabbitmq-password")
+    if ! ctl t -q list_users 2>/dev/null | awk '{print $1}' | grep -qx delayd; then
+        ctl t -q add_user delayd "$password" >/dev/null
+    else
+        ctl t -q change_password delayd "$password" >/dev/null
+    fi
+    ctl t -q set_permissions -p / delayd '.*' '.*' '.*' >/dev/null
+}
+
+tls_start() {
+    if port_open "$(node_port t)" && root_ready && [ -n "$(node_pid t)" ]; then
+        say "TLS node already up on 127.0.0.1:$(node_port t) (amqps)"
+        return 0
+    fi
+    need_root "$@"
+    take_lock
+    prepare_root t
+    start_node_nowait t
+    wait_node t
+    tls_users
+    say "TLS node up: amqps://127.0.0.1:$(node_port t) (CA, certificates and passwords in $(bash "$HERE/tls.sh" dir))"
 }
 
 configure_root() {
@@ -569,7 +651,7 @@ status() {
     fi
     if root_ready; then
         echo "root $ROOT: rabbitmq-server $(root_version)"
-        for node in "" 1 2 3; do
+        for node in "" 1 2 3 t; do
             [ -d "$ROOT$(node_etc "$node")" ] || continue
             printf '  %-40s port %s  ' "$(node_label "$node")" "$(node_port "$node")"
             if [ -n "$(node_pid "$node")" ]; then
@@ -588,6 +670,16 @@ status() {
 
 case "$MODE:$CMD" in
 4.3:start) single_start "$@" ;;
+tls:start) tls_start "$@" ;;
+tls:stop)
+    need_root "$@"
+    take_lock
+    if root_ready; then
+        stop_node t
+        stop_epmd_if_idle
+        unmount_if_idle
+    fi
+    ;;
 3.10:start) host_start "$@" ;;
 cluster:start) cluster_start "$@" ;;
 4.3:stop)
@@ -632,6 +724,6 @@ cluster:stop)
         ;;
     esac
     ;;
-*:start | *:stop) die "RABBITMQ is 4.3, 3.10 or cluster, not '$MODE'" ;;
+*:start | *:stop) die "RABBITMQ is 4.3, 3.10, cluster or tls, not '$MODE'" ;;
 *) usage ;;
 esac

@@ -29,6 +29,7 @@ if [ "$broker" = rabbitmq ]; then
 else
     bash scripts/kafka.sh >/dev/null
 fi
+bash scripts/build-deps.sh
 cargo build --release --quiet
 delayd="$PWD/target/release/delayd"
 tag="$(date +%s)"

@@ -2,8 +2,9 @@
 //! (list, get, cancel by id or by key). Bound to loopback by default; `/v1`
 //! can require a bearer token. Every error is JSON: `{"error": "..."}`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, Request, State};
@@ -19,9 +20,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::{
     ApiErrorBody, Cancelled, CancelledIds, MessageDetail, MessagePage, MessageSummary,
-    MessageTarget,
+    MessageTarget, Purged,
 };
-use crate::engine::{Engine, EngineError, ListQuery, PendingInfo};
+use crate::engine::{DueSummary, Engine, EngineError, ListQuery, PendingInfo};
 use crate::id::MessageId;
 use crate::route::Route;
 use crate::status::{RouteIntake, RuntimeStatus};
@@ -29,11 +30,24 @@ use crate::wal::Record;
 
 #[derive(Clone)]
 pub struct AdminState {
-    engine: Engine,
-    status: Arc<dyn RuntimeStatus>,
-    token: Option<Arc<str>>,
+    pub(crate) engine: Engine,
+    pub(crate) status: Arc<dyn RuntimeStatus>,
+    pub(crate) token: Option<Arc<str>>,
     metrics: Option<PrometheusHandle>,
-    routes: Option<Arc<HashMap<String, Arc<Route>>>>,
+    pub(crate) routes: Option<Arc<HashMap<String, Arc<Route>>>>,
+    /// The last due-time summary, reused for a second (it walks every
+    /// pending message).
+    summary: Arc<std::sync::Mutex<Option<CachedSummary>>>,
+    /// Fire counts and lateness sampled every few seconds, for rates.
+    pub(crate) samples: Arc<crate::status_page::Samples>,
+}
+
+type Summaries = Arc<BTreeMap<Arc<str>, DueSummary>>;
+
+struct CachedSummary {
+    taken: Instant,
+    now_ms: u64,
+    routes: Summaries,
 }
 
 impl AdminState {
@@ -44,10 +58,43 @@ impl AdminState {
             token: token.map(Arc::from),
             metrics: crate::telemetry::metrics_handle(),
             routes: None,
+            summary: Arc::default(),
+            samples: Arc::default(),
         }
     }
 
+    /// Every route's due-time summary, at most a second old, and the time
+    /// it was taken (ms since the epoch).
+    pub(crate) async fn due_summary(&self) -> Result<(u64, Summaries), ApiError> {
+        {
+            let cached = self.summary.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(c) = cached.as_ref().filter(|c| c.taken.elapsed() < SUMMARY_TTL) {
+                return Ok((c.now_ms, c.routes.clone()));
+            }
+        }
+        let engine = self.engine.clone();
+        let (now_ms, routes) = tokio::task::spawn_blocking(move || engine.due_summary()).await?;
+        let routes = Arc::new(routes);
+        *self.summary.lock().unwrap_or_else(|e| e.into_inner()) = Some(CachedSummary {
+            taken: Instant::now(),
+            now_ms,
+            routes: routes.clone(),
+        });
+        Ok((now_ms, routes))
+    }
+
+    /// The recorded metrics in Prometheus text, if metrics are on.
+    pub(crate) fn rendered_metrics(&self) -> Option<String> {
+        self.metrics.as_ref().map(|handle| {
+            self.engine.publish_gauges();
+            crate::telemetry::render(handle)
+        })
+    }
+
+    /// The routes, for listing targets; their counters start at 0 (see
+    /// [`crate::telemetry::register_routes`]).
     pub fn with_routes(mut self, routes: Arc<HashMap<String, Arc<Route>>>) -> Self {
+        crate::telemetry::register_routes(routes.keys().map(String::as_str));
         self.routes = Some(routes);
         self
     }
@@ -55,11 +102,12 @@ impl AdminState {
 
 pub fn router(state: AdminState) -> Router {
     let api = Router::new()
-        .route("/v1/messages", get(list).delete(cancel_by_key))
+        .route("/v1/messages", get(list).delete(cancel_by_key_or_purge))
         .route("/v1/messages/{id}", get(show).delete(cancel))
         .route("/v1/counts", get(counts))
         .layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
+        .merge(crate::status_page::routes())
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -72,6 +120,7 @@ pub fn router(state: AdminState) -> Router {
 }
 
 pub async fn serve(listener: tokio::net::TcpListener, state: AdminState, stop: CancellationToken) {
+    let sampler = tokio::spawn(crate::status_page::sample(state.clone(), stop.clone()));
     let app = router(state);
     if let Err(e) = axum::serve(listener, app)
         .with_graceful_shutdown(async move { stop.cancelled().await })
@@ -79,7 +128,11 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState, stop: C
     {
         tracing::error!(error = %e, "admin server failed");
     }
+    sampler.abort();
 }
+
+/// How long a due-time summary is reused.
+const SUMMARY_TTL: Duration = Duration::from_secs(1);
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
     ApiError::new(status, message).into_response()
@@ -152,18 +205,114 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     (status, Json(body)).into_response()
 }
 
-async fn metrics(State(state): State<AdminState>) -> Response {
-    match &state.metrics {
-        Some(handle) => {
-            state.engine.publish_gauges();
-            (
-                [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                crate::telemetry::render(handle),
-            )
-                .into_response()
+async fn metrics(State(state): State<AdminState>) -> Result<Response, ApiError> {
+    let Some(mut text) = state.rendered_metrics() else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "metrics are not enabled",
+        ));
+    };
+    let (now_ms, summaries) = state.due_summary().await?;
+    scrape_time_metrics(&mut text, &state, now_ms, &summaries);
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
+
+/// The metrics computed at each scrape (see `telemetry::METRICS`).
+fn scrape_time_metrics(out: &mut String, state: &AdminState, now_ms: u64, summaries: &Summaries) {
+    use crate::telemetry::write_family;
+    let one = |labels: &[&str], value: f64| (labels.iter().map(|l| l.to_string()).collect(), value);
+    let owners: Vec<_> = store_roles(state)
+        .into_iter()
+        .map(|(route, role)| one(&[&route], f64::from(u8::from(role == StoreRole::Owner))))
+        .collect();
+    write_family(out, "delayd_store_owner", &owners);
+    let next_due: Vec<_> = summaries
+        .iter()
+        .filter_map(|(route, s)| Some(one(&[route], s.next_due_ms? as f64 / 1000.0)))
+        .collect();
+    write_family(out, "delayd_next_due_timestamp_seconds", &next_due);
+    let overdue: Vec<_> = summaries
+        .iter()
+        .map(|(route, s)| {
+            let age = s.oldest_overdue_ms.map_or(0, |d| now_ms.saturating_sub(d));
+            one(&[route], age as f64 / 1000.0)
+        })
+        .collect();
+    write_family(out, "delayd_oldest_overdue_seconds", &overdue);
+    let mut connected = Vec::new();
+    for b in state.status.brokers() {
+        let consume = match b.consume {
+            "connected" => Some(1.0),
+            "disconnected" => Some(0.0),
+            _ => None,
+        };
+        let publish = match b.publish {
+            "connected" | "blocked" => Some(1.0),
+            "idle" => Some(0.0),
+            _ => None,
+        };
+        for (role, value) in [("consume", consume), ("publish", publish)] {
+            if let Some(v) = value {
+                connected.push(one(&[&b.name, role], v));
+            }
         }
-        None => error(StatusCode::SERVICE_UNAVAILABLE, "metrics are not enabled"),
     }
+    write_family(out, "delayd_broker_connected", &connected);
+    write_family(
+        out,
+        "delayd_build_info",
+        &[one(&[env!("CARGO_PKG_VERSION")], 1.0)],
+    );
+}
+
+/// What this instance is for a route on the broker-kept store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StoreRole {
+    /// Owns it (RabbitMQ) or consumes it in the group (Kafka).
+    Owner,
+    Standby,
+    Restoring,
+    /// Its state stream is missing: not consumed (see docs/broker-store.md).
+    StateMissing,
+    Starting,
+}
+
+impl StoreRole {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            StoreRole::Owner => "owner",
+            StoreRole::Standby => "standby",
+            StoreRole::Restoring => "restoring",
+            StoreRole::StateMissing => "state missing",
+            StoreRole::Starting => "starting",
+        }
+    }
+}
+
+/// Each broker-kept route's role here (none with the local store).
+pub(crate) fn store_roles(state: &AdminState) -> Vec<(String, StoreRole)> {
+    let store = state.status.store();
+    let Some(routes) = store.get("routes").and_then(|r| r.as_object()) else {
+        return Vec::new();
+    };
+    let intake = state.status.routes();
+    routes
+        .iter()
+        .map(|(name, detail)| {
+            let role = match (
+                detail.get("owner").and_then(|o| o.as_bool()),
+                intake.get(name),
+            ) {
+                (_, Some(RouteIntake::Standby)) => StoreRole::Standby,
+                (_, Some(RouteIntake::StateMissing)) => StoreRole::StateMissing,
+                (_, Some(RouteIntake::Restoring)) => StoreRole::Restoring,
+                (Some(true), _) | (None, Some(RouteIntake::Consuming)) => StoreRole::Owner,
+                (Some(false), _) => StoreRole::Standby,
+                _ => StoreRole::Starting,
+            };
+            (name.clone(), role)
+        })
+        .collect()
 }
 
 async fn counts(State(state): State<AdminState>) -> Response {
@@ -221,13 +370,13 @@ impl KeyParams {
 }
 
 /// An error answer: a status and `{"error": "..."}`.
-struct ApiError {
+pub(crate) struct ApiError {
     status: StatusCode,
     message: String,
 }
 
 impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
         Self {
             status,
             message: message.into(),
@@ -363,7 +512,7 @@ fn parse_cursor(s: &str) -> Option<(u64, u64)> {
 }
 
 /// One list row: metadata read from the stored record.
-fn summary(
+pub(crate) fn summary(
     engine: &Engine,
     routes: Option<&HashMap<String, Arc<Route>>>,
     info: &PendingInfo,
@@ -417,7 +566,7 @@ struct ShowParams {
 
 /// The local id of the pending message whose identity is `id` (as listed,
 /// and as its `x-delayd-id`).
-async fn resolve_id(engine: &Engine, id: &str) -> Result<u64, ApiError> {
+pub(crate) async fn resolve_id(engine: &Engine, id: &str) -> Result<u64, ApiError> {
     let uid: MessageId = id
         .parse()
         .map_err(|_| ApiError::no_such_id(format!("{id:?}")))?;
@@ -478,15 +627,125 @@ struct CancelByKeyParams {
     message_id: Option<String>,
     key: Option<String>,
     key_hex: Option<String>,
+    due_from: Option<u64>,
+    due_to: Option<u64>,
+    #[serde(default)]
+    dry_run: bool,
+}
+
+/// `DELETE /v1/messages?route=R&message_id=X` (or `key`, `key_hex`)
+/// cancels by key; `DELETE /v1/messages?route=R[&due_from=&due_to=]`
+/// without a key purges the route (see [`purge`]).
+async fn cancel_by_key_or_purge(
+    State(state): State<AdminState>,
+    query: Result<Query<CancelByKeyParams>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(p) = query?;
+    let keyed = p.message_id.is_some() || p.key.is_some() || p.key_hex.is_some();
+    if keyed {
+        if p.due_from.is_some() || p.due_to.is_some() || p.dry_run {
+            return Err(ApiError::bad_request(
+                "due_from, due_to and dry_run go with a purge (route alone), not with a key",
+            ));
+        }
+        return Ok(cancel_by_key(state, p).await?.into_response());
+    }
+    let Some(route) = p.route else {
+        return Err(ApiError::bad_request(
+            "give route (to purge it, optionally with due_from/due_to), route with message_id, key or key_hex, or DELETE /v1/messages/{id}",
+        ));
+    };
+    let configured = state
+        .routes
+        .as_ref()
+        .is_some_and(|r| r.contains_key(&route));
+    if !configured && state.engine.counts().iter().all(|(r, _)| **r != *route) {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no route {route:?}"),
+        ));
+    }
+    let purged = purge(&state.engine, route, p.due_from, p.due_to, p.dry_run).await?;
+    Ok(Json(purged).into_response())
+}
+
+/// Messages listed per walk of a purge.
+const PURGE_PAGE: usize = 10_000;
+/// Cancels of a purge waiting for their Done at once (one group commit
+/// makes many durable).
+const PURGE_CONCURRENCY: usize = 256;
+
+/// Cancel every pending message of `route` due within the window, each as
+/// `DELETE /v1/messages/{id}` would (a durable Done; a tombstone in the
+/// broker-kept store). Those being published are left (they are leaving
+/// anyway) and counted apart. `dry_run`: only count.
+async fn purge(
+    engine: &Engine,
+    route: String,
+    due_from: Option<u64>,
+    due_to: Option<u64>,
+    dry_run: bool,
+) -> Result<Purged, ApiError> {
+    use futures_util::stream::{self, StreamExt};
+    let mut result = Purged {
+        route: route.clone(),
+        due_from,
+        due_to,
+        dry_run,
+        matched: 0,
+        purged: 0,
+        in_flight: 0,
+    };
+    let mut after = None;
+    loop {
+        let query = ListQuery {
+            route: Some(route.clone()),
+            due_from,
+            due_to,
+            after,
+            limit: PURGE_PAGE,
+        };
+        let e = engine.clone();
+        let page = tokio::task::spawn_blocking(move || e.list(&query)).await?;
+        let Some(last) = page.last() else { break };
+        after = Some((last.due_ms, last.id));
+        let full = page.len() == PURGE_PAGE;
+        result.matched += page.len() as u64;
+        if !dry_run {
+            let outcomes: Vec<Result<bool, EngineError>> = stream::iter(page)
+                .map(|info| {
+                    let e = engine.clone();
+                    async move { e.cancel(info.id).await }
+                })
+                .buffer_unordered(PURGE_CONCURRENCY)
+                .collect()
+                .await;
+            for outcome in outcomes {
+                match outcome {
+                    Ok(true) => result.purged += 1,
+                    // Fired meanwhile.
+                    Ok(false) => {}
+                    Err(EngineError::InFlight(_)) => result.in_flight += 1,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        if !full {
+            break;
+        }
+    }
+    if result.purged > 0 {
+        tracing::warn!(route = %result.route, purged = result.purged, due_from, due_to, "purged pending messages through the admin API");
+    }
+    Ok(result)
 }
 
 /// `DELETE /v1/messages?route=R&message_id=X` (or `key=K`, `key_hex=HEX`):
 /// cancel every pending message on R with that key. 404 when none matches.
 async fn cancel_by_key(
-    State(state): State<AdminState>,
-    query: Result<Query<CancelByKeyParams>, QueryRejection>,
+    state: AdminState,
+    p: CancelByKeyParams,
 ) -> Result<Json<Cancelled>, ApiError> {
-    let Query(p) = query?;
     let key = KeyParams {
         message_id: p.message_id,
         key: p.key,
@@ -543,7 +802,7 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-fn rfc3339(ms: u64) -> String {
+pub(crate) fn rfc3339(ms: u64) -> String {
     chrono::DateTime::from_timestamp_millis(ms as i64)
         .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
         .unwrap_or_default()

@@ -126,6 +126,24 @@ pub enum CancelledIds {
     Many(Vec<String>),
 }
 
+/// `DELETE /v1/messages?route=R[&due_from=&due_to=][&dry_run=true]`: a purge.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Purged {
+    pub route: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub due_from: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub due_to: Option<u64>,
+    /// Only counted, nothing removed.
+    pub dry_run: bool,
+    /// Pending messages of the route within the window when it was walked.
+    pub matched: u64,
+    /// Cancelled (their Done records durable).
+    pub purged: u64,
+    /// Being published at the time: left to leave.
+    pub in_flight: u64,
+}
+
 /// Every error answer: `{"error": "..."}`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ApiErrorBody {

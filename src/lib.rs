@@ -8,7 +8,8 @@
 //! - [`config`]: figment defaults < file < environment.
 //! - [`runtime`]: `delayd run`, wiring the above to broker adapters.
 //! - [`admin`]: health, metrics and the `/v1/messages` API; [`messages`]
-//!   and [`client`]: the same API from the command line.
+//!   and [`client`]: the same API from the command line; [`healthcheck`]:
+//!   the probes from the command line.
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -18,12 +19,14 @@ pub mod client;
 pub mod config;
 pub mod engine;
 pub mod finisher;
+pub mod healthcheck;
 pub mod id;
 pub mod inspect;
 pub mod messages;
 pub mod route;
 pub mod runtime;
 pub mod status;
+pub mod status_page;
 pub mod store_inspect;
 pub mod telemetry;
 pub mod wal;

@@ -44,8 +44,11 @@ enum Command {
     },
     /// Load generator: publish delayed messages and measure their arrival.
     Bench(delayd::bench::BenchArgs),
-    /// List, show and cancel pending messages through the admin API.
+    /// List, show, cancel and purge pending messages through the admin API.
     Messages(delayd::messages::MessagesArgs),
+    /// Ask a running delayd whether it is alive (exit 0) or not (exit 1):
+    /// a container HEALTHCHECK or exec probe without curl.
+    Healthcheck(delayd::healthcheck::HealthcheckArgs),
 }
 
 #[derive(Subcommand)]
@@ -87,13 +90,17 @@ fn main() -> ExitCode {
             .and_then(|c| delayd::store_inspect::run(&c, json)),
         Command::Bench(args) => {
             // Warnings only (the report is the output); RUST_LOG overrides.
+            // lapin logs every channel the broker closes at ERROR, the
+            // expected NOT_FOUND of checking whether an exchange exists
+            // included; the bench reports its own failures.
             delayd::telemetry::init_logging(&delayd::config::LogSection {
-                level: "warn".into(),
+                level: "warn,lapin::channel=off".into(),
                 ..Default::default()
             });
             runtime().and_then(|rt| rt.block_on(delayd::bench::run(args)))
         }
         Command::Messages(args) => delayd::messages::run(args),
+        Command::Healthcheck(args) => delayd::healthcheck::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -127,6 +134,12 @@ fn check(path: Option<PathBuf>) -> anyhow::Result<()> {
         config.brokers.len(),
         config.routes.len()
     );
+    for (name, broker) in &config.brokers {
+        println!(
+            "  broker {name}: {}",
+            delayd::config::describe_broker(broker)
+        );
+    }
     for r in &config.routes {
         let from = r
             .from

@@ -1,4 +1,4 @@
-//! `delayd messages list|get|cancel`: the admin API from the command line.
+//! `delayd messages list|get|cancel|purge`: the admin API from the command line.
 //!
 //! The address comes from `--http`, else `http.listen` of `--config` (or the
 //! built-in default 127.0.0.1:9464); the token from `--token` /
@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use serde_json::Value;
 
-use crate::api::{ApiErrorBody, Cancelled, CancelledIds, MessagePage};
+use crate::api::{ApiErrorBody, Cancelled, CancelledIds, MessagePage, Purged};
 use crate::client::{encode_query_value, Client};
 use crate::config::Config;
 
@@ -83,12 +83,63 @@ pub enum MessagesCommand {
         #[arg(long)]
         route: Option<String>,
     },
+    /// Cancel every pending message of a route (optionally only those due
+    /// within a window). Says first how many it would remove; removes them
+    /// only with --yes.
+    Purge {
+        #[arg(long)]
+        route: String,
+        /// Only messages due at or after this (epoch ms).
+        #[arg(long)]
+        due_from: Option<u64>,
+        /// Only messages due at or before this (epoch ms).
+        #[arg(long)]
+        due_to: Option<u64>,
+        /// Remove them (without it, only count).
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 pub fn run(args: MessagesArgs) -> anyhow::Result<()> {
     let client = client(&args)?;
+    if let MessagesCommand::Purge {
+        route,
+        due_from,
+        due_to,
+        yes,
+    } = &args.command
+    {
+        return purge(&client, &args, route, *due_from, *due_to, *yes);
+    }
     let (method, path) = request(&args.command);
-    let response = client.request(method, &path)?;
+    let body = call(&client, method, &path)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(());
+    }
+    let unexpected = || format!("unexpected answer to {method} {path}");
+    match &args.command {
+        MessagesCommand::List { .. } => {
+            print_list(&serde_json::from_value(body).with_context(unexpected)?)
+        }
+        MessagesCommand::Get { .. } => println!("{}", serde_json::to_string_pretty(&body)?),
+        MessagesCommand::Purge { .. } => {}
+        MessagesCommand::Cancel { .. } => {
+            let done: Cancelled = serde_json::from_value(body).with_context(unexpected)?;
+            let ids = match done.cancelled {
+                CancelledIds::One(id) => vec![id],
+                CancelledIds::Many(ids) => ids,
+            };
+            println!("cancelled {}", ids.join(" "));
+        }
+    }
+    Ok(())
+}
+
+/// One request, its JSON answer, or the API's error.
+fn call(client: &Client, method: &str, path: &str) -> anyhow::Result<Value> {
+    let response = client.request(method, path)?;
     let body: Value = serde_json::from_slice(&response.body).with_context(|| {
         format!(
             "admin API answered {} with non-JSON: {}",
@@ -101,24 +152,60 @@ pub fn run(args: MessagesArgs) -> anyhow::Result<()> {
             .map_or_else(|_| "no message".to_owned(), |b| b.error);
         anyhow::bail!("{} {method} {path}: {message}", response.status);
     }
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&body)?);
-        return Ok(());
+    Ok(body)
+}
+
+/// `purge`: count first (a dry run), then remove only with `--yes`.
+fn purge(
+    client: &Client,
+    args: &MessagesArgs,
+    route: &str,
+    due_from: Option<u64>,
+    due_to: Option<u64>,
+    yes: bool,
+) -> anyhow::Result<()> {
+    let dry = MessagesCommand::Purge {
+        route: route.to_owned(),
+        due_from,
+        due_to,
+        yes: false,
+    };
+    let (method, path) = request(&dry);
+    let counted: Purged = serde_json::from_value(call(client, method, &path)?)
+        .with_context(|| format!("unexpected answer to {method} {path}"))?;
+    let window = match (due_from, due_to) {
+        (None, None) => String::new(),
+        (from, to) => format!(
+            " due {}to {}",
+            from.map(|f| format!("from {f} ")).unwrap_or_default(),
+            to.map_or("any time".to_owned(), |t| t.to_string())
+        ),
+    };
+    if args.json && !yes {
+        println!("{}", serde_json::to_string_pretty(&counted)?);
+    } else {
+        println!(
+            "route {route}: {} pending message(s){window} would be removed",
+            counted.matched
+        );
     }
-    let unexpected = || format!("unexpected answer to {method} {path}");
-    match &args.command {
-        MessagesCommand::List { .. } => {
-            print_list(&serde_json::from_value(body).with_context(unexpected)?)
+    if !yes {
+        anyhow::bail!("nothing removed: run again with --yes to remove them");
+    }
+    let (method, path) = request(&args.command);
+    let done: Purged = serde_json::from_value(call(client, method, &path)?)
+        .with_context(|| format!("unexpected answer to {method} {path}"))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&done)?);
+    } else {
+        print!("route {route}: removed {}", done.purged);
+        if done.in_flight > 0 {
+            print!(
+                " ({} being published were left: they are leaving)",
+                done.in_flight
+            );
         }
-        MessagesCommand::Get { .. } => println!("{}", serde_json::to_string_pretty(&body)?),
-        MessagesCommand::Cancel { .. } => {
-            let done: Cancelled = serde_json::from_value(body).with_context(unexpected)?;
-            let ids = match done.cancelled {
-                CancelledIds::One(id) => vec![id],
-                CancelledIds::Many(ids) => ids,
-            };
-            println!("cancelled {}", ids.join(" "));
-        }
+        println!();
     }
     Ok(())
 }
@@ -184,6 +271,18 @@ fn request(command: &MessagesCommand) -> (&'static str, String) {
             add("route", route.clone());
             add("message_id", message_id.clone());
             add("key", key.clone());
+            ("DELETE", "/v1/messages".to_owned())
+        }
+        MessagesCommand::Purge {
+            route,
+            due_from,
+            due_to,
+            yes,
+        } => {
+            add("route", Some(route.clone()));
+            add("due_from", due_from.map(|v| v.to_string()));
+            add("due_to", due_to.map(|v| v.to_string()));
+            add("dry_run", (!yes).then(|| "true".to_owned()));
             ("DELETE", "/v1/messages".to_owned())
         }
     };

@@ -32,6 +32,10 @@ pub enum RouteIntake {
     /// Broker-kept store, RabbitMQ: another instance owns the route; this
     /// one waits to take over (ready: nothing is lost by waiting).
     Standby,
+    /// Broker-kept store, RabbitMQ: a state stream the route's pointer
+    /// names is missing; the route is not consumed rather than started
+    /// without its pending messages (not ready).
+    StateMissing,
     Consuming,
 }
 

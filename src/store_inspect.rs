@@ -14,7 +14,6 @@ use delayd_adapters::kafka::StateTopic;
 use serde::Serialize;
 
 use crate::config::{Config, StoreKind};
-use crate::runtime::kafka_client;
 
 #[derive(Debug, Default, Serialize)]
 struct PartitionReport {
@@ -63,14 +62,13 @@ pub fn run(config: &Config, json: bool) -> anyhow::Result<()> {
     let mut report = BTreeMap::new();
     for route in &config.routes {
         let topic = config.store.topic(&route.name);
-        let r = match config.broker(&route.from.broker) {
-            Some(crate::config::BrokerConfig::Amqp { url }) => inspect_streams(url, &topic)
-                .with_context(|| format!("route {}: reading {topic}", route.name))?,
-            broker => {
-                let client = broker
-                    .and_then(kafka_client)
-                    .with_context(|| format!("route {}: no such broker", route.name))?;
-                inspect_topic(&client, &topic)?
+        let r = match config.connection(&route.from.broker)? {
+            crate::config::BrokerConnection::Amqp(settings) => {
+                inspect_streams(&settings, &topic)
+                    .with_context(|| format!("route {}: reading {topic}", route.name))?
+            }
+            crate::config::BrokerConnection::Kafka(client) => {
+                inspect_topic(&client.named("delayd-store-inspect"), &topic)?
             }
         };
         report.insert(route.name.clone(), r);
@@ -134,16 +132,20 @@ fn inspect_topic(
 
 /// The live set of the generation the pointer names (a checkpoint being
 /// written at this moment is not looked at).
-fn inspect_streams(url: &str, pointer: &str) -> anyhow::Result<RouteReport> {
+fn inspect_streams(
+    settings: &delayd_adapters::amqp::AmqpSettings,
+    pointer: &str,
+) -> anyhow::Result<RouteReport> {
     use delayd_adapters::amqp::state::{StateNames, StateSession};
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let broker = delayd_adapters::amqp::Broker::new(
-            url,
+        let endpoints = delayd_adapters::amqp::Endpoints::new(settings)?;
+        let broker = delayd_adapters::amqp::Broker::with_endpoints(
+            std::sync::Arc::new(endpoints),
             delayd_adapters::amqp::BrokerOptions::named("delayd-store-inspect"),
-        )?;
+        );
         let names = StateNames::new(pointer);
         let session = StateSession::observe(broker.open_dedicated().await?, &names).await?;
         let mut r = RouteReport {
@@ -152,7 +154,7 @@ fn inspect_streams(url: &str, pointer: &str) -> anyhow::Result<RouteReport> {
             partitions: BTreeMap::new(),
             streams: true,
         };
-        if let Some(generation) = session.current_generation().await? {
+        if let (Some(generation), _) = session.current_generation().await? {
             let mut live = std::collections::HashMap::new();
             let mut order = Vec::new();
             session

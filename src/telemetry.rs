@@ -48,120 +48,210 @@ pub fn init_metrics() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
-/// HELP text for every metric delayd exports (docs/metrics.md has the
-/// same table). Counters end in `_total`; units are in the name.
-fn describe_metrics() {
-    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
-    let per_route = [
-        ("delayd_scheduled_total", "Messages stored and armed."),
-        ("delayd_fired_total", "Messages published to their target."),
-        (
-            "delayd_invalid_total",
-            "Messages sent to the route's invalid destination.",
-        ),
-        (
-            "delayd_unroutable_total",
-            "Due messages sent to the unroutable destination.",
-        ),
-        (
-            "delayd_parked_total",
-            "Retry-mode messages parked after their last attempt.",
-        ),
-        (
-            "delayd_cancelled_total",
-            "Messages cancelled through the admin API or a Kafka tombstone.",
-        ),
-        (
-            "delayd_handed_off_total",
-            "Messages retired after being handed back to their ingress.",
-        ),
-        (
-            "delayd_released_total",
-            "Messages left to another instance when their Kafka partition was revoked (broker-kept store).",
-        ),
-        (
-            "delayd_store_restored_total",
-            "Pending messages read back from the state topic when a partition was assigned.",
-        ),
-        (
-            "delayd_store_records_skipped_total",
-            "Undecodable records (not written by delayd) skipped while reading the route's state streams.",
-        ),
-        (
-            "delayd_store_write_failures_total",
-            "State topic writes (Schedule or tombstone) that failed.",
-        ),
-        (
-            "delayd_publish_retries_total",
-            "Publishes that failed and were re-armed with back-off.",
-        ),
-        (
-            "delayd_store_failures_total",
-            "Deliveries that could not be stored (held, not acked).",
-        ),
-        (
-            "delayd_backpressure_held_total",
-            "Deliveries held while the route was paused.",
-        ),
-    ];
-    for (name, help) in per_route {
-        describe_counter!(name, help);
+/// A metric's type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
     }
-    describe_counter!(
-        "delayd_redeliveries_deduplicated_total",
-        "Broker redeliveries recognised as already stored."
-    );
-    describe_counter!(
-        "delayd_handoff_messages_total",
-        "Messages handed back to their ingress at shutdown."
-    );
-    describe_counter!(
-        "delayd_store_writes_total",
-        "State topic records written, per route and kind (schedule, tombstone)."
-    );
-    describe_gauge!(
-        "delayd_store_restoring_partitions",
-        "Partitions whose pending messages are being restored from the state topic."
-    );
-    describe_counter!(
-        "delayd_wal_fsyncs_total",
-        "Group commits (fdatasync) of the WAL."
-    );
-    describe_counter!(
-        "delayd_wal_written_bytes_total",
-        Unit::Bytes,
-        "Bytes written to the WAL."
-    );
-    describe_counter!("delayd_wal_compactions_total", "WAL segments compacted.");
-    describe_counter!(
-        "delayd_wal_corrupt_frames_total",
-        "Damaged WAL frames found by recovery."
-    );
-    describe_gauge!(
-        "delayd_pending_messages",
-        "Messages waiting or being published, per route."
-    );
-    describe_gauge!(
-        "delayd_backpressure",
-        "1 while the route's intake is paused."
-    );
-    describe_gauge!("delayd_wal_bytes", Unit::Bytes, "WAL size on disk.");
-    describe_gauge!(
-        "delayd_wal_live_bytes",
-        Unit::Bytes,
-        "WAL bytes still needed."
-    );
-    describe_gauge!("delayd_wal_segments", "WAL segment files.");
-    describe_histogram!(
-        "delayd_lateness_seconds",
-        Unit::Seconds,
-        "How long after its due time a message was handed to its target."
-    );
-    describe_histogram!(
-        "delayd_wal_fsync_seconds",
-        Unit::Seconds,
-        "Duration of one WAL group commit."
-    );
+}
+
+/// One metric delayd exports: docs/metrics.md has a row for each (a unit
+/// test holds the two together), and the HELP line is `help`.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricDef {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub labels: &'static [&'static str],
+    pub help: &'static str,
+    /// Computed at each scrape by the admin API rather than recorded as
+    /// things happen (see [`write_family`]).
+    pub at_scrape: bool,
+}
+
+const fn def(
+    name: &'static str,
+    kind: Kind,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> MetricDef {
+    MetricDef {
+        name,
+        kind,
+        labels,
+        help,
+        at_scrape: false,
+    }
+}
+
+const fn scraped(
+    name: &'static str,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> MetricDef {
+    MetricDef {
+        name,
+        kind: Kind::Gauge,
+        labels,
+        help,
+        at_scrape: true,
+    }
+}
+
+use Kind::{Counter, Gauge, Histogram};
+
+const ROUTE: &[&str] = &["route"];
+
+/// Every `delayd_*` metric, in the order of docs/metrics.md.
+pub const METRICS: &[MetricDef] = &[
+    def("delayd_pending_messages", Gauge, ROUTE, "Messages waiting or being published, per route."),
+    def("delayd_scheduled_total", Counter, ROUTE, "Messages stored and armed."),
+    def("delayd_fired_total", Counter, ROUTE, "Messages published to their target."),
+    def("delayd_invalid_total", Counter, ROUTE, "Messages sent to the route's invalid destination."),
+    def("delayd_unroutable_total", Counter, ROUTE, "Due messages sent to the unroutable destination."),
+    def("delayd_parked_total", Counter, ROUTE, "Retry-mode messages parked after their last attempt."),
+    def("delayd_cancelled_total", Counter, ROUTE, "Messages cancelled or purged through the admin API, or cancelled by a Kafka tombstone."),
+    def("delayd_handed_off_total", Counter, ROUTE, "Messages retired after being handed back to their ingress."),
+    def("delayd_handoff_messages_total", Counter, &[], "Messages handed back to their ingress at shutdown."),
+    def("delayd_released_total", Counter, ROUTE, "Broker-kept store: messages left to the next owner (a revoked Kafka partition, a lost RabbitMQ route lock)."),
+    def("delayd_store_restored_total", Counter, ROUTE, "Broker-kept store: pending messages read back from the state topic or state streams."),
+    def("delayd_store_records_skipped_total", Counter, ROUTE, "Undecodable records (not written by delayd) skipped while reading the route's state streams."),
+    def(
+        "delayd_store_pointer_repairs_total",
+        Counter,
+        ROUTE,
+        "Broker-kept store (RabbitMQ): elections that found the route's two pointer streams disagreeing and wrote both again.",
+    ),
+    def(
+        "delayd_store_state_missing",
+        Gauge,
+        ROUTE,
+        "Broker-kept store (RabbitMQ): 1 while the generation stream the pointers name is missing (the route is not consumed).",
+    ),
+    def(
+        "delayd_clock_behind_broker_seconds",
+        Gauge,
+        ROUTE,
+        "How far the last broker time seen ahead of this host's clock (by more than 1 s) was ahead.",
+    ),
+    def("delayd_store_restoring_partitions", Gauge, ROUTE, "Broker-kept store: partitions (Kafka) or routes (RabbitMQ) being restored now."),
+    def("delayd_store_writes_total", Counter, &["route", "kind"], "Broker-kept store: state records written, per kind (schedule; tombstone on Kafka, done on RabbitMQ)."),
+    def("delayd_store_write_failures_total", Counter, ROUTE, "Broker-kept store: state writes that failed."),
+    scraped("delayd_store_owner", ROUTE, "Broker-kept store: 1 while this instance owns the route (RabbitMQ) or consumes it in the group (Kafka), 0 while it is a standby or starting."),
+    def("delayd_publish_retries_total", Counter, ROUTE, "Publishes that failed and were re-armed with back-off."),
+    def("delayd_store_failures_total", Counter, ROUTE, "Deliveries that could not be stored (held, not acked)."),
+    def("delayd_backpressure", Gauge, ROUTE, "1 while the route's intake is paused."),
+    def("delayd_backpressure_held_total", Counter, ROUTE, "Deliveries held while the route was paused."),
+    def("delayd_redeliveries_deduplicated_total", Counter, ROUTE, "Broker redeliveries recognised as already stored."),
+    def("delayd_lateness_seconds", Histogram, ROUTE, "How long after its due time a message was handed to its target."),
+    scraped("delayd_next_due_timestamp_seconds", ROUTE, "Due time (Unix seconds) of the route's earliest pending message; absent when none is pending."),
+    scraped("delayd_oldest_overdue_seconds", ROUTE, "How long the route's oldest message past its due time has been waiting; 0 when none is."),
+    scraped("delayd_broker_connected", &["broker", "role"], "1 while the broker connection for the role (consume, publish) is open, 0 while it is not."),
+    scraped("delayd_build_info", &["version"], "Always 1; the version of the running delayd."),
+    def("delayd_wal_bytes", Gauge, &[], "WAL size on disk."),
+    def("delayd_wal_live_bytes", Gauge, &[], "WAL bytes still needed."),
+    def("delayd_wal_segments", Gauge, &[], "WAL segment files."),
+    def("delayd_wal_fsync_seconds", Histogram, &[], "Duration of one WAL group commit."),
+    def("delayd_wal_fsyncs_total", Counter, &[], "Group commits (fdatasync) of the WAL."),
+    def("delayd_wal_written_bytes_total", Counter, &[], "Bytes written to the WAL."),
+    def("delayd_wal_compactions_total", Counter, &[], "WAL segments compacted."),
+    def("delayd_wal_corrupt_frames_total", Counter, &[], "Damaged WAL frames found by recovery."),
+];
+
+/// The definition of metric `name`, if delayd exports it.
+pub fn metric(name: &str) -> Option<&'static MetricDef> {
+    METRICS.iter().find(|m| m.name == name)
+}
+
+/// Start every per-route counter of `routes` at 0, and the backpressure
+/// gauge, so their series exist from the start: `increase()` then sees a
+/// route's first invalid message, and a dashboard shows 0 rather than no
+/// data. (The lateness histogram appears with the first delivery.)
+pub fn register_routes<'a>(routes: impl IntoIterator<Item = &'a str>) {
+    for route in routes {
+        for m in METRICS.iter().filter(|m| !m.at_scrape && m.labels == ROUTE) {
+            match m.kind {
+                Kind::Counter => {
+                    metrics::counter!(m.name, "route" => route.to_owned()).increment(0)
+                }
+                Kind::Gauge if m.name == "delayd_backpressure" => {
+                    metrics::gauge!(m.name, "route" => route.to_owned()).increment(0.0)
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// HELP text for every recorded metric (the scrape-time ones carry theirs
+/// in [`write_family`]).
+fn describe_metrics() {
+    for m in METRICS.iter().filter(|m| !m.at_scrape) {
+        let unit = if m.name.ends_with("_seconds") {
+            Some(metrics::Unit::Seconds)
+        } else if m.name.ends_with("_bytes") || m.name.ends_with("_bytes_total") {
+            Some(metrics::Unit::Bytes)
+        } else {
+            None
+        };
+        match (m.kind, unit) {
+            (Kind::Counter, Some(u)) => metrics::describe_counter!(m.name, u, m.help),
+            (Kind::Counter, None) => metrics::describe_counter!(m.name, m.help),
+            (Kind::Gauge, Some(u)) => metrics::describe_gauge!(m.name, u, m.help),
+            (Kind::Gauge, None) => metrics::describe_gauge!(m.name, m.help),
+            (Kind::Histogram, Some(u)) => metrics::describe_histogram!(m.name, u, m.help),
+            (Kind::Histogram, None) => metrics::describe_histogram!(m.name, m.help),
+        }
+    }
+}
+
+/// Append one scrape-time family (`# HELP`, `# TYPE` and its samples) in
+/// Prometheus text. Each sample is its label values, in the order of the
+/// definition's labels, and its value. Nothing is written without samples.
+pub fn write_family(out: &mut String, name: &str, samples: &[(Vec<String>, f64)]) {
+    use std::fmt::Write;
+    let Some(m) = metric(name) else {
+        debug_assert!(false, "{name} is not in METRICS");
+        return;
+    };
+    if samples.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "# HELP {} {}", m.name, m.help);
+    let _ = writeln!(out, "# TYPE {} {}", m.name, m.kind.as_str());
+    for (values, value) in samples {
+        debug_assert_eq!(values.len(), m.labels.len(), "{name}");
+        out.push_str(m.name);
+        if !values.is_empty() {
+            out.push('{');
+            for (i, (label, v)) in m.labels.iter().zip(values).enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                let _ = write!(out, "{label}=\"{}\"", escape_label(v));
+            }
+            out.push('}');
+        }
+        let _ = writeln!(out, " {value}");
+    }
+    out.push('\n');
+}
+
+/// A label value in Prometheus text: backslash, quote and newline escaped.
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// The standard process metrics (`process_cpu_seconds_total`,
@@ -169,10 +259,23 @@ fn describe_metrics() {
 static PROCESS: std::sync::LazyLock<metrics_process::Collector> =
     std::sync::LazyLock::new(metrics_process::Collector::default);
 
-/// Everything in Prometheus text, the process metrics read just now.
+/// Everything recorded, in Prometheus text, the process metrics read just
+/// now.
 pub fn render(handle: &PrometheusHandle) -> String {
     PROCESS.collect();
-    handle.render()
+    cpu_seconds_as_counter(handle.render())
+}
+
+/// `process_cpu_seconds_total` is recorded as a gauge, because the
+/// recorder's counters hold whole numbers and CPU seconds need their
+/// fractions; it only ever grows, so it is typed a counter, as every
+/// Prometheus client library types it (`rate()` needs that).
+fn cpu_seconds_as_counter(text: String) -> String {
+    text.replacen(
+        "# TYPE process_cpu_seconds_total gauge",
+        "# TYPE process_cpu_seconds_total counter",
+        1,
+    )
 }
 
 static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
@@ -180,4 +283,91 @@ static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new(
 /// The handle installed by [`init_metrics`], if any.
 pub fn metrics_handle() -> Option<PrometheusHandle> {
     HANDLE.get().cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// docs/metrics.md's delayd table: (name, type, labels) per row.
+    fn documented() -> Vec<(String, String, Vec<String>)> {
+        let doc = include_str!("../docs/metrics.md");
+        let table = doc
+            .split("## delayd")
+            .nth(1)
+            .and_then(|t| t.split("\n## ").next())
+            .expect("docs/metrics.md has a '## delayd' section");
+        table
+            .lines()
+            .filter(|l| l.starts_with("| `"))
+            .map(|l| {
+                let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+                let labels = cells[3]
+                    .split(',')
+                    .map(|c| c.trim().trim_matches('`').to_owned())
+                    .filter(|c| !c.is_empty())
+                    .collect();
+                (
+                    cells[1].trim_matches('`').to_owned(),
+                    cells[2].to_owned(),
+                    labels,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn docs_metrics_md_lists_every_metric_with_its_type_and_labels() {
+        let from_code: Vec<(String, String, Vec<String>)> = METRICS
+            .iter()
+            .map(|m| {
+                (
+                    m.name.to_owned(),
+                    m.kind.as_str().to_owned(),
+                    m.labels.iter().map(|l| l.to_string()).collect(),
+                )
+            })
+            .collect();
+        assert_eq!(documented(), from_code);
+    }
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        for m in METRICS {
+            assert!(m.name.starts_with("delayd_"), "{}", m.name);
+            assert_eq!(
+                m.kind == Kind::Counter,
+                m.name.ends_with("_total"),
+                "{}: counters, and only they, end in _total",
+                m.name
+            );
+            assert!(m.help.ends_with('.'), "{}", m.name);
+        }
+    }
+
+    #[test]
+    fn process_cpu_seconds_is_typed_a_counter() {
+        let text = "# HELP process_cpu_seconds_total x\n# TYPE process_cpu_seconds_total gauge\nprocess_cpu_seconds_total 1.25\n# TYPE process_threads gauge\n";
+        let out = cpu_seconds_as_counter(text.to_owned());
+        assert!(out.contains("# TYPE process_cpu_seconds_total counter\n"));
+        assert!(out.contains("process_cpu_seconds_total 1.25\n"));
+        assert!(out.contains("# TYPE process_threads gauge\n"));
+    }
+
+    #[test]
+    fn scrape_time_families_are_written_with_help_type_and_escaped_labels() {
+        let mut out = String::new();
+        write_family(
+            &mut out,
+            "delayd_broker_connected",
+            &[(vec!["rab\"bit".into(), "consume".into()], 1.0)],
+        );
+        write_family(&mut out, "delayd_oldest_overdue_seconds", &[]);
+        assert_eq!(
+            out,
+            "# HELP delayd_broker_connected 1 while the broker connection for the role (consume, publish) is open, 0 while it is not.\n\
+             # TYPE delayd_broker_connected gauge\n\
+             delayd_broker_connected{broker=\"rab\\\"bit\",role=\"consume\"} 1\n\n"
+        );
+    }
 }

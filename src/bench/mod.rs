@@ -397,12 +397,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if let (Some(scraper), Some(before)) = (scraper, before) {
         let after = scraper.sample().await?;
         report.delayd_cpu_us_per_message =
-            Some(scrape::cpu_us_per_message(before, after, report.received));
+            scrape::cpu_us_per_message(before, after, report.received);
         report.delayd_resident_bytes = Some(after.resident_bytes);
     }
     if let (Some(before), Some(after)) = (own_cpu_before, scrape::own_cpu_seconds()) {
-        report.bench_cpu_us_per_message =
-            Some((after - before) * 1e6 / report.received.max(1) as f64);
+        report.bench_cpu_us_per_message = scrape::us_per_message(after - before, report.received);
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -423,14 +422,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             report.duplicates_same_id,
             report.duplicates_different_id
         );
-        if let (Some(cpu), Some(rss)) = (
-            report.delayd_cpu_us_per_message,
-            report.delayd_resident_bytes,
-        ) {
-            println!(
-                "delayd: {cpu:.1} us CPU per message, {:.1} MB resident",
-                rss / 1e6
-            );
+        if let Some(rss) = report.delayd_resident_bytes {
+            match report.delayd_cpu_us_per_message {
+                Some(cpu) => println!(
+                    "delayd: {cpu:.1} us CPU per message, {:.1} MB resident",
+                    rss / 1e6
+                ),
+                None => println!(
+                    "delayd: {:.1} MB resident (CPU per message needs a run of at least {} s of CPU)",
+                    rss / 1e6,
+                    scrape::MIN_CPU_SECONDS
+                ),
+            }
         }
         if let Some(own) = report.bench_cpu_us_per_message {
             match report.delayd_cpu_us_per_message {

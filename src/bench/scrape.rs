@@ -93,14 +93,40 @@ fn parse_stat_cpu(stat: &str, ticks_per_second: u64) -> Option<f64> {
     Some((utime + stime) as f64 / ticks_per_second.max(1) as f64)
 }
 
-/// CPU microseconds per message between two samples.
-pub fn cpu_us_per_message(before: ProcessSample, after: ProcessSample, messages: u64) -> f64 {
-    (after.cpu_seconds - before.cpu_seconds) * 1e6 / messages.max(1) as f64
+/// The least CPU time a per-message figure is drawn from: the kernel counts
+/// CPU time in clock ticks (10 ms at the usual 100 Hz), so a run of 20
+/// messages shows 0 or 10 or 20 ms, and "1000 us per message" would mean
+/// nothing. A second of CPU is 100 ticks: within 1 %.
+pub const MIN_CPU_SECONDS: f64 = 1.0;
+
+/// CPU microseconds per message for `cpu_seconds` over `messages`, or
+/// `None` when too little CPU was counted to mean anything
+/// ([`MIN_CPU_SECONDS`]).
+pub fn us_per_message(cpu_seconds: f64, messages: u64) -> Option<f64> {
+    (cpu_seconds >= MIN_CPU_SECONDS && messages > 0).then(|| cpu_seconds * 1e6 / messages as f64)
+}
+
+/// delayd's CPU microseconds per message between two samples (see
+/// [`us_per_message`]).
+pub fn cpu_us_per_message(
+    before: ProcessSample,
+    after: ProcessSample,
+    messages: u64,
+) -> Option<f64> {
+    us_per_message(after.cpu_seconds - before.cpu_seconds, messages)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_per_message_figure_needs_a_second_of_cpu() {
+        assert_eq!(us_per_message(0.02, 20), None);
+        assert_eq!(us_per_message(0.99, 100_000), None);
+        assert_eq!(us_per_message(2.0, 100_000), Some(20.0));
+        assert_eq!(us_per_message(2.0, 0), None);
+    }
 
     #[test]
     fn stat_cpu_is_utime_plus_stime_counted_from_the_last_paren() {
@@ -170,9 +196,15 @@ mod tests {
             resident_bytes: 0.0,
         };
         let b = ProcessSample {
+            cpu_seconds: 2.5,
+            resident_bytes: 0.0,
+        };
+        assert_eq!(cpu_us_per_message(a, b, 5000), Some(300.0));
+        // Half a second of CPU is too little to mean anything.
+        let c = ProcessSample {
             cpu_seconds: 1.5,
             resident_bytes: 0.0,
         };
-        assert_eq!(cpu_us_per_message(a, b, 5000), 100.0);
+        assert_eq!(cpu_us_per_message(a, c, 5000), None);
     }
 }

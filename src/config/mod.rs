@@ -3,7 +3,9 @@
 //!
 //! Errors name the key and where its value came from (file or variable).
 
+mod connections;
 mod duration;
+mod secrets;
 mod validate;
 
 use std::collections::BTreeMap;
@@ -16,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::wal::OnCorruption;
 
+pub use connections::{describe_broker, BrokerConnection};
 pub use validate::ConfigError;
 
 /// The whole configuration. Every field has a default except `routes`.
@@ -29,6 +32,9 @@ pub struct Config {
     pub log: LogSection,
     pub brokers: BTreeMap<String, BrokerConfig>,
     pub routes: Vec<RouteConfig>,
+    /// The file this was loaded from, for errors found after loading.
+    #[serde(skip)]
+    pub file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -54,6 +60,12 @@ pub struct WalSection {
     /// from arrival, so deliveries are not delayed by it. Default 5 ms.
     #[serde(with = "duration")]
     pub commit_delay: Duration,
+    /// How long a delivered message's Done may wait, unwritten, to ride the
+    /// next group commit instead of costing an fdatasync of its own. A Done
+    /// not durable when delayd is killed is a duplicate after the restart
+    /// (same `x-delayd-id`). Default 2 ms.
+    #[serde(with = "duration")]
+    pub done_wait: Duration,
 }
 
 impl Default for WalSection {
@@ -66,6 +78,7 @@ impl Default for WalSection {
             compact_below: 0.5,
             on_corruption: OnCorruption::Skip,
             commit_delay: Duration::from_millis(5),
+            done_wait: Duration::from_millis(2),
         }
     }
 }
@@ -147,6 +160,10 @@ pub struct StoreSection {
     /// records copied into a new one, the old one deleted) once it holds
     /// more than twice the live set plus this many records.
     pub checkpoint_records: u64,
+    /// Kafka state topics delayd creates get this many replicas. Unset: the
+    /// cluster's `default.replication.factor`. Either way a cluster that
+    /// cannot meet it is an error at start, never a quiet single replica.
+    pub replication_factor: Option<u16>,
 }
 
 impl Default for StoreSection {
@@ -155,6 +172,7 @@ impl Default for StoreSection {
             kind: StoreKind::Local,
             topic_prefix: "delayd.state.".into(),
             checkpoint_records: 20_000,
+            replication_factor: None,
         }
     }
 }
@@ -246,28 +264,139 @@ impl Default for LogSection {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+#[serde(tag = "kind", rename_all = "lowercase")]
 pub enum BrokerConfig {
-    Amqp {
-        /// amqp://user:pass@host:port/vhost (vhost `/` is `%2f`).
-        url: String,
-    },
-    Kafka {
-        /// Comma-separated host:port list.
-        bootstrap: String,
-        /// Extra librdkafka properties (`security.protocol`, `sasl.*`,
-        /// ...), for both consumer and producer.
-        #[serde(default)]
-        properties: BTreeMap<String, String>,
-        /// Consumer-only librdkafka properties (`fetch.wait.max.ms`,
-        /// `session.timeout.ms`, ...), over `properties`.
-        #[serde(default)]
-        consumer_properties: BTreeMap<String, String>,
-        /// Producer-only librdkafka properties (`linger.ms`, ...), over
-        /// `properties`.
-        #[serde(default)]
-        producer_properties: BTreeMap<String, String>,
-    },
+    Amqp(AmqpBrokerConfig),
+    Kafka(KafkaBrokerConfig),
+}
+
+/// `[brokers.NAME]` with `kind = "amqp"`: one RabbitMQ broker or cluster.
+/// Give exactly one of `url`, `urls` or `url_file`.
+#[derive(Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AmqpBrokerConfig {
+    /// amqp://user:pass@host:port/vhost (vhost `/` is `%2f`), or amqps://.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Several endpoints (a cluster's nodes): each (re)connect tries them in
+    /// order and keeps the first that answers.
+    #[serde(default)]
+    pub urls: Vec<String>,
+    /// A file holding the URL, or several, one per line (a mounted secret).
+    #[serde(default)]
+    pub url_file: Option<PathBuf>,
+    /// A file holding the password (its first line), used with every URL,
+    /// which then carries none.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// TLS for amqps:// URLs (without it: the system's CAs, no client
+    /// certificate).
+    #[serde(default)]
+    pub tls: Option<AmqpTlsConfig>,
+}
+
+impl std::fmt::Debug for AmqpBrokerConfig {
+    // URLs may hold a password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use delayd_adapters::amqp::redact_url;
+        f.debug_struct("AmqpBrokerConfig")
+            .field("url", &self.url.as_deref().map(redact_url))
+            .field(
+                "urls",
+                &self.urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>(),
+            )
+            .field("url_file", &self.url_file)
+            .field("password_file", &self.password_file)
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
+/// How delayd logs in to RabbitMQ.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AmqpAuth {
+    /// User name and password (SASL PLAIN), from the URL and `password_file`.
+    #[default]
+    Plain,
+    /// The TLS client certificate names the user (SASL EXTERNAL, RabbitMQ's
+    /// `rabbitmq_auth_mechanism_ssl` plugin).
+    External,
+}
+
+/// `[brokers.NAME.tls]`: what an amqps:// connection trusts and presents.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AmqpTlsConfig {
+    /// CA certificates (PEM) the broker's certificate must chain to,
+    /// instead of the system's.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate (PEM, leaf first), for brokers that verify
+    /// peers and for `auth = "external"`.
+    pub cert_file: Option<PathBuf>,
+    /// The client certificate's private key (PEM, unencrypted).
+    pub key_file: Option<PathBuf>,
+    /// The name the broker's certificate must be valid for, when it is not
+    /// the URL's host (an IP address, a load balancer).
+    pub server_name: Option<String>,
+    /// `plain` (user and password) or `external` (the client certificate).
+    pub auth: AmqpAuth,
+    /// Verify the broker's certificate. Turning it off accepts any
+    /// certificate (a man in the middle too) and logs a warning at start.
+    pub verify_peer: bool,
+}
+
+impl Default for AmqpTlsConfig {
+    fn default() -> Self {
+        Self {
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            server_name: None,
+            auth: AmqpAuth::Plain,
+            verify_peer: true,
+        }
+    }
+}
+
+/// `[brokers.NAME]` with `kind = "kafka"`. Property values may be
+/// `${file:PATH}` or `${env:NAME}` (the whole value), read at start.
+#[derive(Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaBrokerConfig {
+    /// Comma-separated host:port list.
+    pub bootstrap: String,
+    /// librdkafka `client.id` of every client of this broker. Default:
+    /// `delayd-<route>` for a route's consumer and state topic,
+    /// `delayd-<broker>` for the producer the routes share.
+    #[serde(default)]
+    pub client_id: Option<String>,
+    /// Extra librdkafka properties (`security.protocol`, `sasl.*`,
+    /// ...), for both consumer and producer.
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+    /// Consumer-only librdkafka properties (`fetch.wait.max.ms`,
+    /// `session.timeout.ms`, ...), over `properties`.
+    #[serde(default)]
+    pub consumer_properties: BTreeMap<String, String>,
+    /// Producer-only librdkafka properties (`linger.ms`, ...), over
+    /// `properties`.
+    #[serde(default)]
+    pub producer_properties: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for KafkaBrokerConfig {
+    // Properties may hold secrets (sasl.password, ssl.key.pem, ...).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let keys = |m: &BTreeMap<String, String>| m.keys().cloned().collect::<Vec<_>>();
+        f.debug_struct("KafkaBrokerConfig")
+            .field("bootstrap", &self.bootstrap)
+            .field("client_id", &self.client_id)
+            .field("properties", &keys(&self.properties))
+            .field("consumer_properties", &keys(&self.consumer_properties))
+            .field("producer_properties", &keys(&self.producer_properties))
+            .finish()
+    }
 }
 
 /// Type of a source exchange delayd declares (names as AMQP spells them).
@@ -506,14 +635,19 @@ impl Config {
         }
         // DELAYD_CONFIG names the file (the CLI reads it), it is not a key.
         figment = figment.merge(Env::prefixed("DELAYD_").ignore(&["config"]).split("__"));
-        let config: Config = figment
+        let mut config: Config = figment
             .extract()
             .map_err(|e| ConfigError::from_figment(e, file))?;
+        config.file = file.map(Path::to_path_buf);
         config.validate(file)?;
+        // Read every secret and certificate file now, so `delayd check`
+        // and `delayd run` both fail on a missing one, naming it.
+        config.connections()?;
         Ok(config)
     }
 
-    /// Parse a TOML string (tests and `delayd check` on stdin).
+    /// Parse and check a TOML string, without reading the files it names
+    /// (tests; [`Config::connections`] reads them).
     pub fn from_toml_str(text: &str) -> Result<Config, ConfigError> {
         let config: Config = Figment::from(Serialized::defaults(Config::default()))
             .merge(Toml::string(text))

@@ -362,3 +362,250 @@ fn the_broker_store_needs_a_valid_state_topic_name() {
         .to_string();
     assert!(e.contains("store.kind"), "{e}");
 }
+
+// ------------------------------------------------------- connections, secrets
+
+/// GOOD with its broker section replaced by `broker` (TOML lines).
+fn with_broker(broker: &str) -> String {
+    GOOD.replace(
+        "kind = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\n",
+        &format!("kind = \"amqp\"\n{broker}\n"),
+    )
+}
+
+/// Writes `text` to a config file in `dir` and loads it (files read).
+fn load_in(dir: &std::path::Path, text: &str) -> Result<Config, ConfigError> {
+    let path = dir.join("delayd.toml");
+    std::fs::write(&path, text).unwrap();
+    Config::load(Some(&path))
+}
+
+#[test]
+fn exactly_one_of_url_urls_and_url_file() {
+    let e = Config::from_toml_str(&with_broker(
+        "url = \"amqp://a/%2f\"\nurls = [\"amqp://b/%2f\"]",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("brokers.rabbit.url") && e.contains("only one"),
+        "{e}"
+    );
+    let e = Config::from_toml_str(&with_broker(""))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("set url, urls or url_file"), "{e}");
+    let c = Config::from_toml_str(&with_broker(
+        "urls = [\"amqp://guest:guest@a:5672/%2f\", \"amqp://guest:guest@b:5672/%2f\"]",
+    ))
+    .unwrap();
+    match c.connection("rabbit").unwrap() {
+        BrokerConnection::Amqp(settings) => assert_eq!(settings.urls.len(), 2),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_password_file_replaces_the_urls_password_and_never_prints() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("password");
+    std::fs::write(&secret, "s3cret-from-file\n").unwrap();
+    let text = with_broker(&format!(
+        "urls = [\"amqp://delayd@a:5672/%2f\"]\npassword_file = {:?}",
+        secret.to_str().unwrap()
+    ));
+    let c = load_in(dir.path(), &text).unwrap();
+    let BrokerConnection::Amqp(settings) = c.connection("rabbit").unwrap() else {
+        panic!("amqp")
+    };
+    assert_eq!(settings.password.as_deref(), Some("s3cret-from-file"));
+    assert!(!format!("{settings:?} {c:?}").contains("s3cret"));
+    let line = describe_broker(&c.brokers["rabbit"]);
+    assert!(
+        line.contains("password from") && !line.contains("s3cret"),
+        "{line}"
+    );
+
+    // A password in the URL too is ambiguous.
+    let text = with_broker(&format!(
+        "url = \"amqp://delayd:other@a:5672/%2f\"\npassword_file = {:?}",
+        secret.to_str().unwrap()
+    ));
+    let e = load_in(dir.path(), &text).unwrap_err().to_string();
+    assert!(
+        e.contains("brokers.rabbit.password_file") && e.contains("give it once"),
+        "{e}"
+    );
+    assert!(!e.contains("other@"), "the URL's password shows: {e}");
+}
+
+#[test]
+fn a_missing_file_names_its_key_and_path() {
+    let dir = tempfile::tempdir().unwrap();
+    for (broker, key) in [
+        (
+            "url = \"amqp://delayd@a/%2f\"\npassword_file = \"/nonexistent/pw\"",
+            "brokers.rabbit.password_file",
+        ),
+        ("url_file = \"/nonexistent/pw\"", "brokers.rabbit.url_file"),
+        (
+            "url = \"amqps://a/%2f\"\ntls = { ca_file = \"/nonexistent/pw\" }",
+            "brokers.rabbit.tls.ca_file",
+        ),
+        (
+            "url = \"amqps://a/%2f\"\ntls = { cert_file = \"/nonexistent/pw\", key_file = \"/nonexistent/k\" }",
+            "brokers.rabbit.tls.cert_file",
+        ),
+    ] {
+        let e = load_in(dir.path(), &with_broker(broker)).unwrap_err().to_string();
+        assert!(e.contains(key), "{key}: {e}");
+        assert!(e.contains("cannot read /nonexistent/pw"), "{key}: {e}");
+        assert!(e.contains("delayd.toml"), "the config file: {e}");
+    }
+}
+
+#[test]
+fn tls_settings_are_checked() {
+    for (tls, key) in [
+        ("{ cert_file = \"/c\" }", "brokers.rabbit.tls.cert_file"),
+        ("{ auth = \"external\" }", "brokers.rabbit.tls.auth"),
+        ("{ server_name = \"\" }", "brokers.rabbit.tls.server_name"),
+    ] {
+        let e = Config::from_toml_str(&with_broker(&format!(
+            "url = \"amqps://a/%2f\"\ntls = {tls}"
+        )))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(key), "{tls}: {e}");
+    }
+    // TLS settings with an amqp:// URL are a mistake, found when resolved.
+    let dir = tempfile::tempdir().unwrap();
+    let e = load_in(
+        dir.path(),
+        &with_broker("url = \"amqp://a/%2f\"\ntls = { verify_peer = false }"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("brokers.rabbit.tls") && e.contains("not amqps://"),
+        "{e}"
+    );
+    // A file that holds no certificate is named.
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate").unwrap();
+    let e = load_in(
+        dir.path(),
+        &with_broker(&format!(
+            "url = \"amqps://a/%2f\"\ntls = {{ ca_file = {:?} }}",
+            junk.to_str().unwrap()
+        )),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("brokers.rabbit.tls.ca_file") && e.contains("junk.pem"),
+        "{e}"
+    );
+}
+
+const KAFKA_SECRETS: &str = r#"
+[brokers.kafka]
+kind = "kafka"
+bootstrap = "127.0.0.1:9092"
+client_id = "billing-delayd"
+
+[brokers.kafka.properties]
+"security.protocol" = "SASL_SSL"
+"sasl.password" = "PASSWORD"
+
+[[routes]]
+name = "k"
+from = { broker = "kafka", topics = ["a"], group = "g" }
+to = { broker = "kafka", topic = "b" }
+"#;
+
+#[test]
+fn kafka_properties_come_from_files_and_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("kafka-password");
+    std::fs::write(&secret, "kafka-s3cret\n").unwrap();
+    let text = KAFKA_SECRETS.replace(
+        "PASSWORD",
+        &format!("${{file:{}}}", secret.to_str().unwrap()),
+    );
+    let c = load_in(dir.path(), &text).unwrap();
+    let BrokerConnection::Kafka(client) = c.connection("kafka").unwrap() else {
+        panic!("kafka")
+    };
+    assert_eq!(client.properties["sasl.password"], "kafka-s3cret");
+    assert_eq!(client.client_id.as_deref(), Some("billing-delayd"));
+    assert!(!format!("{client:?} {c:?}").contains("kafka-s3cret"));
+    let line = describe_broker(&c.brokers["kafka"]);
+    assert!(line.contains("sasl.password=${file:"), "{line}");
+
+    // A literal secret is shown as ***.
+    let c = Config::from_toml_str(&KAFKA_SECRETS.replace("PASSWORD", "literal-s3cret")).unwrap();
+    let line = describe_broker(&c.brokers["kafka"]);
+    assert!(
+        line.contains("sasl.password=***") && !line.contains("literal-s3cret"),
+        "{line}"
+    );
+
+    // A variable that is not set is named, with the key.
+    let e = load_in(
+        dir.path(),
+        &KAFKA_SECRETS.replace("PASSWORD", "${env:DELAYD_TEST_UNSET_VARIABLE_27}"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("brokers.kafka.properties.\"sasl.password\"")
+            && e.contains("DELAYD_TEST_UNSET_VARIABLE_27"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_zero_replication_factor_is_refused() {
+    let e = Config::from_toml_str(&format!("[store]\nreplication_factor = 0\n{GOOD}"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("store.replication_factor"), "{e}");
+}
+
+/// The worked examples in the docs are the files the broker tests run
+/// (tests/it/tls.rs, tests/it/kafka_security.rs), from `[brokers` on.
+#[test]
+fn the_docs_show_the_tested_examples_as_they_are() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (example, doc) in [
+        ("rabbitmq-tls.toml", "docs/configuration.md"),
+        ("kafka-sasl-ssl.toml", "docs/kafka.md"),
+    ] {
+        let text = std::fs::read_to_string(root.join("config/examples").join(example)).unwrap();
+        let body = &text[text.find("\n[brokers").expect("a [brokers section") + 1..];
+        let shown = std::fs::read_to_string(root.join(doc)).unwrap();
+        assert!(
+            shown.contains(&format!("```toml\n{body}```")),
+            "{doc} does not show {example} from [brokers on as it is"
+        );
+    }
+}
+
+#[test]
+fn a_type_error_under_brokers_never_shows_the_value() {
+    for (broker, secret) in [
+        ("urls = \"amqp://u:s3cret-url@h/%2f\"", "s3cret-url"),
+        ("url = [\"amqp://u:s3cret-list@h/%2f\"]", "s3cret-list"),
+    ] {
+        let e = Config::from_toml_str(&with_broker(broker))
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains(secret), "{e}");
+        assert!(e.contains("brokers.rabbit"), "{e}");
+    }
+    let e = Config::from_toml_str(&KAFKA_SECRETS.replace("\"PASSWORD\"", "123456789"))
+        .unwrap_err()
+        .to_string();
+    assert!(!e.contains("123456789"), "{e}");
+}

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::{BrokerConfig, Config, DestinationConfig, Mode, RouteConfig, StoreKind};
+use super::{AmqpAuth, BrokerConfig, Config, DestinationConfig, Mode, RouteConfig, StoreKind};
 
 /// Longest duration a key may hold: far beyond any real delay, and small
 /// enough that epoch milliseconds plus it never overflow a u64 (nor f64
@@ -53,14 +53,75 @@ impl ConfigError {
                     .or_else(|| e.metadata.as_ref().map(|m| m.name.to_string()))
                     .or_else(|| file.map(|f| f.display().to_string()))
                     .unwrap_or_else(|| "config".into());
-                if key.is_empty() {
-                    format!("config error in {source}: {}", e.kind)
+                let kind = if e.path.first().is_some_and(|p| p == "brokers") {
+                    without_value(&e.kind)
                 } else {
-                    format!("config error in {source}: `{key}`: {}", e.kind)
+                    e.kind.to_string()
+                };
+                if key.is_empty() {
+                    format!("config error in {source}: {kind}")
+                } else {
+                    format!("config error in {source}: `{key}`: {kind}")
                 }
             })
             .collect();
         ConfigError::Parse { errors }
+    }
+}
+
+/// The AMQP section's own rules (what its files hold is checked when they
+/// are read, see `connections`). Errors are (key under the broker, message).
+fn check_amqp(amqp: &super::AmqpBrokerConfig) -> Result<(), (&'static str, String)> {
+    let given = [
+        amqp.url.is_some(),
+        !amqp.urls.is_empty(),
+        amqp.url_file.is_some(),
+    ];
+    match given.iter().filter(|g| **g).count() {
+        1 => {}
+        0 => return Err(("url", "set url, urls or url_file".into())),
+        _ => return Err(("url", "set only one of url, urls and url_file".into())),
+    }
+    let Some(tls) = &amqp.tls else {
+        return Ok(());
+    };
+    if tls.cert_file.is_some() != tls.key_file.is_some() {
+        return Err((
+            "tls.cert_file",
+            "a client certificate needs tls.key_file, and a key tls.cert_file".into(),
+        ));
+    }
+    if tls.auth == AmqpAuth::External && tls.cert_file.is_none() {
+        return Err((
+            "tls.auth",
+            "auth = \"external\" logs in with the client certificate: set tls.cert_file and tls.key_file".into(),
+        ));
+    }
+    if tls.auth == AmqpAuth::External && amqp.password_file.is_some() {
+        return Err((
+            "password_file",
+            "auth = \"external\" sends no password; leave password_file out".into(),
+        ));
+    }
+    if tls
+        .server_name
+        .as_deref()
+        .is_some_and(|n| n.trim().is_empty())
+    {
+        return Err(("tls.server_name", "is empty".into()));
+    }
+    Ok(())
+}
+
+/// A figment error about a broker, without the value it found: that may be
+/// a URL with its password or a Kafka secret given the wrong type.
+fn without_value(kind: &figment::error::Kind) -> String {
+    use figment::error::Kind;
+    match kind {
+        Kind::InvalidType(_, expected) => format!("invalid type: expected {expected}"),
+        Kind::InvalidValue(_, expected) => format!("invalid value: expected {expected}"),
+        Kind::Unsupported(_) => "unsupported type".into(),
+        other => other.to_string(),
     }
 }
 
@@ -168,19 +229,28 @@ impl Config {
         }
         for (name, broker) in &self.brokers {
             match broker {
-                BrokerConfig::Amqp { url }
-                    if !(url.starts_with("amqp://") || url.starts_with("amqps://")) =>
-                {
-                    return Err(err(
-                        format!("brokers.{name}.url"),
-                        format!("{url:?} is not an amqp:// URL"),
-                    ));
+                BrokerConfig::Amqp(amqp) => {
+                    check_amqp(amqp).map_err(|(k, m)| err(format!("brokers.{name}.{k}"), m))?
                 }
-                BrokerConfig::Kafka { bootstrap, .. } if bootstrap.trim().is_empty() => {
-                    return Err(err(format!("brokers.{name}.bootstrap"), "is empty".into()));
+                BrokerConfig::Kafka(kafka) => {
+                    if kafka.bootstrap.trim().is_empty() {
+                        return Err(err(format!("brokers.{name}.bootstrap"), "is empty".into()));
+                    }
+                    if kafka
+                        .client_id
+                        .as_deref()
+                        .is_some_and(|c| c.trim().is_empty())
+                    {
+                        return Err(err(format!("brokers.{name}.client_id"), "is empty".into()));
+                    }
                 }
-                _ => {}
             }
+        }
+        if self.store.replication_factor == Some(0) {
+            return Err(err(
+                "store.replication_factor".into(),
+                "must be at least 1".into(),
+            ));
         }
         if self.store.kind == StoreKind::Broker && !valid_topic_name(&self.store.topic_prefix) {
             return Err(err(

@@ -17,6 +17,7 @@ mod dispatch;
 mod keys;
 mod pressure;
 mod state;
+mod summary;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use dedup::fingerprint;
@@ -24,6 +25,7 @@ pub use dispatch::{Dispatch, Fired, Outcome};
 pub use keys::key_hash;
 pub use pressure::{Admission, Pressure};
 pub use state::Phase;
+pub use summary::DueSummary;
 
 use std::collections::BinaryHeap;
 use std::future::Future;
@@ -117,6 +119,10 @@ pub enum EngineError {
     InFlight(u64),
     #[error("interrupted: {0}")]
     Interrupted(&'static str),
+    /// Cancelled here (its Done is durable), but the broker-kept store did
+    /// not confirm its record's removal: a restore could bring it back.
+    #[error("cancelled here, but its record in the broker-kept store was not removed ({0}); a restore may bring it back: cancel it again")]
+    StoreCancel(String),
 }
 
 /// Outcome of storing a delivery.
@@ -129,8 +135,13 @@ pub enum Stored {
 }
 
 /// Told of a cancelled message: its route, id and stored bytes (see
-/// [`Engine::on_cancel`]).
-pub type CancelHook = Arc<dyn Fn(&str, u64, &[u8]) + Send + Sync>;
+/// [`Engine::on_cancel`]). Resolves once the cancel is durable in the
+/// broker-kept store too.
+pub type CancelHook = Arc<
+    dyn Fn(&str, u64, &[u8]) -> delayd_adapters::BoxFuture<'static, Result<(), String>>
+        + Send
+        + Sync,
+>;
 
 /// A message taken out of the wheel, its Done queued.
 struct Retired {
@@ -143,11 +154,14 @@ struct Retired {
 
 impl Retired {
     /// Wait for the Done to be durable; then, for a cancel, tell the
-    /// engine's cancel hook.
+    /// engine's cancel hook and wait for its store write: a cancel is
+    /// acknowledged only once it is durable everywhere the message is kept.
     async fn settle(self, cancel_hook: Option<&CancelHook>) -> Result<(), EngineError> {
         self.done.await.map_err(|_| EngineError::WriterGone)??;
         if let (Some(hook), Some(message)) = (cancel_hook, &self.message) {
-            hook(&self.route, self.id, message);
+            hook(&self.route, self.id, message)
+                .await
+                .map_err(EngineError::StoreCancel)?;
         }
         Ok(())
     }
@@ -823,7 +837,8 @@ impl Engine {
 
     /// Set once: told of every message cancelled (by id or by key), with
     /// its route and stored bytes, once its Done is durable. The
-    /// broker-kept store tombstones its state record there.
+    /// broker-kept store removes its state record there, and the cancel
+    /// resolves once that is durable.
     pub fn on_cancel(&self, hook: CancelHook) {
         if self.inner.cancel_hook.set(hook).is_err() {
             tracing::warn!("a cancel hook was already set; the new one is ignored");

@@ -233,6 +233,50 @@ async fn cancelled_message_never_fires() {
     assert_eq!(engine.pending(), 0);
 }
 
+/// A cancel resolves only once the broker-kept store confirms its record's
+/// removal (the cancel hook's future), and reports a failed removal: an
+/// acknowledged cancel that a restore brings back is a cancel undone.
+#[tokio::test]
+async fn a_cancel_waits_for_the_store_and_reports_its_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = start(config(dir.path()), Arc::new(SystemClock));
+    type Gate = tokio::sync::oneshot::Receiver<Result<(), String>>;
+    let gates: Arc<StdMutex<Vec<Gate>>> = Arc::default();
+    let (open, gate) = tokio::sync::oneshot::channel();
+    let (fail, failing) = tokio::sync::oneshot::channel();
+    gates.lock().unwrap().extend([gate, failing]);
+    let hook_gates = gates.clone();
+    r.engine.on_cancel(Arc::new(move |_, _, _| {
+        let gate = hook_gates.lock().unwrap().remove(0);
+        Box::pin(async move { gate.await.unwrap_or(Err("gate dropped".into())) })
+    }));
+    let due = now() + 60_000;
+    let a = r.engine.schedule("r", due, b"a".to_vec()).await.unwrap();
+    let b = r.engine.schedule("r", due, b"b".to_vec()).await.unwrap();
+
+    let engine = r.engine.clone();
+    let mut cancel = tokio::spawn(async move { engine.cancel(a).await });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut cancel)
+            .await
+            .is_err(),
+        "the cancel resolved before the store confirmed it"
+    );
+    open.send(Ok(())).unwrap();
+    assert!(cancel.await.unwrap().unwrap());
+
+    let engine = r.engine.clone();
+    let cancel = tokio::spawn(async move { engine.cancel(b).await });
+    fail.send(Err("the broker refused".into())).unwrap();
+    let failed = cancel.await.unwrap();
+    assert!(
+        matches!(&failed, Err(EngineError::StoreCancel(why)) if why.contains("refused")),
+        "{failed:?}"
+    );
+    assert_eq!(r.engine.pending(), 0, "both are cancelled here");
+    r.stop().await;
+}
+
 #[tokio::test]
 async fn failing_publish_is_retried_without_stalling_others() {
     let dir = tempfile::tempdir().unwrap();

@@ -46,6 +46,40 @@ pub fn broker_time(message: &Message) -> Option<u64> {
     }
 }
 
+/// A broker time this far ahead of delayd's clock is reported: transit
+/// time cannot put a stamp in the future, so the clocks disagree.
+const SKEW_REPORTED_MS: u64 = 1000;
+
+/// Report a broker time ahead of delayd's clock (`now_ms`) by more than
+/// [`SKEW_REPORTED_MS`]: the gauge `delayd_clock_behind_broker_seconds`
+/// and, at most once a minute, a warning. The other way round (delayd's
+/// clock ahead) cannot be told from transit and backlog; see
+/// docs/headers.md, "Clocks".
+pub fn watch_skew(route: &str, message: &Message, now_ms: u64) {
+    static LAST_WARNING_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let Some(ahead) = broker_time(message)
+        .and_then(|t| t.checked_sub(now_ms))
+        .filter(|&a| a > SKEW_REPORTED_MS)
+    else {
+        return;
+    };
+    metrics::gauge!("delayd_clock_behind_broker_seconds", "route" => route.to_owned())
+        .set(ahead as f64 / 1000.0);
+    let last = LAST_WARNING_MS.load(std::sync::atomic::Ordering::Relaxed);
+    if now_ms.saturating_sub(last) >= 60_000
+        && LAST_WARNING_MS
+            .compare_exchange(
+                last,
+                now_ms,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+    {
+        tracing::warn!(route, ahead_ms = ahead, "a message's broker time is ahead of this host's clock: the clocks disagree (run NTP); delays count from this host's clock for such messages");
+    }
+}
+
 /// The moment a delay counts from: the broker's, never after `now_ms`.
 pub fn counts_from(message: &Message, now_ms: u64) -> u64 {
     broker_time(message).map_or(now_ms, |t| t.min(now_ms))

@@ -9,6 +9,14 @@
 //!   strings, floats truncated. Missing, 0 or negative: publish at once.
 //!   Unlike the plugin, delays above 2^32-1 ms are honoured up to `max_delay`.
 //!
+//! - `x-opt-delivery-time` and `x-opt-delivery-delay`: the same two from an
+//!   AMQP 1.0 producer, as message annotations (Tanzu RabbitMQ's delayed
+//!   queues take them so), which RabbitMQ 4 hands to an AMQP 0-9-1 consumer
+//!   as headers. `x-opt-delivery-time` arrives as an AMQP 0-9-1 `timestamp`
+//!   in whole seconds (the conversion drops the milliseconds), so it counts
+//!   as the *end* of that second: never early, at most 999 ms late. A time
+//!   wins over a delay, and of two times or two delays the 0-9-1 name wins.
+//!
 //! Anything else (text that is not a number, NaN, a boolean, a table, a
 //! timestamp in `x-delay`, a delay beyond `max_delay`) is an [`InvalidDelay`],
 //! and the message goes to the route's invalid destination with the reason.
@@ -19,6 +27,9 @@ use delayd_adapters::{FieldTable, Value};
 
 pub const X_DELAY: &str = "x-delay";
 pub const X_DELIVER_AT: &str = "x-deliver-at";
+/// AMQP 1.0 message annotations (see the module doc).
+pub const X_OPT_DELIVERY_TIME: &str = "x-opt-delivery-time";
+pub const X_OPT_DELIVERY_DELAY: &str = "x-opt-delivery-delay";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum InvalidDelay {
@@ -27,7 +38,7 @@ pub enum InvalidDelay {
         header: &'static str,
         kind: &'static str,
     },
-    #[error("{header} header {text:?} is not a number{}", if *.header == X_DELIVER_AT { " or RFC 3339 time" } else { "" })]
+    #[error("{header} header {text:?} is not a number{}", if *.header == X_DELIVER_AT || *.header == X_OPT_DELIVERY_TIME { " or RFC 3339 time" } else { "" })]
     Unparseable { header: &'static str, text: String },
     #[error("delay of {delay_ms} ms is over the route's max_delay of {max_ms} ms")]
     TooLong { delay_ms: u128, max_ms: u128 },
@@ -151,25 +162,36 @@ pub fn due_from_headers(
             .and_then(|d| now_ms.checked_add(d))
             .ok_or(too_long)
     };
-    if let Some(value) = headers.get(X_DELIVER_AT) {
+    for header in [X_DELIVER_AT, X_OPT_DELIVERY_TIME] {
+        let Some(value) = headers.get(header) else {
+            continue;
+        };
         let at = if let Value::Timestamp(secs) = value {
-            // AMQP timestamps are epoch seconds.
-            i128::from(*secs) * 1000
+            // AMQP 0-9-1 timestamps are epoch seconds. A converted AMQP 1.0
+            // time lost its milliseconds: the end of its second.
+            let rounded_up = if header == X_OPT_DELIVERY_TIME {
+                999
+            } else {
+                0
+            };
+            i128::from(*secs) * 1000 + rounded_up
         } else {
             match value.as_text().map(str::trim) {
                 Some(text) => match chrono::DateTime::parse_from_rfc3339(text) {
                     Ok(t) => t.timestamp_millis() as i128,
-                    Err(_) => whole_ms(X_DELIVER_AT, parse_text(X_DELIVER_AT, text)?)?,
+                    Err(_) => whole_ms(header, parse_text(header, text)?)?,
                 },
-                None => whole_ms(X_DELIVER_AT, number(X_DELIVER_AT, value)?)?,
+                None => whole_ms(header, number(header, value)?)?,
             }
         };
         return check(at - now_ms as i128);
     }
-    match headers.get(X_DELAY) {
-        None => Ok(now_ms),
-        Some(value) => check(whole_ms(X_DELAY, number(X_DELAY, value)?)?),
+    for header in [X_DELAY, X_OPT_DELIVERY_DELAY] {
+        if let Some(value) = headers.get(header) {
+            return check(whole_ms(header, number(header, value)?)?);
+        }
     }
+    Ok(now_ms)
 }
 
 #[cfg(test)]
@@ -181,6 +203,34 @@ mod tests {
 
     fn due(key: &str, v: Value) -> Result<u64, InvalidDelay> {
         due_from_headers(&FieldTable(vec![(key.into(), v)]), NOW, MAX)
+    }
+
+    #[test]
+    fn amqp_1_0_annotations_are_delays_and_times_never_early() {
+        assert_eq!(due(X_OPT_DELIVERY_DELAY, Value::I64(5000)), Ok(NOW + 5000));
+        assert_eq!(
+            due(X_OPT_DELIVERY_TIME, Value::I64((NOW + 7000) as i64)),
+            Ok(NOW + 7000)
+        );
+        // Converted to a 0-9-1 timestamp: whole seconds; the end of it.
+        let secs = (NOW + 7_500) / 1000;
+        assert_eq!(
+            due(X_OPT_DELIVERY_TIME, Value::Timestamp(secs)),
+            Ok(secs * 1000 + 999)
+        );
+        // The 0-9-1 names win.
+        let both = FieldTable(vec![
+            (X_OPT_DELIVERY_DELAY.into(), Value::I64(9000)),
+            (X_DELAY.into(), Value::I64(1000)),
+        ]);
+        assert_eq!(due_from_headers(&both, NOW, MAX), Ok(NOW + 1000));
+        assert!(matches!(
+            due(X_OPT_DELIVERY_DELAY, Value::Bool(true)),
+            Err(InvalidDelay::Type {
+                header: X_OPT_DELIVERY_DELAY,
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -181,7 +181,10 @@ impl Route {
     pub fn plan(&self, message: &mut Message, now_ms: u64) -> Result<Plan, Unschedulable> {
         delayd_adapters::check_nesting(&message.headers)?;
         let since = match self.config.delay_from {
-            DelayFrom::Broker => clock::counts_from(message, now_ms),
+            DelayFrom::Broker => {
+                clock::watch_skew(self.name(), message, now_ms);
+                clock::counts_from(message, now_ms)
+            }
             DelayFrom::Intake => now_ms,
         };
         match &self.mode {

@@ -5,11 +5,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use delayd_adapters::amqp::{AmqpSink, BrokerConnections, SinkConfig};
+use delayd_adapters::amqp::{AmqpSink, BrokerConnections, Endpoints, SinkConfig};
 use delayd_adapters::kafka::{KafkaClientConfig, KafkaSink};
 use delayd_adapters::{BoxFuture, Message, PublishOutcome, Sink, SinkError, Target};
 
-use crate::config::{BrokerConfig, Config};
+use crate::config::{BrokerConnection, Config};
 use crate::status::BrokerStatus;
 
 /// What a route's source needs to consume from a broker.
@@ -35,39 +35,28 @@ pub struct Brokers {
 /// deleted (a publish it cannot take also makes delayd forget it at once).
 const REDECLARE_AFTER: Duration = Duration::from_secs(30);
 
-/// The client settings of a Kafka broker's config (`None` for AMQP).
-pub fn kafka_client(broker: &BrokerConfig) -> Option<KafkaClientConfig> {
-    match broker {
-        BrokerConfig::Kafka {
-            bootstrap,
-            properties,
-            consumer_properties,
-            producer_properties,
-        } => Some(KafkaClientConfig {
-            bootstrap: bootstrap.clone(),
-            properties: properties.clone(),
-            consumer: consumer_properties.clone(),
-            producer: producer_properties.clone(),
-        }),
-        BrokerConfig::Amqp { .. } => None,
-    }
-}
-
 impl Brokers {
     pub fn from_config(config: &Config) -> anyhow::Result<Brokers> {
         let mut by_name = HashMap::new();
         let mut sinks: HashMap<String, Arc<dyn Sink>> = HashMap::new();
-        for (name, broker) in &config.brokers {
-            let (handle, sink): (BrokerHandle, Arc<dyn Sink>) = match broker {
-                BrokerConfig::Amqp { url } => {
-                    let connections = BrokerConnections::new(url)
-                        .with_context(|| format!("brokers.{name}.url"))?;
+        for (name, connection) in config.connections()? {
+            let (handle, sink): (BrokerHandle, Arc<dyn Sink>) = match connection {
+                BrokerConnection::Amqp(settings) => {
+                    let endpoints = Arc::new(
+                        Endpoints::new(&settings).with_context(|| format!("brokers.{name}"))?,
+                    );
+                    if endpoints.unverified() {
+                        tracing::warn!(broker = %name,
+                            "brokers.{name}.tls.verify_peer = false: the broker's certificate is not verified, \
+                             so anyone between delayd and the broker can read and change messages");
+                    }
+                    let connections = BrokerConnections::with_endpoints(endpoints);
                     let sink = AmqpSink::new(connections.publish.clone(), SinkConfig::default());
                     (BrokerHandle::Amqp { connections }, Arc::new(sink))
                 }
-                BrokerConfig::Kafka { .. } => {
-                    let client = kafka_client(broker).expect("a Kafka broker");
-                    let sink = KafkaSink::new(&client)
+                BrokerConnection::Kafka(client) => {
+                    // The producer is shared by every route of the broker.
+                    let sink = KafkaSink::new(&client.named(format!("delayd-{name}")))
                         .with_context(|| format!("brokers.{name}: cannot create the producer"))?;
                     (BrokerHandle::Kafka { client }, Arc::new(sink))
                 }

@@ -12,7 +12,7 @@ use crate::id::MessageId;
 use crate::route::{bridge, rewrite, BrokerKind, Destination, Route};
 
 use super::brokers::Brokers;
-use super::route_store::RouteStore;
+use super::store::RouteStore;
 
 /// Publish attempts against a missing exchange or topic before the message
 /// is parked as unroutable (with the default back-off, about 6 s).

@@ -23,7 +23,7 @@ use crate::wal::WalError;
 use super::backpressure::Backpressure;
 use super::brokers::Brokers;
 use super::deliver::park;
-use super::route_store::RouteStore;
+use super::store::RouteStore;
 use crate::finisher::Finisher;
 use crate::id::MessageId;
 

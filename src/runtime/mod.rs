@@ -11,12 +11,10 @@ mod brokers;
 mod deliver;
 mod handoff;
 mod ingest;
-mod route_store;
 mod store;
-mod stream_store;
 
 pub use backpressure::Backpressure;
-pub use brokers::{kafka_client, BrokerHandle, Brokers};
+pub use brokers::{BrokerHandle, Brokers};
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,13 +27,13 @@ use delayd_adapters::Source;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminState};
-use crate::config::{Config, ExchangeKind, StoreKind};
+use crate::config::{Config, ExchangeKind};
 use crate::engine::Pressure;
 use crate::engine::{Dispatch, Engine, EngineConfig, SystemClock};
 use crate::route::Route;
 use crate::status::{BrokerStatus, RouteIntake, RuntimeStatus};
 use crate::wal::WalConfig;
-use route_store::RouteStore;
+use store::{open_stores, RouteStore};
 
 pub fn engine_config(config: &Config) -> EngineConfig {
     let mut wal = WalConfig::new(&config.wal.dir);
@@ -45,6 +43,7 @@ pub fn engine_config(config: &Config) -> EngineConfig {
     wal.on_corruption = config.wal.on_corruption;
     wal.create_dir = config.wal.create_dir;
     wal.commit_delay = config.wal.commit_delay;
+    wal.lazy_done_wait = config.wal.done_wait;
     EngineConfig {
         max_in_flight: config.engine.max_in_flight,
         max_bytes_in_flight: config.engine.max_bytes_in_flight.clamp(1, u32::MAX as u64) as usize,
@@ -94,8 +93,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if !stores.is_empty() {
         let stores = stores.clone();
         engine.on_cancel(Arc::new(move |route, id, message| {
-            if let Some(store) = stores.get(route) {
-                store.cancelled(id, message);
+            match stores.get(route) {
+                Some(store) => store.cancelled(id, message),
+                None => Box::pin(async { Ok(()) }),
             }
         }));
     }
@@ -253,153 +253,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `store.kind = "broker"`: each Kafka route's state topic, opened (and
-/// created if missing), each RabbitMQ route's state streams (opened by
-/// whichever instance owns the route), and what the local WAL still held
-/// for those routes released before anything fires.
-async fn open_stores(
-    config: &Config,
-    brokers: &Brokers,
-    engine: &Engine,
-    stop: &CancellationToken,
-) -> anyhow::Result<HashMap<String, RouteStore>> {
-    let mut stores = HashMap::new();
-    if config.store.kind != StoreKind::Broker {
-        refuse_to_strand(config)?;
-        return Ok(stores);
-    }
-    // Routes whose state this WAL last kept in the broker.
-    let mirrored = store::mirrored_routes(&config.wal.dir)?;
-    for route in &config.routes {
-        let topic = config.store.topic(&route.name);
-        let was_mirrored = mirrored.contains(&route.name);
-        let opened = match (
-            brokers.get(&route.from.broker),
-            config.broker(&route.from.broker),
-        ) {
-            (Some(BrokerHandle::Kafka { client }), _) => {
-                open_kafka_store(client, &topic, route, engine, stop, was_mirrored).await
-            }
-            (_, Some(crate::config::BrokerConfig::Amqp { url })) => {
-                open_stream_store(
-                    url,
-                    &topic,
-                    route,
-                    engine,
-                    was_mirrored,
-                    config.store.checkpoint_records,
-                    &config.wal.dir,
-                )
-                .await
-            }
-            _ => continue,
-        };
-        stores.insert(
-            route.name.clone(),
-            opened.with_context(|| format!("route {}: store.kind = \"broker\"", route.name))?,
-        );
-    }
-    // Kafka routes are marked now (their WAL copies are in the state topic
-    // already); RabbitMQ routes once they have no local-only message left
-    // (see `StreamStore::adopt_cached`). Routes no longer broker-kept lose
-    // their mark.
-    let routes: Vec<&str> = stores
-        .iter()
-        .filter(|(name, store)| {
-            matches!(store, RouteStore::Kafka(_)) || mirrored.contains(name.as_str())
-        })
-        .map(|(name, _)| name.as_str())
-        .collect();
-    store::mark_mirrored(&config.wal.dir, &routes)?;
-    for store in stores.values() {
-        if let RouteStore::Stream(s) = store {
-            s.mark_if_drained()?;
-        }
-    }
-    Ok(stores)
-}
-
-async fn open_kafka_store(
-    client: &delayd_adapters::kafka::KafkaClientConfig,
-    topic: &str,
-    route: &crate::config::RouteConfig,
-    engine: &Engine,
-    stop: &CancellationToken,
-    mirrored: bool,
-) -> anyhow::Result<RouteStore> {
-    let store = store::KafkaStore::open(
-        client,
-        topic,
-        &route.name,
-        &route.from.topics,
-        engine.clone(),
-        stop.clone(),
-    )
-    .await?;
-    let (written, released) = store
-        .adopt_cached(mirrored)
-        .await
-        .context("moving the local copies")?;
-    if written > 0 {
-        tracing::info!(route = %route.name, written, "messages kept locally until now written to the state topic");
-    }
-    if released > 0 {
-        tracing::info!(route = %route.name, released, "local copies released; the state topic is restored per partition as the group assigns them");
-    }
-    Ok(RouteStore::Kafka(store))
-}
-
-async fn open_stream_store(
-    url: &str,
-    stream: &str,
-    route: &crate::config::RouteConfig,
-    engine: &Engine,
-    mirrored: bool,
-    checkpoint_records: u64,
-    wal_dir: &std::path::Path,
-) -> anyhow::Result<RouteStore> {
-    let store = stream_store::StreamStore::new(
-        url,
-        stream,
-        &route.name,
-        engine.clone(),
-        checkpoint_records,
-        wal_dir.to_owned(),
-    )?;
-    let (released, kept) = store.adopt_cached(mirrored).await?;
-    if released > 0 {
-        tracing::info!(route = %route.name, released, "local copies released; the route's owner restores them from its state streams");
-    }
-    if kept > 0 {
-        tracing::warn!(route = %route.name, kept, "messages stored before the route kept its state in the broker stay in this WAL and fire from here");
-    }
-    Ok(RouteStore::Stream(store))
-}
-
-/// `store.kind = "local"` on a WAL that mirrored routes' state topics:
-/// their pending messages are in those topics (a stopping instance leaves
-/// its partitions' messages there for the next owner), and a local store
-/// would never read them. Refuse, naming what to do.
-fn refuse_to_strand(config: &Config) -> anyhow::Result<()> {
-    let mirrored = store::mirrored_routes(&config.wal.dir)?;
-    let stranded: Vec<&str> = config
-        .routes
-        .iter()
-        .map(|r| r.name.as_str())
-        .filter(|r| mirrored.contains(*r))
-        .collect();
-    if stranded.is_empty() {
-        return Ok(());
-    }
-    anyhow::bail!(
-        "store.kind = \"local\", but routes {stranded:?} kept their pending messages in their \
-         Kafka state topics (store.kind = \"broker\") until now, and a local store never reads \
-         them: keep store.kind = \"broker\" until those topics are empty (delayd store inspect), \
-         then delete {} to switch",
-        config.wal.dir.join(store::MIRRORED_FILE).display()
-    )
-}
-
 fn start_source(
     brokers: &Brokers,
     route: &crate::config::RouteConfig,
@@ -442,7 +295,7 @@ fn start_source(
                 source_cfg.capacity = prefetch as usize;
             }
             source_cfg.listener = listener;
-            let source = KafkaSource::start(client, source_cfg)
+            let source = KafkaSource::start(&client.named(format!("delayd-{name}")), source_cfg)
                 .with_context(|| format!("route {name}: cannot start consuming"))?;
             Ok(Box::new(source))
         }
@@ -457,6 +310,16 @@ fn queue_arguments(from: &crate::config::FromConfig) -> delayd_adapters::FieldTa
     let mut table = delayd_adapters::FieldTable::default();
     if let Some(kind) = &from.queue_type {
         table.insert("x-queue-type", Value::LongString(kind.as_str().into()));
+        // RabbitMQ 4 gives a quorum queue a delivery limit of 20, and counts
+        // a delivery returned by a lost connection (4.3: a crash, a
+        // network cut) against it: past it the broker drops the message.
+        // delayd never hands a delivery back to be tried later, so the
+        // limit can only lose messages here. An explicit one is kept.
+        if *kind == crate::config::QueueKind::Quorum
+            && !from.queue_arguments.contains_key("x-delivery-limit")
+        {
+            table.insert("x-delivery-limit", Value::I64(-1));
+        }
     }
     for (name, value) in &from.queue_arguments {
         let value = match value {
@@ -564,6 +427,7 @@ impl RuntimeStatus for Status {
                 let store = self.stores.get(name);
                 let restoring = store.is_some_and(RouteStore::restoring);
                 let intake = match c {
+                    _ if store.is_some_and(RouteStore::state_missing) => RouteIntake::StateMissing,
                     _ if store.is_some_and(RouteStore::standby) => RouteIntake::Standby,
                     _ if store.is_some_and(RouteStore::electing) => RouteIntake::Starting,
                     _ if restoring => RouteIntake::Restoring,

@@ -69,9 +69,11 @@ async fn bench_through_delayd_reports_every_message_delivered_and_none_early() {
     assert!(p50 <= p99 && p99 <= max, "{report}");
     // Not late either: generous for this machine, but finite.
     assert!(max < 5_000, "a message was {max} ms late: {report}");
-    // --metrics read delayd's own process metrics around the run.
+    // --metrics read delayd's own process metrics around the run. A CPU
+    // figure per message only from a second of CPU or more (the kernel's
+    // 10 ms ticks): 300 messages may not take that long.
     let cpu = report["delayd_cpu_us_per_message"].as_f64();
-    assert!(cpu.is_some_and(|us| us > 0.0), "{report}");
+    assert!(cpu.is_none_or(|us| us >= 1e6 / messages as f64), "{report}");
     let rss = report["delayd_resident_bytes"].as_f64();
     assert!(rss.is_some_and(|b| b > 1e6), "{report}");
     // They went through delayd (not around it), each fired once.

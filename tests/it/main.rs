@@ -8,12 +8,18 @@
 
 mod common;
 
+mod amqp10;
 mod bench;
 mod broker_store;
 mod clock;
+mod deploy;
+mod endpoints;
 mod handoff;
+mod kafka_security;
 mod kafka_sidecar;
 mod operations;
 mod rabbitmq_sidecar;
 mod rabbitmq_ttl_retry;
+mod secrets;
 mod stream_store;
+mod tls;

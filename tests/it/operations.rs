@@ -1087,3 +1087,67 @@ fn compose_file_binds_loopback_and_commits_no_token() {
     );
     assert!(!text.contains("change-me"), "a committed token is left");
 }
+
+/// A quorum ingress queue with RabbitMQ 4's default delivery limit (20):
+/// RabbitMQ 4.3 counts a delivery returned by a closed channel or a lost
+/// connection (a delayd crash, a network cut) against it, and drops the
+/// message past it. delayd declares its quorum queues without a limit
+/// (`x-delivery-limit = -1`) unless the config sets one, and strips the
+/// counts the broker adds (`x-delivery-count`, `x-acquired-count`). Here a
+/// message is returned 22 times while delayd is stopped (as 22 crashes
+/// with it in flight would): it still arrives once, on time from the
+/// restart, with only the headers its producer set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_returned_more_often_than_the_default_delivery_limit_is_not_dropped() {
+    const RETURNS: usize = 22;
+    let mut s = setup(
+        "quorum-returns",
+        DelaydOptions {
+            from_extra: r#", queue_type = "quorum""#.into(),
+            ..DelaydOptions::default()
+        },
+    )
+    .await;
+    let status = s.delayd.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0));
+    let id = "returned";
+    s.client
+        .publish(&s.names.from_exchange, "k", id.as_bytes(), delayed(id, 500))
+        .await;
+    for n in 0..RETURNS {
+        let channel = s.client.connection.create_channel().await.expect("channel");
+        let got = wait_for(&format!("delivery {n}"), DEADLINE, || async {
+            channel
+                .basic_get(
+                    s.names.from_queue.as_str().into(),
+                    lapin::options::BasicGetOptions { no_ack: false },
+                )
+                .await
+                .expect("basic.get")
+        })
+        .await;
+        assert_eq!(got.delivery.data, id.as_bytes());
+        // Closed unacked: the broker takes it back and counts it.
+        channel.close(200, "return".into()).await.expect("close");
+    }
+    s.delayd.restart().await;
+    let since = now_ms();
+    let sent = BTreeMap::from([(id.to_owned(), since)]);
+    let mut receiver = s.client.consume(&s.names.target_queue).await;
+    for received in receive_each_once(&mut receiver, &sent, 0, since, 500 + LATE_MS).await {
+        let headers = received
+            .delivery
+            .properties
+            .headers()
+            .clone()
+            .unwrap_or_default();
+        for count in ["x-delivery-count", "x-acquired-count"] {
+            assert!(
+                !headers.inner().contains_key(count),
+                "{count} reached the target: {headers:?}"
+            );
+        }
+        assert!(headers.inner().contains_key("x-delay"), "{headers:?}");
+    }
+    receiver.close().await;
+}

@@ -200,7 +200,11 @@ impl StreamRoute {
 
     /// Deletes the route's state streams (best effort).
     async fn delete_streams(&self) {
-        let mut streams = vec![self.pointer()];
+        let mut streams = vec![
+            self.pointer(),
+            format!("{}.pointer", self.pointer()),
+            format!("{}.lock", self.pointer()),
+        ];
         streams.extend((0..40).map(|n| format!("{}.{n}", self.pointer())));
         for stream in streams {
             let Ok(channel) = self.client.connection.create_channel().await else {
@@ -222,6 +226,15 @@ impl StreamRoute {
             }
         }
     }
+}
+
+/// Deletes queue or stream `name`.
+async fn delete_queue(r: &StreamRoute, name: &str) {
+    r.client
+        .channel
+        .queue_delete(name.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("delete {name}: {e}"));
 }
 
 /// Stream generations of the route that exist now.
@@ -564,5 +577,193 @@ async fn an_undecodable_record_in_a_state_stream_is_skipped_and_counted() {
     assert_eq!(a.metric("delayd_store_records_skipped_total"), 1.0);
     let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
     eprintln!("duplicates after the kill: {duplicates}");
+    r.delete_streams().await;
+}
+
+/// The owner's lock queue is deleted while its connection stays up. The
+/// owner must stop writing at once: the next owner may be reading the
+/// generation it writes to, and would delete it. (The owner once only set
+/// a flag, and its writer stayed open until its intake stopped, up to 45 s;
+/// a write made then was confirmed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_whose_lock_queue_is_deleted_writes_nothing_more() {
+    use delayd_adapters::amqp::state::{Candidate, Record, StateError, StateNames};
+    use delayd_adapters::amqp::{Broker, BrokerOptions};
+    let r = StreamRoute::new("stream-lease").await;
+    let names = StateNames::new(r.pointer());
+    let broker =
+        Broker::new(&common::amqp_url(), BrokerOptions::named("delayd-it-lease")).expect("broker");
+    let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), &names)
+        .await
+        .expect("register on the lock queue");
+    let session = tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
+        .await
+        .expect("elected in time")
+        .expect("elected");
+    let stream = names.generation(0);
+    session.declare_stream(&stream).await.expect("declare");
+    let record = Record::Done { id: 1 }.encode();
+    session
+        .append(&stream, std::slice::from_ref(&record))
+        .await
+        .await
+        .expect("an owner's write");
+
+    delete_queue(&r, &names.lock()).await;
+    let deleted = Instant::now();
+    wait_for(
+        "the owner to count its lock lost",
+        Duration::from_secs(5),
+        || async { (!session.is_alive()).then_some(()) },
+    )
+    .await;
+    eprintln!("lock counted lost after {:?}", deleted.elapsed());
+    let write = session
+        .append(&stream, std::slice::from_ref(&record))
+        .await
+        .await;
+    assert!(
+        matches!(
+            write,
+            Err(StateError::LockLost { .. }) | Err(StateError::Protocol { .. })
+        ),
+        "a former owner's write went through: {write:?}"
+    );
+    assert!(
+        session.exists(&stream).await.is_err(),
+        "a former owner could still open channels"
+    );
+    session.close().await;
+    r.delete_streams().await;
+}
+
+/// The pointer stream is deleted while the owner holds messages, and the
+/// owner is killed with its disk: the next owner finds the generation
+/// through the pointer's copy and restores every message. (It once
+/// restored nothing, reported ready, and 0 of 200 arrived.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_pointer_stream_loses_nothing() {
+    const COUNT: usize = 200;
+    let r = StreamRoute::new("stream-pointer").await;
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start_owner().await;
+    let sent = r.send("pointer", COUNT, 12_000..16_000).await;
+    r.wait_stored(&a, COUNT).await;
+    a.kill_9();
+    std::fs::remove_dir_all(a.wal_dir()).expect("delete the killed owner's WAL");
+    delete_queue(&r, &r.pointer()).await;
+
+    a.restart().await;
+    r.wait_owner(&a).await;
+    assert_eq!(a.metric("delayd_store_restored_total"), COUNT as f64);
+    assert_eq!(a.metric("delayd_store_pointer_repairs_total"), 1.0);
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0, "nothing had fired before the kill");
+    r.delete_streams().await;
+}
+
+/// The generation stream holding the route's messages is deleted by hand:
+/// the next owner does not start the route empty and report it ready (a
+/// silent total loss); it reports the route `state_missing`, not ready,
+/// and consumes nothing, until an operator removes the route's state on
+/// purpose (both pointer streams), which starts it empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_generation_stream_keeps_the_route_unready_until_an_operator_resets_it() {
+    let r = StreamRoute::new("stream-missing").await;
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start_owner().await;
+    r.send("lost", 50, 30_000..31_000).await;
+    r.wait_stored(&a, 50).await;
+    a.kill_9();
+    std::fs::remove_dir_all(a.wal_dir()).expect("delete the killed owner's WAL");
+    // The current generation and the next one, prepared ahead.
+    let streams = generations(&r).await;
+    assert!(!streams.is_empty(), "no generation stream");
+    for n in streams {
+        delete_queue(&r, &format!("{}.{n}", r.pointer())).await;
+    }
+
+    a.restart().await;
+    wait_for("the route reported state_missing", DEADLINE, || async {
+        (a.readyz()["routes"][&r.names.route] == "state_missing").then_some(())
+    })
+    .await;
+    let ready = a.readyz();
+    assert_eq!(ready["ready"], false, "{ready}");
+    assert_eq!(a.metric("delayd_store_state_missing"), 1.0);
+    assert_eq!(a.pending(), 0);
+    // Nothing is consumed meanwhile, even after the owner looked again: a
+    // new message waits in the queue.
+    let later = r.send("later", 1, 1000..1001).await;
+    wait_for(
+        "a second look at the missing stream",
+        Duration::from_secs(30),
+        || async {
+            (a.log_tail(400)
+                .matches("the route's state is incomplete")
+                .count()
+                >= 2)
+                .then_some(())
+        },
+    )
+    .await;
+    let (waiting, _) = r
+        .client
+        .queue_counts(&r.names.from_queue)
+        .await
+        .expect("the ingress queue");
+    assert_eq!(waiting, 1, "the route consumed while its state was missing");
+
+    for pointer in [r.pointer(), format!("{}.pointer", r.pointer())] {
+        delete_queue(&r, &pointer).await;
+    }
+    r.wait_owner(&a).await;
+    assert_eq!(a.metric("delayd_store_state_missing"), 0.0);
+    let duplicates = r.receive_all(&later, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0);
+    r.delete_streams().await;
+}
+
+/// The pointer streams get a record per checkpoint and per read: they are
+/// rotated, so each holds at most `POINTER_ROTATE` and a few, and the
+/// current generation survives every rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pointer_streams_stay_bounded() {
+    use delayd_adapters::amqp::state::{Candidate, StateNames, POINTER_ROTATE};
+    use delayd_adapters::amqp::{Broker, BrokerOptions};
+    let r = StreamRoute::new("stream-rotate").await;
+    let names = StateNames::new(r.pointer());
+    let broker = Broker::new(
+        &common::amqp_url(),
+        BrokerOptions::named("delayd-it-rotate"),
+    )
+    .expect("broker");
+    let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), &names)
+        .await
+        .expect("register on the lock queue");
+    let session = tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
+        .await
+        .expect("elected in time")
+        .expect("elected");
+    assert_eq!(
+        session.current_generation().await.expect("read"),
+        (None, false)
+    );
+    let last = 2 * POINTER_ROTATE + 300;
+    for generation in 0..=last {
+        session.point_at(generation).await.expect("point");
+    }
+    assert_eq!(
+        session.current_generation().await.expect("read"),
+        (Some(last), false)
+    );
+    for pointer in names.pointers() {
+        let held = session.read_all(&pointer, |_| Ok(())).await.expect("read");
+        assert!(
+            held <= POINTER_ROTATE + 4,
+            "{pointer} holds {held} records after {last} pointer moves"
+        );
+    }
+    session.close().await;
     r.delete_streams().await;
 }

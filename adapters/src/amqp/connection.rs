@@ -20,23 +20,35 @@
 //! the broker re-creates its channel and re-declares what it needs, so a
 //! delivery tag from a dead channel can never be confused with one of the new
 //! channel.
+//!
+//! A broker may have several endpoints (a cluster's nodes, see
+//! [`Endpoints`]): every connection attempt tries them in order and keeps
+//! the first that answers, so after its node dies a connection moves to the
+//! next one. It stays there while it lives: a node that comes back is used
+//! again at the next reconnect, not sooner (moving a live connection would
+//! cost redeliveries for nothing).
+//! `amqps://` endpoints use delayd's own TLS client ([`super::tls`]).
 
-use std::str::FromStr;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
+use lapin::tcp::AsyncTcpStream;
 use lapin::uri::AMQPUri;
 use lapin::{Channel, Connection, ConnectionProperties, ConnectionStatus};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use super::endpoints::{AmqpSettings, Endpoint, EndpointError, Endpoints};
+use super::tls::{describe_tls_failure, TlsConnector};
+
 /// Errors of the AMQP adapter's connection and topology layer.
 #[derive(Debug, thiserror::Error)]
 pub enum AmqpError {
-    /// The broker URL does not parse.
-    #[error("invalid AMQP URL: {0}")]
-    InvalidUrl(String),
+    /// The broker's URLs or TLS settings are unusable.
+    #[error(transparent)]
+    Settings(#[from] EndpointError),
     /// Connecting (TCP, TLS or the AMQP handshake) failed.
     #[error("cannot connect to {endpoint}: {source}")]
     Connect {
@@ -44,6 +56,12 @@ pub enum AmqpError {
         #[source]
         source: lapin::Error,
     },
+    /// The TLS handshake failed; `reason` says what to look at.
+    #[error("cannot connect to {endpoint}: {reason}")]
+    Tls { endpoint: String, reason: String },
+    /// Every endpoint of a broker with several failed (each one's error).
+    #[error("cannot connect to any of {count} endpoints: {errors}")]
+    AllEndpoints { count: usize, errors: String },
     /// Connecting did not finish within the connect timeout.
     #[error("connecting to {endpoint} timed out after {timeout:?}")]
     ConnectTimeout { endpoint: String, timeout: Duration },
@@ -152,9 +170,9 @@ struct State {
 
 /// One lazily (re)connected AMQP connection to a broker.
 pub struct Broker {
-    uri: AMQPUri,
-    /// `host:port/vhost`, for logs (never the credentials).
-    endpoint: String,
+    endpoints: Arc<Endpoints>,
+    /// Index of the endpoint last connected to (for logs).
+    current: StdMutex<usize>,
     options: BrokerOptions,
     state: Mutex<State>,
     /// Status of the current connection, readable without waiting.
@@ -164,7 +182,7 @@ pub struct Broker {
 impl std::fmt::Debug for Broker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Broker")
-            .field("endpoint", &self.endpoint)
+            .field("endpoints", &self.endpoints.labels())
             .field("connection_name", &self.options.connection_name)
             .finish_non_exhaustive()
     }
@@ -172,18 +190,19 @@ impl std::fmt::Debug for Broker {
 
 impl Broker {
     /// A broker reached at `url` (`amqp://user:pass@host:port/vhost`, or
-    /// `amqps://`). Nothing is connected until a channel is asked for.
+    /// `amqps://` with the system's CAs). Nothing is connected until a
+    /// channel is asked for.
     pub fn new(url: &str, options: BrokerOptions) -> Result<Self, AmqpError> {
-        let uri = AMQPUri::from_str(url).map_err(AmqpError::InvalidUrl)?;
-        let separator = if uri.vhost.starts_with('/') { "" } else { "/" };
-        let endpoint = format!(
-            "{}:{}{separator}{}",
-            uri.authority.host, uri.authority.port, uri.vhost
-        );
+        let endpoints = Endpoints::new(&AmqpSettings::url(url))?;
+        Ok(Self::with_endpoints(Arc::new(endpoints), options))
+    }
+
+    /// A broker reached at any of `endpoints` (tried in order).
+    pub fn with_endpoints(endpoints: Arc<Endpoints>, options: BrokerOptions) -> Self {
         let backoff = Backoff::new(options.backoff_initial, options.backoff_max);
-        Ok(Self {
-            uri,
-            endpoint,
+        Self {
+            endpoints,
+            current: StdMutex::new(0),
             options,
             state: Mutex::new(State {
                 connection: None,
@@ -191,12 +210,19 @@ impl Broker {
                 next_attempt: None,
             }),
             status: StdMutex::new(None),
-        })
+        }
     }
 
-    /// `host:port/vhost` of the broker (no credentials), for logs.
-    pub fn endpoint(&self) -> &str {
-        &self.endpoint
+    /// `host:port/vhost` of the endpoint connected to last (the first one
+    /// before any connection), for logs: never the credentials.
+    pub fn endpoint(&self) -> String {
+        let index = *self.current.lock().unwrap_or_else(|e| e.into_inner());
+        self.endpoints.list()[index].label().to_owned()
+    }
+
+    /// Every endpoint of the broker, in the order they are tried.
+    pub fn endpoints(&self) -> &Arc<Endpoints> {
+        &self.endpoints
     }
 
     /// The connection name sent to the broker.
@@ -243,22 +269,22 @@ impl Broker {
                         // after channel_max of those a live connection opens
                         // no more channels. A new connection starts afresh;
                         // channels still open on the old one fail and retry.
-                        warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                        warn!(endpoint = %self.endpoint(), name = %self.options.connection_name,
                               %error, "cannot open a channel on a live connection; replacing the connection");
                         replace = true;
                     }
                     Ok(Err(error)) => {
-                        warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                        warn!(endpoint = %self.endpoint(), name = %self.options.connection_name,
                               %error, "AMQP connection lost");
                     }
                     Err(_) => {
-                        warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                        warn!(endpoint = %self.endpoint(), name = %self.options.connection_name,
                               "opening a channel timed out; replacing the connection");
                         replace = true;
                     }
                 }
             } else {
-                warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                warn!(endpoint = %self.endpoint(), name = %self.options.connection_name,
                       "AMQP connection lost; reconnecting");
             }
         }
@@ -274,7 +300,7 @@ impl Broker {
             let now = Instant::now();
             if now < at {
                 return Err(AmqpError::BackingOff {
-                    endpoint: self.endpoint.clone(),
+                    endpoint: self.endpoint(),
                     retry_in: at - now,
                 });
             }
@@ -290,7 +316,7 @@ impl Broker {
                 }
                 state.connection = Some(connection);
                 channel.map_err(|source| AmqpError::Channel {
-                    endpoint: self.endpoint.clone(),
+                    endpoint: self.endpoint(),
                     source,
                 })
             }
@@ -340,12 +366,12 @@ impl Broker {
                     Ok(Ok(())) => {}
                     Ok(Err(error)) => debug!(%error, "closing AMQP connection"),
                     Err(_) => {
-                        warn!(endpoint = %self.endpoint, name = %self.options.connection_name,
+                        warn!(endpoint = %self.endpoint(), name = %self.options.connection_name,
                                     "the broker did not answer connection.close in time; dropping the connection")
                     }
                 }
             }
-            info!(endpoint = %self.endpoint, name = %self.options.connection_name,
+            info!(endpoint = %self.endpoint(), name = %self.options.connection_name,
                   "AMQP connection closed");
         }
     }
@@ -356,26 +382,118 @@ impl Broker {
         self.connect().await
     }
 
+    /// Tries every endpoint in order; the first that answers wins.
     async fn connect(&self) -> Result<Connection, AmqpError> {
+        let list = self.endpoints.list();
+        let mut failures = Vec::new();
+        for (index, endpoint) in list.iter().enumerate() {
+            match self.connect_to(endpoint).await {
+                Ok(connection) => {
+                    *self.current.lock().unwrap_or_else(|e| e.into_inner()) = index;
+                    info!(endpoint = %endpoint.label(), name = %self.options.connection_name,
+                          "AMQP connection open");
+                    return Ok(connection);
+                }
+                Err(error) if list.len() == 1 => return Err(error),
+                Err(error) => {
+                    if index + 1 < list.len() {
+                        warn!(name = %self.options.connection_name, %error,
+                              next = %list[index + 1].label(), "AMQP endpoint failed; trying the next");
+                    }
+                    failures.push(error.to_string());
+                }
+            }
+        }
+        Err(AmqpError::AllEndpoints {
+            count: list.len(),
+            errors: failures.join("; "),
+        })
+    }
+
+    async fn connect_to(&self, endpoint: &Endpoint) -> Result<Connection, AmqpError> {
         let name = self.options.connection_name.clone();
         let properties = ConnectionProperties::default().with_connection_name(name.into());
-        let attempt = Connection::connect_uri(self.uri.clone(), properties);
-        match tokio::time::timeout(self.options.connect_timeout, attempt).await {
-            Ok(Ok(connection)) => {
-                info!(endpoint = %self.endpoint, name = %self.options.connection_name,
-                      "AMQP connection open");
-                Ok(connection)
+        let uri = endpoint.uri.clone();
+        let tls = self.endpoints.tls().filter(|_| endpoint.is_tls()).cloned();
+        let server_name = tls
+            .as_ref()
+            .map(|t| t.name_for(&uri.authority.host).to_owned());
+        // The handshake's own failure, kept aside: lapin wraps it.
+        let handshake_failure = Arc::new(StdMutex::new(None::<String>));
+        let attempt = async {
+            match tls {
+                Some(tls) => connect_tls(uri, properties, tls, handshake_failure.clone()).await,
+                None => Connection::connect_uri(uri, properties).await,
             }
-            Ok(Err(source)) => Err(AmqpError::Connect {
-                endpoint: self.endpoint.clone(),
-                source,
-            }),
+        };
+        let label = endpoint.label().to_owned();
+        match tokio::time::timeout(self.options.connect_timeout, attempt).await {
+            Ok(Ok(connection)) => Ok(connection),
+            Ok(Err(source)) => {
+                let recorded = handshake_failure
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                // A TLS 1.3 broker refuses a client certificate after the
+                // handshake: its alert comes with the first AMQP read.
+                let reason = recorded.or_else(|| {
+                    server_name
+                        .as_deref()
+                        .and_then(|name| describe_tls_failure(&source, name))
+                });
+                match reason {
+                    Some(reason) => Err(AmqpError::Tls {
+                        endpoint: label,
+                        reason,
+                    }),
+                    None => Err(AmqpError::Connect {
+                        endpoint: label,
+                        source,
+                    }),
+                }
+            }
             Err(_) => Err(AmqpError::ConnectTimeout {
-                endpoint: self.endpoint.clone(),
+                endpoint: label,
                 timeout: self.options.connect_timeout,
             }),
         }
     }
+}
+
+/// An `amqps://` connection through delayd's TLS client: TCP to the URL's
+/// host, the handshake against the configured server name, then lapin's
+/// AMQP handshake on that stream. A failed TLS handshake is described in
+/// `failure`.
+async fn connect_tls(
+    uri: AMQPUri,
+    properties: ConnectionProperties,
+    tls: Arc<TlsConnector>,
+    failure: Arc<StdMutex<Option<String>>>,
+) -> Result<Connection, lapin::Error> {
+    let runtime = lapin::runtime::default_runtime()?;
+    Connection::connector(
+        uri,
+        runtime,
+        async move |uri: AMQPUri, runtime| {
+            let host = uri.authority.host.as_str();
+            let addresses: Vec<SocketAddr> = tokio::net::lookup_host((host, uri.authority.port))
+                .await?
+                .collect();
+            let stream = AsyncTcpStream::connect(&runtime, addresses).await?;
+            let name = tls.name_for(host);
+            match stream.into_rustls(tls.connector(), name).await {
+                Ok(stream) => Ok(stream),
+                Err(error) => {
+                    if let Some(reason) = describe_tls_failure(&error, name) {
+                        *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+                    }
+                    Err(error.into())
+                }
+            }
+        },
+        properties,
+    )
+    .await
 }
 
 /// The two connections delayd keeps to one broker: consumers and publishers
@@ -399,10 +517,22 @@ impl BrokerConnections {
     /// Both connections to the broker at `url`, with default options. Nothing
     /// connects until first used.
     pub fn new(url: &str) -> Result<Self, AmqpError> {
-        Ok(Self {
-            consume: Arc::new(Broker::new(url, BrokerOptions::named(Self::CONSUME_NAME))?),
-            publish: Arc::new(Broker::new(url, BrokerOptions::named(Self::PUBLISH_NAME))?),
-        })
+        let endpoints = Endpoints::new(&AmqpSettings::url(url))?;
+        Ok(Self::with_endpoints(Arc::new(endpoints)))
+    }
+
+    /// Both connections to a broker reached at any of `endpoints`.
+    pub fn with_endpoints(endpoints: Arc<Endpoints>) -> Self {
+        Self {
+            consume: Arc::new(Broker::with_endpoints(
+                endpoints.clone(),
+                BrokerOptions::named(Self::CONSUME_NAME),
+            )),
+            publish: Arc::new(Broker::with_endpoints(
+                endpoints,
+                BrokerOptions::named(Self::PUBLISH_NAME),
+            )),
+        }
     }
 
     /// Whether both connections are open.
@@ -434,7 +564,7 @@ mod tests {
     fn bad_url_is_refused_and_endpoint_hides_credentials() {
         assert!(matches!(
             Broker::new("not a url", BrokerOptions::named("x")),
-            Err(AmqpError::InvalidUrl(_))
+            Err(AmqpError::Settings(EndpointError::InvalidUrl { .. }))
         ));
         let b = Broker::new(
             "amqp://user:secret@rabbit:5673/%2f",

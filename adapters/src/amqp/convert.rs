@@ -119,11 +119,21 @@ pub fn properties_from_amqp(props: &BasicProperties) -> (Properties, FieldTable)
     (properties, headers)
 }
 
+/// Headers a broker adds to a *delivery*, not to the message: a quorum
+/// queue's counts of how often it handed the message out (RabbitMQ 4).
+/// They differ between two deliveries of one message, so a redelivery kept
+/// with them would not be recognised as one (it would be stored twice, under
+/// two ids), and the target queue would get a count that is not its own.
+pub const BROKER_DELIVERY_HEADERS: [&str; 2] = ["x-delivery-count", "x-acquired-count"];
+
 /// Builds a [`Message`] from a consumed lapin delivery, taking its body
-/// without copying. The exchange it was published to becomes
-/// [`Message::source`].
+/// without copying, and without [`BROKER_DELIVERY_HEADERS`]. The exchange
+/// it was published to becomes [`Message::source`].
 pub fn message_from_delivery(delivery: &mut lapin::message::Delivery) -> Message {
-    let (properties, headers) = properties_from_amqp(&delivery.properties);
+    let (properties, mut headers) = properties_from_amqp(&delivery.properties);
+    for header in BROKER_DELIVERY_HEADERS {
+        headers.remove(header);
+    }
     Message {
         body: std::mem::take(&mut delivery.data),
         headers,
@@ -495,5 +505,33 @@ mod tests {
         assert_eq!(message.key, None);
         let again = message_properties(&message).unwrap();
         assert_eq!(again, delivery.properties);
+    }
+
+    /// A quorum queue's redelivery carries counts the first delivery did
+    /// not: without them, both give the same message (so a redelivery is
+    /// recognised, and the target gets the bytes the producer sent).
+    #[test]
+    fn broker_delivery_counts_are_not_part_of_the_message() {
+        let deliver = |headers: Vec<(String, Value)>| {
+            let mut delivery = lapin::message::Delivery::mock(
+                1,
+                "orders.delayed".into(),
+                "k".into(),
+                true,
+                b"payload".to_vec(),
+            );
+            delivery.properties =
+                properties_to_amqp(&all_properties(), &FieldTable(headers)).unwrap();
+            message_from_delivery(&mut delivery)
+        };
+        let delay = ("x-delay".to_owned(), Value::I32(5000));
+        let first = deliver(vec![delay.clone()]);
+        let again = deliver(vec![
+            delay,
+            ("x-acquired-count".into(), Value::I64(2)),
+            ("x-delivery-count".into(), Value::I64(1)),
+        ]);
+        assert_eq!(first, again);
+        assert_eq!(again.headers.len(), 1);
     }
 }

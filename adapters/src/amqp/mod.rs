@@ -4,9 +4,14 @@
 //!
 //! * [`convert`]: lossless lapin ⇄ [`Message`](crate::Message) conversion,
 //!   every field-table type and basic property.
+//! * [`endpoints`]: [`AmqpSettings`] (URLs, password, TLS, login) parsed
+//!   into [`Endpoints`], tried in order; URL passwords redacted.
+//! * [`tls`]: delayd's rustls client for `amqps://`: a private CA, a client
+//!   certificate, a server name, and failures that say what to fix.
 //! * [`connection`]: [`Broker`], a lazily (re)connected connection with
-//!   exponential back-off, and [`BrokerConnections`], the separate consume
-//!   and publish connections delayd keeps per broker.
+//!   exponential back-off over a broker's endpoints, and
+//!   [`BrokerConnections`], the separate consume and publish connections
+//!   delayd keeps per broker.
 //! * [`topology`]: declaring durable queues and a route's source exchange.
 //! * [`source`]: [`AmqpSource`], a [`Source`](crate::Source) consuming one
 //!   queue with manual acks, reconnecting transparently, pausable.
@@ -31,13 +36,17 @@
 
 pub mod connection;
 pub mod convert;
+pub mod endpoints;
 pub mod sink;
 pub mod source;
 pub mod state;
+pub mod tls;
 pub mod topology;
 
 pub use connection::{AmqpError, Backoff, Broker, BrokerConnections, BrokerOptions};
 pub use convert::ConvertError;
+pub use endpoints::{redact_url, AmqpSettings, EndpointError, Endpoints};
 pub use sink::{AmqpSink, SinkConfig};
 pub use source::{AmqpSource, SourceConfig};
+pub use tls::{TlsError, TlsOptions};
 pub use topology::{ExchangeType, UnknownExchangeType};

@@ -4,17 +4,28 @@
 //!
 //! # Ownership
 //! Every instance keeps a consumer on the route's lock queue
-//! `<prefix><route>.lock` (`x-single-active-consumer`). RabbitMQ delivers
-//! to one consumer at a time, and moves to the next only when that one's
-//! channel closes (a crash, a lost network after the heartbeat timeout, a
-//! stop). Each instance pings the queue every second; the one that receives
-//! a ping (anyone's) is the active consumer and owns the route
-//! ([`Candidate::elected`]). Every write to the state streams goes over the
-//! owner's lock connection ([`StateSession`]), so a write confirmed to one
-//! owner was made before the next owner was elected, and the next owner
-//! reads it. The route's ingress queue is declared with
-//! `x-single-active-consumer` too, so even a former owner whose consumer
-//! lingers cannot take deliveries beside the new one.
+//! `<prefix><route>.lock` (a quorum queue with `x-single-active-consumer`).
+//! RabbitMQ delivers to one consumer at a time, and moves to the next when
+//! that one's channel closes (a crash, a lost network after the heartbeat
+//! timeout, a stop), when the queue is deleted or its node restarts (the
+//! consumer is cancelled), or, on a quorum queue, when the consumer's node
+//! is suspected down (without a word to the old consumer). Each instance
+//! pings the queue every second; the one that receives a ping (anyone's)
+//! is the active consumer and owns the route ([`Candidate::elected`]).
+//!
+//! The lock can thus move while the old owner's connection stays up, so
+//! the owner holds it as a lease ([`Lease`]): it counts the lock lost when
+//! its consumer is cancelled or no ping reached it for [`LOCK_LEASE`], then
+//! closes its connection at once, and it checks the lease before every
+//! write and again once the write is confirmed (a write confirmed after the
+//! lease ran out does not count: its delivery is not acked). A new owner
+//! waits [`LOCK_LEASE`] and a margin after its election, and checks that
+//! its own ping still reaches it, before it reads anything. Every write to
+//! the state streams goes over the owner's lock connection
+//! ([`StateSession`]), so a write that counts was made before the next
+//! owner reads, and the next owner reads it. The route's ingress queue is
+//! declared with `x-single-active-consumer` too, so even a former owner
+//! whose consumer lingers cannot take deliveries beside the new one.
 //!
 //! # Streams
 //! A stream (`x-queue-type = stream`) is never compacted by the broker, and
@@ -22,8 +33,12 @@
 //! route's state lives in *generations*, each a stream that is deleted
 //! whole once a newer one holds everything still live:
 //!
-//! * `<prefix><route>`: the pointer stream. Its records name the current
-//!   generation ([`Record::Generation`]); the last one wins.
+//! * `<prefix><route>` and `<prefix><route>.pointer`: the pointer streams.
+//!   Their records name the current generation ([`Record::Generation`]);
+//!   every one goes to both, the highest wins (generations only grow), so
+//!   one of them deleted loses nothing. Each is rotated (deleted and given
+//!   the current generation again, while the other holds it) once it holds
+//!   [`POINTER_ROTATE`] records.
 //! * `<prefix><route>.<n>`: generation `n`. Records: `Schedule(id, due,
 //!   message)` before the ingress delivery is acked, `Done(id)` once the
 //!   message is confirmed at its target, parked or cancelled.
@@ -41,9 +56,10 @@
 //! meets that marker: everything confirmed before it has been read.
 //!
 //! # Recovery (on becoming the owner)
-//! Read the pointer's last `Generation(n)`, then generation `n` and `n + 1`
-//! (declared if missing: a checkpoint may have stopped before its pointer
-//! record; a passive check would log a channel error for the usual case):
+//! Read the pointers' highest `Generation(n)`, then generation `n` (which
+//! must exist: if it was deleted, recovery refuses rather than start the
+//! route without its messages) and `n + 1` (declared if missing: a
+//! checkpoint may have stopped before its pointer record):
 //! Schedules and Dones applied in order give the live set. Then write a
 //! checkpoint into `n + 2`, which ends the older generations. A former
 //! owner's records in a deleted generation were all confirmed before the
@@ -57,14 +73,15 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
+use lapin::protocol::AMQPSoftError;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tracing::debug;
@@ -89,6 +106,18 @@ pub enum StateError {
     /// The broker nacked or returned a state record.
     #[error("the broker refused a state record for {stream} ({why})")]
     Refused { stream: String, why: &'static str },
+    /// This instance no longer holds the route's lock: nothing more may be
+    /// written for it (a write now could land in a generation the next
+    /// owner has already read).
+    #[error("the lock on {lock} is lost")]
+    LockLost { lock: String },
+    /// A state stream that the pointer names does not exist: its records
+    /// are gone, and restoring without them would start the route empty.
+    #[error("state stream {stream} is missing: the pointer names generation {generation}, but the stream was deleted; refusing to start the route without its pending messages (see docs/broker-store.md, \"A missing state stream\")")]
+    Missing { stream: String, generation: u64 },
+    /// The broker did not confirm a state write in time.
+    #[error("the broker did not confirm a write to {stream} within {timeout:?}")]
+    TimedOut { stream: String, timeout: Duration },
     /// A read made no progress for too long.
     #[error("reading stream {stream} stalled after {records} records")]
     Stalled { stream: String, records: u64 },
@@ -225,6 +254,18 @@ impl StateNames {
         format!("{}.lock", self.pointer)
     }
 
+    /// The pointer's copy: every `Generation` record goes to both, so that
+    /// one of them deleted (by hand, or while it is being rotated) loses
+    /// nothing.
+    pub fn pointer_copy(&self) -> String {
+        format!("{}.pointer", self.pointer)
+    }
+
+    /// Both pointer streams.
+    pub fn pointers(&self) -> [String; 2] {
+        [self.pointer.clone(), self.pointer_copy()]
+    }
+
     /// Generation `n`'s stream.
     pub fn generation(&self, n: u64) -> String {
         format!("{}.{n}", self.pointer)
@@ -236,6 +277,25 @@ const READ_STALL: Duration = Duration::from_secs(30);
 
 /// Records a reader takes before acking (streams need acks for credit).
 const READ_PREFETCH: u16 = 2000;
+
+/// How long an owner may go without a ping before it counts its lock as
+/// lost. A quorum lock queue can move its active consumer without telling
+/// the old one (a consumer suspected down), so the owner checks that pings
+/// still reach it, and a new owner waits this long plus [`LEASE_MARGIN`]
+/// before it reads anything: by then the former owner has stopped writing.
+pub const LOCK_LEASE: Duration = Duration::from_secs(5);
+
+/// What a new owner waits beyond [`LOCK_LEASE`] (a ping's transit time).
+const LEASE_MARGIN: Duration = Duration::from_secs(1);
+
+/// How long a state write may wait for the broker's confirm.
+pub const APPEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Records a pointer stream may hold before it is rotated (emptied and
+/// given the current generation again): it would otherwise grow by a record
+/// per checkpoint and per read marker, and it is read in full at every
+/// election.
+pub const POINTER_ROTATE: u64 = 1000;
 
 /// An instance that wants to own a route: its consumer on the route's lock
 /// queue (`x-single-active-consumer`) waits its turn. See the module doc.
@@ -256,14 +316,7 @@ impl Candidate {
                 .await
                 .map_err(protocol("opening the lock channel"))?;
             let queue = short_string(&names.lock(), "lock queue name").map_err(AmqpError::from)?;
-            let mut args = FieldTable::default();
-            args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
-            lock.queue_declare(queue.clone(), QueueDeclareOptions::durable(), args)
-                .await
-                .map_err(protocol(format!(
-                    "declaring the lock queue {}",
-                    names.lock()
-                )))?;
+            let lock = declare_lock_queue(&connection, lock, &queue).await?;
             let options = BasicConsumeOptions {
                 no_ack: true,
                 ..BasicConsumeOptions::default()
@@ -302,13 +355,30 @@ impl Candidate {
     /// `every` it publishes a ping into the lock queue, and only the active
     /// consumer receives pings (anyone's). Then it owns the route.
     /// `standby` is called each time a round passes without a ping.
+    ///
+    /// Once a ping arrives, it waits out [`LOCK_LEASE`] (a former owner
+    /// whose consumer was moved without a cancel stops writing by then) and
+    /// checks that its own ping still reaches it before it owns anything.
     pub async fn elected(
         mut self,
         every: Duration,
         mut standby: impl FnMut(),
     ) -> Result<StateSession, StateError> {
-        match self.wait_for_ping(every, &mut standby).await {
-            Ok(()) => self.into_session().await,
+        let waited = async {
+            loop {
+                self.wait_for_ping(every, &mut standby, None).await?;
+                tokio::time::sleep(LOCK_LEASE + LEASE_MARGIN).await;
+                let nonce = fresh_nonce().to_be_bytes();
+                if self
+                    .wait_for_ping(every, &mut standby, Some(&nonce))
+                    .await?
+                {
+                    return Ok::<_, StateError>(every);
+                }
+            }
+        };
+        match waited.await {
+            Ok(every) => self.into_session(every).await,
             Err(e) => {
                 // Not elected: this connection is of no further use.
                 self.close().await;
@@ -317,39 +387,56 @@ impl Candidate {
         }
     }
 
+    /// Ping until a ping reaches this consumer (`own`: until that ping,
+    /// within two rounds; returns whether it came).
     async fn wait_for_ping(
         &mut self,
         every: Duration,
         standby: &mut impl FnMut(),
-    ) -> Result<(), StateError> {
+        own: Option<&[u8]>,
+    ) -> Result<bool, StateError> {
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
+        let mut rounds = 0;
         loop {
+            let body = own.unwrap_or(b"ping");
             self.lock
                 .basic_publish(
                     "".into(),
                     queue.clone(),
                     BasicPublishOptions::default(),
-                    b"ping",
+                    body,
                     BasicProperties::default(),
                 )
                 .await
                 .map_err(protocol("pinging the lock queue"))?;
-            match tokio::time::timeout(every, self.consumer.next()).await {
-                Err(_) => standby(), // not active: another instance owns the route
-                Ok(Some(Ok(_))) => return Ok(()),
-                Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
-                Ok(None) => {
-                    return Err(StateError::Refused {
-                        stream: self.names.lock(),
-                        why: "the lock consumer was cancelled",
-                    })
+            let deadline = tokio::time::Instant::now() + every;
+            loop {
+                match tokio::time::timeout_at(deadline, self.consumer.next()).await {
+                    Err(_) => break, // no ping this round
+                    Ok(Some(Ok(d))) => match own {
+                        None => return Ok(true),
+                        Some(own) if d.data == own => return Ok(true),
+                        Some(_) => {} // an older ping, or a standby's
+                    },
+                    Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
+                    Ok(None) => {
+                        return Err(StateError::Refused {
+                            stream: self.names.lock(),
+                            why: "the lock consumer was cancelled",
+                        })
+                    }
                 }
             }
+            rounds += 1;
+            if own.is_some() && rounds >= 2 {
+                return Ok(false); // the lock moved on while this one waited
+            }
+            standby(); // not active: another instance owns the route
         }
     }
 
     /// Elected: open the writer channel on the lock connection.
-    async fn into_session(self) -> Result<StateSession, StateError> {
+    async fn into_session(self, every: Duration) -> Result<StateSession, StateError> {
         let opened = async {
             let writer = self
                 .connection
@@ -369,25 +456,25 @@ impl Candidate {
                 return Err(e);
             }
         };
-        // The owner keeps receiving the standbys' pings: drop them. If the
-        // broker cancels the consumer (the lock queue was deleted), the
-        // lock is lost as surely as with the connection.
-        let mut consumer = self.consumer;
-        let cancelled = Arc::new(AtomicBool::new(false));
-        let drain = tokio::spawn({
-            let cancelled = cancelled.clone();
-            async move {
-                while let Some(Ok(_)) = consumer.next().await {}
-                cancelled.store(true, Ordering::Release);
-            }
-        });
+        let connection = Arc::new(self.connection);
+        let lease = Arc::new(Lease::new(LOCK_LEASE));
+        let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
+        let drain = tokio::spawn(hold(
+            lease.clone(),
+            connection.clone(),
+            self.lock,
+            self.consumer,
+            queue,
+            every,
+        ));
         Ok(StateSession {
-            connection: self.connection,
+            connection,
             writer,
             names: self.names,
             drain,
-            cancelled,
+            lease,
             skipped: AtomicU64::new(0),
+            pointer_records: Mutex::new([0; 2]),
         })
     }
 
@@ -397,20 +484,158 @@ impl Candidate {
     }
 }
 
+/// Declare the route's lock queue: a quorum queue, which outlives the loss
+/// of a node, with `x-single-active-consumer`. One declared classic by an
+/// older delayd is used as it is (redeclaring it otherwise fails).
+async fn declare_lock_queue(
+    connection: &Connection,
+    channel: Channel,
+    queue: &lapin::types::ShortString,
+) -> Result<Channel, StateError> {
+    let lock_args = |quorum: bool| {
+        let mut args = FieldTable::default();
+        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        if quorum {
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString(LongString::from("quorum")),
+            );
+        }
+        args
+    };
+    let declare = |channel: Channel, quorum: bool| async move {
+        channel
+            .queue_declare(
+                queue.clone(),
+                QueueDeclareOptions::durable(),
+                lock_args(quorum),
+            )
+            .await
+            .map(|_| channel)
+            .map_err(protocol(format!("declaring the lock queue {queue}")))
+    };
+    match declare(channel, true).await {
+        Ok(channel) => Ok(channel),
+        Err(quorum_failed) => {
+            // A classic one exists (PRECONDITION_FAILED closed the channel).
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(protocol("opening the lock channel"))?;
+            match declare(channel, false).await {
+                Ok(channel) => {
+                    tracing::warn!(lock = %queue, "the route's lock queue is a classic queue (declared by an older delayd): it is unavailable while its node is down; delete it while no delayd runs to have a quorum one declared");
+                    Ok(channel)
+                }
+                Err(_) => Err(quorum_failed),
+            }
+        }
+    }
+}
+
+/// What an owner knows of its lock: when a ping last reached it, and
+/// whether it has given the lock up. Writes are allowed only while it is
+/// held (see [`LOCK_LEASE`]).
+#[derive(Debug)]
+pub struct Lease {
+    started: Instant,
+    /// Milliseconds after `started` of the last ping received.
+    last_ping_ms: AtomicU64,
+    lost: AtomicBool,
+    lease: Duration,
+}
+
+impl Lease {
+    fn new(lease: Duration) -> Self {
+        Self {
+            started: Instant::now(),
+            last_ping_ms: AtomicU64::new(0),
+            lost: AtomicBool::new(false),
+            lease,
+        }
+    }
+
+    fn renew(&self) {
+        let ms = self.started.elapsed().as_millis() as u64;
+        self.last_ping_ms.fetch_max(ms, Ordering::AcqRel);
+    }
+
+    fn lose(&self) {
+        self.lost.store(true, Ordering::Release);
+    }
+
+    /// Held: not given up, and a ping arrived within the lease. Read
+    /// at every write, so a process that was paused past its lease finds
+    /// out before it writes, not after.
+    pub fn held(&self) -> bool {
+        let since = (self.started.elapsed().as_millis() as u64)
+            .saturating_sub(self.last_ping_ms.load(Ordering::Acquire));
+        !self.lost.load(Ordering::Acquire) && since <= self.lease.as_millis() as u64
+    }
+}
+
+/// The owner's side of its lock, until it is lost: ping the lock queue
+/// every `every` (only the active consumer receives pings, anyone's), and
+/// drop the pings that arrive. The lock is lost when the broker cancels the
+/// consumer (the lock queue was deleted, its node restarted), the channel
+/// closes, or no ping arrives for [`LOCK_LEASE`] (the consumer was moved
+/// without a word). Then the connection is closed at once: every state
+/// write goes over it, so none can follow.
+async fn hold(
+    lease: Arc<Lease>,
+    connection: Arc<Connection>,
+    lock: Channel,
+    mut consumer: lapin::Consumer,
+    queue: lapin::types::ShortString,
+    every: Duration,
+) {
+    let mut tick = tokio::time::interval(every);
+    let why = loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                if !lease.held() {
+                    break "no ping reached this instance for the lock's lease";
+                }
+                let ping = lock.basic_publish(
+                    "".into(),
+                    queue.clone(),
+                    BasicPublishOptions::default(),
+                    b"ping",
+                    BasicProperties::default(),
+                );
+                if ping.await.is_err() {
+                    break "the lock channel closed";
+                }
+            }
+            next = consumer.next() => match next {
+                Some(Ok(_)) => lease.renew(),
+                Some(Err(_)) => break "the lock channel closed",
+                None => break "the broker cancelled the lock consumer (the lock queue was deleted or its node restarted)",
+            }
+        }
+    };
+    lease.lose();
+    tracing::error!(lock = %queue, why, "the route's lock is lost; closing its connection so that nothing more is written");
+    let close = connection.close(200, "delayd lost the route's lock".into());
+    let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
+}
+
 /// One owner's connection: its lock consumer is the active one, and every
 /// state write goes over it. When it closes, ownership is gone (see the
 /// module doc).
 pub struct StateSession {
-    connection: Connection,
+    connection: Arc<Connection>,
     /// Confirm-mode channel for every write, in order.
     writer: Channel,
     names: StateNames,
-    /// Reads (and drops) the pings that reach the owner.
+    /// Holds the lock: pings, and closes the connection once it is lost.
     drain: tokio::task::JoinHandle<()>,
-    /// Set once the owner's lock consumer is gone.
-    cancelled: Arc<AtomicBool>,
+    lease: Arc<Lease>,
     /// Undecodable records skipped by reads so far (see [`StateSession::read_all`]).
     skipped: AtomicU64,
+    /// Records in each pointer stream (as read, plus appended since), for
+    /// their rotation.
+    pointer_records: Mutex<[u64; 2]>,
 }
 
 impl std::fmt::Debug for StateSession {
@@ -433,13 +658,25 @@ impl StateSession {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(protocol("confirm.select"))?;
+        // Never expires: an observer writes only read markers.
+        let lease = Arc::new(Lease::new(LOCK_LEASE));
+        let drain = tokio::spawn({
+            let lease = lease.clone();
+            async move {
+                loop {
+                    lease.renew();
+                    tokio::time::sleep(LOCK_LEASE / 5).await;
+                }
+            }
+        });
         Ok(StateSession {
-            connection,
+            connection: Arc::new(connection),
             writer,
             names: names.clone(),
-            drain: tokio::spawn(async {}),
-            cancelled: Arc::new(AtomicBool::new(false)),
+            drain,
+            lease,
             skipped: AtomicU64::new(0),
+            pointer_records: Mutex::new([0; 2]),
         })
     }
 
@@ -452,11 +689,17 @@ impl StateSession {
         &self.names
     }
 
-    /// Whether the lock (the connection) is still held.
+    /// Whether the lock (the connection, and its lease) is still held.
     pub fn is_alive(&self) -> bool {
         self.connection.status().connected()
             && self.writer.status().connected()
-            && !self.cancelled.load(Ordering::Acquire)
+            && self.lease.held()
+    }
+
+    fn lock_lost(&self) -> StateError {
+        StateError::LockLost {
+            lock: self.names.lock(),
+        }
     }
 
     /// Resolves once the lock is lost.
@@ -518,6 +761,9 @@ impl StateSession {
     }
 
     async fn channel(&self) -> Result<Channel, StateError> {
+        if !self.lease.held() {
+            return Err(self.lock_lost());
+        }
         self.connection
             .create_channel()
             .await
@@ -536,6 +782,10 @@ impl StateSession {
             mandatory: true,
             immediate: false,
         };
+        if !self.lease.held() {
+            let e = self.lock_lost();
+            return Box::pin(async move { Err(e) });
+        }
         let key = match short_string(stream, "stream name") {
             Ok(k) => k,
             Err(e) => {
@@ -556,16 +806,21 @@ impl StateSession {
         });
         let sent = super::sink::join_in_order(sends).await;
         let stream = stream.to_owned();
+        let (lease, lock) = (self.lease.clone(), self.names.lock());
         Box::pin(async move {
             let mut confirms = Vec::with_capacity(sent.len());
             for s in sent {
                 confirms.push(s.map_err(protocol(format!("publishing to stream {stream}")))?);
             }
+            let deadline = tokio::time::Instant::now() + APPEND_TIMEOUT;
             for confirm in confirms {
-                match confirm
+                let confirmed = tokio::time::timeout_at(deadline, confirm)
                     .await
-                    .map_err(protocol(format!("confirm from stream {stream}")))?
-                {
+                    .map_err(|_| StateError::TimedOut {
+                        stream: stream.clone(),
+                        timeout: APPEND_TIMEOUT,
+                    })?;
+                match confirmed.map_err(protocol(format!("confirm from stream {stream}")))? {
                     Confirmation::Ack(None) => {}
                     Confirmation::Ack(Some(_)) => {
                         return Err(StateError::Refused {
@@ -586,6 +841,11 @@ impl StateSession {
                         })
                     }
                 }
+            }
+            // Confirmed, but perhaps after the lock moved on: the next owner
+            // may have read that stream already, so the write does not count.
+            if !lease.held() {
+                return Err(StateError::LockLost { lock });
             }
             Ok(())
         })
@@ -726,18 +986,87 @@ impl StateSession {
         .await
     }
 
-    /// The generation the pointer stream names last (`None`: no state yet).
-    pub async fn current_generation(&self) -> Result<Option<u64>, StateError> {
-        self.declare_stream(&self.names.pointer).await?;
-        let mut last = None;
-        self.read_all(&self.names.pointer.clone(), |record| {
-            if let Record::Generation { generation } = record {
-                last = Some(generation);
+    /// The current generation: the highest that either pointer stream
+    /// names (`None`: no state yet), and whether the two disagreed (one was
+    /// deleted, or a write to both was cut between them; the next
+    /// [`StateSession::point_at`] writes both again). Generations only
+    /// grow, so the highest is the latest whichever stream holds it, and a
+    /// stale pointer from a former owner cannot move it back.
+    pub async fn current_generation(&self) -> Result<(Option<u64>, bool), StateError> {
+        let mut found = [None; 2];
+        for (i, stream) in self.names.pointers().iter().enumerate() {
+            self.declare_stream(stream).await?;
+            let mut last = None;
+            let read = self
+                .read_all(stream, |record| {
+                    if let Record::Generation { generation } = record {
+                        last = last.max(Some(generation));
+                    }
+                    Ok(())
+                })
+                .await?;
+            self.pointer_records
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())[i] = read + 1;
+            found[i] = last;
+        }
+        Ok((found[0].max(found[1]), found[0] != found[1]))
+    }
+
+    /// Point both pointer streams at `generation`, one after the other, and
+    /// rotate one of them if it holds more than [`POINTER_ROTATE`] records:
+    /// deleted and given `generation` again, while the other one holds it.
+    pub async fn point_at(&self, generation: u64) -> Result<(), StateError> {
+        let record = Record::Generation { generation }.encode();
+        let pointers = self.names.pointers();
+        for stream in &pointers {
+            self.append(stream, std::slice::from_ref(&record))
+                .await
+                .await?;
+        }
+        let rotate = {
+            let mut counts = self
+                .pointer_records
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            counts.iter_mut().for_each(|n| *n += 1);
+            counts.iter().position(|&n| n > POINTER_ROTATE)
+        };
+        if let Some(i) = rotate {
+            let stream = &pointers[i];
+            self.delete(stream).await?;
+            self.declare_stream(stream).await?;
+            self.append(stream, &[record]).await.await?;
+            self.pointer_records
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())[i] = 1;
+            debug!(stream, generation, "pointer stream rotated");
+        }
+        Ok(())
+    }
+
+    /// Whether queue or stream `name` exists (a passive declare, on a
+    /// channel of its own: a missing one closes it).
+    pub async fn exists(&self, name: &str) -> Result<bool, StateError> {
+        let channel = self.channel().await?;
+        let result = channel
+            .queue_declare(
+                short_string(name, "stream name").map_err(AmqpError::from)?,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        match result {
+            Ok(_) => {
+                let _ = channel.close(200, "OK".into()).await;
+                Ok(true)
             }
-            Ok(())
-        })
-        .await?;
-        Ok(last)
+            Err(e) if super::topology::is_soft_error(&e, AMQPSoftError::NOTFOUND) => Ok(false),
+            Err(e) => Err(protocol(format!("checking whether {name} exists"))(e)),
+        }
     }
 }
 
@@ -802,6 +1131,22 @@ mod tests {
             Record::decode(&[VERSION, SCHEDULE, 0, 0]),
             None,
             "short Schedule"
+        );
+    }
+
+    #[test]
+    fn a_lease_runs_out_without_pings_and_once_lost_stays_lost() {
+        let lease = Lease::new(Duration::from_millis(50));
+        assert!(lease.held(), "a fresh lease");
+        std::thread::sleep(Duration::from_millis(80));
+        assert!(!lease.held(), "no ping for longer than the lease");
+        lease.renew();
+        assert!(lease.held(), "a ping renews it");
+        lease.lose();
+        lease.renew();
+        assert!(
+            !lease.held(),
+            "given up: a late ping does not bring it back"
         );
     }
 

@@ -11,10 +11,13 @@
 //! * [`sink`]: [`KafkaSink`], an idempotent `acks=all` producer that keeps
 //!   the call order on the wire and places keyed records with Java's murmur2.
 //! * [`murmur2`]: Java-compatible murmur2 partitioning, to check placement.
+//! * [`durability`]: replicas, `min.insync.replicas` and broker count of a
+//!   topic, checked at start.
 //! * [`state`]: [`StateTopic`], the broker-kept store's compacted state
 //!   topic, and the [`PartitionListener`] a source tells of its partitions.
 
 pub mod convert;
+pub mod durability;
 pub mod murmur2;
 pub mod offsets;
 pub mod sink;
@@ -31,10 +34,15 @@ pub use source::{KafkaSource, KafkaSourceConfig};
 pub use state::{PartitionListener, StateError, StateTopic};
 
 /// How to reach one Kafka cluster.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct KafkaClientConfig {
     /// Comma-separated `host:port` list (`bootstrap.servers`).
     pub bootstrap: String,
+    /// `client.id` of every client made from this config (the user's).
+    pub client_id: Option<String>,
+    /// `client.id` when neither `client_id` nor the properties set one
+    /// (delayd's name for this use: `delayd-<route>`).
+    pub default_client_id: Option<String>,
     /// Extra librdkafka properties for every client (`security.protocol`,
     /// `sasl.*`, ...). They override delayd's defaults, except the few its
     /// guarantees rest on.
@@ -55,13 +63,35 @@ enum Role {
     Admin,
 }
 
+impl std::fmt::Debug for KafkaClientConfig {
+    // Property values may be secrets (sasl.password, ssl.key.pem, ...):
+    // only their names are shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let keys = |m: &BTreeMap<String, String>| m.keys().cloned().collect::<Vec<_>>();
+        f.debug_struct("KafkaClientConfig")
+            .field("bootstrap", &self.bootstrap)
+            .field("client_id", &self.client_id)
+            .field("default_client_id", &self.default_client_id)
+            .field("properties", &keys(&self.properties))
+            .field("consumer", &keys(&self.consumer))
+            .field("producer", &keys(&self.producer))
+            .finish()
+    }
+}
+
 impl KafkaClientConfig {
     pub fn new(bootstrap: impl Into<String>) -> Self {
         Self {
             bootstrap: bootstrap.into(),
-            properties: BTreeMap::new(),
-            consumer: BTreeMap::new(),
-            producer: BTreeMap::new(),
+            ..Self::default()
+        }
+    }
+
+    /// This config, its clients named `id` unless the user named them.
+    pub fn named(&self, id: impl Into<String>) -> Self {
+        Self {
+            default_client_id: Some(id.into()),
+            ..self.clone()
         }
     }
 
@@ -77,6 +107,9 @@ impl KafkaClientConfig {
         c.set("bootstrap.servers", &self.bootstrap);
         for (k, v) in defaults {
             c.set(*k, *v);
+        }
+        if let Some(id) = self.client_id.as_ref().or(self.default_client_id.as_ref()) {
+            c.set("client.id", id);
         }
         let own = match role {
             Role::Consumer => Some(&self.consumer),

@@ -185,8 +185,18 @@ impl KafkaSink {
         let count = tokio::task::spawn_blocking(move || partition_count(&producer, &name))
             .await
             .map_err(|e| SinkError::Transient(format!("metadata lookup failed: {e}")))??;
-        if count > 0 {
-            self.known().insert(topic.to_owned());
+        if count > 0 && self.known().insert(topic.to_owned()) {
+            // Once per topic: a target that acknowledges on one in-sync
+            // replica can lose what delayd delivered (and tombstoned).
+            let client = self.client.clone();
+            let topic = topic.to_owned();
+            tokio::spawn(async move {
+                if let Ok(found) = super::durability::topic_durability(&client, &topic).await {
+                    for warning in found.warnings(&topic) {
+                        tracing::warn!(%topic, "{warning}");
+                    }
+                }
+            });
         }
         Ok(count > 0)
     }

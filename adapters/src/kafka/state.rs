@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{
@@ -29,6 +29,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Message as _, Offset, TopicPartitionList};
 
+use super::durability;
 use super::offsets::TopicPartition;
 use super::sink::SinkContext;
 use super::{KafkaClientConfig, Role};
@@ -141,7 +142,8 @@ pub fn decode_value(value: &[u8]) -> Option<StateValue<'_>> {
 /// One route's state topic. Cheap to clone: clones share the producer.
 #[derive(Clone)]
 pub struct StateTopic {
-    producer: FutureProducer<SinkContext>,
+    /// Replaced after a fatal error (see [`StateTopic::replace_if_fatal`]).
+    producer: Arc<RwLock<FutureProducer<SinkContext>>>,
     client: KafkaClientConfig,
     topic: String,
     /// Partitions the topic is known to have (at least).
@@ -151,18 +153,29 @@ pub struct StateTopic {
 impl StateTopic {
     /// Make sure `topic` exists with at least `partitions` partitions and
     /// compaction (created so when missing), and open its producer.
+    ///
+    /// `replication_factor` is the replicas a new topic gets (`None`: the
+    /// cluster's `default.replication.factor`); a cluster that cannot meet
+    /// it, or an existing topic with fewer, is an error. A replicated topic
+    /// with `min.insync.replicas = 1` is logged as a warning.
     pub async fn open(
         client: &KafkaClientConfig,
         topic: &str,
         partitions: i32,
+        replication_factor: Option<u16>,
     ) -> Result<Self, StateError> {
         let this = Self::connect(client, topic)?;
         let err = |reason: String| StateError::Topic {
             topic: topic.to_owned(),
             reason,
         };
-        this.create(partitions).await.map_err(err)?;
+        this.create(partitions, replication_factor)
+            .await
+            .map_err(err)?;
         this.check(partitions).await.map_err(err)?;
+        this.check_durability(replication_factor)
+            .await
+            .map_err(err)?;
         this.known_partitions.store(partitions, Ordering::Release);
         Ok(this)
     }
@@ -173,20 +186,64 @@ impl StateTopic {
             topic: topic.to_owned(),
             reason,
         };
-        let producer: FutureProducer<SinkContext> = client
+        let producer = Self::producer_for(client)
+            .map_err(|e| err(format!("cannot create a producer: {e}")))?;
+        Ok(Self {
+            producer: Arc::new(RwLock::new(producer)),
+            client: client.clone(),
+            topic: topic.to_owned(),
+            known_partitions: Arc::new(AtomicI32::new(0)),
+        })
+    }
+
+    fn producer_for(client: &KafkaClientConfig) -> Result<FutureProducer<SinkContext>, KafkaError> {
+        client
             .client_config(
                 Role::Producer,
                 &[("linger.ms", "2"), ("message.timeout.ms", "30000")],
                 &[("enable.idempotence", "true"), ("acks", "all")],
             )
             .create_with_context(SinkContext)
-            .map_err(|e| err(format!("cannot create a producer: {e}")))?;
-        Ok(Self {
-            producer,
-            client: client.clone(),
-            topic: topic.to_owned(),
-            known_partitions: Arc::new(AtomicI32::new(0)),
-        })
+    }
+
+    fn producer(&self) -> FutureProducer<SinkContext> {
+        self.producer
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// An idempotent producer that hit a fatal error (librdkafka's
+    /// `rd_kafka_fatal_error`: a sequence gap it cannot repair, say) fails
+    /// every later write. Replace it, once, with a new one (a new producer
+    /// id): the writes that failed are retried by their callers.
+    fn replace_if_fatal(
+        producer: &Arc<RwLock<FutureProducer<SinkContext>>>,
+        failed: &FutureProducer<SinkContext>,
+        client: &KafkaClientConfig,
+        topic: &str,
+    ) {
+        let Some((code, reason)) = failed.client().fatal_error() else {
+            return;
+        };
+        let mut current = producer.write().unwrap_or_else(|e| e.into_inner());
+        if current.client().fatal_error().is_none() {
+            return; // already replaced
+        }
+        match Self::producer_for(client) {
+            Ok(fresh) => {
+                tracing::error!(
+                    topic,
+                    ?code,
+                    reason,
+                    "the Kafka state producer hit a fatal error; a new producer replaces it"
+                );
+                *current = fresh;
+            }
+            Err(e) => {
+                tracing::error!(topic, ?code, reason, error = %e, "the Kafka state producer hit a fatal error and a new one cannot be created; trying again at the next write")
+            }
+        }
     }
 
     /// Grow the topic to at least `partitions` (a source topic gained
@@ -308,28 +365,60 @@ impl StateTopic {
             .map_err(|e| format!("cannot create an admin client: {e}"))
     }
 
-    /// Create the topic unless it exists: the broker's default
-    /// replication, else one replica (a single-broker cluster).
-    async fn create(&self, partitions: i32) -> Result<(), String> {
+    /// Create the topic unless it exists, with `replication_factor`
+    /// replicas or the cluster's default: never quietly fewer.
+    async fn create(&self, partitions: i32, replication_factor: Option<u16>) -> Result<(), String> {
+        let client = self.client.clone();
+        let brokers = tokio::task::spawn_blocking(move || durability::broker_count(&client))
+            .await
+            .map_err(|e| e.to_string())??;
+        if let Some(wanted) = replication_factor {
+            durability::check_replication(
+                usize::from(wanted),
+                brokers,
+                "store.replication_factor",
+            )?;
+        }
+        let replicas = replication_factor.map_or(-1, i32::from);
         let admin = self.admin()?;
         let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
-        let mut last = String::new();
-        for replicas in [-1, 1] {
-            let mut new = NewTopic::new(&self.topic, partitions, TopicReplication::Fixed(replicas));
-            for (k, v) in TOPIC_CONFIG {
-                new = new.set(k, v);
-            }
-            match admin.create_topics([&new], &options).await {
-                Ok(results) => match results.into_iter().next() {
-                    Some(Ok(_)) | Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => {
-                        return Ok(())
-                    }
-                    Some(Err((_, code))) => last = code.to_string(),
-                },
-                Err(e) => last = e.to_string(),
+        let mut new = NewTopic::new(&self.topic, partitions, TopicReplication::Fixed(replicas));
+        for (k, v) in TOPIC_CONFIG {
+            new = new.set(k, v);
+        }
+        let outcome = match admin.create_topics([&new], &options).await {
+            Ok(results) => results.into_iter().next(),
+            Err(e) => return Err(format!("cannot create it: {e}")),
+        };
+        match outcome {
+            Some(Ok(_)) | Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(()),
+            Some(Err((_, RDKafkaErrorCode::InvalidReplicationFactor))) => Err(format!(
+                "cannot create it: the cluster's default.replication.factor is more than its \
+                 {brokers} broker{}; set store.replication_factor (delayd does not fall back \
+                 to fewer replicas)",
+                if brokers == 1 { "" } else { "s" }
+            )),
+            Some(Err((_, code))) => Err(format!("cannot create it: {code}")),
+        }
+    }
+
+    /// An existing topic must have the replicas asked for; a replicated one
+    /// should not acknowledge on a single in-sync replica (a warning).
+    async fn check_durability(&self, replication_factor: Option<u16>) -> Result<(), String> {
+        let found = durability::topic_durability(&self.client, &self.topic).await?;
+        if let Some(wanted) = replication_factor.map(usize::from) {
+            if found.replicas < wanted {
+                return Err(format!(
+                    "it has {} replicas, fewer than store.replication_factor = {wanted}; add \
+                     replicas (kafka-reassign-partitions) or lower the setting",
+                    found.replicas
+                ));
             }
         }
-        Err(format!("cannot create it: {last}"))
+        for warning in found.warnings(&self.topic) {
+            tracing::warn!(topic = %self.topic, "{warning}");
+        }
+        Ok(())
     }
 
     /// An existing topic must be compacted and have a partition for every
@@ -397,18 +486,24 @@ impl StateTopic {
         record: FutureRecord<'_, [u8], [u8]>,
     ) -> BoxFuture<'static, Result<(), StateError>> {
         let topic = self.topic.clone();
-        match self.producer.send_result(record) {
+        let producer = self.producer();
+        let (shared, client) = (self.producer.clone(), self.client.clone());
+        let failed = move |source: KafkaError| {
+            Self::replace_if_fatal(&shared, &producer, &client, &topic);
+            Err(StateError::Write { topic, source })
+        };
+        match self.producer().send_result(record) {
             Ok(delivery) => Box::pin(async move {
                 match delivery.await {
                     Ok(Ok(_)) => Ok(()),
-                    Ok(Err((source, _))) => Err(StateError::Write { topic, source }),
-                    Err(_) => Err(StateError::Write {
-                        topic,
-                        source: KafkaError::Canceled,
-                    }),
+                    Ok(Err((source, _))) => failed(source),
+                    Err(_) => failed(KafkaError::Canceled),
                 }
             }),
-            Err((source, _)) => Box::pin(async move { Err(StateError::Write { topic, source }) }),
+            Err((source, _)) => {
+                let result = failed(source);
+                Box::pin(async move { result })
+            }
         }
     }
 
@@ -493,7 +588,7 @@ impl StateTopic {
 
     /// Wait up to `timeout` for queued writes (at shutdown).
     pub fn flush(&self, timeout: Duration) {
-        if let Err(e) = self.producer.flush(timeout) {
+        if let Err(e) = self.producer().flush(timeout) {
             tracing::warn!(error = %e, topic = %self.topic, "Kafka state producer flush");
         }
     }

@@ -13,6 +13,7 @@
 
 pub mod kafka;
 pub mod seed;
+pub mod tls;
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -268,6 +269,13 @@ impl Default for DelaydOptions {
             from_extra: String::new(),
         }
     }
+}
+
+/// `text` with its first `from` replaced by `to`; panics if there is none
+/// (a test that edits a config must not quietly run the unedited one).
+pub fn must_replace(text: &str, from: &str, to: &str) -> String {
+    assert!(text.contains(from), "{from:?} is not in:\n{text}");
+    text.replacen(from, to, 1)
 }
 
 /// TOML string literal (basic string, escaped).
@@ -619,6 +627,11 @@ impl Delayd {
             .unwrap_or_else(|| panic!("/readyz has no numeric pending: {body}"))
     }
 
+    /// delayd's whole log, every start of it.
+    pub fn full_log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     /// The last `lines` lines of delayd's log.
     pub fn log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
@@ -773,6 +786,50 @@ pub fn http_request(
     ))
 }
 
+/// Runs `delayd run` with `config` until it exits by itself, which it must
+/// within `within`: (exited successfully, its whole output).
+pub async fn run_until_exit(config: &str, within: Duration) -> (bool, String) {
+    let dir = tempfile::Builder::new()
+        .prefix("delayd-it.")
+        .tempdir()
+        .expect("cannot create a temporary directory");
+    let config_path = dir.path().join("delayd.toml");
+    std::fs::write(&config_path, config).expect("cannot write delayd.toml");
+    let log_path = dir.path().join("delayd.log");
+    let log = File::create(&log_path).expect("cannot create the log");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_delayd"));
+    command
+        .arg("run")
+        .arg("--config")
+        .arg(&config_path)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("log handle"))
+        .stderr(log)
+        .env("NO_COLOR", "1");
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("DELAYD_") {
+            command.env_remove(key);
+        }
+    }
+    let mut child = command.spawn().expect("cannot start delayd");
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("cannot poll delayd") {
+            let output = std::fs::read_to_string(&log_path).unwrap_or_default();
+            return (status.success(), output);
+        }
+        if start.elapsed() > within {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "delayd did not exit within {within:?}; its output:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
 /// Runs `delayd <args>` to completion (for commands other than `run`).
 pub fn delayd_command(args: &[&std::ffi::OsStr]) -> std::process::Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_delayd"));
@@ -818,7 +875,7 @@ impl Client {
             .unwrap_or_else(|e| panic!("cannot connect to RabbitMQ as {user}: {e}"))
     }
 
-    async fn try_connect_to(url: &str, name: &str) -> Result<Client, lapin::Error> {
+    pub async fn try_connect_to(url: &str, name: &str) -> Result<Client, lapin::Error> {
         let props = ConnectionProperties::default().with_connection_name(name.into());
         let connection = Connection::connect(url, props).await?;
         let channel = connection.create_channel().await?;

@@ -48,6 +48,9 @@ const INTAKE_STOP: Duration = Duration::from_secs(45);
 /// How often a standby tries to take the lock.
 const LOCK_RETRY: Duration = Duration::from_secs(1);
 
+/// How often an owner that found the route's state incomplete looks again.
+const MISSING_RETRY: Duration = Duration::from_secs(10);
+
 /// Restored records stored in the WAL per batch.
 const RESTORE_BATCH: usize = 4096;
 
@@ -74,6 +77,8 @@ enum Write {
     Done {
         id: u128,
         record: Vec<u8>,
+        /// Told once the Done is confirmed (a cancel waits for it).
+        reply: Option<oneshot::Sender<Result<(), String>>>,
     },
 }
 
@@ -100,6 +105,8 @@ pub struct StreamStore {
     writer: Mutex<Option<mpsc::UnboundedSender<Write>>>,
     writer_task: tokio::sync::Mutex<Option<(JoinHandle<()>, Arc<StateSession>)>>,
     phase: AtomicU8,
+    /// The last restore found a stream the pointer names missing.
+    state_missing: std::sync::atomic::AtomicBool,
     /// `store.checkpoint_records`.
     checkpoint_floor: u64,
     /// The WAL directory, where the route is marked broker-kept (see
@@ -109,17 +116,17 @@ pub struct StreamStore {
 
 impl StreamStore {
     pub fn new(
-        url: &str,
+        endpoints: Arc<delayd_adapters::amqp::Endpoints>,
         pointer: &str,
         route: &str,
         engine: Engine,
         checkpoint_floor: u64,
         wal_dir: std::path::PathBuf,
     ) -> anyhow::Result<Arc<Self>> {
-        let broker = Broker::new(
-            url,
+        let broker = Broker::with_endpoints(
+            endpoints,
             delayd_adapters::amqp::BrokerOptions::named(format!("delayd-state-{route}")),
-        )?;
+        );
         Ok(Arc::new(Self {
             route: route.to_owned(),
             engine,
@@ -129,6 +136,7 @@ impl StreamStore {
             writer: Mutex::new(None),
             writer_task: tokio::sync::Mutex::new(None),
             phase: AtomicU8::new(Phase::Electing as u8),
+            state_missing: Default::default(),
             checkpoint_floor,
             wal_dir,
         }))
@@ -150,6 +158,18 @@ impl StreamStore {
 
     fn set_phase(&self, phase: Phase) {
         self.phase.store(phase as u8, Ordering::Release);
+    }
+
+    /// Whether the last restore refused to start the route without a
+    /// missing state stream (see `recover`).
+    pub fn state_missing(&self) -> bool {
+        self.state_missing.load(Ordering::Acquire)
+    }
+
+    fn set_state_missing(&self, missing: bool) {
+        self.state_missing.store(missing, Ordering::Release);
+        metrics::gauge!("delayd_store_state_missing", "route" => self.route.clone())
+            .set(if missing { 1.0 } else { 0.0 });
     }
 
     fn ids(&self) -> MutexGuard<'_, Ids> {
@@ -295,7 +315,7 @@ impl StreamStore {
     /// it is local-only (see [`StreamStore::adopt_cached`]).
     pub(super) fn mark_if_drained(&self) -> anyhow::Result<()> {
         if self.ids().local_only.is_empty() {
-            super::store::add_mirrored(&self.wal_dir, &self.route)?;
+            super::mirrored::add_mirrored(&self.wal_dir, &self.route)?;
         }
         Ok(())
     }
@@ -379,13 +399,53 @@ impl StreamStore {
     }
 
     fn write_done(&self, store_id: u128) {
+        self.queue_done(store_id, None);
+    }
+
+    /// Queue `store_id`'s Done; false if there is no writer.
+    fn queue_done(
+        &self,
+        store_id: u128,
+        reply: Option<oneshot::Sender<Result<(), String>>>,
+    ) -> bool {
         let record = Record::Done { id: store_id }.encode();
-        if !self.send(Write::Done {
+        let queued = self.send(Write::Done {
             id: store_id,
             record,
-        }) {
+            reply,
+        });
+        if !queued {
             tracing::warn!(route = %self.route, "no state writer for a Done: the message fires again after a restore");
         }
+        queued
+    }
+
+    /// Message `id` was cancelled (its local Done is durable): resolves
+    /// once its Done is confirmed in the state stream, so the cancel is
+    /// acknowledged only then.
+    pub fn cancelled(&self, id: u64) -> BoxFuture<'static, Result<(), String>> {
+        let store_id = {
+            let mut ids = self.ids();
+            match ids.by_engine.remove(&id) {
+                Some(s) => s,
+                None => {
+                    drop(ids);
+                    // Local-only (no state record), or not bound yet (its
+                    // Done is written once it is).
+                    self.done(id);
+                    return Box::pin(async { Ok(()) });
+                }
+            }
+        };
+        let (reply, confirmed) = oneshot::channel();
+        if !self.queue_done(store_id, Some(reply)) {
+            return Box::pin(async { Err("this instance no longer owns the route".to_owned()) });
+        }
+        Box::pin(async move {
+            confirmed
+                .await
+                .unwrap_or_else(|_| Err("the state writer stopped".into()))
+        })
     }
 
     /// Whether due message `id` of this route may be published from here:
@@ -429,12 +489,33 @@ impl StreamStore {
             self.set_phase(Phase::Restoring);
             tracing::info!(route = %self.route, "this instance owns the route now; restoring its pending messages");
             let started = std::time::Instant::now();
-            let (writer, failed) = match self.restore(&session).await {
-                Ok(w) => w,
-                Err(e) => {
-                    tracing::error!(route = %self.route, error = %e, "cannot restore the route; giving the lock up and trying again");
+            let restored = tokio::select! {
+                r = self.restore(&session) => Some(r),
+                _ = shutdown.cancelled() => None,
+            };
+            let (writer, failed) = match restored {
+                Some(Ok(w)) => {
+                    self.set_state_missing(false);
+                    w
+                }
+                None => {
+                    // SIGTERM while restoring: nothing was consumed yet.
+                    *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
                     self.lose(session).await;
-                    if sleep_or_stop(LOCK_RETRY, &shutdown).await {
+                    return;
+                }
+                Some(Err(e)) => {
+                    let missing = matches!(e.downcast_ref(), Some(StateError::Missing { .. }));
+                    let retry = if missing {
+                        self.set_state_missing(true);
+                        tracing::error!(route = %self.route, error = %e, "the route's state is incomplete; it is not consumed (not ready) until an operator restores the stream or removes the route's state on purpose");
+                        MISSING_RETRY
+                    } else {
+                        tracing::error!(route = %self.route, error = %e, "cannot restore the route; giving the lock up and trying again");
+                        LOCK_RETRY
+                    };
+                    self.lose(session).await;
+                    if sleep_or_stop(retry, &shutdown).await {
                         return;
                     }
                     continue;
@@ -494,7 +575,7 @@ impl StreamStore {
         self: &Arc<Self>,
         session: &Arc<StateSession>,
     ) -> Result<(JoinHandle<()>, CancellationToken), anyhow::Error> {
-        let (generation, live) = recover(session).await?;
+        let (generation, live) = recover(session, &self.route).await?;
         let skipped = session.skipped();
         if skipped > 0 {
             tracing::error!(route = %self.route, skipped, "undecodable records skipped in the route's state streams (not written by delayd)");
@@ -623,15 +704,37 @@ async fn sleep_or_stop(wait: Duration, stop: &CancellationToken) -> bool {
 /// Read the live set from the generation the pointer names (and the next
 /// one, left by a checkpoint that did not finish), and write it into a
 /// fresh generation. Returns that generation and the live set.
-async fn recover(session: &StateSession) -> Result<(u64, Vec<LiveRecord>), StateError> {
+///
+/// The generation the pointer names must exist: it is declared before the
+/// pointer names it and deleted only after the pointer has moved on. If it
+/// is missing, its records are gone (deleted by hand): restoring without
+/// them would start the route empty and report it ready, so recovery
+/// refuses ([`StateError::Missing`]).
+async fn recover(
+    session: &StateSession,
+    route: &str,
+) -> Result<(u64, Vec<LiveRecord>), StateError> {
     let names = session.names().clone();
-    let current = session.current_generation().await?;
+    let (current, disagreed) = session.current_generation().await?;
+    if disagreed {
+        tracing::warn!(route, pointers = ?names.pointers(), generation = ?current, "the route's two pointer streams disagreed (one was deleted, or a restart cut a write between them); both are written again");
+        metrics::counter!("delayd_store_pointer_repairs_total", "route" => route.to_owned())
+            .increment(1);
+    }
     let mut live = HashMap::new();
     let mut order = Vec::new();
     let mut read = 0;
     if let Some(g) = current {
+        let stream = names.generation(g);
+        if !session.exists(&stream).await? {
+            return Err(StateError::Missing {
+                stream,
+                generation: g,
+            });
+        }
         for n in [g, g + 1] {
-            // Declared if missing (see the adapter's module doc), deleted below.
+            // g + 1 is declared if missing (a checkpoint may have stopped
+            // before it was made), and both are deleted below.
             let stream = names.generation(n);
             session.declare_stream(&stream).await?;
             read += session.read_live(&stream, &mut live, &mut order).await?;
@@ -682,13 +785,7 @@ async fn write_generation(
     for confirm in confirms {
         confirm.await?;
     }
-    session
-        .append(
-            &names.pointer,
-            &[Record::Generation { generation: n }.encode()],
-        )
-        .await
-        .await
+    session.point_at(n).await
 }
 
 /// The owner's single writer: appends Schedules and Dones in the order
@@ -823,9 +920,10 @@ impl Writer {
                     records.push(record);
                     replies.push(reply);
                 }
-                Write::Done { id, record } => {
+                Write::Done { id, record, reply } => {
                     self.live.remove(&id);
                     records.push(record);
+                    replies.extend(reply);
                     dones += 1;
                 }
             }
@@ -959,9 +1057,8 @@ impl Writer {
                 return;
             }
             let names = session.names().clone();
-            let pointer = Record::Generation { generation }.encode();
             let moved = async {
-                session.append(&names.pointer, &[pointer]).await.await?;
+                session.point_at(generation).await?;
                 session.delete(&names.generation(from)).await
             };
             match moved.await {

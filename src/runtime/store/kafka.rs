@@ -75,11 +75,12 @@ impl KafkaStore {
         topic: &str,
         route: &str,
         source_topics: &[String],
+        replication_factor: Option<u16>,
         engine: Engine,
         stop: CancellationToken,
     ) -> anyhow::Result<Arc<Self>> {
         let partitions = StateTopic::partitions_of(client, source_topics).await?;
-        let state = StateTopic::open(client, topic, partitions).await?;
+        let state = StateTopic::open(client, topic, partitions, replication_factor).await?;
         tracing::info!(
             route,
             topic,
@@ -295,22 +296,28 @@ impl KafkaStore {
 
     /// A pending message was cancelled (its local Done is durable):
     /// tombstone its state record, or a restore would bring it back. The
-    /// tombstone is queued now, after its Schedule; a failure is logged.
-    pub fn cancelled(&self, id: u64, stored: &[u8]) {
+    /// tombstone is queued now, after its Schedule; the future resolves
+    /// once it is written (bounded by [`TOMBSTONE_TIMEOUT`]), so the cancel
+    /// (an API call, a source tombstone's offset) is acknowledged only then.
+    pub fn cancelled(&self, id: u64, stored: &[u8]) -> BoxFuture<'static, Result<(), String>> {
         let Some((tp, key)) = delayd_adapters::decode(stored)
             .ok()
             .as_ref()
             .and_then(Self::key_of)
         else {
-            return;
+            return Box::pin(async { Ok(()) });
         };
         if let Some(ids) = self.owned().get_mut(&tp) {
             ids.remove(&id);
         }
         let write = self.state.delete(tp.1, &key);
         let route = self.route.clone();
-        tokio::spawn(async move {
-            match write.await {
+        Box::pin(async move {
+            let result = match tokio::time::timeout(TOMBSTONE_TIMEOUT, write).await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("no answer within {TOMBSTONE_TIMEOUT:?}")),
+            };
+            match &result {
                 Ok(()) => {
                     metrics::counter!("delayd_store_writes_total", "route" => route, "kind" => "tombstone").increment(1);
                 }
@@ -319,7 +326,8 @@ impl KafkaStore {
                     tracing::error!(route, error = %e, "cannot tombstone a cancelled message's state record: it comes back after a restore");
                 }
             }
-        });
+            result
+        })
     }
 
     /// Read source partition `tp`'s pending messages from the state topic
@@ -348,7 +356,7 @@ impl KafkaStore {
             let uid = match value.uid {
                 Some(uid) => MessageId::from_u128(uid),
                 None => delayd_adapters::decode(value.encoded)
-                    .map(|m| super::ingest::identity_of(&m))
+                    .map(|m| crate::runtime::ingest::identity_of(&m))
                     .unwrap_or_else(|_| MessageId::mint()),
             };
             // Not a redelivery: stored whatever the local WAL had (released).
@@ -466,51 +474,4 @@ impl PartitionListener for KafkaStore {
 
 fn is_too_large(e: &EngineError) -> bool {
     matches!(e, EngineError::Wal(crate::wal::WalError::TooLarge { .. }))
-}
-
-/// The file in the WAL directory naming, one per line, the routes whose
-/// state that WAL kept in the broker when it was last used.
-pub const MIRRORED_FILE: &str = "store-broker-routes";
-
-/// Routes marked by [`mark_mirrored`] (none if the file is missing).
-pub fn mirrored_routes(wal_dir: &std::path::Path) -> anyhow::Result<HashSet<String>> {
-    let path = wal_dir.join(MIRRORED_FILE);
-    match std::fs::read_to_string(&path) {
-        Ok(text) => Ok(text.lines().map(str::to_owned).collect()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(HashSet::new()),
-        Err(e) => Err(anyhow::Error::new(e).context(format!("cannot read {}", path.display()))),
-    }
-}
-
-/// Record that the WAL in `wal_dir` now mirrors these routes' state topics
-/// (written whole, then renamed, then the directory synced).
-/// Add `route` to the routes marked in `wal_dir` (see [`mark_mirrored`]).
-pub fn add_mirrored(wal_dir: &std::path::Path, route: &str) -> anyhow::Result<()> {
-    // One read-modify-write at a time: routes drain concurrently.
-    static MARKING: Mutex<()> = Mutex::new(());
-    let _one = MARKING.lock().unwrap_or_else(|e| e.into_inner());
-    let mut routes = mirrored_routes(wal_dir)?;
-    if routes.insert(route.to_owned()) {
-        let routes: Vec<&str> = routes.iter().map(String::as_str).collect();
-        mark_mirrored(wal_dir, &routes)?;
-    }
-    Ok(())
-}
-
-pub fn mark_mirrored(wal_dir: &std::path::Path, routes: &[&str]) -> anyhow::Result<()> {
-    use anyhow::Context;
-    use std::io::Write;
-    let mut routes = routes.to_vec();
-    routes.sort_unstable();
-    let path = wal_dir.join(MIRRORED_FILE);
-    let tmp = wal_dir.join(format!("{MIRRORED_FILE}.tmp"));
-    let mut file =
-        std::fs::File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
-    for route in routes {
-        writeln!(file, "{route}")?;
-    }
-    file.sync_all()?;
-    std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))?;
-    std::fs::File::open(wal_dir)?.sync_all()?;
-    Ok(())
 }

@@ -1,0 +1,318 @@
+//! The broker-kept store (`[store] kind = "broker"`, docs/broker-store.md):
+//! a route's pending messages kept in its broker, so that any instance,
+//! even one with an empty disk, can restore them. The local WAL is then a
+//! working copy.
+//!
+//! * [`kafka`]: a compacted state topic per route, co-partitioned with the
+//!   source; its wire format and I/O are `delayd_adapters::kafka::state`.
+//! * [`rabbitmq`]: one owner per route (a lock queue held as a lease) and
+//!   state streams in generations; its wire format and I/O are
+//!   `delayd_adapters::amqp::state`.
+//! * [`mirrored`]: which routes a WAL directory last kept in the broker.
+//! * Here: [`RouteStore`], the calls the intake, the deliverer, the cancel
+//!   hook and `/readyz` make on either, and [`open_stores`].
+
+mod kafka;
+mod mirrored;
+mod rabbitmq;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use delayd_adapters::kafka::offsets::TopicPartition;
+use delayd_adapters::{BoxFuture, Message};
+
+use std::collections::HashMap;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+use super::brokers::{BrokerHandle, Brokers};
+use crate::config::{Config, StoreKind};
+use crate::engine::Engine;
+use crate::engine::{EngineError, Stored};
+use crate::id::MessageId;
+use kafka::KafkaStore;
+use rabbitmq::{Phase, StreamStore};
+
+#[derive(Clone)]
+pub enum RouteStore {
+    /// A compacted state topic, restored per partition.
+    Kafka(Arc<KafkaStore>),
+    /// State streams, owned by one instance at a time.
+    Stream(Arc<StreamStore>),
+}
+
+/// The state write owed once a message has left (delivered or parked).
+pub enum PendingDone {
+    Kafka(Arc<KafkaStore>, u64, TopicPartition, Vec<u8>),
+    Stream(Arc<StreamStore>, u64),
+}
+
+impl PendingDone {
+    pub async fn write(self) {
+        match self {
+            PendingDone::Kafka(store, id, tp, key) => store.done(id, tp, key).await,
+            PendingDone::Stream(store, id) => store.done(id),
+        }
+    }
+}
+
+impl RouteStore {
+    /// Store a consumed delivery here and in the broker.
+    pub fn store(
+        &self,
+        message: &Message,
+        due_ms: u64,
+        uid: MessageId,
+        encoded: Vec<u8>,
+        redelivered: bool,
+    ) -> BoxFuture<'static, Result<Stored, EngineError>> {
+        // A redelivery whose original is still being written waits for it
+        // (see `Engine::wait_for_original`), as `Engine::store` does.
+        let (engine, route) = match self {
+            RouteStore::Kafka(s) => (&s.engine, &s.route),
+            RouteStore::Stream(s) => (&s.engine, &s.route),
+        };
+        if let Some(wait) = engine.wait_for_original(route, &encoded, redelivered) {
+            let (this, message) = (self.clone(), message.clone());
+            return Box::pin(async move {
+                wait.await;
+                this.store(&message, due_ms, uid, encoded, redelivered)
+                    .await
+            });
+        }
+        match self {
+            RouteStore::Kafka(s) => s.store(message, due_ms, uid, encoded, redelivered),
+            RouteStore::Stream(s) => s.store(due_ms, uid, encoded, redelivered),
+        }
+    }
+
+    /// What to write once fired message `id` (decoded: `message`) has left.
+    pub fn pending_done(&self, id: u64, message: &Message) -> Option<PendingDone> {
+        match self {
+            RouteStore::Kafka(s) => KafkaStore::key_of(message)
+                .map(|(tp, key)| PendingDone::Kafka(s.clone(), id, tp, key)),
+            RouteStore::Stream(s) => Some(PendingDone::Stream(s.clone(), id)),
+        }
+    }
+
+    /// A pending message was cancelled (its local Done is durable):
+    /// resolves once its removal from the store is durable too.
+    pub fn cancelled(&self, id: u64, stored: &[u8]) -> BoxFuture<'static, Result<(), String>> {
+        match self {
+            RouteStore::Kafka(s) => s.cancelled(id, stored),
+            RouteStore::Stream(s) => s.cancelled(id),
+        }
+    }
+
+    /// Whether this instance may publish the route's due message `id` now.
+    pub fn may_fire(&self, id: u64) -> bool {
+        match self {
+            RouteStore::Kafka(_) => true,
+            RouteStore::Stream(s) => s.may_fire(id),
+        }
+    }
+
+    pub fn restoring(&self) -> bool {
+        match self {
+            RouteStore::Kafka(s) => s.restoring(),
+            RouteStore::Stream(s) => s.restoring(),
+        }
+    }
+
+    /// Another instance owns the route (RabbitMQ); this one waits.
+    pub fn standby(&self) -> bool {
+        matches!(self, RouteStore::Stream(s) if s.phase() == Phase::Standby)
+    }
+
+    /// The route's state streams are incomplete: not consumed, not ready.
+    pub fn state_missing(&self) -> bool {
+        matches!(self, RouteStore::Stream(s) if s.state_missing())
+    }
+
+    /// Whether this instance owns the route is not known yet (RabbitMQ).
+    pub fn electing(&self) -> bool {
+        matches!(self, RouteStore::Stream(s) if s.phase() == Phase::Electing)
+    }
+
+    /// For `/readyz`.
+    pub fn describe(&self) -> serde_json::Value {
+        match self {
+            RouteStore::Kafka(s) => {
+                serde_json::json!({ "state_topic": s.topic(), "restoring": s.restoring() })
+            }
+            RouteStore::Stream(s) => serde_json::json!({
+                "state_stream": s.stream(),
+                "restoring": s.restoring(),
+                "owner": matches!(s.phase(), Phase::Restoring | Phase::Active),
+                "state_missing": s.state_missing(),
+            }),
+        }
+    }
+
+    /// At shutdown, once in-flight publishes are done.
+    pub async fn flush(&self, timeout: Duration) {
+        match self {
+            RouteStore::Kafka(s) => s.flush(timeout),
+            RouteStore::Stream(s) => s.flush(timeout).await,
+        }
+    }
+}
+
+/// `store.kind = "broker"`: each Kafka route's state topic, opened (and
+/// created if missing), each RabbitMQ route's state streams (opened by
+/// whichever instance owns the route), and what the local WAL still held
+/// for those routes released before anything fires.
+pub(super) async fn open_stores(
+    config: &Config,
+    brokers: &Brokers,
+    engine: &Engine,
+    stop: &CancellationToken,
+) -> anyhow::Result<HashMap<String, RouteStore>> {
+    let mut stores = HashMap::new();
+    if config.store.kind != StoreKind::Broker {
+        refuse_to_strand(config)?;
+        return Ok(stores);
+    }
+    // Routes whose state this WAL last kept in the broker.
+    let mirrored = mirrored::mirrored_routes(&config.wal.dir)?;
+    for route in &config.routes {
+        let topic = config.store.topic(&route.name);
+        let was_mirrored = mirrored.contains(&route.name);
+        let opened = match brokers.get(&route.from.broker) {
+            Some(BrokerHandle::Kafka { client }) => {
+                let client = client.named(format!("delayd-{}", route.name));
+                let replication = config.store.replication_factor;
+                open_kafka_store(
+                    &client,
+                    &topic,
+                    route,
+                    engine,
+                    stop,
+                    was_mirrored,
+                    replication,
+                )
+                .await
+            }
+            Some(BrokerHandle::Amqp { connections }) => {
+                open_stream_store(
+                    connections.consume.endpoints().clone(),
+                    &topic,
+                    route,
+                    engine,
+                    was_mirrored,
+                    config.store.checkpoint_records,
+                    &config.wal.dir,
+                )
+                .await
+            }
+            None => continue,
+        };
+        stores.insert(
+            route.name.clone(),
+            opened.with_context(|| format!("route {}: store.kind = \"broker\"", route.name))?,
+        );
+    }
+    // Kafka routes are marked now (their WAL copies are in the state topic
+    // already); RabbitMQ routes once they have no local-only message left
+    // (see `StreamStore::adopt_cached`). Routes no longer broker-kept lose
+    // their mark.
+    let routes: Vec<&str> = stores
+        .iter()
+        .filter(|(name, store)| {
+            matches!(store, RouteStore::Kafka(_)) || mirrored.contains(name.as_str())
+        })
+        .map(|(name, _)| name.as_str())
+        .collect();
+    mirrored::mark_mirrored(&config.wal.dir, &routes)?;
+    for store in stores.values() {
+        if let RouteStore::Stream(s) = store {
+            s.mark_if_drained()?;
+        }
+    }
+    Ok(stores)
+}
+
+async fn open_kafka_store(
+    client: &delayd_adapters::kafka::KafkaClientConfig,
+    topic: &str,
+    route: &crate::config::RouteConfig,
+    engine: &Engine,
+    stop: &CancellationToken,
+    mirrored: bool,
+    replication_factor: Option<u16>,
+) -> anyhow::Result<RouteStore> {
+    let store = KafkaStore::open(
+        client,
+        topic,
+        &route.name,
+        &route.from.topics,
+        replication_factor,
+        engine.clone(),
+        stop.clone(),
+    )
+    .await?;
+    let (written, released) = store
+        .adopt_cached(mirrored)
+        .await
+        .context("moving the local copies")?;
+    if written > 0 {
+        tracing::info!(route = %route.name, written, "messages kept locally until now written to the state topic");
+    }
+    if released > 0 {
+        tracing::info!(route = %route.name, released, "local copies released; the state topic is restored per partition as the group assigns them");
+    }
+    Ok(RouteStore::Kafka(store))
+}
+
+async fn open_stream_store(
+    endpoints: std::sync::Arc<delayd_adapters::amqp::Endpoints>,
+    stream: &str,
+    route: &crate::config::RouteConfig,
+    engine: &Engine,
+    mirrored: bool,
+    checkpoint_records: u64,
+    wal_dir: &std::path::Path,
+) -> anyhow::Result<RouteStore> {
+    let store = StreamStore::new(
+        endpoints,
+        stream,
+        &route.name,
+        engine.clone(),
+        checkpoint_records,
+        wal_dir.to_owned(),
+    )?;
+    let (released, kept) = store.adopt_cached(mirrored).await?;
+    if released > 0 {
+        tracing::info!(route = %route.name, released, "local copies released; the route's owner restores them from its state streams");
+    }
+    if kept > 0 {
+        tracing::warn!(route = %route.name, kept, "messages stored before the route kept its state in the broker stay in this WAL and fire from here");
+    }
+    Ok(RouteStore::Stream(store))
+}
+
+/// `store.kind = "local"` on a WAL that mirrored routes' state topics:
+/// their pending messages are in those topics (a stopping instance leaves
+/// its partitions' messages there for the next owner), and a local store
+/// would never read them. Refuse, naming what to do.
+fn refuse_to_strand(config: &Config) -> anyhow::Result<()> {
+    let mirrored = mirrored::mirrored_routes(&config.wal.dir)?;
+    let stranded: Vec<&str> = config
+        .routes
+        .iter()
+        .map(|r| r.name.as_str())
+        .filter(|r| mirrored.contains(*r))
+        .collect();
+    if stranded.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "store.kind = \"local\", but routes {stranded:?} kept their pending messages in their \
+         Kafka state topics (store.kind = \"broker\") until now, and a local store never reads \
+         them: keep store.kind = \"broker\" until those topics are empty (delayd store inspect), \
+         then delete {} to switch",
+        config.wal.dir.join(mirrored::MIRRORED_FILE).display()
+    )
+}
