@@ -87,7 +87,15 @@
 //! an older Schedule come back). A sealed segment whose live fraction falls
 //! under a threshold is compacted: its live Schedules, and the Dones still
 //! needed, are appended again at the head, fsynced, and the segment is deleted.
-//! The directory is fsynced after every create and delete.
+//! The directory is fsynced after every create and delete, and a WAL
+//! directory delayd creates (`create_dir`) is fsynced into its parent.
+//!
+//! # Files
+//!
+//! Every open, write, sync, cut, rename and remove goes through
+//! [`fs::FileSystem`] (`WalConfig::fs`, [`StdFs`] but in tests), so the
+//! power-loss tests can run the log on a file system that forgets what was
+//! not synced (`sim.rs`, `power_loss.rs`).
 //!
 //! A crash between a compaction's copy and the deletion leaves a message's
 //! Schedule twice on disk. The copy's segment then may not be deleted before
