@@ -159,8 +159,10 @@ async fn messages_no_longer_in_the_page_cache_fire_from_the_disk() {
     let dir = tempfile::tempdir().unwrap();
     let mut r = start(config(dir.path()), Arc::new(SystemClock));
     // Room for 30 fsynced appends and a page-cache eviction on a busy
-    // machine (1.5 s was not always enough with both cores loaded).
-    let base = now() + 5000;
+    // machine, before the dispatcher starts reading ahead what falls due
+    // (1.5 s was not always enough with both cores loaded, 5 s once not
+    // with the whole test command beside it).
+    let base = now() + 8000;
     let messages = (0..30u64)
         .map(|i| {
             // Some span several pages, so one read needs more than one.

@@ -16,6 +16,16 @@ use fe2o3_amqp::types::messaging::{
 use fe2o3_amqp::types::primitives::{Binary, SimpleValue, Symbol, Timestamp, Value};
 use fe2o3_amqp::{Connection, Sender, Session};
 
+/// Send `message` and wait until the broker accepted it.
+async fn send(sender: &mut Sender, message: Message<Data>) {
+    sender
+        .send(message)
+        .await
+        .expect("send")
+        .accepted_or_else(|state| state)
+        .expect("accepted");
+}
+
 /// What was sent: the earliest and latest acceptable arrival (epoch ms).
 type Window = (u64, u64);
 
@@ -67,12 +77,7 @@ async fn amqp_1_0_delivery_delay_and_time_annotations_are_honoured() {
             )
             .body(Data(Binary::from(id.clone().into_bytes())))
             .build();
-        sender
-            .send(message)
-            .await
-            .expect("send")
-            .accepted_or_else(|state| state)
-            .expect("accepted");
+        send(&mut sender, message).await;
         expected.insert(id, window);
     }
     // x-delay as an application property, as a 0-9-1 producer's header.
@@ -87,12 +92,7 @@ async fn amqp_1_0_delivery_delay_and_time_annotations_are_honoured() {
         )
         .body(Data(Binary::from(id.clone().into_bytes())))
         .build();
-    sender
-        .send(message)
-        .await
-        .expect("send")
-        .accepted_or_else(|state| state)
-        .expect("accepted");
+    send(&mut sender, message).await;
     expected.insert(id, (sent + 1800, sent + 1800 + LATE_MS));
     sender.close().await.expect("close sender");
     session.end().await.expect("end session");

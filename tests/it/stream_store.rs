@@ -237,6 +237,32 @@ async fn delete_queue(r: &StreamRoute, name: &str) {
         .unwrap_or_else(|e| panic!("delete {name}: {e}"));
 }
 
+/// This test's own owner session on `r`'s lock (no delayd): registered and
+/// elected.
+async fn elected_session(
+    r: &StreamRoute,
+) -> (
+    delayd_adapters::amqp::state::StateNames,
+    delayd_adapters::amqp::state::StateSession,
+) {
+    use delayd_adapters::amqp::state::{Candidate, StateNames};
+    use delayd_adapters::amqp::{Broker, BrokerOptions};
+    let names = StateNames::new(r.pointer());
+    let broker = Broker::new(
+        &common::amqp_url(),
+        BrokerOptions::named("delayd-it-session"),
+    )
+    .expect("broker");
+    let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), &names)
+        .await
+        .expect("register on the lock queue");
+    let session = tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
+        .await
+        .expect("elected in time")
+        .expect("elected");
+    (names, session)
+}
+
 /// Stream generations of the route that exist now.
 async fn generations(r: &StreamRoute) -> Vec<u32> {
     let mut out = Vec::new();
@@ -592,19 +618,9 @@ async fn an_undecodable_record_in_a_state_stream_is_skipped_and_counted() {
 /// a write made then was confirmed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_whose_lock_queue_is_deleted_writes_nothing_more() {
-    use delayd_adapters::amqp::state::{Candidate, Record, StateError, StateNames};
-    use delayd_adapters::amqp::{Broker, BrokerOptions};
+    use delayd_adapters::amqp::state::{Record, StateError};
     let r = StreamRoute::new("stream-lease").await;
-    let names = StateNames::new(r.pointer());
-    let broker =
-        Broker::new(&common::amqp_url(), BrokerOptions::named("delayd-it-lease")).expect("broker");
-    let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), &names)
-        .await
-        .expect("register on the lock queue");
-    let session = tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
-        .await
-        .expect("elected in time")
-        .expect("elected");
+    let (names, session) = elected_session(&r).await;
     let stream = names.generation(0);
     session.declare_stream(&stream).await.expect("declare");
     let record = Record::Done { id: 1 }.encode();
@@ -734,22 +750,9 @@ async fn a_deleted_generation_stream_keeps_the_route_unready_until_an_operator_r
 /// current generation survives every rotation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pointer_streams_stay_bounded() {
-    use delayd_adapters::amqp::state::{Candidate, StateNames, POINTER_ROTATE};
-    use delayd_adapters::amqp::{Broker, BrokerOptions};
+    use delayd_adapters::amqp::state::POINTER_ROTATE;
     let r = StreamRoute::new("stream-rotate").await;
-    let names = StateNames::new(r.pointer());
-    let broker = Broker::new(
-        &common::amqp_url(),
-        BrokerOptions::named("delayd-it-rotate"),
-    )
-    .expect("broker");
-    let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), &names)
-        .await
-        .expect("register on the lock queue");
-    let session = tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
-        .await
-        .expect("elected in time")
-        .expect("elected");
+    let (names, session) = elected_session(&r).await;
     assert_eq!(
         session.current_generation().await.expect("read"),
         (None, false)
