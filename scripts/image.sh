@@ -40,23 +40,26 @@ if [ "${#need[@]}" -gt 0 ]; then
         { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; }
 fi
 
-# The base root: Debian bookworm minbase and CA certificates (for amqps and
-# Kafka over TLS). Made once per machine.
-if [ ! -f "$ROOT/.delayd-root-ready" ]; then
+# The base root: Debian bookworm minbase, CA certificates (for amqps and
+# Kafka over TLS), and the libraries the binary links (librdkafka's TLS,
+# SASL and OIDC: libssl3, libcurl4, as the Dockerfile installs). Made once
+# per machine, again when this list changes.
+PACKAGES="ca-certificates,libssl3,libcurl4"
+if [ "$(cat "$ROOT/.delayd-root-ready" 2>/dev/null)" != "$PACKAGES" ]; then
     [ -e "$ROOT" ] && rm -rf --one-file-system "$ROOT"
     partial="$ROOT.partial"
     rm -rf --one-file-system "$partial"
     mkdir -p "$(dirname "$ROOT")"
     t0=$SECONDS
-    say "building $ROOT: debootstrap --variant=minbase --include=ca-certificates bookworm (once per machine)"
-    if ! debootstrap --variant=minbase --include=ca-certificates bookworm "$partial" "$MIRROR" >"$ROOT.debootstrap.log" 2>&1; then
+    say "building $ROOT: debootstrap --variant=minbase --include=$PACKAGES bookworm (once per machine)"
+    if ! debootstrap --variant=minbase --include="$PACKAGES" bookworm "$partial" "$MIRROR" >"$ROOT.debootstrap.log" 2>&1; then
         tail -n 20 "$ROOT.debootstrap.log" >&2
         die "debootstrap failed (log: $ROOT.debootstrap.log)"
     fi
     # What a container image does without: package caches, docs, apt lists.
     rm -rf "$partial"/var/cache/apt/archives/*.deb "$partial"/var/lib/apt/lists/* \
         "$partial"/usr/share/doc/* "$partial"/usr/share/man/* "$partial"/usr/share/info/*
-    touch "$partial/.delayd-root-ready"
+    echo "$PACKAGES" >"$partial/.delayd-root-ready"
     mv "$partial" "$ROOT"
     say "root built in $((SECONDS - t0)) s"
 fi
