@@ -5,7 +5,8 @@ use std::sync::Arc;
 use anyhow::Context;
 use delayd_adapters::amqp::topology::{bind_existing, ensure_bound_queue, exchange_exists};
 use delayd_adapters::amqp::{
-    AmqpSink, AmqpSource, BrokerConnections, ExchangeType, SinkConfig, SourceConfig,
+    AmqpSettings, AmqpSink, AmqpSource, BrokerConnections, Endpoints as AmqpEndpoints,
+    ExchangeType, SinkConfig, SourceConfig,
 };
 use delayd_adapters::Target;
 
@@ -15,17 +16,27 @@ pub(super) async fn endpoints(args: &BenchArgs) -> anyhow::Result<Endpoints> {
     let (Some(exchange), Some(queue)) = (&args.exchange, &args.queue) else {
         anyhow::bail!("--exchange and --queue are required (or --kafka)");
     };
-    let conns = BrokerConnections::new(&args.url)?;
+    let settings = AmqpSettings {
+        urls: args.urls.clone(),
+        ..AmqpSettings::default()
+    };
+    let conns = BrokerConnections::with_endpoints(Arc::new(AmqpEndpoints::new(&settings)?));
     if let Some(bind_to) = &args.bind_to {
-        let no_arguments = delayd_adapters::FieldTable::default();
+        let mut arguments = delayd_adapters::FieldTable::default();
+        if args.queue_type != "classic" {
+            arguments.insert(
+                "x-queue-type",
+                delayd_adapters::Value::LongString(args.queue_type.as_str().into()),
+            );
+        }
         let every_key = ["#".to_string()];
         // An existing exchange keeps its type (a plugin exchange would
         // refuse a redeclaration as topic); a missing one becomes a topic.
         let bound = if exchange_exists(&conns.consume, bind_to).await? {
-            bind_existing(&conns.consume, queue, &no_arguments, bind_to, &every_key).await
+            bind_existing(&conns.consume, queue, &arguments, bind_to, &every_key).await
         } else {
             let topic = Some((bind_to.as_str(), ExchangeType::Topic, &every_key[..]));
-            ensure_bound_queue(&conns.consume, queue, &no_arguments, topic).await
+            ensure_bound_queue(&conns.consume, queue, &arguments, topic).await
         };
         bound.with_context(|| format!("binding {queue} to {bind_to}"))?;
     }

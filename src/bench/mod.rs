@@ -31,9 +31,14 @@ use crate::engine::{Clock, SystemClock};
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// AMQP URL of the broker.
-    #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
-    pub url: String,
+    /// AMQP URL of the broker. Repeat it for a cluster's nodes: the bench
+    /// connects to the first that answers and moves on when its node goes.
+    #[arg(long = "url", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    pub urls: Vec<String>,
+    /// AMQP: the type of `--queue` when the bench declares it (`--bind-to`):
+    /// `quorum` for a cluster whose nodes the run stops.
+    #[arg(long, default_value = "classic", value_parser = ["classic", "quorum"])]
+    pub queue_type: String,
     /// AMQP: exchange to publish the delayed messages to.
     #[arg(long, required_unless_present = "kafka")]
     pub exchange: Option<String>,

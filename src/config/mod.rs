@@ -163,6 +163,9 @@ pub struct StoreSection {
     /// Kafka state topics delayd creates get this many replicas. Unset: the
     /// cluster's `default.replication.factor`. Either way a cluster that
     /// cannot meet it is an error at start, never a quiet single replica.
+    /// RabbitMQ state streams delayd creates get this
+    /// `x-initial-cluster-size`. Unset: every node of the cluster (RabbitMQ's
+    /// default); RabbitMQ caps it at the cluster's size.
     pub replication_factor: Option<u16>,
 }
 

@@ -775,3 +775,50 @@ async fn the_pointer_streams_stay_bounded() {
     session.close().await;
     r.delete_streams().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_queue_and_streams_declared_by_an_older_delayd_are_used_as_they_are() {
+    // An older delayd declared the lock queue quorum without
+    // x-consumer-disconnected-timeout, and the streams without
+    // x-initial-cluster-size; this one asks for both (RabbitMQ refuses a
+    // redeclaration with other arguments).
+    let mut r = StreamRoute::new("stream-older").await;
+    r.store_extra = "replication_factor = 1\n".into();
+    let _cleanup = r.names.cleanup();
+    let mut lock_args = FieldTable::default();
+    lock_args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    lock_args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    let mut stream_args = FieldTable::default();
+    stream_args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("stream".into()),
+    );
+    let pointer = r.pointer();
+    for (name, args) in [
+        (format!("{pointer}.lock"), lock_args),
+        (pointer.clone(), stream_args.clone()),
+        (format!("{pointer}.pointer"), stream_args),
+    ] {
+        r.client
+            .channel
+            .queue_declare(name.as_str().into(), QueueDeclareOptions::durable(), args)
+            .await
+            .unwrap_or_else(|e| panic!("declare {name}: {e}"));
+    }
+    let mut a = r.start_owner().await;
+    let sent = r.send("older", 50, 2000..4000).await;
+    r.wait_stored(&a, 50).await;
+    let duplicates = r.receive_all(&sent, Duration::from_secs(30)).await;
+    assert_eq!(duplicates, 0);
+    assert!(
+        a.log_tail(200)
+            .contains("lock queue exists with other arguments"),
+        "no warning about the lock queue:\n{}",
+        a.log_tail(40)
+    );
+    a.sigterm_and_wait(Duration::from_secs(20)).await;
+    r.delete_streams().await;
+}

@@ -240,13 +240,23 @@ pub struct LiveRecord {
 pub struct StateNames {
     /// The pointer stream, `<prefix><route>`.
     pub pointer: String,
+    /// Replicas of each stream delayd creates (`x-initial-cluster-size`);
+    /// `None`: RabbitMQ's default, every node of the cluster.
+    pub replicas: Option<u16>,
 }
 
 impl StateNames {
     pub fn new(pointer: impl Into<String>) -> Self {
         Self {
             pointer: pointer.into(),
+            replicas: None,
         }
+    }
+
+    /// Streams created from now on get `replicas` replicas.
+    pub fn with_replicas(mut self, replicas: Option<u16>) -> Self {
+        self.replicas = replicas;
+        self
     }
 
     /// The exclusive queue whose holder owns the route.
@@ -485,51 +495,50 @@ impl Candidate {
 }
 
 /// Declare the route's lock queue: a quorum queue, which outlives the loss
-/// of a node, with `x-single-active-consumer`. One declared classic by an
-/// older delayd is used as it is (redeclaring it otherwise fails).
+/// of a node, with `x-single-active-consumer`, and a consumer on a lost node
+/// given up after [`LOCK_LEASE`] rather than RabbitMQ 4's 60 s. One declared
+/// otherwise by an older delayd (classic, or without the timeout) is used as
+/// it is: redeclaring it with other arguments fails.
 async fn declare_lock_queue(
     connection: &Connection,
     channel: Channel,
     queue: &lapin::types::ShortString,
 ) -> Result<Channel, StateError> {
-    let lock_args = |quorum: bool| {
-        let mut args = FieldTable::default();
-        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
-        if quorum {
-            args.insert(
-                "x-queue-type".into(),
-                AMQPValue::LongString(LongString::from("quorum")),
-            );
-        }
-        args
+    let mut args = FieldTable::default();
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    args.insert(
+        "x-consumer-disconnected-timeout".into(),
+        AMQPValue::LongLongInt(LOCK_LEASE.as_millis() as i64),
+    );
+    let declared = channel
+        .queue_declare(queue.clone(), QueueDeclareOptions::durable(), args)
+        .await
+        .map_err(protocol(format!("declaring the lock queue {queue}")));
+    let Err(inequivalent) = declared else {
+        return Ok(channel);
     };
-    let declare = |channel: Channel, quorum: bool| async move {
-        channel
-            .queue_declare(
-                queue.clone(),
-                QueueDeclareOptions::durable(),
-                lock_args(quorum),
-            )
-            .await
-            .map(|_| channel)
-            .map_err(protocol(format!("declaring the lock queue {queue}")))
+    // PRECONDITION_FAILED closed the channel; does the queue exist?
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(protocol("opening the lock channel"))?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
     };
-    match declare(channel, true).await {
-        Ok(channel) => Ok(channel),
-        Err(quorum_failed) => {
-            // A classic one exists (PRECONDITION_FAILED closed the channel).
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(protocol("opening the lock channel"))?;
-            match declare(channel, false).await {
-                Ok(channel) => {
-                    tracing::warn!(lock = %queue, "the route's lock queue is a classic queue (declared by an older delayd): it is unavailable while its node is down; delete it while no delayd runs to have a quorum one declared");
-                    Ok(channel)
-                }
-                Err(_) => Err(quorum_failed),
-            }
+    match channel
+        .queue_declare(queue.clone(), passive, FieldTable::default())
+        .await
+    {
+        Ok(_) => {
+            tracing::warn!(lock = %queue, "the route's lock queue exists with other arguments (an older delayd declared it classic, or quorum without x-consumer-disconnected-timeout): a classic one is unavailable while its node is down, and either moves the lock off a lost node only after RabbitMQ's consumer-disconnected timeout (60 s); delete it while no delayd runs to have it declared again");
+            Ok(channel)
         }
+        Err(_) => Err(inequivalent),
     }
 }
 
@@ -725,24 +734,46 @@ impl StateSession {
         }
     }
 
-    /// Declare stream `name` (idempotent).
+    /// Declare stream `name` (idempotent), a missing one with
+    /// [`StateNames::replicas`]. RabbitMQ refuses to redeclare a stream
+    /// with another `x-initial-cluster-size` than it was created with (or
+    /// without): such a stream, created before the setting changed, is used
+    /// as it is.
     pub async fn declare_stream(&self, name: &str) -> Result<(), StateError> {
-        let channel = self.channel().await?;
+        let queue = short_string(name, "stream name").map_err(AmqpError::from)?;
         let mut args = FieldTable::default();
         args.insert(
             "x-queue-type".into(),
             AMQPValue::LongString(LongString::from("stream")),
         );
-        let result = channel
-            .queue_declare(
-                short_string(name, "stream name").map_err(AmqpError::from)?,
-                QueueDeclareOptions::durable(),
-                args,
-            )
-            .await
-            .map_err(protocol(format!("declaring stream {name}")));
+        if let Some(replicas) = self.names.replicas {
+            args.insert(
+                "x-initial-cluster-size".into(),
+                AMQPValue::LongInt(i32::from(replicas)),
+            );
+        }
+        let channel = self.channel().await?;
+        let declared = channel
+            .queue_declare(queue.clone(), QueueDeclareOptions::durable(), args)
+            .await;
         let _ = channel.close(200, "OK".into()).await;
-        result.map(drop)
+        let Err(inequivalent) = declared else {
+            return Ok(());
+        };
+        // PRECONDITION_FAILED closed that channel; does the stream exist?
+        let channel = self.channel().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let exists = channel
+            .queue_declare(queue, passive, FieldTable::default())
+            .await;
+        let _ = channel.close(200, "OK".into()).await;
+        match exists {
+            Ok(_) => Ok(()),
+            Err(_) => Err(protocol(format!("declaring stream {name}"))(inequivalent)),
+        }
     }
 
     /// Delete stream `name` (a missing one is fine: `queue.delete` is

@@ -203,6 +203,7 @@ pub(super) async fn open_stores(
                     engine,
                     was_mirrored,
                     config.store.checkpoint_records,
+                    config.store.replication_factor,
                     &config.wal.dir,
                 )
                 .await
@@ -273,6 +274,7 @@ async fn open_stream_store(
     engine: &Engine,
     mirrored: bool,
     checkpoint_records: u64,
+    replicas: Option<u16>,
     wal_dir: &std::path::Path,
 ) -> anyhow::Result<RouteStore> {
     let store = StreamStore::new(
@@ -281,6 +283,7 @@ async fn open_stream_store(
         &route.name,
         engine.clone(),
         checkpoint_records,
+        replicas,
         wal_dir.to_owned(),
     )?;
     let (released, kept) = store.adopt_cached(mirrored).await?;

@@ -121,6 +121,7 @@ impl StreamStore {
         route: &str,
         engine: Engine,
         checkpoint_floor: u64,
+        replicas: Option<u16>,
         wal_dir: std::path::PathBuf,
     ) -> anyhow::Result<Arc<Self>> {
         let broker = Broker::with_endpoints(
@@ -131,7 +132,7 @@ impl StreamStore {
             route: route.to_owned(),
             engine,
             broker,
-            names: StateNames::new(pointer),
+            names: StateNames::new(pointer).with_replicas(replicas),
             ids: Mutex::new(Ids::default()),
             writer: Mutex::new(None),
             writer_task: tokio::sync::Mutex::new(None),
@@ -541,6 +542,12 @@ impl StreamStore {
                 _ = session.lost() => false,
                 _ = failed.cancelled() => false,
             };
+            if !stopping {
+                // The lock is gone: nothing more fires here (see
+                // `may_fire`), and /status stops naming this instance the
+                // owner, before the intake has wound down.
+                self.set_phase(Phase::Electing);
+            }
             intake_stop.cancel();
             // Bounded (the intake bounds its own stop too): ownership must
             // be given up even if a broker call never returns.
@@ -552,8 +559,6 @@ impl StreamStore {
             if stopping {
                 return; // the runtime calls `flush` once publishes are done
             }
-            // Nothing more fires here (see `may_fire`) while it is released.
-            self.set_phase(Phase::Electing);
             tracing::error!(route = %self.route, "lost the route's lock (its connection closed or a state write failed); releasing its messages to the next owner");
             self.end_session().await;
         }

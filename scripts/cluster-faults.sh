@@ -1,0 +1,320 @@
+#!/usr/bin/env bash
+# The cluster fault campaign: delayd on the three-node RabbitMQ 4.3 cluster
+# (RABBITMQ=cluster scripts/rabbitmq.sh), under steady load, while nodes die.
+# Every message is accounted for by `delayd bench` (delivered once,
+# duplicated under the same or another x-delayd-id, lost, early).
+#
+# The store scenarios run two delayd instances on one route with
+# store.kind = "broker" (a quorum ingress queue, the lock queue and the
+# replicated state streams), instance A given the nodes in the order 1, 2, 3
+# and B in the order 2, 3, 1. A watcher reads both instances' /readyz every
+# 100 ms: the two must never both own the route.
+#
+#   conn-node    kill -9 of the node that holds the owner's connections,
+#                then the node started again
+#   lock-leader  kill -9 of the node that leads the route's lock queue,
+#                then the node started again
+#   rolling      each node in turn stopped cleanly and started again
+#   classic-node one instance, the local store, a route on a classic ingress
+#                queue whose node is killed with kill -9: delayd waits for
+#                the queue, and resumes once its node is back
+#
+#   bash scripts/cluster-faults.sh            # 2,000 msg/s, delays 5-60 s, 3 cycles of each
+#   bash scripts/cluster-faults.sh --short    # 200 msg/s, delays 5-20 s, 1 cycle (part of scripts/test.sh)
+#   SCENARIOS="rolling" CYCLES=2 RATE=1000 bash scripts/cluster-faults.sh
+#   KEEP=1 ...                                # keep delayd's logs and the owner samples
+#
+# Pass: 0 lost and 0 early, never two owners at once, duplicates under
+# another x-delayd-id than the first copy's 0 in the store scenarios, all
+# duplicates at most 0.1 % of the messages received (1 % in the short run).
+# Lost counts only publishes the broker confirmed; early is judged against
+# the bench's clock at publish. It stops and starts the cluster's nodes, so
+# run it alone, not beside the integration tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+short=false
+[ "${1:-}" = "--short" ] && short=true
+if $short; then
+    default_cycles=1 rate="${RATE:-200}" delay_max=20000 dup_permille=10
+else
+    default_cycles=3 rate="${RATE:-2000}" delay_max=60000 dup_permille=1
+fi
+delay_min=5000
+cycles="${CYCLES:-$default_cycles}"
+scenarios="${SCENARIOS:-conn-node lock-leader rolling classic-node}"
+ports=(5681 5682 5683)
+
+RABBITMQ=cluster bash scripts/rabbitmq.sh >/dev/null
+if $short; then
+    cargo build --quiet
+    delayd="$PWD/target/debug/delayd"
+else
+    cargo build --release --quiet
+    delayd="$PWD/target/release/delayd"
+fi
+work="$(mktemp -d /var/tmp/delayd-cluster-faults.XXXXXX)"
+tag="$(date +%s)"
+declare -A pids=()
+watcher=""
+failed=0
+passed=0
+
+log() { echo "cluster-faults: $*" >&2; }
+node() { echo "delayd-c$1@localhost"; }
+cluster() { bash scripts/rabbitmq.sh "$@" >/dev/null; }
+# rabbitmqctl and friends against any node that answers.
+ctl() { # command...
+    local tool="$1"
+    shift
+    for n in 1 2 3; do
+        if "$tool" -q -n "$(node "$n")" "$@" 2>/dev/null; then return 0; fi
+    done
+    return 1
+}
+
+stop_all() {
+    [ -n "$watcher" ] && kill "$watcher" 2>/dev/null
+    watcher=""
+    for i in "${!pids[@]}"; do
+        kill -TERM "${pids[$i]}" 2>/dev/null || true
+    done
+    for i in "${!pids[@]}"; do
+        for _ in $(seq 1 300); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "${pids[$i]}" 2>/dev/null || true
+        { wait "${pids[$i]}"; } 2>/dev/null || true
+        unset "pids[$i]"
+    done
+}
+
+cleanup() {
+    stop_all
+    # Every node up again, whatever a failed scenario left down.
+    for n in 1 2 3; do cluster cluster-start "$n" 2>/dev/null || true; done
+    ctl rabbitmqctl list_queues name --no-table-headers | grep "^cfaults\.$tag\." |
+        while read -r q; do ctl rabbitmqctl delete_queue "$q" >/dev/null || true; done
+    if [ -n "${KEEP:-}" ]; then log "logs kept in $work"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+
+# --- delayd ------------------------------------------------------------
+
+http_port() { echo $((9480 + $1)); }
+
+write_config() { # scenario, instance (1 = A, 2 = B), node order...
+    local s="$1" i="$2"
+    shift 2
+    local urls="" n
+    for n in "$@"; do urls+="\"amqp://guest:guest@127.0.0.1:${ports[$((n - 1))]}/%2f\", "; done
+    local store="" queue_type="quorum"
+    if [ "$s" = classic-node ]; then
+        queue_type="classic"
+    else
+        store=$'[store]\nkind = "broker"\ntopic_prefix = "cfaults.'"$tag.$s"$'."\ncheckpoint_records = 5000\n'
+    fi
+    cat >"$work/$s-$i.toml" <<EOF
+[wal]
+dir = "$work/$s-$i-wal"
+create_dir = true
+
+[http]
+listen = "127.0.0.1:$(http_port "$i")"
+
+$store
+[log]
+level = "info"
+
+[brokers.rabbit]
+kind = "amqp"
+urls = [${urls%, }]
+
+[[routes]]
+name = "cf-$s"
+from = { broker = "rabbit", queue = "cfaults.$tag.$s.in", exchange = "cfaults.$tag.$s.delayed", queue_type = "$queue_type", prefetch = 500 }
+to = { broker = "rabbit", exchange = "cfaults.$tag.$s.out" }
+EOF
+}
+
+start_delayd() { # scenario, instance
+    (cd "$work" && exec "$delayd" run --config "$work/$1-$2.toml" >>"$work/$1-$2.log" 2>&1) &
+    pids[$2]=$!
+    for _ in $(seq 1 150); do
+        curl -sf "http://127.0.0.1:$(http_port "$2")/healthz" >/dev/null && return 0
+        sleep 0.2
+    done
+    log "delayd $2 did not start; its log:"
+    tail -n 30 "$work/$1-$2.log" >&2
+    return 1
+}
+
+# Whether instance $2 owns route cf-$1 now: 1, 0, or - (no answer).
+owns() {
+    curl -s -m 1 "http://127.0.0.1:$(http_port "$2")/readyz" 2>/dev/null |
+        jq -r --arg r "cf-$1" '.store.routes[$r].owner | if . == true then 1 elif . == false then 0 else "-" end' 2>/dev/null |
+        grep . || echo -
+}
+
+watch_owners() { # scenario
+    while :; do
+        echo "$(date +%s.%N) $(owns "$1" 1) $(owns "$1" 2)"
+        sleep 0.1
+    done >"$work/$1.owners"
+}
+
+owner() { # scenario: the instance that owns the route (waits for one)
+    for _ in $(seq 1 300); do
+        for i in 1 2; do
+            [ "$(owns "$1" "$i")" = 1 ] && { echo "$i"; return 0; }
+        done
+        sleep 0.2
+    done
+    return 1
+}
+
+# The cluster node most of instance $1's AMQP connections go to.
+connected_node() {
+    local pid="${pids[$1]}" port
+    port=$(ss -tnpH state established 2>/dev/null | grep "pid=$pid," |
+        awk '{ n = split($4, a, ":"); print a[n] }' | grep -E '^568[123]$' |
+        sort | uniq -c | sort -rn | awk 'NR == 1 { print $2 }')
+    [ -n "$port" ] && echo $((port - 5680))
+}
+
+lock_leader() { # scenario
+    ctl rabbitmqctl list_queues name leader --formatter json |
+        jq -r --arg q "cfaults.$tag.$1.cf-$1.lock" '.[] | select(.name == $q) | .leader' |
+        sed -n 's/^delayd-c\([123]\)@.*/\1/p'
+}
+
+# A node down long enough for the route to move, then back, and in the
+# cluster again before the next fault.
+node_down() { # node, how (kill | stop)
+    log "node $1: $2"
+    cluster "cluster-$2" "$1"
+    sleep 12
+    cluster cluster-start "$1"
+    log "node $1: back"
+    sleep 8
+}
+
+inject_conn-node() {
+    local o n
+    o=$(owner "$1") || { log "no owner"; return 1; }
+    n=$(connected_node "$o") || { log "instance $o has no connection"; return 1; }
+    log "owner $o is connected to node $n"
+    node_down "$n" kill
+}
+inject_lock-leader() {
+    local n
+    n=$(lock_leader "$1")
+    [ -n "$n" ] || { log "no leader for the lock queue"; return 1; }
+    node_down "$n" kill
+}
+inject_rolling() {
+    for n in 1 2 3; do node_down "$n" stop; done
+}
+inject_classic-node() {
+    # The classic queue lives on the node delayd declared it through.
+    local n
+    n=$(ctl rabbitmqctl list_queues name node --formatter json |
+        jq -r --arg q "cfaults.$tag.$1.in" '.[] | select(.name == $q) | .node' |
+        sed -n 's/^delayd-c\([123]\)@.*/\1/p')
+    [ -n "$n" ] || { log "the ingress queue has no node"; return 1; }
+    node_down "$n" kill
+}
+
+# Seconds one cycle of each fault takes (node_down is about 30 s).
+fault_seconds() { if [ "$1" = rolling ]; then echo 100; else echo 35; fi; }
+
+# --- one scenario ----------------------------------------------------------
+
+run_scenario() { # scenario
+    local s="$1" instances=(1 2)
+    [ "$s" = classic-node ] && instances=(1)
+    write_config "$s" 1 1 2 3
+    write_config "$s" 2 2 3 1
+    for i in "${instances[@]}"; do start_delayd "$s" "$i" || return 1; done
+    for _ in $(seq 1 300); do
+        curl -sf "http://127.0.0.1:$(http_port 1)/readyz" >/dev/null && break
+        sleep 0.2
+    done
+    [ "$s" = classic-node ] || { watch_owners "$s" & watcher=$!; }
+    local seconds=$((cycles * $(fault_seconds "$s") + 10))
+    local count=$((rate * seconds))
+    local start=$SECONDS
+    timeout "$((seconds + delay_max / 1000 + 400))" "$delayd" bench --quiet --json \
+        --url "amqp://guest:guest@127.0.0.1:5681/%2f" --url "amqp://guest:guest@127.0.0.1:5682/%2f" \
+        --url "amqp://guest:guest@127.0.0.1:5683/%2f" \
+        --exchange "cfaults.$tag.$s.delayed" --queue "cfaults.$tag.$s.out.q" --queue-type quorum \
+        --bind-to "cfaults.$tag.$s.out" --count "$count" --rate "$rate" \
+        --delay-min "$delay_min" --delay-max "$delay_max" --body-bytes 256 --in-flight 1000 \
+        --drain-timeout 240s >"$work/$s.json" 2>"$work/$s.bench.log" &
+    local bench=$!
+    sleep 5
+    local ok=0
+    for c in $(seq 1 "$cycles"); do
+        if ! "inject_$s" "$s"; then ok=1; break; fi
+        log "$s: cycle $c/$cycles done"
+    done
+    wait "$bench" || true
+    local took=$((SECONDS - start))
+    stop_all
+    [ "$ok" = 0 ] || return 1
+    [ -s "$work/$s.json" ] || { log "$s: the bench reported nothing:"; tail -n 20 "$work/$s.bench.log" >&2; }
+    [ "$s" = classic-node ] && : >"$work/$s.owners"
+    # The route's streams replicated on every node (store scenarios).
+    local members=3
+    if [ "$s" != classic-node ]; then
+        members=$(rabbitmq-streams -q -n "$(node 1)" stream_status "cfaults.$tag.$s.cf-$s" --formatter json 2>/dev/null |
+            jq 'length' 2>/dev/null || echo 0)
+    fi
+    python3 - "$s" "$cycles" "$took" "$dup_permille" "$work/$s.json" "$work/$s.owners" "$members" <<'EOF'
+import json, sys
+s, n, took, dup_permille, path, owners, members = sys.argv[1:]
+try:
+    r = json.load(open(path))
+except Exception as e:
+    print(f"{s:12} FAIL: no bench report ({e})")
+    sys.exit(1)
+both = 0
+gap = longest_gap = 0.0
+last = None
+for line in open(owners):
+    t, a, b = line.split()
+    t = float(t)
+    if a == "1" and b == "1":
+        both += 1
+    if a != "1" and b != "1" and last is not None:
+        gap += t - last
+        longest_gap = max(longest_gap, gap)
+    else:
+        gap = 0.0
+    last = t
+dup_rate = r["duplicates"] / max(r["received"], 1)
+other_id = r["duplicates_different_id"]
+store = s != "classic-node"
+ok = (r["lost"] == 0 and r["early"] == 0 and dup_rate <= int(dup_permille) / 1000
+      and both == 0 and not (store and other_id > 0) and int(members) == 3)
+owners_text = (f"  two owners {both} samples, longest without an owner {longest_gap:.1f} s,"
+               f" state stream replicas {members}" if store else "")
+print(f"{s:12} {'ok  ' if ok else 'FAIL'} cycles {n:>2}  published {r['published']:>7}"
+      f" (+{r['publish_failures']} unconfirmed)  received {r['received']:>7}  lost {r['lost']}"
+      f"  early {r['early']}  duplicates {r['duplicates']} ({100 * dup_rate:.3f} %:"
+      f" same id {r['duplicates_same_id']}, different id {other_id};"
+      f" +{r['redelivered_to_bench']} redelivered to the bench)"
+      f"  p99 {r['lateness_p99_ms']} ms  max {r['lateness_max_ms']} ms{owners_text}  {took} s")
+sys.exit(0 if ok else 1)
+EOF
+}
+
+for s in $scenarios; do
+    if run_scenario "$s"; then
+        passed=$((passed + 1))
+    else
+        failed=$((failed + 1))
+        for f in "$work/$s"-*.log; do cp "$f" "/var/tmp/delayd-cluster-faults-$(basename "$f")" 2>/dev/null || true; done
+        log "$s failed; delayd's logs: /var/tmp/delayd-cluster-faults-$s-*.log"
+    fi
+done
+echo "cluster-faults: $passed scenarios ok, $failed failed"
+[ "$failed" -eq 0 ]
