@@ -202,8 +202,7 @@ pub(super) async fn open_stores(
                     route,
                     engine,
                     was_mirrored,
-                    config.store.checkpoint_records,
-                    config.store.replication_factor,
+                    &config.store,
                     &config.wal.dir,
                 )
                 .await
@@ -273,8 +272,7 @@ async fn open_stream_store(
     route: &crate::config::RouteConfig,
     engine: &Engine,
     mirrored: bool,
-    checkpoint_records: u64,
-    replicas: Option<u16>,
+    settings: &crate::config::StoreSection,
     wal_dir: &std::path::Path,
 ) -> anyhow::Result<RouteStore> {
     let store = StreamStore::new(
@@ -282,8 +280,8 @@ async fn open_stream_store(
         stream,
         &route.name,
         engine.clone(),
-        checkpoint_records,
-        replicas,
+        settings.checkpoint_records,
+        settings.replication_factor,
         wal_dir.to_owned(),
     )?;
     let (released, kept) = store.adopt_cached(mirrored).await?;
