@@ -41,8 +41,7 @@ bench() { # label, then bench arguments
     shift
     local report
     report="$("$delayd" bench --kafka "$bootstrap" --quiet --json "${props[@]}" "$@" 2>/dev/null)" || true
-    printf '%-34s %s\n' "$label" "$(echo "$report" | tr -d '\n ' |
-        sed 's/.*"published":\([0-9]*\).*"received":\([0-9]*\).*"lost":\([0-9]*\),"publish_failures":[0-9]*,"early":\([0-9]*\),"duplicates":\([0-9]*\),"redelivered_to_bench":[0-9]*,"lateness_p50_ms":\([0-9]*\),"lateness_p99_ms":\([0-9]*\),"lateness_max_ms":\([0-9]*\).*/published \1 received \2 lost \3 early \4 dup \5 | p50 \6 ms p99 \7 ms max \8 ms/')"
+    printf '%-34s %s\n' "$label" "$(echo "$report" | jq -r '"published \(.published) received \(.received) lost \(.lost) early \(.early) dup \(.duplicates) (\(.duplicates_different_id) other id) | p50 \(.lateness_p50_ms) ms p99 \(.lateness_p99_ms) ms max \(.lateness_max_ms) ms"' 2>/dev/null || echo "no report")"
 }
 
 through_delayd() { # label, rate

@@ -316,7 +316,7 @@ print(f"{s:12} {'ok  ' if ok else 'FAIL'} cycles {n:>3}  published {r['published
       f" (+{r['publish_failures']} unconfirmed)  received {r['received']:>7}  lost {r['lost']}"
       f"  early {r['early']}  duplicates {r['duplicates']} ({100 * dup_rate:.3f} %:"
       f" same id {r['duplicates_same_id']}, different id {other_id};"
-      f" +{r['redelivered_to_bench']} redelivered to the bench)"
+      f" +{r['redelivered_to_bench']} redelivered to the bench, +{r['published_twice']} published twice by the bench)"
       f"  p99 {r['lateness_p99_ms']} ms  max {r['lateness_max_ms']} ms  {took} s")
 sys.exit(0 if ok else 1)
 EOF

@@ -2,8 +2,9 @@
 # The test command: starts the brokers the integration tests need (RabbitMQ:
 # the single node, the TLS node and the three-node cluster; Apache Kafka in
 # KRaft mode with its TLS listeners), runs every test in the workspace, then the
-# short fault campaign (scripts/faults.sh --short: a few cycles of each fault
-# under load, every message accounted for). Arguments go to the test
+# short fault campaigns (scripts/faults.sh --short: a few cycles of each fault
+# under load, every message accounted for; scripts/cluster-faults.sh --short:
+# a node of the three-node cluster killed or restarted under load). Arguments go to the test
 # binaries, and then the fault campaign is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +27,5 @@ cargo test --workspace --all-features --no-fail-fast -- --test-threads=2 "$@"
 if [ "$#" -eq 0 ]; then
     bash scripts/deploy-check.sh   # chart, alert rules, dashboard, status page, image
     bash scripts/faults.sh --short
+    bash scripts/cluster-faults.sh --short  # node kills and restarts under the broker-kept store
 fi

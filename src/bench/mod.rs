@@ -130,8 +130,17 @@ pub struct BenchReport {
     /// ... and copies under another id (one message stored twice: a bug,
     /// a consumer that deduplicates on the id sees two messages).
     pub duplicates_different_id: u64,
+    /// The first few of those: sequence number, the first copy's id, the
+    /// other copy's id (a minted id's high half names the process).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub different_id_examples: Vec<(u64, String, String)>,
     /// Copies the broker redelivered to the bench after its ack was lost.
     pub redelivered_to_bench: u64,
+    /// Copies of a message the bench's own publisher sent twice (its
+    /// connection failed before the confirm, and it published again): the
+    /// broker took two messages, stamped with different `timestamp_in_ms`,
+    /// and delayd rightly delays both. Not counted in `duplicates`.
+    pub published_twice: u64,
     pub lateness_p50_ms: u64,
     pub lateness_p99_ms: u64,
     pub lateness_max_ms: u64,
@@ -150,15 +159,25 @@ pub struct BenchReport {
 const RUN: &str = "x-bench-run";
 const SEQ: &str = "x-bench-seq";
 const DUE: &str = "x-bench-due";
+const BROKER_STAMP: &str = "timestamp_in_ms";
 const DELAYD_ID: &str = crate::route::rewrite::X_DELAYD_ID;
 
 struct Tally {
     seen: Vec<u64>, // bitset of sequence numbers
     /// The `x-delayd-id` each sequence number first arrived with.
     first_ids: Vec<Option<Box<str>>>,
+    /// The broker's `timestamp_in_ms` on each sequence number's first copy
+    /// (RabbitMQ ≥ 3.12 stamps every message it takes): tells a second
+    /// publish from a second copy of one.
+    first_stamps: Vec<Option<i64>>,
+    /// The `x-delayd-id` of each message the bench published again, by
+    /// sequence number and broker stamp.
+    published_again: std::collections::HashMap<(u64, i64), Option<Box<str>>>,
+    published_twice: u64,
     received: u64,
     duplicates: u64,
     duplicates_different_id: u64,
+    different_id_examples: Vec<(u64, String, String)>,
     /// Seen again, flagged redelivered by the broker: the bench's ack was
     /// lost, not a duplicate from delayd.
     redelivered_to_bench: u64,
@@ -210,9 +229,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let tally = Arc::new(Mutex::new(Tally {
         seen: vec![0; args.count.div_ceil(64) as usize],
         first_ids: vec![None; args.count as usize],
+        first_stamps: vec![None; args.count as usize],
+        published_again: Default::default(),
+        published_twice: 0,
         received: 0,
         duplicates: 0,
         duplicates_different_id: 0,
+        different_id_examples: Vec::new(),
         redelivered_to_bench: 0,
         early: 0,
         lateness: Histogram::new(3)?,
@@ -267,16 +290,36 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     .map(Box::<str>::from);
                 let mut t = tally.lock().expect("tally");
                 let (word, bit) = ((seq as u64 / 64) as usize, seq as u64 % 64);
+                let stamp = number(h.get(BROKER_STAMP));
                 if word >= t.seen.len() || t.seen[word] & (1 << bit) != 0 {
+                    let first_stamp = t.first_stamps.get(seq as usize).copied().flatten();
                     if redelivered {
                         t.redelivered_to_bench += 1;
-                    } else {
-                        t.duplicates += 1;
-                        if t.first_ids
-                            .get(seq as usize)
-                            .is_some_and(|first| *first != id)
-                        {
-                            t.duplicates_different_id += 1;
+                        continue;
+                    }
+                    // Which broker message this is a copy of: the first
+                    // one published, or one the bench published again.
+                    let first = match (stamp, first_stamp) {
+                        (Some(stamp), Some(first)) if stamp != first => {
+                            match t.published_again.get(&(seq as u64, stamp)) {
+                                Some(first_id) => first_id.clone(),
+                                None => {
+                                    t.published_again.insert((seq as u64, stamp), id);
+                                    t.published_twice += 1;
+                                    continue;
+                                }
+                            }
+                        }
+                        _ => t.first_ids.get(seq as usize).cloned().flatten(),
+                    };
+                    t.duplicates += 1;
+                    if first != id {
+                        t.duplicates_different_id += 1;
+                        if t.different_id_examples.len() < 20 {
+                            let text =
+                                |id: Option<Box<str>>| id.map(String::from).unwrap_or_default();
+                            t.different_id_examples
+                                .push((seq as u64, text(first), text(id)));
                         }
                     }
                     continue;
@@ -284,6 +327,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 t.seen[word] |= 1 << bit;
                 if let Some(first) = t.first_ids.get_mut(seq as usize) {
                     *first = id;
+                }
+                if let Some(first) = t.first_stamps.get_mut(seq as usize) {
+                    *first = stamp;
                 }
                 t.received += 1;
                 let at = Instant::now();
@@ -507,7 +553,9 @@ fn summarise(
         duplicates: t.duplicates,
         duplicates_same_id: t.duplicates - t.duplicates_different_id,
         duplicates_different_id: t.duplicates_different_id,
+        different_id_examples: t.different_id_examples.clone(),
         redelivered_to_bench: t.redelivered_to_bench,
+        published_twice: t.published_twice,
         lateness_p50_ms: t.lateness.value_at_quantile(0.5),
         lateness_p99_ms: t.lateness.value_at_quantile(0.99),
         lateness_max_ms: t.lateness.max(),
@@ -528,6 +576,8 @@ fn bench_message(run_id: &str, seq: u64, delay: u64, due: u64, body_bytes: usize
         ]),
         properties: Properties {
             delivery_mode: Some(2),
+            // Names the message in delayd's debug logs.
+            message_id: Some(format!("bench-{seq}")),
             ..Properties::default()
         },
         ..Message::default()

@@ -409,9 +409,13 @@ impl Intake {
     async fn stored(&self, stored: Stored, held: Held) {
         let route = self.route.name();
         self.pressure.stored();
-        if let Stored::New(id) = stored {
-            metrics::counter!("delayd_scheduled_total", "route" => route.to_owned()).increment(1);
-            tracing::debug!(route, id, due = held.due, "scheduled");
+        match stored {
+            Stored::New(id) => {
+                metrics::counter!("delayd_scheduled_total", "route" => route.to_owned())
+                    .increment(1);
+                tracing::debug!(route, id, uid = %held.uid, due = held.due, "scheduled");
+            }
+            Stored::Duplicate => tracing::debug!(route, "a redelivery of a stored message"),
         }
         match held.ack.ack().await {
             Ok(()) => {
