@@ -129,7 +129,6 @@ url = "amqp://guest:guest@127.0.0.1:5672/%2f"
 [brokers.kafka]
 kind = "kafka"
 bootstrap = "127.0.0.1:9092"
-consumer_properties = { "session.timeout.ms" = "6000", "heartbeat.interval.ms" = "1000" }
 
 EOF
         if is_kafka "$s"; then

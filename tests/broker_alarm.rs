@@ -163,6 +163,85 @@ async fn a_blocked_publishing_connection_holds_messages_and_still_shuts_down() {
     client.close().await;
 }
 
+/// Waits until the broker reports its memory alarm: it blocks publishers
+/// only from then on.
+async fn wait_alarm_in_effect() {
+    wait_for("the memory alarm to take effect", DEADLINE, || async {
+        let out = Command::new("rabbitmq-diagnostics")
+            .args(["-q", "alarms"])
+            .output()
+            .expect("cannot run rabbitmq-diagnostics");
+        String::from_utf8_lossy(&out.stdout)
+            .to_lowercase()
+            .contains("memory alarm")
+            .then_some(())
+    })
+    .await;
+}
+
+/// A state write on the broker-kept store that the broker blocks (a
+/// resource alarm) fails after the session's `store.write_timeout`, so an
+/// owner gives the route up and tries again rather than waiting for ever
+/// (restoring, or holding deliveries unacked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_write_the_broker_blocks_times_out() {
+    use delayd_adapters::amqp::state::{Candidate, StateError, StateNames};
+    use delayd_adapters::amqp::{Broker, BrokerOptions};
+    const TIMEOUT: Duration = Duration::from_secs(2);
+    let pointer = format!("delayd-it.state.{}.alarm", common::unique_suffix());
+    let names = StateNames::new(pointer.clone()).with_append_timeout(TIMEOUT);
+    let broker = Broker::new(
+        &common::amqp_url(),
+        BrokerOptions::named("delayd-it-alarm-state"),
+    )
+    .expect("broker");
+    let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), &names)
+        .await
+        .expect("register on the lock queue");
+    let session = tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
+        .await
+        .expect("elected in time")
+        .expect("elected");
+    let stream = names.generation(0);
+    session.declare_stream(&stream).await.expect("declare");
+    session
+        .append(&stream, &[b"before the alarm".to_vec()])
+        .await
+        .await
+        .expect("a write before the alarm");
+
+    let alarm = MemoryAlarm::raise();
+    wait_alarm_in_effect().await;
+    let started = Instant::now();
+    let written = tokio::time::timeout(Duration::from_secs(20), async {
+        session
+            .append(&stream, &[b"during the alarm".to_vec()])
+            .await
+            .await
+    })
+    .await
+    .expect("the write never returned");
+    let took = started.elapsed();
+    assert!(
+        matches!(written, Err(StateError::TimedOut { .. })),
+        "{written:?}"
+    );
+    assert!(
+        took >= TIMEOUT && took < TIMEOUT + Duration::from_secs(2),
+        "returned after {took:?}"
+    );
+    drop(alarm);
+    session.close().await;
+    let client = Client::connect("delayd-it-alarm-state-cleanup").await;
+    for queue in [stream, names.lock()] {
+        let _ = client
+            .channel
+            .queue_delete(queue.as_str().into(), Default::default())
+            .await;
+    }
+    client.close().await;
+}
+
 /// Each message arrived once, or twice under one `x-delayd-id`: a publish
 /// already on the wire when the broker blocked the connection is read by
 /// the broker once the alarm clears, and the restarted delayd, which never

@@ -167,6 +167,11 @@ pub struct StoreSection {
     /// `x-initial-cluster-size`. Unset: every node of the cluster (RabbitMQ's
     /// default); RabbitMQ caps it at the cluster's size.
     pub replication_factor: Option<u16>,
+    /// RabbitMQ state streams: how long a state write may wait for the
+    /// broker's confirm (a broker that blocks publishers, a lost node)
+    /// before the owner gives the route up and tries again.
+    #[serde(with = "duration")]
+    pub write_timeout: Duration,
 }
 
 impl Default for StoreSection {
@@ -176,6 +181,7 @@ impl Default for StoreSection {
             topic_prefix: "delayd.state.".into(),
             checkpoint_records: 20_000,
             replication_factor: None,
+            write_timeout: Duration::from_secs(30),
         }
     }
 }

@@ -261,6 +261,12 @@ impl Config {
                 ),
             ));
         }
+        if self.store.write_timeout < std::time::Duration::from_secs(1) {
+            return Err(err(
+                "store.write_timeout".into(),
+                "must be at least 1s: a state write waits for the broker's confirm".into(),
+            ));
+        }
         if self.store.checkpoint_records < 100 {
             return Err(err(
                 "store.checkpoint_records".into(),

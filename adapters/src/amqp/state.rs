@@ -235,7 +235,8 @@ pub struct LiveRecord {
     pub message: Vec<u8>,
 }
 
-/// The names of one route's lock and streams.
+/// The names of one route's lock and streams, and how streams are created
+/// and written.
 #[derive(Debug, Clone)]
 pub struct StateNames {
     /// The pointer stream, `<prefix><route>`.
@@ -243,6 +244,8 @@ pub struct StateNames {
     /// Replicas of each stream delayd creates (`x-initial-cluster-size`);
     /// `None`: RabbitMQ's default, every node of the cluster.
     pub replicas: Option<u16>,
+    /// How long a write may wait for the broker (see [`APPEND_TIMEOUT`]).
+    pub append_timeout: Duration,
 }
 
 impl StateNames {
@@ -250,7 +253,14 @@ impl StateNames {
         Self {
             pointer: pointer.into(),
             replicas: None,
+            append_timeout: APPEND_TIMEOUT,
         }
+    }
+
+    /// Writes wait at most `timeout` for the broker.
+    pub fn with_append_timeout(mut self, timeout: Duration) -> Self {
+        self.append_timeout = timeout;
+        self
     }
 
     /// Streams created from now on get `replicas` replicas.
@@ -298,7 +308,9 @@ pub const LOCK_LEASE: Duration = Duration::from_secs(5);
 /// What a new owner waits beyond [`LOCK_LEASE`] (a ping's transit time).
 const LEASE_MARGIN: Duration = Duration::from_secs(1);
 
-/// How long a state write may wait for the broker's confirm.
+/// How long a state write may wait for the broker's confirm by default
+/// (`store.write_timeout`): a broker that blocks publishers (a resource
+/// alarm) must not keep an owner restoring, or writing, for ever.
 pub const APPEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Records a pointer stream may hold before it is rotated (emptied and
@@ -835,7 +847,22 @@ impl StateSession {
                 BasicProperties::default().with_delivery_mode(2),
             )
         });
-        let sent = super::sink::join_in_order(sends).await;
+        let timeout = self.names.append_timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let timed_out = move |stream: &str| StateError::TimedOut {
+            stream: stream.to_owned(),
+            timeout,
+        };
+        // A blocked connection is not read by the broker: once the socket's
+        // buffers are full, even sending waits.
+        let sent = match tokio::time::timeout_at(deadline, super::sink::join_in_order(sends)).await
+        {
+            Ok(sent) => sent,
+            Err(_) => {
+                let e = timed_out(stream);
+                return Box::pin(async move { Err(e) });
+            }
+        };
         let stream = stream.to_owned();
         let (lease, lock) = (self.lease.clone(), self.names.lock());
         Box::pin(async move {
@@ -843,14 +870,10 @@ impl StateSession {
             for s in sent {
                 confirms.push(s.map_err(protocol(format!("publishing to stream {stream}")))?);
             }
-            let deadline = tokio::time::Instant::now() + APPEND_TIMEOUT;
             for confirm in confirms {
                 let confirmed = tokio::time::timeout_at(deadline, confirm)
                     .await
-                    .map_err(|_| StateError::TimedOut {
-                        stream: stream.clone(),
-                        timeout: APPEND_TIMEOUT,
-                    })?;
+                    .map_err(|_| timed_out(&stream))?;
                 match confirmed.map_err(protocol(format!("confirm from stream {stream}")))? {
                     Confirmation::Ack(None) => {}
                     Confirmation::Ack(Some(_)) => {

@@ -309,6 +309,13 @@ impl KafkaSource {
                     // default 5 minutes. A Metadata request every 10 s is
                     // cheap.
                     ("topic.metadata.refresh.interval.ms", "10000"),
+                    // An instance killed with kill -9 leaves the group only
+                    // when its session times out: librdkafka's 45 s would
+                    // hold its partitions, and their due messages, that
+                    // long. 6 s is the brokers' default minimum
+                    // (group.min.session.timeout.ms).
+                    ("session.timeout.ms", "6000"),
+                    ("heartbeat.interval.ms", "1500"),
                 ],
                 &[
                     ("group.id", &config.group),

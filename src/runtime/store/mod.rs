@@ -275,13 +275,15 @@ async fn open_stream_store(
     settings: &crate::config::StoreSection,
     wal_dir: &std::path::Path,
 ) -> anyhow::Result<RouteStore> {
+    let names = delayd_adapters::amqp::state::StateNames::new(stream)
+        .with_replicas(settings.replication_factor)
+        .with_append_timeout(settings.write_timeout);
     let store = StreamStore::new(
         endpoints,
-        stream,
+        names,
         &route.name,
         engine.clone(),
         settings.checkpoint_records,
-        settings.replication_factor,
         wal_dir.to_owned(),
     )?;
     let (released, kept) = store.adopt_cached(mirrored).await?;

@@ -39,6 +39,9 @@ use tokio_util::sync::CancellationToken;
 use crate::engine::{Engine, EngineError, Stored, Storing};
 use crate::id::MessageId;
 
+/// Releases in flight at once when an owner gives its messages up.
+const RELEASE_CONCURRENCY: usize = 256;
+
 /// Records appended per publish batch.
 const WRITE_BATCH: usize = 1000;
 
@@ -117,11 +120,10 @@ pub struct StreamStore {
 impl StreamStore {
     pub fn new(
         endpoints: Arc<delayd_adapters::amqp::Endpoints>,
-        pointer: &str,
+        names: StateNames,
         route: &str,
         engine: Engine,
         checkpoint_floor: u64,
-        replicas: Option<u16>,
         wal_dir: std::path::PathBuf,
     ) -> anyhow::Result<Arc<Self>> {
         let broker = Broker::with_endpoints(
@@ -132,7 +134,7 @@ impl StreamStore {
             route: route.to_owned(),
             engine,
             broker,
-            names: StateNames::new(pointer).with_replicas(replicas),
+            names,
             ids: Mutex::new(Ids::default()),
             writer: Mutex::new(None),
             writer_task: tokio::sync::Mutex::new(None),
@@ -501,11 +503,14 @@ impl StreamStore {
                 }
                 None => {
                     // SIGTERM while restoring: nothing was consumed yet.
+                    self.set_phase(Phase::Electing);
                     *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
                     self.lose(session).await;
                     return;
                 }
                 Some(Err(e)) => {
+                    // Nothing restored so far fires here any more.
+                    self.set_phase(Phase::Electing);
                     let missing = matches!(e.downcast_ref(), Some(StateError::Missing { .. }));
                     let retry = if missing {
                         self.set_state_missing(true);
@@ -662,16 +667,30 @@ impl StreamStore {
         }
     }
 
-    /// Release every message held for the streams and close the session.
+    /// Close the session, so that the lock goes to the next owner at once,
+    /// then release every message held for the streams. Nothing fires here
+    /// meanwhile: the phase is no longer an owner's (see `may_fire`).
     async fn lose(&self, session: Arc<StateSession>) {
+        use futures_util::StreamExt as _;
+        session.close().await;
         let ids: Vec<u64> = {
             let mut ids = self.ids();
             ids.early_done.clear();
             ids.by_engine.drain().map(|(id, _)| id).collect()
         };
+        // Concurrently: one group commit covers many releases (one at a
+        // time, 100,000 messages took minutes).
+        let outcomes: Vec<(u64, Result<bool, EngineError>)> = futures_util::stream::iter(ids)
+            .map(|id| {
+                let engine = self.engine.clone();
+                async move { (id, engine.release(id).await) }
+            })
+            .buffer_unordered(RELEASE_CONCURRENCY)
+            .collect()
+            .await;
         let mut released = 0u64;
-        for id in ids {
-            match self.engine.release(id).await {
+        for (id, outcome) in outcomes {
+            match outcome {
                 Ok(true) => released += 1,
                 Ok(false) => {}
                 Err(e) => {
@@ -682,7 +701,6 @@ impl StreamStore {
         if released > 0 {
             tracing::info!(route = %self.route, released, "messages left to the route's next owner");
         }
-        session.close().await;
     }
 
     /// At shutdown, once in-flight publishes are done: write what is
