@@ -149,3 +149,54 @@ async fn rabbitmq_delays_count_from_the_broker_s_timestamp() {
     .await;
     client.close().await;
 }
+
+/// A producer whose clock is 10 s ahead of delayd's host: its records'
+/// timestamps are in delayd's future. Their delays count from delayd's own
+/// clock then (never from a time that has not come), so none leaves early
+/// by delayd's clock, and delayd reports the skew
+/// (`delayd_clock_behind_broker_seconds`, a warning).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_time_ahead_of_delayd_s_clock_is_reported_and_never_makes_a_message_early() {
+    const AHEAD_MS: i64 = 10_000;
+    const COUNT: usize = 5;
+    let r = KafkaRoute::new("clock-skew", 1).await;
+    let delayd = r.start("").await;
+    wait_assigned(&delayd).await;
+    let reader = Reader::new(&r.to);
+    let producer = Producer::new();
+    let mut sent = Vec::new();
+    for i in 0..COUNT {
+        let record = Record::new(&format!("k{i}"), format!("{i}").as_bytes())
+            .header("x-delay", Some(DELAY_MS.to_string().as_bytes()))
+            .at(now_ms() as i64 + AHEAD_MS);
+        sent.push(now_ms());
+        producer.send(&r.from, &record).await;
+    }
+    let got = collect_unique(&reader, COUNT as u32, Duration::from_secs(30));
+    for (i, &sent_ms) in sent.iter().enumerate() {
+        let g = &got[&(i as u32)];
+        assert!(
+            g.received_ms >= sent_ms + DELAY_MS,
+            "record {i} early: sent {sent_ms}, received {}",
+            g.received_ms
+        );
+        // Counted from delayd's read, not from the producer's future time.
+        assert!(
+            g.received_ms < sent_ms + DELAY_MS + AHEAD_MS as u64 / 2,
+            "record {i} waited for the producer's clock: sent {sent_ms}, received {}",
+            g.received_ms
+        );
+    }
+    let behind = delayd.metric("delayd_clock_behind_broker_seconds");
+    assert!(
+        (8.0..=10.5).contains(&behind),
+        "delayd_clock_behind_broker_seconds = {behind}"
+    );
+    assert!(
+        delayd
+            .log_tail(200)
+            .contains("broker time is ahead of this host's clock"),
+        "no warning about the clocks:\n{}",
+        delayd.log_tail(40)
+    );
+}

@@ -121,6 +121,13 @@ impl Record {
         self
     }
 
+    /// The record's timestamp (CreateTime), as a producer on a host with
+    /// another clock would set it.
+    pub fn at(mut self, timestamp_ms: i64) -> Record {
+        self.timestamp_ms = Some(timestamp_ms);
+        self
+    }
+
     pub fn header_text(&self, name: &str) -> Option<String> {
         self.headers
             .iter()
@@ -175,6 +182,9 @@ impl Producer {
         }
         if let Some(p) = partition {
             r = r.partition(p);
+        }
+        if let Some(ts) = record.timestamp_ms {
+            r = r.timestamp(ts);
         }
         let delivery = self
             .inner
