@@ -26,6 +26,7 @@
 #   bash scripts/faults.sh            # the long run: 100 kill -9 cycles, 10 of the rest
 #   bash scripts/faults.sh --short    # a few cycles of each (part of scripts/test.sh)
 #   SCENARIOS="kill9 disk" CYCLES=20 RATE=300 bash scripts/faults.sh
+#   KEEP=1 LOG=info ...    # keep delayd's logs (at that level) and the reports
 #
 # Pass: 0 lost and 0 early in every scenario, 0 duplicates under another
 # x-delayd-id than the first copy's in kill9, sigterm, handoff, store and
@@ -78,7 +79,7 @@ passed=0
 cleanup() {
     stop_delayd 9
     if mountpoint -q "$work/disk" 2>/dev/null; then umount "$work/disk"; fi
-    rm -rf "$work"
+    if [ -n "${KEEP:-}" ]; then log "logs kept in $work"; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
 
@@ -120,7 +121,7 @@ listen = "$http"
 $engine
 $store
 [log]
-level = "warn"
+level = "${LOG:-warn}"
 
 [brokers.rabbit]
 kind = "amqp"
