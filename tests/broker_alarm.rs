@@ -185,23 +185,11 @@ async fn wait_alarm_in_effect() {
 /// (restoring, or holding deliveries unacked).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_write_the_broker_blocks_times_out() {
-    use delayd_adapters::amqp::state::{Candidate, StateError, StateNames};
-    use delayd_adapters::amqp::{Broker, BrokerOptions};
+    use delayd_adapters::amqp::state::{StateError, StateNames};
     const TIMEOUT: Duration = Duration::from_secs(2);
     let pointer = format!("delayd-it.state.{}.alarm", common::unique_suffix());
     let names = StateNames::new(pointer.clone()).with_append_timeout(TIMEOUT);
-    let broker = Broker::new(
-        &common::amqp_url(),
-        BrokerOptions::named("delayd-it-alarm-state"),
-    )
-    .expect("broker");
-    let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), &names)
-        .await
-        .expect("register on the lock queue");
-    let session = tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
-        .await
-        .expect("elected in time")
-        .expect("elected");
+    let session = common::elected_state_session(&names).await;
     let stream = names.generation(0);
     session.declare_stream(&stream).await.expect("declare");
     session

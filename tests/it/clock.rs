@@ -30,6 +30,23 @@ async fn stay_down(since_ms: u64) {
     }
 }
 
+/// Reads record `i` (its value) for each send time `sent[i]`, checks that
+/// none left before its `DELAY_MS`, and returns when each arrived.
+fn received_none_early(reader: &Reader, sent: &[u64]) -> Vec<u64> {
+    let got = collect_unique(reader, sent.len() as u32, Duration::from_secs(30));
+    sent.iter()
+        .enumerate()
+        .map(|(i, &sent_ms)| {
+            let received_ms = got[&(i as u32)].received_ms;
+            assert!(
+                received_ms >= sent_ms + DELAY_MS,
+                "record {i} early: sent {sent_ms}, received {received_ms}"
+            );
+            received_ms
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_delays_count_from_the_record_timestamp() {
     let r = KafkaRoute::new("clock", 2).await;
@@ -55,17 +72,11 @@ async fn kafka_delays_count_from_the_record_timestamp() {
     delayd.restart().await;
     wait_assigned(&delayd).await;
     let back_ms = now_ms();
-    let got = collect_unique(&reader, COUNT as u32, Duration::from_secs(30));
-    let mut worst = 0;
-    for (i, &sent_ms) in sent.iter().enumerate() {
-        let g = &got[&(i as u32)];
-        assert!(
-            g.received_ms >= sent_ms + DELAY_MS,
-            "record {i} early: sent {sent_ms}, received {}",
-            g.received_ms
-        );
-        worst = worst.max(g.received_ms.saturating_sub(back_ms));
-    }
+    let worst = received_none_early(&reader, &sent)
+        .iter()
+        .map(|&received| received.saturating_sub(back_ms))
+        .max()
+        .unwrap_or(0);
     println!("kafka: last record {worst} ms after the restarted delayd held its partitions");
     assert!(
         worst <= BACK_WITHIN_MS,
@@ -172,19 +183,12 @@ async fn a_broker_time_ahead_of_delayd_s_clock_is_reported_and_never_makes_a_mes
         sent.push(now_ms());
         producer.send(&r.from, &record).await;
     }
-    let got = collect_unique(&reader, COUNT as u32, Duration::from_secs(30));
-    for (i, &sent_ms) in sent.iter().enumerate() {
-        let g = &got[&(i as u32)];
-        assert!(
-            g.received_ms >= sent_ms + DELAY_MS,
-            "record {i} early: sent {sent_ms}, received {}",
-            g.received_ms
-        );
+    let received = received_none_early(&reader, &sent);
+    for (i, (&sent_ms, &received_ms)) in sent.iter().zip(&received).enumerate() {
         // Counted from delayd's read, not from the producer's future time.
         assert!(
-            g.received_ms < sent_ms + DELAY_MS + AHEAD_MS as u64 / 2,
-            "record {i} waited for the producer's clock: sent {sent_ms}, received {}",
-            g.received_ms
+            received_ms < sent_ms + DELAY_MS + AHEAD_MS as u64 / 2,
+            "record {i} waited for the producer's clock: sent {sent_ms}, received {received_ms}"
         );
     }
     let behind = delayd.metric("delayd_clock_behind_broker_seconds");

@@ -245,21 +245,8 @@ async fn elected_session(
     delayd_adapters::amqp::state::StateNames,
     delayd_adapters::amqp::state::StateSession,
 ) {
-    use delayd_adapters::amqp::state::{Candidate, StateNames};
-    use delayd_adapters::amqp::{Broker, BrokerOptions};
-    let names = StateNames::new(r.pointer());
-    let broker = Broker::new(
-        &common::amqp_url(),
-        BrokerOptions::named("delayd-it-session"),
-    )
-    .expect("broker");
-    let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), &names)
-        .await
-        .expect("register on the lock queue");
-    let session = tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
-        .await
-        .expect("elected in time")
-        .expect("elected");
+    let names = delayd_adapters::amqp::state::StateNames::new(r.pointer());
+    let session = common::elected_state_session(&names).await;
     (names, session)
 }
 

@@ -1206,3 +1206,21 @@ pub async fn ack(received: &Received) {
         .await
         .expect("basic.ack");
 }
+
+/// A broker-kept store session of the test's own (no delayd) on the lock of
+/// `names`, registered on the single node and elected.
+pub async fn elected_state_session(
+    names: &delayd_adapters::amqp::state::StateNames,
+) -> delayd_adapters::amqp::state::StateSession {
+    use delayd_adapters::amqp::state::Candidate;
+    use delayd_adapters::amqp::{Broker, BrokerOptions};
+    let broker =
+        Broker::new(&amqp_url(), BrokerOptions::named("delayd-it-session")).expect("broker");
+    let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), names)
+        .await
+        .expect("register on the lock queue");
+    tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
+        .await
+        .expect("elected in time")
+        .expect("elected")
+}
