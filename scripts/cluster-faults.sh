@@ -273,50 +273,16 @@ run_scenario() { # scenario
     stop_all
     [ "$ok" = 0 ] || return 1
     [ -s "$work/$s.json" ] || { log "$s: the bench reported nothing:"; tail -n 20 "$work/$s.bench.log" >&2; }
-    [ "$s" = classic-node ] && : >"$work/$s.owners"
+
     # The route's streams replicated on every node (store scenarios).
     local members=3
     if [ "$s" != classic-node ]; then
         members=$(rabbitmq-streams -q -n "$(node 1)" stream_status "cfaults.$tag.$s.cf-$s" --formatter json 2>/dev/null |
             jq 'length' 2>/dev/null || echo 0)
     fi
-    python3 - "$s" "$cycles" "$took" "$dup_permille" "$work/$s.json" "$work/$s.owners" "$members" <<'EOF'
-import json, sys
-s, n, took, dup_permille, path, owners, members = sys.argv[1:]
-try:
-    r = json.load(open(path))
-except Exception as e:
-    print(f"{s:12} FAIL: no bench report ({e})")
-    sys.exit(1)
-both = 0
-gap = longest_gap = 0.0
-last = None
-for line in open(owners):
-    t, a, b = line.split()
-    t = float(t)
-    if a == "1" and b == "1":
-        both += 1
-    if a != "1" and b != "1" and last is not None:
-        gap += t - last
-        longest_gap = max(longest_gap, gap)
-    else:
-        gap = 0.0
-    last = t
-dup_rate = r["duplicates"] / max(r["received"], 1)
-other_id = r["duplicates_different_id"]
-store = s != "classic-node"
-ok = (r["lost"] == 0 and r["early"] == 0 and dup_rate <= int(dup_permille) / 1000
-      and both == 0 and not (store and other_id > 0) and int(members) == 3)
-owners_text = (f"  two owners {both} samples, longest without an owner {longest_gap:.1f} s,"
-               f" state stream replicas {members}" if store else "")
-print(f"{s:12} {'ok  ' if ok else 'FAIL'} cycles {n:>2}  published {r['published']:>7}"
-      f" (+{r['publish_failures']} unconfirmed)  received {r['received']:>7}  lost {r['lost']}"
-      f"  early {r['early']}  duplicates {r['duplicates']} ({100 * dup_rate:.3f} %:"
-      f" same id {r['duplicates_same_id']}, different id {other_id};"
-      f" +{r['redelivered_to_bench']} redelivered to the bench, +{r['published_twice']} published twice by the bench)"
-      f"  p99 {r['lateness_p99_ms']} ms  max {r['lateness_max_ms']} ms{owners_text}  {took} s")
-sys.exit(0 if ok else 1)
-EOF
+    local store=()
+    [ "$s" = classic-node ] || store=(--one-identity --owners "$work/$s.owners" --replicas "$members")
+    python3 scripts/faults/report.py "$s" "$cycles" "$took" "$dup_permille" "$work/$s.json" "${store[@]}"
 }
 
 for s in $scenarios; do

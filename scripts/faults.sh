@@ -297,29 +297,12 @@ run_scenario() { # scenario, cycles
             return 1
         fi
     fi
-    python3 - "$s" "$n" "$took" "$dup_permille" "$work/$s.json" <<'EOF'
-import json, sys
-s, n, took, dup_permille, path = sys.argv[1:]
-try:
-    r = json.load(open(path))
-except Exception as e:
-    print(f"{s:12} FAIL: no bench report ({e})")
-    sys.exit(1)
-dup_rate = r["duplicates"] / max(r["received"], 1)
-# One identity per message: where a copy can only be the same stored message
-# sent again, a copy under another x-delayd-id means a message stored twice.
-one_identity = s in ("kill9", "sigterm", "handoff", "store", "store-amqp")
-other_id = r["duplicates_different_id"]
-ok = (r["lost"] == 0 and r["early"] == 0 and dup_rate <= int(dup_permille) / 1000
-      and not (one_identity and other_id > 0))
-print(f"{s:12} {'ok  ' if ok else 'FAIL'} cycles {n:>3}  published {r['published']:>7}"
-      f" (+{r['publish_failures']} unconfirmed)  received {r['received']:>7}  lost {r['lost']}"
-      f"  early {r['early']}  duplicates {r['duplicates']} ({100 * dup_rate:.3f} %:"
-      f" same id {r['duplicates_same_id']}, different id {other_id};"
-      f" +{r['redelivered_to_bench']} redelivered to the bench, +{r['published_twice']} published twice by the bench)"
-      f"  p99 {r['lateness_p99_ms']} ms  max {r['lateness_max_ms']} ms  {took} s")
-sys.exit(0 if ok else 1)
-EOF
+    local identity=()
+    # One identity per message: where a copy can only be the same stored
+    # message sent again, a copy under another x-delayd-id means a message
+    # stored twice.
+    case "$s" in kill9 | sigterm | handoff | store | store-amqp) identity=(--one-identity) ;; esac
+    python3 scripts/faults/report.py "$s" "$n" "$took" "$dup_permille" "$work/$s.json" "${identity[@]}"
 }
 
 for s in $scenarios; do

@@ -1,0 +1,64 @@
+"""One line per fault scenario from `delayd bench --json`, and its verdict.
+
+    report.py SCENARIO CYCLES SECONDS DUP_PERMILLE REPORT.json [--one-identity]
+              [--owners SAMPLES --replicas N]
+
+Pass: 0 lost, 0 early, duplicates at most DUP_PERMILLE per mille of the
+messages received; with --one-identity, no copy under another x-delayd-id
+than the first copy's (a copy can then only be the same stored message sent
+again). With --owners (lines "epoch-seconds A B", each 1 when that instance
+owned the route, from scripts/cluster-faults.sh): never two owners at once,
+and the route's state streams on --replicas nodes, which must be 3.
+Exit status 0 on a pass.
+"""
+import argparse
+import json
+import sys
+
+p = argparse.ArgumentParser()
+p.add_argument("scenario")
+p.add_argument("cycles", type=int)
+p.add_argument("seconds", type=int)
+p.add_argument("dup_permille", type=int)
+p.add_argument("report")
+p.add_argument("--one-identity", action="store_true")
+p.add_argument("--owners")
+p.add_argument("--replicas", type=int, default=0)
+a = p.parse_args()
+
+try:
+    r = json.load(open(a.report))
+except Exception as e:
+    print(f"{a.scenario:12} FAIL: no bench report ({e})")
+    sys.exit(1)
+
+dup_rate = r["duplicates"] / max(r["received"], 1)
+other_id = r["duplicates_different_id"]
+ok = (r["lost"] == 0 and r["early"] == 0 and dup_rate <= a.dup_permille / 1000
+      and not (a.one_identity and other_id > 0))
+owners = ""
+if a.owners:
+    both = 0
+    longest_gap = 0.0
+    owned_at = None  # the last sample that found an owner
+    for line in open(a.owners):
+        t, x, y = line.split()
+        t = float(t)
+        both += x == "1" and y == "1"
+        if x == "1" or y == "1":
+            if owned_at is not None:
+                longest_gap = max(longest_gap, t - owned_at)
+            owned_at = t
+    ok = ok and both == 0 and a.replicas == 3
+    owners = (f"  two owners {both} samples, longest without an owner {longest_gap:.1f} s,"
+              f" state stream replicas {a.replicas}")
+print(f"{a.scenario:12} {'ok  ' if ok else 'FAIL'} cycles {a.cycles:>3}  published {r['published']:>7}"
+      f" (+{r['publish_failures']} unconfirmed)  received {r['received']:>7}  lost {r['lost']}"
+      f"  early {r['early']}  duplicates {r['duplicates']} ({100 * dup_rate:.3f} %:"
+      f" same id {r['duplicates_same_id']}, different id {other_id};"
+      f" +{r['redelivered_to_bench']} redelivered to the bench,"
+      f" +{r['published_twice']} published twice by the bench)"
+      f"  p99 {r['lateness_p99_ms']} ms  max {r['lateness_max_ms']} ms{owners}  {a.seconds} s")
+if r.get("different_id_examples"):
+    print(f"{'':12} different-id copies (seq, first id, other id): {r['different_id_examples'][:5]}")
+sys.exit(0 if ok else 1)
