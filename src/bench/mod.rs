@@ -102,6 +102,13 @@ pub struct BenchArgs {
     /// Only publish (e.g. to fill delayd with pending messages); no consumer.
     #[arg(long)]
     pub publish_only: bool,
+    /// A burst: every message due at the same instant (`x-deliver-at`),
+    /// `--delay-min` ms after the last one is published. The report's
+    /// `delivery_rate` is then the release rate, and `out_of_order` counts
+    /// arrivals that overtook an earlier-published message (equal due
+    /// times leave in arrival order).
+    #[arg(long, conflicts_with = "kafka")]
+    pub burst: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -141,6 +148,9 @@ pub struct BenchReport {
     /// broker took two messages, stamped with different `timestamp_in_ms`,
     /// and delayd rightly delays both. Not counted in `duplicates`.
     pub published_twice: u64,
+    /// `--burst`: first copies that arrived after a later-published one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub out_of_order: Option<u64>,
     pub lateness_p50_ms: u64,
     pub lateness_p99_ms: u64,
     pub lateness_max_ms: u64,
@@ -174,6 +184,10 @@ struct Tally {
     /// sequence number and broker stamp.
     published_again: std::collections::HashMap<(u64, i64), Option<Box<str>>>,
     published_twice: u64,
+    /// Highest sequence number received so far, and first copies that
+    /// arrived after a higher one.
+    highest_seq: Option<u64>,
+    out_of_order: u64,
     received: u64,
     duplicates: u64,
     duplicates_different_id: u64,
@@ -232,6 +246,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         first_stamps: vec![None; args.count as usize],
         published_again: Default::default(),
         published_twice: 0,
+        highest_seq: None,
+        out_of_order: 0,
         received: 0,
         duplicates: 0,
         duplicates_different_id: 0,
@@ -325,6 +341,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     continue;
                 }
                 t.seen[word] |= 1 << bit;
+                if t.highest_seq.is_some_and(|h| h > seq as u64) {
+                    t.out_of_order += 1;
+                }
+                t.highest_seq = t.highest_seq.max(Some(seq as u64));
                 if let Some(first) = t.first_ids.get_mut(seq as usize) {
                     *first = id;
                 }
@@ -363,6 +383,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let spread = args.delay_max - args.delay_min;
     let mut last_due = 0u64;
+    let burst_at = args
+        .burst
+        .then(|| SystemClock.now_ms() + args.count * 1000 / args.rate + args.delay_min);
     for seq in 0..args.count {
         let at = started + Duration::from_secs_f64(seq as f64 / args.rate as f64);
         tokio::time::sleep_until(at.into()).await;
@@ -378,9 +401,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         // `Sink::publish` does before it returns: time the bench spends
         // before that (waiting for a permit, a task to be scheduled) is the
         // bench's, not the lateness of what it measures.
-        let due = SystemClock.now_ms() + delay;
+        let (due, when) = match burst_at {
+            Some(at) => (at, When::At(at)),
+            None => (SystemClock.now_ms() + delay, When::After(delay)),
+        };
         last_due = last_due.max(due);
-        let message = bench_message(&run_id, seq, delay, due, args.body_bytes);
+        let message = bench_message(&run_id, seq, when, due, args.body_bytes);
         let publish = sink.publish(message, target.clone());
         let (failures, bar, confirmed) = (failures.clone(), pub_bar.clone(), confirmed.clone());
         let delaying_exchange = args.delaying_exchange;
@@ -445,6 +471,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         failures.load(Ordering::Relaxed),
         publish_secs,
     );
+    if args.burst {
+        report.out_of_order = Some(tally.lock().expect("tally").out_of_order);
+    }
     if let (Some(scraper), Some(before)) = (scraper, before) {
         let after = scraper.sample().await?;
         report.delayd_cpu_us_per_message =
@@ -556,6 +585,7 @@ fn summarise(
         different_id_examples: t.different_id_examples.clone(),
         redelivered_to_bench: t.redelivered_to_bench,
         published_twice: t.published_twice,
+        out_of_order: None,
         lateness_p50_ms: t.lateness.value_at_quantile(0.5),
         lateness_p99_ms: t.lateness.value_at_quantile(0.99),
         lateness_max_ms: t.lateness.max(),
@@ -565,11 +595,23 @@ fn summarise(
     }
 }
 
-fn bench_message(run_id: &str, seq: u64, delay: u64, due: u64, body_bytes: usize) -> Message {
+/// How a bench message says when it is due.
+enum When {
+    /// `x-delay`, ms.
+    After(u64),
+    /// `x-deliver-at`, epoch ms.
+    At(u64),
+}
+
+fn bench_message(run_id: &str, seq: u64, when: When, due: u64, body_bytes: usize) -> Message {
+    let timing = match when {
+        When::After(ms) => ("x-delay".into(), Value::I64(ms as i64)),
+        When::At(epoch_ms) => ("x-deliver-at".into(), Value::I64(epoch_ms as i64)),
+    };
     Message {
         body: vec![b'x'; body_bytes],
         headers: FieldTable(vec![
-            ("x-delay".into(), Value::I64(delay as i64)),
+            timing,
             (RUN.into(), Value::LongString(run_id.as_bytes().to_vec())),
             (SEQ.into(), Value::I64(seq as i64)),
             (DUE.into(), Value::I64(due as i64)),

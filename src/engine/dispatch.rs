@@ -59,9 +59,6 @@ pub trait Dispatch: Send + Sync + 'static {
 /// Pops at most this many per lock hold, so producers are not starved.
 const BATCH: usize = 256;
 
-/// Most entries one pop takes to finish a group of equal deadlines.
-const MAX_GROUP: usize = 16 * BATCH;
-
 pub(crate) async fn run(
     inner: Arc<Inner>,
     dispatch: Arc<dyn Dispatch>,
@@ -138,7 +135,7 @@ impl Dispatcher {
     fn take_due(&self, now: u64, batch: &mut Vec<Expired<Slot>>) -> Option<u64> {
         let mut state = self.inner.state();
         let room = self.permits.available_permits() + 1;
-        state.pop_due(now, room.min(BATCH), MAX_GROUP, batch);
+        state.pop_due(now, room.min(BATCH), batch);
         state.hold_blocked(now, batch);
         let probes = batch.len();
         state.take_probes(now, batch);

@@ -337,42 +337,36 @@ impl State {
     /// Move due entries from the wheel (and from the held set) into `out`. An
     /// entry whose deadline is ahead of the wall clock (the clock stepped back
     /// after the wheel advanced) is held until the clock reaches it. A batch
-    /// that ends inside a group of equal deadlines takes up to `max_group`
-    /// entries to finish it.
-    pub fn pop_due(
-        &mut self,
-        now: u64,
-        max: usize,
-        max_group: usize,
-        out: &mut Vec<Expired<Slot>>,
-    ) {
-        while let Some((&(deadline, id), _)) = self.held.iter().next() {
-            if deadline > now || out.len() >= max {
-                break;
-            }
-            if let Some(slot) = self.unhold(deadline, id) {
-                out.push(Expired {
-                    id,
-                    deadline,
-                    data: slot,
-                });
-            }
-        }
+    /// that ends inside a group of equal deadlines moves the whole group to
+    /// the held set, which yields it in id order over the next batches.
+    pub fn pop_due(&mut self, now: u64, max: usize, out: &mut Vec<Expired<Slot>>) {
+        self.unhold_due(now, max, out);
         let start = out.len();
         self.wheel.poll_expired(now, max - out.len(), out);
         // The wheel gives equal deadlines in the order they were armed, which
-        // is not quite id order (appends complete concurrently). A batch that
-        // stopped inside a group of equal deadlines takes the rest of the group
-        // (up to a cap), so the sort below orders the whole group by id.
+        // is not quite id order (appends complete concurrently).
         if out.len() == max {
             if let Some(last) = out.last().map(|e| e.deadline) {
-                while out.len() < max_group {
-                    if self.wheel.poll_expired(now, 1, out) == 0 {
-                        break;
+                let mut rest = Vec::new();
+                while self.wheel.poll_expired(now, 1, &mut rest) == 1
+                    && rest.last().is_some_and(|e| e.deadline == last)
+                {}
+                if !rest.is_empty() {
+                    // The group goes on past this batch (a burst): all of
+                    // it, with what this batch took of it, is ordered by id
+                    // in the held set, and the batch is taken from there.
+                    let mut i = start;
+                    while i < out.len() {
+                        if out[i].deadline == last {
+                            rest.push(out.remove(i));
+                        } else {
+                            i += 1;
+                        }
                     }
-                    if out.last().is_some_and(|e| e.deadline != last) {
-                        break;
+                    for e in rest {
+                        self.hold(e.deadline, e.id, e.data);
                     }
+                    self.unhold_due(now, max, out);
                 }
             }
         }
@@ -388,6 +382,23 @@ impl State {
         // Messages due in the same millisecond go out in id (= WAL append =
         // consumption) order, whatever order their appends completed in.
         out.sort_by_key(|e| (e.deadline, e.id));
+    }
+
+    /// Move held entries due by `now` into `out`, in (deadline, id) order,
+    /// until it holds `max`.
+    fn unhold_due(&mut self, now: u64, max: usize, out: &mut Vec<Expired<Slot>>) {
+        while let Some((&(deadline, id), _)) = self.held.iter().next() {
+            if deadline > now || out.len() >= max {
+                break;
+            }
+            if let Some(slot) = self.unhold(deadline, id) {
+                out.push(Expired {
+                    id,
+                    deadline,
+                    data: slot,
+                });
+            }
+        }
     }
 
     /// The message's current WAL position and phase, wherever it is.

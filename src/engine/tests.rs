@@ -1063,11 +1063,23 @@ async fn an_unreachable_target_holds_its_route_in_due_order_and_not_the_others()
 
 #[tokio::test]
 async fn equal_deadlines_fire_in_id_order_whatever_order_they_were_armed_in() {
+    fire_in_id_order_when_armed_out_of_order(600, 300).await;
+}
+
+/// A burst: more messages due in one millisecond than the dispatcher takes
+/// in one batch and its group (16 batches). The group's later batches used
+/// to come in arming order.
+#[tokio::test]
+async fn a_burst_larger_than_a_batch_group_fires_in_id_order() {
+    fire_in_id_order_when_armed_out_of_order(10_000, 3000).await;
+}
+
+async fn fire_in_id_order_when_armed_out_of_order(count: u32, margin_ms: u64) {
     let dir = tempfile::tempdir().unwrap();
     let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
-    let due = now() + 300;
+    let due = now() + margin_ms;
     let mut appended = Vec::new();
-    for i in 0..600u32 {
+    for i in 0..count {
         let (route, _, rx) = engine
             .queue_schedule("r", due, MessageId::mint(), i.to_le_bytes().to_vec())
             .unwrap();
@@ -1097,8 +1109,9 @@ async fn equal_deadlines_fire_in_id_order_whatever_order_they_were_armed_in() {
         let dispatch: Arc<dyn Dispatch> = collector;
         tokio::spawn(async move { engine.run(dispatch, shutdown, Duration::from_secs(5)).await })
     };
+    assert!(now() < due, "arming took longer than the margin");
     let mut ids = Vec::new();
-    while ids.len() < 600 {
+    while ids.len() < count as usize {
         let f = tokio::time::timeout(Duration::from_secs(10), rx.recv())
             .await
             .expect("fired")

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# A burst (a benchmark, not a test; issue #29): COUNT messages all due in
+# the same instant, through delayd on RabbitMQ, beside the broker's own
+# publish-with-confirms rate measured alone in the same run.
+#
+#   bash scripts/bench-burst.sh                  # 200,000 messages, 3 runs
+#   COUNT=1000000 RATE=25000 RUNS=1 bash scripts/bench-burst.sh
+#
+# Each run:
+#   1. the floor: `delayd bench --publish-only` publishes COUNT messages
+#      with confirms to an exchange with a bound queue (no delayd, no
+#      consumer; the queue is purged after): the rate the broker takes
+#      publishes at, alone;
+#   2. delayd (release build, config/examples/bench.toml, an empty WAL)
+#      takes COUNT messages in at RATE, every one with the same
+#      `x-deliver-at` (`delayd bench --burst`), and releases them when that
+#      instant comes: the report's delivery rate is the release rate,
+#      `out_of_order` counts messages that overtook an earlier one (equal
+#      due times leave in arrival order).
+# One line per run: intake rate, release rate, release / floor, lost,
+# early, duplicates, out of order, the last message's lateness, delayd's RSS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+count="${COUNT:-200000}"
+rate="${RATE:-25000}"
+runs="${RUNS:-3}"
+
+bash scripts/rabbitmq.sh >/dev/null
+bash scripts/build-deps.sh
+cargo build --release --quiet
+delayd="$PWD/target/release/delayd"
+config="$PWD/config/examples/bench.toml"
+work="$(mktemp -d /var/tmp/delayd-bench-burst.XXXXXX)"
+pid=""
+cleanup() {
+    if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
+    if [ -n "${KEEP:-}" ]; then echo "kept $work" >&2; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+
+for run in $(seq 1 "$runs"); do
+    # 1. The broker alone: publishes with confirms into a bound queue.
+    floor=$("$delayd" bench --quiet --publish-only --exchange bench.out --queue burst.floor.q \
+        --bind-to bench.out --count "$count" --rate 1000000 --in-flight 1000 \
+        --delay-min 0 --delay-max 0 | sed -n 's/^published [0-9]* (\([0-9]*\) msg\/s).*/\1/p')
+    rabbitmqctl -q purge_queue burst.floor.q >/dev/null
+    # 2. Through delayd, all due at once.
+    rm -rf "$work/wal"
+    (cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \
+        exec "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
+    pid=$!
+    for _ in $(seq 1 150); do
+        curl -sf http://127.0.0.1:9464/readyz >/dev/null && break
+        sleep 0.2
+    done
+    report=$("$delayd" bench --quiet --json --burst --exchange bench.delayed --queue bench.q \
+        --bind-to bench.out --count "$count" --rate "$rate" --in-flight 1000 \
+        --delay-min 5000 --delay-max 5000 --drain-timeout 300s \
+        --metrics http://127.0.0.1:9464/metrics)
+    kill -TERM "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    pid=""
+    echo "$report" | jq -r --argjson floor "$floor" --arg run "$run" '
+        "run \($run): \(.published) in at \(.publish_rate | round) msg/s, released at "
+        + "\(.delivery_rate | round) msg/s, the broker alone \($floor | round) msg/s "
+        + "(\(.delivery_rate / $floor * 100 | round) %) | lost \(.lost) early \(.early) "
+        + "dup \(.duplicates) out of order \(.out_of_order) | last \(.lateness_max_ms) ms late"
+        + (if .delayd_resident_bytes then " | delayd \(.delayd_resident_bytes / 1e6 | round) MB" else "" end)'
+done
