@@ -383,6 +383,31 @@ const SEGMENT: &str = "wal-00000000000000000001.log";
 const FIRST: &[u8] = b"first message \x00\xff";
 const SECOND: &[u8] = b"second";
 
+/// The fixtures' first message, as replayed: WAL sequence `seq`, engine id
+/// `id`, identity `uid` (0 before identities existed).
+fn first(seq: u64, id: u64, uid: u128) -> Replayed {
+    Replayed::Schedule {
+        seq,
+        id,
+        due_ms: DUE_MS,
+        uid,
+        route: "orders".into(),
+        message: FIRST.to_vec(),
+    }
+}
+
+/// The fixtures' second message (another route, due a millisecond later).
+fn second(seq: u64, id: u64, uid: u128) -> Replayed {
+    Replayed::Schedule {
+        seq,
+        id,
+        due_ms: DUE_MS + 1,
+        uid,
+        route: "r2".into(),
+        message: SECOND.to_vec(),
+    }
+}
+
 #[test]
 fn wal_segment_version_1_fixture_replays() {
     let bytes = fixture("wal/v1.log");
@@ -390,22 +415,8 @@ fn wal_segment_version_1_fixture_replays() {
     assert_eq!(
         replay("wal/v1.log"),
         vec![
-            Replayed::Schedule {
-                seq: 1,
-                id: 1,
-                due_ms: DUE_MS,
-                uid: 0,
-                route: "orders".into(),
-                message: FIRST.to_vec(),
-            },
-            Replayed::Schedule {
-                seq: 2,
-                id: 2,
-                due_ms: DUE_MS + 1,
-                uid: 0,
-                route: "r2".into(),
-                message: SECOND.to_vec(),
-            },
+            first(1, 1, 0),
+            second(2, 2, 0),
             Replayed::Done {
                 seq: 3,
                 id: 1,
@@ -422,22 +433,8 @@ fn wal_segment_version_2_with_type_1_schedules_fixture_replays() {
     assert_eq!(
         replay("wal/v2-type1.log"),
         vec![
-            Replayed::Schedule {
-                seq: 1,
-                id: 1,
-                due_ms: DUE_MS,
-                uid: 0,
-                route: "orders".into(),
-                message: FIRST.to_vec(),
-            },
-            Replayed::Schedule {
-                seq: 2,
-                id: 2,
-                due_ms: DUE_MS + 1,
-                uid: 0,
-                route: "r2".into(),
-                message: SECOND.to_vec(),
-            },
+            first(1, 1, 0),
+            second(2, 2, 0),
             // seq 3: the first batch's Commit.
             Replayed::Done {
                 seq: 4,
@@ -455,23 +452,9 @@ fn wal_segment_version_2_fixture_replays() {
     assert_eq!(
         replay("wal/v2.log"),
         vec![
-            Replayed::Schedule {
-                seq: 1,
-                id: 1,
-                due_ms: DUE_MS,
-                uid: UID,
-                route: "orders".into(),
-                message: FIRST.to_vec(),
-            },
+            first(1, 1, UID),
             // Each append waited for its batch: a Commit after each.
-            Replayed::Schedule {
-                seq: 3,
-                id: 3,
-                due_ms: DUE_MS + 1,
-                uid: UID + 1,
-                route: "r2".into(),
-                message: SECOND.to_vec(),
-            },
+            second(3, 3, UID + 1),
             Replayed::Done {
                 seq: 5,
                 id: 1,
