@@ -93,6 +93,11 @@ fn append(wal: &Wal, m: &Expected) -> Result<Appended, WalError> {
         .map_err(|_| WalError::Stopped)?
 }
 
+/// [`check`] with nothing cancelled and nothing in flight.
+fn check_acked(live: &Live, acked: &BTreeMap<u64, Expected>, what: &str) {
+    check(live, acked, &BTreeSet::new(), &BTreeSet::new(), what);
+}
+
 /// Every acknowledged Schedule is live with its exact bytes, every
 /// acknowledged cancel stayed cancelled (but for messages whose fate was
 /// still open: `open_ids`), and whatever else is live is a message the
@@ -386,13 +391,7 @@ fn a_log_in_a_directory_it_created_survives_a_power_loss() {
     append_all(&wal, 0, 5, &mut acked);
     let fs = fs.power_loss(PowerLoss::DropUnsynced);
     let after = open(cfg(&fs, false)).expect("the directory survived");
-    check(
-        &after.live,
-        &acked,
-        &BTreeSet::new(),
-        &BTreeSet::new(),
-        "created dir",
-    );
+    check_acked(&after.live, &acked, "created dir");
 }
 
 /// The torn tail recovery cuts off stays cut: after a power loss (the cut
@@ -418,25 +417,13 @@ fn a_torn_tail_cut_at_recovery_stays_cut() {
     drop(wal);
     let first = open(cfg(&fs)).unwrap();
     assert_eq!(first.report.truncated_bytes, torn.len() as u64);
-    check(
-        &first.live,
-        &acked,
-        &BTreeSet::new(),
-        &BTreeSet::new(),
-        "first boot",
-    );
+    check_acked(&first.live, &acked, "first boot");
     append_all(&first.wal, 10, 20, &mut acked);
     let fs = fs.power_loss(PowerLoss::DropUnsynced);
     drop(first);
     let second = open(cfg(&fs)).unwrap_or_else(|e| panic!("the cut did not last: {e}"));
     assert_eq!(second.report.truncated_bytes, 0);
-    check(
-        &second.live,
-        &acked,
-        &BTreeSet::new(),
-        &BTreeSet::new(),
-        "second boot",
-    );
+    check_acked(&second.live, &acked, "second boot");
 }
 
 /// A write that fails half-way (a full disk) is cut back, and the cut is
@@ -461,21 +448,9 @@ fn a_failed_write_is_cut_back_for_good() {
     drop(wal);
     // A clean restart on the same disk: the segment is sealed now.
     let restarted = open(cfg(&fs)).unwrap();
-    check(
-        &restarted.live,
-        &acked,
-        &BTreeSet::new(),
-        &BTreeSet::new(),
-        "restart",
-    );
+    check_acked(&restarted.live, &acked, "restart");
     let fs = fs.power_loss(PowerLoss::DropUnsynced);
     drop(restarted);
     let after = open(cfg(&fs)).unwrap_or_else(|e| panic!("half a batch came back: {e}"));
-    check(
-        &after.live,
-        &acked,
-        &BTreeSet::new(),
-        &BTreeSet::new(),
-        "power loss",
-    );
+    check_acked(&after.live, &acked, "power loss");
 }
