@@ -531,9 +531,9 @@ pub(crate) fn summary(
         source: None,
         target: None,
     };
-    if let Ok(Record::Schedule {
+    if let Ok(Some(Record::Schedule {
         id, uid, message, ..
-    }) = engine.wal().read(info.pos)
+    })) = engine.record_of(info)
     {
         row.id = MessageId::or_legacy(uid, id).to_string();
         row.size = Some(message.len());

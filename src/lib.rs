@@ -18,6 +18,7 @@ pub mod bench;
 pub mod client;
 pub mod config;
 pub mod engine;
+pub mod far;
 pub mod finisher;
 pub mod healthcheck;
 pub mod id;

@@ -18,6 +18,7 @@ mod keys;
 mod pressure;
 mod state;
 mod summary;
+mod tier;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use dedup::fingerprint;
@@ -26,6 +27,7 @@ pub use keys::key_hash;
 pub use pressure::{Admission, Pressure};
 pub use state::Phase;
 pub use summary::DueSummary;
+pub use tier::FarSettings;
 
 use std::collections::BinaryHeap;
 use std::future::Future;
@@ -38,6 +40,7 @@ use std::time::Duration;
 use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
+use crate::far::{FarError, FarRecord};
 use crate::id::MessageId;
 use crate::wal::{
     Appended, Record, RecordRef, RecoveryReport, SpaceReport, Wal, WalConfig, WalError, WalPos,
@@ -77,6 +80,9 @@ pub struct EngineConfig {
     /// for cancel by key. The engine stores opaque bytes: the runtime says
     /// how to read a key out of them (default: no keys).
     pub key_of: KeyOf,
+    /// The far tier: messages due beyond its horizon wait on disk, not in
+    /// the wheel (`None`: every pending message is in the wheel).
+    pub far: Option<FarSettings>,
 }
 
 /// Reads the lookup key out of a stored message's bytes.
@@ -103,6 +109,7 @@ impl EngineConfig {
             max_pending: 0,
             max_disk: 0,
             key_of: no_key,
+            far: None,
         }
     }
 }
@@ -111,6 +118,8 @@ impl EngineConfig {
 pub enum EngineError {
     #[error(transparent)]
     Wal(#[from] WalError),
+    #[error(transparent)]
+    Far(#[from] FarError),
     #[error("the WAL writer went away")]
     WriterGone,
     #[error("too many routes (at most 65536)")]
@@ -143,10 +152,11 @@ pub type CancelHook = Arc<
         + Sync,
 >;
 
-/// A message taken out of the wheel, its Done queued.
+/// A message taken out of the wheel, its Done queued (or out of the far
+/// tier, its cancel already durable there).
 struct Retired {
     id: u64,
-    done: AppendReceiver,
+    done: Option<AppendReceiver>,
     route: Arc<str>,
     /// Its stored bytes, when they could be read.
     message: Option<Vec<u8>>,
@@ -157,7 +167,9 @@ impl Retired {
     /// engine's cancel hook and wait for its store write: a cancel is
     /// acknowledged only once it is durable everywhere the message is kept.
     async fn settle(self, cancel_hook: Option<&CancelHook>) -> Result<(), EngineError> {
-        self.done.await.map_err(|_| EngineError::WriterGone)??;
+        if let Some(done) = self.done {
+            done.await.map_err(|_| EngineError::WriterGone)??;
+        }
         if let (Some(hook), Some(message)) = (cancel_hook, &self.message) {
             hook(&self.route, self.id, message)
                 .await
@@ -235,7 +247,25 @@ pub struct PendingInfo {
     pub due_ms: u64,
     pub phase: Phase,
     #[serde(skip)]
-    pub pos: WalPos,
+    pub at: Location,
+}
+
+/// Where a pending message's record is.
+#[derive(Debug, Clone)]
+pub enum Location {
+    Wal(WalPos),
+    /// In the far tier: the record as read from its bucket.
+    Far(Arc<FarRecord>),
+}
+
+impl Location {
+    /// Its WAL position, if it is in the WAL.
+    pub fn wal(&self) -> Option<WalPos> {
+        match self {
+            Location::Wal(pos) => Some(*pos),
+            Location::Far(_) => None,
+        }
+    }
 }
 
 /// Filter and page for [`Engine::list`]. Results are ordered by (due, id);
@@ -264,10 +294,43 @@ struct Page<'q> {
     route: Option<u16>,
     limit: usize,
     /// A bounded max-heap: the largest kept key is on top.
-    heap: BinaryHeap<(u64, u64, Slot, Phase)>,
+    heap: BinaryHeap<PageItem>,
     /// Ids in `heap`: a message seen waiting and then publishing (it fired
     /// mid-walk) is kept once.
     ids: std::collections::HashSet<u64>,
+}
+
+/// A listed message: ordered by (due, id) alone.
+struct PageItem {
+    due: u64,
+    id: u64,
+    phase: Phase,
+    src: PageSrc,
+}
+
+enum PageSrc {
+    Wheel(Slot),
+    Far(Arc<FarRecord>),
+}
+
+impl PartialEq for PageItem {
+    fn eq(&self, other: &Self) -> bool {
+        (self.due, self.id) == (other.due, other.id)
+    }
+}
+
+impl Eq for PageItem {}
+
+impl PartialOrd for PageItem {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for PageItem {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.due, self.id).cmp(&(other.due, other.id))
+    }
 }
 
 impl<'q> Page<'q> {
@@ -284,6 +347,36 @@ impl<'q> Page<'q> {
     /// Consider one message; false once `(due, id)` is past everything the
     /// page can still take (so an ordered source can stop).
     fn offer(&mut self, id: u64, due: u64, slot: Slot, phase: Phase) -> bool {
+        let wanted = self.route.is_none_or(|r| r == slot.route);
+        self.offer_item(
+            wanted,
+            PageItem {
+                due,
+                id,
+                phase,
+                src: PageSrc::Wheel(slot),
+            },
+        )
+    }
+
+    /// [`Page::offer`] for a message in the far tier.
+    fn offer_far(&mut self, record: FarRecord) -> bool {
+        let wanted = self
+            .query
+            .route
+            .as_deref()
+            .is_none_or(|r| r == record.route);
+        let item = PageItem {
+            due: record.due_ms,
+            id: record.id,
+            phase: Phase::Waiting,
+            src: PageSrc::Far(Arc::new(record)),
+        };
+        self.offer_item(wanted, item)
+    }
+
+    fn offer_item(&mut self, wanted: bool, item: PageItem) -> bool {
+        let (due, id) = (item.due, item.id);
         let q = self.query;
         if q.due_from.is_some_and(|f| due < f)
             || q.due_to.is_some_and(|t| due > t)
@@ -296,32 +389,46 @@ impl<'q> Page<'q> {
             && self
                 .heap
                 .peek()
-                .is_some_and(|top| (due, id) >= (top.0, top.1))
+                .is_some_and(|top| (due, id) >= (top.due, top.id))
         {
             return false;
         }
-        if self.route.is_some_and(|r| r != slot.route) || !self.ids.insert(id) {
+        if !wanted || !self.ids.insert(id) {
             return true;
         }
         if full {
             if let Some(top) = self.heap.pop() {
-                self.ids.remove(&top.1);
+                self.ids.remove(&top.id);
             }
         }
-        self.heap.push((due, id, slot, phase));
+        self.heap.push(item);
         true
     }
 
+    /// Is the page full with nothing due after `due`? (Then a source
+    /// ordered by due can be skipped from `due` on.)
+    fn closed_before(&self, due: u64) -> bool {
+        self.heap.len() >= self.limit && self.heap.peek().is_some_and(|top| top.due < due)
+    }
+
     fn finish(self, state: &State) -> Vec<PendingInfo> {
-        let mut rows: Vec<(u64, u64, Slot, Phase)> = self.heap.into_vec();
-        rows.sort_by_key(|r| (r.0, r.1));
+        let mut rows = self.heap.into_vec();
+        rows.sort();
         rows.into_iter()
-            .map(|(due, id, slot, phase)| PendingInfo {
-                id,
-                route: state.route_name(slot.route),
-                due_ms: due,
-                phase,
-                pos: slot.pos,
+            .map(|item| {
+                let (route, at) = match item.src {
+                    PageSrc::Wheel(slot) => (state.route_name(slot.route), Location::Wal(slot.pos)),
+                    PageSrc::Far(record) => {
+                        (Arc::from(record.route.as_str()), Location::Far(record))
+                    }
+                };
+                PendingInfo {
+                    id: item.id,
+                    route,
+                    due_ms: item.due,
+                    phase: item.phase,
+                    at,
+                }
             })
             .collect()
     }
@@ -356,6 +463,8 @@ pub(crate) struct Inner {
     missing_dones: Mutex<Vec<(u64, u64)>>,
     /// See [`Engine::on_cancel`].
     cancel_hook: std::sync::OnceLock<CancelHook>,
+    /// The far tier, when configured (see `tier`).
+    far: Option<tier::Tier>,
     /// Tests only: where the dispatcher waits once, after planning an idle
     /// round and before sleeping (see `dispatch::Dispatcher::run`).
     #[cfg(test)]
@@ -468,6 +577,14 @@ impl Engine {
         // Done records removed messages without naming their key.
         state.sweep_keys();
         wal.set_live_counts(state.armed_positions());
+        let far = match &config.far {
+            Some(settings) => {
+                let tier = tier::Tier::open(settings, &config.wal, now)?;
+                tier.adopt(&mut state)?;
+                Some(tier)
+            }
+            None => None,
+        };
         let engine = Engine {
             inner: Arc::new(Inner {
                 config,
@@ -481,6 +598,7 @@ impl Engine {
                 compacting: tokio::sync::Mutex::new(()),
                 missing_dones: Mutex::new(missing_dones),
                 cancel_hook: std::sync::OnceLock::new(),
+                far,
                 #[cfg(test)]
                 idle_gate: StdMutex::new(None),
             }),
@@ -523,6 +641,7 @@ impl Engine {
         uid: MessageId,
         message: Vec<u8>,
     ) -> impl Future<Output = Result<(u64, WalPos), EngineError>> + Send + 'static {
+        let spills = self.inner.far.as_ref().is_some_and(|t| t.spills(route));
         let queued = self.queue_schedule(route, due_ms, uid, message);
         let engine = self.clone();
         async move {
@@ -535,6 +654,9 @@ impl Engine {
             {
                 let mut state = engine.state();
                 state.arm(appended.id, due_ms, slot);
+                if spills {
+                    state.note_far_candidate(appended.id, due_ms);
+                }
 
                 if let Some(hash) = key {
                     state.index_key(hash, appended.id);
@@ -719,12 +841,7 @@ impl Engine {
     /// Resolves once its Done record is durable, so a crash right after
     /// cannot bring it back.
     pub async fn cancel(&self, id: u64) -> Result<bool, EngineError> {
-        let engine = self.clone();
-        // Reads the stored record (key index): blocking file I/O.
-        let queued = tokio::task::spawn_blocking(move || engine.cancel_queued(id))
-            .await
-            .map_err(|_| EngineError::WriterGone)??;
-        let Some(retired) = queued else {
+        let Some(retired) = self.retire(id, "cancelled").await? else {
             return Ok(false);
         };
         retired.settle(self.inner.cancel_hook.get()).await?;
@@ -734,11 +851,7 @@ impl Engine {
     /// Take a message out for good because it was handed to another
     /// instance (its copy is safe in the broker): Done, as for a cancel.
     pub async fn retire_handed_off(&self, id: u64) -> Result<bool, EngineError> {
-        let engine = self.clone();
-        let queued = tokio::task::spawn_blocking(move || engine.retire_queued(id, "handed_off"))
-            .await
-            .map_err(|_| EngineError::WriterGone)??;
-        let Some(retired) = queued else {
+        let Some(retired) = self.retire(id, "handed_off").await? else {
             return Ok(false);
         };
         retired.settle(None).await?;
@@ -751,10 +864,7 @@ impl Engine {
     /// restored copy is stored again. `Ok(false)` if unknown; in flight, it
     /// fires (the new owner may fire it too: a counted duplicate).
     pub async fn release(&self, id: u64) -> Result<bool, EngineError> {
-        let engine = self.clone();
-        let queued = tokio::task::spawn_blocking(move || engine.retire_queued(id, "released"))
-            .await
-            .map_err(|_| EngineError::WriterGone)?;
+        let queued = self.retire(id, "released").await;
         self.state().unconfirmed.remove(id);
         let retired = match queued {
             Ok(Some(retired)) => retired,
@@ -767,8 +877,13 @@ impl Engine {
 
     /// Every message waiting to fire (not those being published), in (due,
     /// id) order. The wheel is walked a chunk per lock hold.
+    ///
+    /// Far messages are included, read from their buckets: all of them in
+    /// memory at once (a hand-off or a switch of store takes everything).
     pub fn waiting(&self) -> Vec<PendingInfo> {
         let mut out = Vec::new();
+        // Held throughout: nothing moves between the tiers meanwhile.
+        let far = self.inner.far.as_ref().map(|t| t.store());
         let mut from = Some(0);
         while let Some(start) = from {
             let state = self.state();
@@ -778,7 +893,7 @@ impl Engine {
                     route: state.route_name(e.data.route),
                     due_ms: e.deadline,
                     phase: Phase::Waiting,
-                    pos: e.data.pos,
+                    at: Location::Wal(e.data.pos),
                 });
             });
             drop(state);
@@ -793,10 +908,20 @@ impl Engine {
                 route: state.route_name(slot.route),
                 due_ms: due,
                 phase: Phase::Waiting,
-                pos: slot.pos,
+                at: Location::Wal(slot.pos),
             });
         }
         drop(state);
+        if let Some(store) = far {
+            for bucket in store.buckets_from(0) {
+                match store.read_bucket(bucket, self.inner.config.key_of) {
+                    Ok(read) => out.extend(read.live.into_iter().map(far_info)),
+                    Err(e) => {
+                        tracing::error!(bucket, error = %e, "cannot read a far bucket; its messages are not listed")
+                    }
+                }
+            }
+        }
         out.sort_by_key(|p| (p.due_ms, p.id));
         out.dedup_by_key(|p| p.id);
         out
@@ -804,6 +929,57 @@ impl Engine {
 
     fn cancel_queued(&self, id: u64) -> Result<Option<Retired>, EngineError> {
         self.retire_queued(id, "cancelled")
+    }
+
+    /// Take `id` out wherever it waits: the wheel (its Done queued), else
+    /// the far tier (its cancel durable there). Counted in
+    /// `delayd_{why}_total`.
+    async fn retire(&self, id: u64, why: &'static str) -> Result<Option<Retired>, EngineError> {
+        let engine = self.clone();
+        let near = tokio::task::spawn_blocking(move || engine.retire_queued(id, why))
+            .await
+            .map_err(|_| EngineError::WriterGone)??;
+        if near.is_some() || self.inner.far.is_none() {
+            return Ok(near);
+        }
+        // Nothing moves between the tiers until both were looked at again.
+        let _op = match self.inner.far.as_ref() {
+            Some(tier) => Some(tier.exclusive().await),
+            None => None,
+        };
+        let engine = self.clone();
+        // Reads the stored record (key index): blocking file I/O.
+        tokio::task::spawn_blocking(move || {
+            if let Some(retired) = engine.retire_queued(id, why)? {
+                return Ok(Some(retired));
+            }
+            let Some(record) = tier::cancel(&engine.inner, id)? else {
+                return Ok(None);
+            };
+            metrics::counter!(format!("delayd_{why}_total"), "route" => record.route.clone())
+                .increment(1);
+            Ok(Some(Retired {
+                id,
+                done: None,
+                route: Arc::from(record.route.as_str()),
+                message: Some(record.message),
+            }))
+        })
+        .await
+        .map_err(|_| EngineError::WriterGone)?
+    }
+
+    /// The stored record a listing or [`Engine::waiting`] pointed at: read
+    /// from the WAL (`None` if it moved or left meanwhile), or the far
+    /// tier's copy.
+    pub fn record_of(&self, info: &PendingInfo) -> Result<Option<Record>, EngineError> {
+        match &info.at {
+            Location::Wal(pos) => match self.inner.wal.read(*pos)? {
+                r @ Record::Schedule { id, .. } if id == info.id => Ok(Some(r)),
+                _ => Ok(None),
+            },
+            Location::Far(r) => Ok(Some(far_record(r))),
+        }
     }
 
     /// Disarm `id` and queue its Done, counting it in `delayd_{why}_total`.
@@ -829,7 +1005,7 @@ impl Engine {
         metrics::counter!(format!("delayd_{why}_total"), "route" => route.to_string()).increment(1);
         Ok(Some(Retired {
             id,
-            done,
+            done: Some(done),
             route,
             message: stored.map(|(_, m)| m),
         }))
@@ -873,9 +1049,15 @@ impl Engine {
     /// error. If every match is already being published, that is
     /// [`EngineError::InFlight`].
     pub async fn cancel_by_key(&self, route: &str, key: &[u8]) -> Result<Vec<u64>, EngineError> {
+        let _op = match self.inner.far.as_ref() {
+            Some(tier) => Some(tier.exclusive().await),
+            None => None,
+        };
         let engine = self.clone();
         let (route, key) = (route.to_owned(), key.to_vec());
         let queued = tokio::task::spawn_blocking(move || {
+            // Far messages stored before now obey it as their bucket loads.
+            tier::tombstone(&engine.inner, &route, &key)?;
             let mut queued = Vec::new();
             let mut in_flight = None;
             for id in engine.find_by_key(&route, &key)? {
@@ -919,30 +1101,46 @@ impl Engine {
     /// legacy id is the id itself; any other is looked for by reading every
     /// pending record (an admin lookup: no index costs RAM per message).
     pub fn find_by_uid(&self, uid: MessageId) -> Result<Option<u64>, EngineError> {
+        // Held throughout: nothing moves between the tiers meanwhile.
+        let far = self.inner.far.as_ref().map(|t| (t, t.store()));
+        let key_of = self.inner.config.key_of;
         if uid.is_legacy() {
             let id = uid.as_u128() as u64;
-            return Ok(self.is_pending(id).then_some(id));
+            if self.is_pending(id) {
+                return Ok(Some(id));
+            }
+            return match &far {
+                Some((tier, store)) => Ok(tier.find_id(store, id, key_of)?.map(|(_, r)| r.id)),
+                None => Ok(None),
+            };
         }
-        let all = self.list(&ListQuery {
+        let everything = ListQuery {
             limit: usize::MAX,
             ..ListQuery::default()
-        });
+        };
+        let mut page = Page::new(&everything, None);
+        self.offer_near(&mut page);
+        let all = page.finish(&self.state());
         for info in all {
-            match self.inner.wal.read(info.pos) {
-                Ok(Record::Schedule {
+            match self.record_of(&info) {
+                Ok(Some(Record::Schedule {
                     id, uid: stored, ..
-                }) if id == info.id && MessageId::or_legacy(stored, id) == uid => {
+                })) if MessageId::or_legacy(stored, id) == uid => {
                     return Ok(Some(id));
                 }
                 // Fired or moved by compaction meanwhile: not this one.
                 _ => {}
             }
         }
-        Ok(None)
+        match &far {
+            Some((tier, store)) => tier.find_uid(store, uid, key_of),
+            None => Ok(None),
+        }
     }
 
     /// The stored record of a pending message: (route, due, encoded message).
     pub fn read(&self, id: u64) -> Result<Option<(PendingInfo, Record)>, EngineError> {
+        let far = self.inner.far.as_ref().map(|t| (t, t.store()));
         let found = {
             let state = self.state();
             state.locate(id).map(|(slot, deadline, phase)| PendingInfo {
@@ -950,14 +1148,24 @@ impl Engine {
                 route: state.route_name(slot.route),
                 due_ms: deadline,
                 phase,
-                pos: slot.pos,
+                at: Location::Wal(slot.pos),
             })
         };
-        let Some(info) = found else {
+        if let Some(info) = found {
+            let Location::Wal(pos) = info.at else {
+                unreachable!("located in the wheel")
+            };
+            let record = self.inner.wal.read(pos)?;
+            return Ok(Some((info, record)));
+        }
+        let Some((tier, store)) = far else {
             return Ok(None);
         };
-        let record = self.inner.wal.read(info.pos)?;
-        Ok(Some((info, record)))
+        let Some((_, record)) = tier.find_id(&store, id, self.inner.config.key_of)? else {
+            return Ok(None);
+        };
+        let full = far_record(&record);
+        Ok(Some((far_info(record), full)))
     }
 
     /// Pending messages in (due, id) order after `query.after`, at most
@@ -974,7 +1182,44 @@ impl Engine {
             },
             None => None,
         };
+        // Held throughout: nothing moves between the tiers meanwhile.
+        let far = self.inner.far.as_ref().map(|t| (t, t.store()));
         let mut page = Page::new(query, route);
+        self.offer_near(&mut page);
+        if let Some((tier, store)) = &far {
+            let lower = query
+                .after
+                .map_or(0, |a| a.0)
+                .max(query.due_from.unwrap_or(0));
+            'buckets: for bucket in store.buckets_from(lower) {
+                if page.closed_before(bucket) || query.due_to.is_some_and(|t| bucket > t) {
+                    break;
+                }
+                let read = match store.read_bucket(bucket, self.inner.config.key_of) {
+                    Ok(read) => read,
+                    Err(e) => {
+                        tracing::error!(bucket, error = %e, "cannot read a far bucket; its messages are not listed");
+                        continue;
+                    }
+                };
+                for record in read.live {
+                    if query.due_to.is_some_and(|t| record.due_ms > t) {
+                        break 'buckets;
+                    }
+                    tier.hint(record.id, bucket);
+                    if !page.offer_far(record) {
+                        break 'buckets;
+                    }
+                }
+            }
+        }
+        page.finish(&self.state())
+    }
+
+    /// Offer `page` every message in the wheel, the side sets and in flight.
+    fn offer_near(&self, page: &mut Page<'_>) {
+        let query = page.query;
+        let route = page.route;
         let mut from = Some(0);
         while let Some(start) = from {
             let state = self.state();
@@ -1000,7 +1245,6 @@ impl Engine {
         for (id, f) in state.flights() {
             page.offer(id, f.deadline, f.slot, Phase::Publishing);
         }
-        page.finish(&state)
     }
 
     /// Pending messages per route, O(routes).
@@ -1025,8 +1269,10 @@ impl Engine {
         grace: Duration,
     ) {
         let gc = tokio::spawn(compact::run(self.inner.clone(), shutdown.clone()));
+        let far = tokio::spawn(tier::run(self.inner.clone(), shutdown.clone()));
         dispatch::run(self.inner.clone(), dispatch, shutdown, grace).await;
         let _ = gc.await;
+        let _ = far.await;
     }
 
     /// Make the dispatcher look at the clock again (after a clock change).
@@ -1041,6 +1287,17 @@ impl Engine {
             .await
             .map_err(|_| EngineError::WriterGone)??;
         Ok(())
+    }
+
+    /// One round of the far tier: spill, then load what the horizon
+    /// reached (also run periodically by `run`).
+    pub async fn far_round(&self) -> Result<(), EngineError> {
+        tier::round(&self.inner).await
+    }
+
+    /// Messages in the far tier.
+    pub fn far_pending(&self) -> u64 {
+        self.state().far_pending()
     }
 
     /// One round of segment GC and compaction (also run periodically by `run`).
@@ -1074,8 +1331,40 @@ impl Inner {
         metrics::gauge!("delayd_wal_bytes").set(space.bytes as f64);
         metrics::gauge!("delayd_wal_live_bytes").set(space.live_bytes as f64);
         metrics::gauge!("delayd_wal_segments").set(space.segments as f64);
+        tier::publish_gauges(self);
+    }
+
+    /// Bytes on disk: the WAL's and the far tier's (for `max_disk`).
+    fn disk_bytes(&self) -> u64 {
+        let far = self.far.as_ref().map_or(0, |t| t.store().bytes());
+        self.wal.space().bytes + far
+    }
+}
+
+/// A far record as a listing shows it.
+fn far_info(record: FarRecord) -> PendingInfo {
+    PendingInfo {
+        id: record.id,
+        route: Arc::from(record.route.as_str()),
+        due_ms: record.due_ms,
+        phase: Phase::Waiting,
+        at: Location::Far(Arc::new(record)),
+    }
+}
+
+/// A far record as the WAL would give it back.
+fn far_record(r: &FarRecord) -> Record {
+    Record::Schedule {
+        seq: r.id,
+        id: r.id,
+        due_ms: r.due_ms,
+        uid: r.uid,
+        route: r.route.clone(),
+        message: r.message.clone(),
     }
 }
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tier_tests;

@@ -55,7 +55,7 @@ impl Engine {
     /// Room to store one more delivery, or the limit that is reached.
     pub fn admit(&self) -> Result<Admission, Pressure> {
         let max_disk = self.inner.config.max_disk;
-        if max_disk > 0 && self.inner.wal.space().bytes >= max_disk {
+        if max_disk > 0 && self.inner.disk_bytes() >= max_disk {
             return Err(Pressure::MaxDisk);
         }
         let max_pending = self.inner.config.max_pending;
@@ -74,7 +74,7 @@ impl Engine {
             return Some(Pressure::MaxPending);
         }
         let max_disk = self.inner.config.max_disk;
-        if max_disk > 0 && self.inner.wal.space().bytes >= max_disk {
+        if max_disk > 0 && self.inner.disk_bytes() >= max_disk {
             return Some(Pressure::MaxDisk);
         }
         None
@@ -88,7 +88,7 @@ impl Engine {
             return false;
         }
         let max_disk = self.inner.config.max_disk;
-        !(max_disk > 0 && self.inner.wal.space().bytes > low(max_disk))
+        !(max_disk > 0 && self.inner.disk_bytes() > low(max_disk))
     }
 
     /// The configured limits (0 = none): (max_pending, max_disk).

@@ -84,6 +84,15 @@ pub struct State {
     /// Routes whose target is unreachable, and where each waiting id is.
     blocked: HashMap<u16, Blocked>,
     blocked_ids: HashMap<u64, (u16, u64)>,
+    /// Messages due at or after this belong in the far tier (`u64::MAX`:
+    /// there is none).
+    far_from: u64,
+    /// Ids armed at or past `far_from` since the last spill.
+    far_candidates: Vec<u64>,
+    /// Messages in the far tier, per route.
+    far_counts: Vec<u64>,
+    /// The largest id ever armed (a cancel by key covers every id up to it).
+    max_id: u64,
 }
 
 impl State {
@@ -103,6 +112,10 @@ impl State {
             reserved: 0,
             blocked: HashMap::new(),
             blocked_ids: HashMap::new(),
+            far_from: u64::MAX,
+            far_candidates: Vec::new(),
+            far_counts: Vec::new(),
+            max_id: 0,
         }
     }
 
@@ -116,6 +129,7 @@ impl State {
         self.routes.push(name.clone());
         self.route_index.insert(name, i);
         self.counts.push(0);
+        self.far_counts.push(0);
         Some(i)
     }
 
@@ -134,12 +148,98 @@ impl State {
         self.routes
             .iter()
             .cloned()
-            .zip(self.counts.iter().copied())
+            .zip(self.counts.iter().zip(&self.far_counts).map(|(a, b)| a + b))
             .collect()
     }
 
     pub fn pending(&self) -> u64 {
-        self.counts.iter().sum()
+        self.counts.iter().sum::<u64>() + self.far_counts.iter().sum::<u64>()
+    }
+
+    /// Messages in the far tier (all routes).
+    pub fn far_pending(&self) -> u64 {
+        self.far_counts.iter().sum()
+    }
+
+    pub fn max_id(&self) -> u64 {
+        self.max_id
+    }
+
+    pub fn far_from(&self) -> u64 {
+        self.far_from
+    }
+
+    pub fn set_far_from(&mut self, far_from: u64) {
+        self.far_from = far_from;
+    }
+
+    /// Count `n` messages of `route` into (`n > 0`) or out of the far tier.
+    pub fn add_far(&mut self, route: u16, n: i64) {
+        let c = &mut self.far_counts[route as usize];
+        *c = c.saturating_add_signed(n);
+    }
+
+    /// `id` was just armed for `deadline`: a spill candidate if that is at
+    /// or past the far tier's frontier.
+    pub fn note_far_candidate(&mut self, id: u64, deadline: u64) {
+        if deadline >= self.far_from {
+            self.far_candidates.push(id);
+        }
+    }
+
+    /// Take every candidate still waiting in the wheel at or past the
+    /// frontier out of it, counting it as far. What a spill writes.
+    pub fn take_spillable(&mut self) -> Vec<Expired<Slot>> {
+        let ids = std::mem::take(&mut self.far_candidates);
+        let mut out = Vec::new();
+        for id in ids {
+            let Some(e) = self.wheel.get(id) else {
+                continue; // fired, cancelled, or spilled already
+            };
+            if e.deadline < self.far_from {
+                continue;
+            }
+            if let Some(e) = self.wheel.cancel(id) {
+                self.counts[e.data.route as usize] -= 1;
+                self.far_counts[e.data.route as usize] += 1;
+                self.attempts.remove(&id);
+                out.push(e);
+            }
+        }
+        out
+    }
+
+    /// A spill failed: its entries go back into the wheel as they were.
+    pub fn unspill(&mut self, entries: &[Expired<Slot>]) {
+        for e in entries {
+            self.far_counts[e.data.route as usize] -= 1;
+            if self.wheel.insert(e.id, e.deadline, e.data).is_ok() {
+                self.counts[e.data.route as usize] += 1;
+            }
+            self.far_candidates.push(e.id);
+        }
+    }
+
+    /// Candidates waiting in the wheel with a deadline in `[from, to)`,
+    /// taken out (a bucket being loaded re-arms them in (due, id) order
+    /// with its own records).
+    pub fn take_candidates_in(&mut self, from: u64, to: u64) -> Vec<Expired<Slot>> {
+        let mut out = Vec::new();
+        let mut kept = Vec::with_capacity(self.far_candidates.len());
+        for id in std::mem::take(&mut self.far_candidates) {
+            match self.wheel.get(id) {
+                Some(e) if e.deadline >= from && e.deadline < to => {
+                    if let Some(e) = self.wheel.cancel(id) {
+                        self.counts[e.data.route as usize] -= 1;
+                        out.push(e);
+                    }
+                }
+                Some(_) => kept.push(id),
+                None => {}
+            }
+        }
+        self.far_candidates = kept;
+        out
     }
 
     /// Pending messages plus deliveries admitted and still being stored.
@@ -201,6 +301,12 @@ impl State {
         held.chain(blocked)
     }
 
+    /// How many entries wait in the wheel itself.
+    #[cfg(test)]
+    pub fn wheel_len(&self) -> usize {
+        self.wheel.len()
+    }
+
     /// How many entries are held back from a clock that stepped back.
     #[cfg(test)]
     pub fn held_count(&self) -> usize {
@@ -211,6 +317,7 @@ impl State {
     /// Arm `id` (replacing an earlier arming of it, as a compaction copy
     /// replaces the original at recovery). Returns the replaced slot.
     pub fn arm(&mut self, id: u64, deadline: u64, slot: Slot) -> Option<Slot> {
+        self.max_id = self.max_id.max(id);
         let old = self.wheel.cancel(id);
         if let Some(old) = &old {
             self.counts[old.data.route as usize] -= 1;

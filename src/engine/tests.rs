@@ -35,15 +35,15 @@ impl Dispatch for Collector {
 
 use super::BoxFuture;
 
-struct Running {
-    engine: Engine,
+pub(super) struct Running {
+    pub(super) engine: Engine,
     rx: mpsc::UnboundedReceiver<Fired>,
     shutdown: CancellationToken,
     task: tokio::task::JoinHandle<()>,
     collector: Arc<Collector>,
 }
 
-fn config(dir: &std::path::Path) -> EngineConfig {
+pub(super) fn config(dir: &std::path::Path) -> EngineConfig {
     let mut wal = WalConfig::new(dir);
     wal.segment_bytes = 8 * 1024;
     EngineConfig {
@@ -55,7 +55,7 @@ fn config(dir: &std::path::Path) -> EngineConfig {
     }
 }
 
-fn start(config: EngineConfig, clock: Arc<dyn Clock>) -> Running {
+pub(super) fn start(config: EngineConfig, clock: Arc<dyn Clock>) -> Running {
     let (engine, _) = Engine::open(config, clock).unwrap();
     let (tx, rx) = mpsc::unbounded_channel();
     let collector = Arc::new(Collector {
@@ -79,7 +79,7 @@ fn start(config: EngineConfig, clock: Arc<dyn Clock>) -> Running {
 }
 
 impl Running {
-    async fn stop(self) {
+    pub(super) async fn stop(self) {
         self.shutdown.cancel();
         self.task.await.unwrap();
         self.engine.close().await.unwrap();
@@ -122,7 +122,15 @@ impl Running {
         }
     }
 
-    async fn recv(&mut self) -> Fired {
+    /// The next message handed over within `within`, if any.
+    pub(super) async fn recv_within(&mut self, within: Duration) -> Option<Fired> {
+        tokio::time::timeout(within, self.rx.recv())
+            .await
+            .ok()
+            .flatten()
+    }
+
+    pub(super) async fn recv(&mut self) -> Fired {
         tokio::time::timeout(Duration::from_secs(10), self.rx.recv())
             .await
             .expect("no message within 10 s")
@@ -179,7 +187,7 @@ async fn messages_no_longer_in_the_page_cache_fire_from_the_disk() {
             ..Default::default()
         })
         .into_iter()
-        .map(|info| info.pos)
+        .filter_map(|info| info.at.wal())
         .collect();
     assert_eq!(positions.len(), scheduled.len());
     if !crate::wal::evict_from_page_cache(dir.path()) {
@@ -560,7 +568,7 @@ async fn a_redelivery_arriving_while_its_original_is_written_is_recognised() {
     );
 }
 
-fn keyed(message_id: Option<&str>, kafka_key: Option<&[u8]>, body: &str) -> Vec<u8> {
+pub(super) fn keyed(message_id: Option<&str>, kafka_key: Option<&[u8]>, body: &str) -> Vec<u8> {
     let mut m = delayd_adapters::Message::with_body(body.as_bytes().to_vec());
     m.properties.message_id = message_id.map(str::to_owned);
     m.key = kafka_key.map(<[u8]>::to_vec);

@@ -104,8 +104,8 @@ fn start(
     brokers: &Brokers,
     info: PendingInfo,
 ) -> Option<impl std::future::Future<Output = bool> + Send + 'static> {
-    let record = match engine.read(info.id) {
-        Ok(Some((_, record))) => record,
+    let record = match engine.record_of(&info) {
+        Ok(Some(record)) => record,
         Ok(None) => return None,
         Err(e) => {
             tracing::warn!(id = info.id, error = %e, "cannot read a message to hand it off; it stays");

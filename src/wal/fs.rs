@@ -64,6 +64,8 @@ pub trait FileSystem: Send + Sync + Debug {
     fn open(&self, path: &Path) -> io::Result<Box<dyn WalFile>>;
     /// Open an existing file to cut it ([`WalFile::set_len`]).
     fn open_write(&self, path: &Path) -> io::Result<Box<dyn WalFile>>;
+    /// Open an existing file to append to and read from.
+    fn open_append(&self, path: &Path) -> io::Result<Box<dyn WalFile>>;
     fn remove_file(&self, path: &Path) -> io::Result<()>;
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// `fsync` the directory: names created, renamed or removed in it (and
@@ -156,6 +158,11 @@ impl FileSystem for StdFs {
 
     fn open_write(&self, path: &Path) -> io::Result<Box<dyn WalFile>> {
         Ok(Box::new(OpenOptions::new().write(true).open(path)?))
+    }
+
+    fn open_append(&self, path: &Path) -> io::Result<Box<dyn WalFile>> {
+        let file = OpenOptions::new().append(true).read(true).open(path)?;
+        Ok(Box::new(file))
     }
 
     fn remove_file(&self, path: &Path) -> io::Result<()> {

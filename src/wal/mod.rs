@@ -110,11 +110,11 @@
 //! whose live Schedule is such a copy, and none naming the copy's segment)
 //! and the engine writes the missing Done before it deletes anything.
 
-mod frame;
+pub(crate) mod frame;
 pub mod fs;
 mod halt;
 mod lock;
-mod reader;
+pub(crate) mod reader;
 mod recovery;
 mod segments;
 #[cfg(test)]

@@ -545,6 +545,10 @@ impl FileSystem for SimFs {
         }))
     }
 
+    fn open_append(&self, path: &Path) -> io::Result<Box<dyn WalFile>> {
+        self.open_write(path)
+    }
+
     fn remove_file(&self, path: &Path) -> io::Result<()> {
         let mut state = self.mutating()?;
         state.file(path)?;

@@ -124,15 +124,12 @@ impl KafkaStore {
         let stored = tokio::task::spawn_blocking(move || -> Result<_, EngineError> {
             let mut out = Vec::new();
             for info in engine.waiting().iter().filter(|i| *i.route == *route) {
-                if let Some((
-                    _,
-                    crate::wal::Record::Schedule {
-                        due_ms,
-                        uid,
-                        message,
-                        ..
-                    },
-                )) = engine.read(info.id)?
+                if let Some(crate::wal::Record::Schedule {
+                    due_ms,
+                    uid,
+                    message,
+                    ..
+                }) = engine.record_of(info)?
                 {
                     let uid = MessageId::or_legacy(uid, info.id);
                     out.push((info.id, due_ms, uid, message));

@@ -1,0 +1,472 @@
+//! The engine's side of the far tier (`crate::far`): spilling messages due
+//! past the frontier out of the wheel and the WAL, loading each bucket back
+//! as the horizon reaches it, and finding or cancelling a message there.
+//!
+//! Two locks. `ops` (async) serialises whole operations that move messages
+//! between the tiers or cancel them: a spill, a load, a cancel. `store`
+//! guards the files and is held, outside the state lock, wherever a
+//! message is in neither place it will end in: a reader holding it sees
+//! every message either in the wheel or on disk.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::far::{FarConfig, FarRecord, FarStore};
+use crate::id::MessageId;
+use crate::wal::{Record, WalConfig};
+use crate::wheel::Expired;
+
+use super::state::{Slot, State};
+use super::{key_hash, EngineError, Inner};
+
+/// `EngineConfig::far`: the far tier's settings.
+#[derive(Debug, Clone)]
+pub struct FarSettings {
+    /// Messages due further ahead than this wait on disk, not in the wheel;
+    /// also the width of a bucket.
+    pub horizon: Duration,
+    /// Routes whose messages always stay in the wheel (the broker-kept
+    /// store restores and releases them there).
+    pub near_only: HashSet<String>,
+}
+
+/// Bucket hints kept for cancels by id that follow a lookup.
+const MAX_HINTS: usize = 4096;
+
+pub(crate) struct Tier {
+    ops: tokio::sync::Mutex<()>,
+    store: Mutex<FarStore>,
+    horizon_ms: u64,
+    near_only: HashSet<String>,
+    /// Id -> bucket of far messages found lately (by a listing or a lookup
+    /// by uid), so that the cancel which follows reads one bucket.
+    hints: Mutex<HashMap<u64, u64>>,
+}
+
+impl Tier {
+    pub fn open(settings: &FarSettings, wal: &WalConfig, now: u64) -> Result<Tier, EngineError> {
+        let horizon_ms = (settings.horizon.as_millis() as u64).max(1);
+        let config = FarConfig {
+            dir: wal.dir.join("far"),
+            bucket_ms: horizon_ms,
+            max_frame_len: wal.max_frame_len(),
+            fs: wal.fs.clone(),
+        };
+        let reach = now.saturating_add(horizon_ms);
+        let frontier = reach - reach % horizon_ms + horizon_ms;
+        let store = FarStore::open(config, frontier)?;
+        Ok(Tier {
+            ops: tokio::sync::Mutex::new(()),
+            store: Mutex::new(store),
+            horizon_ms,
+            near_only: settings.near_only.clone(),
+            hints: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// May messages of `route` go to the far tier?
+    pub fn spills(&self, route: &str) -> bool {
+        !self.near_only.contains(route)
+    }
+
+    pub fn store(&self) -> MutexGuard<'_, FarStore> {
+        self.store.lock().expect("far store poisoned")
+    }
+
+    /// After the WAL's replay: count what the tier holds, set the frontier,
+    /// and make every armed message at or past it a spill candidate (those
+    /// a crash kept from being retired in the WAL, or written before the
+    /// tier existed).
+    pub fn adopt(&self, state: &mut State) -> Result<(), EngineError> {
+        let store = self.store();
+        for (route, n) in store.counts() {
+            let r = state.intern(&route).ok_or(EngineError::TooManyRoutes)?;
+            state.add_far(r, n as i64);
+        }
+        state.set_far_from(store.frontier());
+        let mut found = Vec::new();
+        state.scan_armed(0, usize::MAX, |e| {
+            if e.deadline >= store.frontier() {
+                found.push((e.id, e.deadline, e.data.route));
+            }
+        });
+        for (id, deadline, route) in found {
+            if self.spills(&state.route_name(route)) {
+                state.note_far_candidate(id, deadline);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn hint(&self, id: u64, bucket: u64) {
+        let mut hints = self.hints.lock().expect("hints poisoned");
+        if hints.len() >= MAX_HINTS {
+            hints.clear();
+        }
+        hints.insert(id, bucket);
+    }
+
+    fn hinted(&self, id: u64) -> Option<u64> {
+        self.hints.lock().expect("hints poisoned").get(&id).copied()
+    }
+
+    /// Take the tier's operation lock (see the module doc).
+    pub async fn exclusive(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.ops.lock().await
+    }
+
+    /// The far message with id `id`: (bucket, record). Reads the hinted
+    /// bucket, else every bucket in order.
+    pub fn find_id(
+        &self,
+        store: &FarStore,
+        id: u64,
+        key_of: crate::far::KeyOf,
+    ) -> Result<Option<(u64, FarRecord)>, EngineError> {
+        let hinted = self.hinted(id);
+        let buckets = match hinted {
+            Some(b) if store.contains_bucket(b) => vec![b],
+            _ => store.buckets_from(0),
+        };
+        for b in buckets {
+            let read = store.read_bucket(b, key_of)?;
+            if let Some(r) = read.live.into_iter().find(|r| r.id == id) {
+                return Ok(Some((b, r)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The far message whose identity is `uid`, reading bucket by bucket.
+    pub fn find_uid(
+        &self,
+        store: &FarStore,
+        uid: MessageId,
+        key_of: crate::far::KeyOf,
+    ) -> Result<Option<u64>, EngineError> {
+        for b in store.buckets_from(0) {
+            let read = store.read_bucket(b, key_of)?;
+            if let Some(r) = read
+                .live
+                .iter()
+                .find(|r| MessageId::or_legacy(r.uid, r.id) == uid)
+            {
+                self.hint(r.id, b);
+                return Ok(Some(r.id));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Spill and load every tick until `shutdown`.
+pub(crate) async fn run(inner: Arc<Inner>, shutdown: CancellationToken) {
+    let Some(tier) = inner.far.as_ref() else {
+        return;
+    };
+    let every = inner
+        .config
+        .gc_interval
+        .min(Duration::from_millis(tier.horizon_ms / 4).max(Duration::from_millis(10)));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.cancelled() => return,
+        }
+        if let Err(e) = round(&inner).await {
+            metrics::counter!("delayd_far_errors_total").increment(1);
+            tracing::error!(error = %e, "far tier: spill or load failed; retried next round");
+        }
+    }
+}
+
+/// One spill, then every load that is due.
+pub(crate) async fn round(inner: &Arc<Inner>) -> Result<(), EngineError> {
+    spill(inner).await?;
+    load_due(inner).await?;
+    publish_gauges(inner);
+    Ok(())
+}
+
+pub(crate) fn publish_gauges(inner: &Inner) {
+    if let Some(tier) = inner.far.as_ref() {
+        let Ok(store) = tier.store.try_lock() else {
+            return;
+        };
+        metrics::gauge!("delayd_far_bytes").set(store.bytes() as f64);
+        metrics::gauge!("delayd_far_buckets").set(store.bucket_count() as f64);
+        drop(store);
+        metrics::gauge!("delayd_far_messages").set(inner.state().far_pending() as f64);
+    }
+}
+
+/// Move the waiting spill candidates into their buckets, then retire them
+/// in the WAL. Returns how many moved.
+pub(crate) async fn spill(inner: &Arc<Inner>) -> Result<usize, EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(0);
+    };
+    let _op = tier.exclusive().await;
+    // No compaction may move what is being spilled (nor free its segment).
+    let _gc = inner.compacting.lock().await;
+    let worker = inner.clone();
+    let taken = tokio::task::spawn_blocking(move || write_spill(&worker))
+        .await
+        .map_err(|_| EngineError::WriterGone)??;
+    if taken.is_empty() {
+        return Ok(0);
+    }
+    // Durable in the bucket and counted there: retire the WAL's copy. A
+    // crash before this is durable spills it again (kept once per id).
+    let mut dones = Vec::with_capacity(taken.len());
+    for e in &taken {
+        dones.push(inner.wal.append_done(e.id, e.data.pos)?);
+    }
+    for rx in dones {
+        rx.await.map_err(|_| EngineError::WriterGone)??;
+    }
+    metrics::counter!("delayd_far_spilled_total").increment(taken.len() as u64);
+    Ok(taken.len())
+}
+
+/// Under the store lock: take the candidates out of the wheel, read their
+/// records and append them. On failure they go back into the wheel.
+fn write_spill(inner: &Inner) -> Result<Vec<Expired<Slot>>, EngineError> {
+    let tier = inner.far.as_ref().expect("spill without a far tier");
+    let mut store = tier.store();
+    let taken = inner.state().take_spillable();
+    if taken.is_empty() {
+        return Ok(taken);
+    }
+    let written = (|| {
+        let mut records = Vec::with_capacity(taken.len());
+        for e in &taken {
+            match inner.wal.read(e.data.pos)? {
+                Record::Schedule {
+                    id,
+                    uid,
+                    route,
+                    message,
+                    ..
+                } if id == e.id => records.push(FarRecord {
+                    id,
+                    due_ms: e.deadline,
+                    uid,
+                    route,
+                    message,
+                }),
+                _ => {
+                    return Err(EngineError::Interrupted(
+                        "a spill found another record at a message's WAL position",
+                    ))
+                }
+            }
+        }
+        store.append(&records)?;
+        Ok(())
+    })();
+    match written {
+        Ok(()) => Ok(taken),
+        Err(e) => {
+            inner.state().unspill(&taken);
+            Err(e)
+        }
+    }
+}
+
+/// Load every bucket the horizon has reached. Returns how many messages.
+pub(crate) async fn load_due(inner: &Arc<Inner>) -> Result<usize, EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(0);
+    };
+    let mut loaded = 0;
+    loop {
+        let reach = inner.clock.now_ms().saturating_add(tier.horizon_ms);
+        let from = inner.state().far_from();
+        if from > reach {
+            return Ok(loaded);
+        }
+        let _op = tier.exclusive().await;
+        let _gc = inner.compacting.lock().await;
+        loaded += load_one(inner, tier, from, reach).await?;
+    }
+}
+
+/// Load the bucket at the frontier `from` (or, if there is none, move the
+/// frontier over the empty stretch up to the next bucket or past `reach`).
+async fn load_one(
+    inner: &Arc<Inner>,
+    tier: &Tier,
+    from: u64,
+    reach: u64,
+) -> Result<usize, EngineError> {
+    let width = tier.horizon_ms;
+    {
+        let mut store = tier.store();
+        if !store.contains_bucket(from) {
+            let past_reach = reach - reach % width + width;
+            let to = store
+                .first_bucket()
+                .map_or(past_reach, |b| b.min(past_reach));
+            let to = to.max(from + width);
+            store.advance_frontier(to);
+            inner.state().set_far_from(to);
+            return Ok(0);
+        }
+    }
+    let key_of = inner.config.key_of;
+    let worker = inner.clone();
+    let read = tokio::task::spawn_blocking(move || {
+        let tier = worker.far.as_ref().expect("far tier");
+        let store = tier.store();
+        store.read_bucket(from, key_of)
+    })
+    .await
+    .map_err(|_| EngineError::WriterGone)??;
+
+    // Copy into the WAL what it does not hold yet (a crash between a
+    // load's copy and its removal of the bucket leaves both).
+    let mut copies = Vec::with_capacity(read.live.len());
+    for r in read.live {
+        let (route, key) = {
+            let mut state = inner.state();
+            if state.is_pending(r.id) {
+                continue;
+            }
+            let route = state.intern(&r.route).ok_or(EngineError::TooManyRoutes)?;
+            (route, key_of(&r.message).map(|k| key_hash(route, k)))
+        };
+        let rx = inner
+            .wal
+            .append_copy(r.id, r.due_ms, r.uid, &r.route, r.message)?;
+        copies.push((r.id, r.due_ms, route, key, rx));
+    }
+    let mut placed = Vec::with_capacity(copies.len());
+    let mut failed = None;
+    for (id, due, route, key, rx) in copies {
+        match rx
+            .await
+            .map_err(|_| EngineError::WriterGone)
+            .and_then(|r| Ok(r?))
+        {
+            Ok(appended) => placed.push((
+                due,
+                id,
+                Slot {
+                    pos: appended.pos,
+                    route,
+                },
+                key,
+            )),
+            Err(e) => failed = Some(e),
+        }
+    }
+    if let Some(e) = failed {
+        // What was copied is durable: arm it (the bucket stays, and the
+        // next try skips these).
+        arm_sorted(inner, placed, Vec::new());
+        return Err(e);
+    }
+
+    let n = placed.len();
+    let worker = inner.clone();
+    // Remove the bucket and arm its messages under the store lock: a
+    // reader sees each either on disk or in the wheel.
+    tokio::task::spawn_blocking(move || -> Result<(), EngineError> {
+        let tier = worker.far.as_ref().expect("far tier");
+        let mut store = tier.store();
+        let counts = match store.remove_bucket(from, from + width) {
+            Ok(c) => c,
+            Err(e) => {
+                drop(store);
+                arm_sorted(&worker, placed, Vec::new());
+                return Err(e.into());
+            }
+        };
+        let mut state = worker.state();
+        let candidates = state.take_candidates_in(from, from + width);
+        for (route, count) in counts {
+            if let Some(r) = state.route_id(&route) {
+                state.add_far(r, -(count as i64));
+            }
+        }
+        state.set_far_from(from + width);
+        drop(state);
+        arm_sorted(&worker, placed, candidates);
+        Ok(())
+    })
+    .await
+    .map_err(|_| EngineError::WriterGone)??;
+
+    for r in &read.tombstoned {
+        metrics::counter!("delayd_cancelled_total", "route" => r.route.clone()).increment(1);
+    }
+    metrics::counter!("delayd_far_loaded_total").increment(n as u64);
+    tracing::debug!(bucket = from, messages = n, "loaded a far bucket");
+    Ok(n)
+}
+
+/// Arm loaded messages and the candidates that share their bucket in (due,
+/// id) order, so that equal due times fire in arrival order across both.
+fn arm_sorted(
+    inner: &Inner,
+    loaded: Vec<(u64, u64, Slot, Option<u64>)>,
+    candidates: Vec<Expired<Slot>>,
+) {
+    let mut all = loaded;
+    all.extend(
+        candidates
+            .into_iter()
+            .map(|e| (e.deadline, e.id, e.data, None)),
+    );
+    all.sort_by_key(|a| (a.0, a.1));
+    let earliest = all.first().map(|a| a.0);
+    {
+        let mut state = inner.state();
+        for (due, id, slot, key) in all {
+            state.arm(id, due, slot);
+            if let Some(hash) = key {
+                state.index_key(hash, id);
+            }
+        }
+    }
+    if earliest.is_some_and(|d| d < inner.planned_wake.load(Ordering::Acquire)) {
+        inner.wake.notify_one();
+    }
+}
+
+/// Cancel far message `id` (its bucket gets a Done). Call with the ops
+/// lock held, after the wheel was tried. The record, if it was there.
+pub(crate) fn cancel(inner: &Inner, id: u64) -> Result<Option<FarRecord>, EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(None);
+    };
+    let mut store = tier.store();
+    let Some((bucket, record)) = tier.find_id(&store, id, inner.config.key_of)? else {
+        return Ok(None);
+    };
+    store.cancel(bucket, id, &record.route)?;
+    drop(store);
+    let mut state = inner.state();
+    if let Some(r) = state.route_id(&record.route) {
+        state.add_far(r, -1);
+    }
+    Ok(Some(record))
+}
+
+/// A cancel by key reaches far messages stored before it when their bucket
+/// is read. Call with the ops lock held.
+pub(crate) fn tombstone(inner: &Inner, route: &str, key: &[u8]) -> Result<(), EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(());
+    };
+    let before_id = inner.state().max_id() + 1;
+    tier.store().add_tombstone(route, key, before_id)?;
+    Ok(())
+}

@@ -1,0 +1,266 @@
+//! The far tier through the engine: messages past the horizon leave the
+//! wheel and the WAL, come back in (due, id) order as the horizon reaches
+//! them, survive a restart, and obey cancels by id, by uid and by key.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use super::tests::{config, keyed, start, Running};
+use super::*;
+
+const HOUR: u64 = 3_600_000;
+const T0: u64 = 1_000 * HOUR;
+
+fn far_config(dir: &std::path::Path) -> EngineConfig {
+    EngineConfig {
+        far: Some(FarSettings {
+            horizon: Duration::from_millis(HOUR),
+            near_only: HashSet::from(["kept-near".to_owned()]),
+        }),
+        ..config(dir)
+    }
+}
+
+/// Move the clock to `t`, run a far round (a load, if the horizon reached
+/// a bucket) and wake the dispatcher.
+async fn at(r: &Running, clock: &ManualClock, t: u64) {
+    clock.set(t);
+    r.engine.far_round().await.unwrap();
+    r.engine.wake();
+}
+
+async fn schedule(r: &Running, route: &str, due: u64, body: &str) -> u64 {
+    r.engine
+        .schedule(route, due, body.as_bytes().to_vec())
+        .await
+        .unwrap()
+}
+
+fn buckets(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir.join("far"))
+        .map(|d| {
+            d.filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.file_name().to_string_lossy().starts_with("bucket-"))
+            })
+            .count()
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn far_messages_leave_the_wheel_and_the_wal_and_fire_in_order_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let r = start(far_config(dir.path()), clock.clone());
+    let near = schedule(&r, "orders", T0 + 10 * 60_000, "near").await;
+    let mut far = Vec::new();
+    for (i, due) in [
+        T0 + 5 * HOUR,
+        T0 + 5 * HOUR,
+        T0 + 26 * HOUR,
+        T0 + 5 * HOUR + 1,
+        T0 + 30 * 24 * HOUR,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let body = format!("far-{i}");
+        far.push((due, schedule(&r, "orders", due, &body).await, body));
+    }
+    let kept = schedule(&r, "kept-near", T0 + 5 * HOUR, "kept").await;
+    r.engine.far_round().await.unwrap();
+
+    assert_eq!(r.engine.far_pending(), 5);
+    assert_eq!(r.engine.pending(), 7);
+    assert_eq!(buckets(dir.path()), 3, "one file per hour of due time");
+    assert_eq!(
+        r.engine.state().wheel_len(),
+        2,
+        "only the near message and the near-only route's wait in the wheel"
+    );
+    // Their WAL records are retired: only the two in the wheel are live.
+    assert_eq!(r.engine.space().live_records, 2);
+    r.stop().await;
+
+    // Reopened: counted from the checkpoint, no bucket read; still far.
+    let mut r = start(far_config(dir.path()), clock.clone());
+    assert_eq!((r.engine.far_pending(), r.engine.pending()), (5, 7));
+    at(&r, &clock, T0 + 10 * 60_000).await;
+    assert_eq!(r.recv().await.id, near);
+
+    // The horizon reaches the first bucket an hour before it is due.
+    at(&r, &clock, T0 + 4 * HOUR).await;
+    assert_eq!(r.engine.far_pending(), 2);
+    assert_eq!(buckets(dir.path()), 2);
+    at(&r, &clock, T0 + 5 * HOUR + 1).await;
+    let mut fired = Vec::new();
+    for _ in 0..4 {
+        let f = r.recv().await;
+        fired.push((f.due_ms, f.id, String::from_utf8(f.message).unwrap()));
+    }
+    let mut want: Vec<_> = far[..2].iter().chain(&far[3..4]).cloned().collect();
+    want.push((T0 + 5 * HOUR, kept, "kept".into()));
+    want.sort();
+    assert_eq!(
+        fired, want,
+        "(due, id) order, byte-equal, across both tiers"
+    );
+
+    at(&r, &clock, T0 + 30 * 24 * HOUR).await;
+    let mut rest = vec![r.recv().await.id, r.recv().await.id];
+    rest.sort();
+    assert_eq!(rest, [far[2].1, far[4].1]);
+    assert_eq!((r.engine.pending(), buckets(dir.path())), (0, 0));
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn equal_due_times_keep_arrival_order_across_spills_and_a_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let mut r = start(far_config(dir.path()), clock.clone());
+    let due = T0 + 3 * HOUR;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(schedule(&r, "r", due, &format!("a{i}")).await);
+    }
+    r.engine.far_round().await.unwrap();
+    for i in 0..3 {
+        ids.push(schedule(&r, "r", due, &format!("b{i}")).await);
+    }
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 6);
+    // Loaded, then more at the same instant: now in the wheel directly.
+    at(&r, &clock, due - HOUR).await;
+    assert_eq!(r.engine.far_pending(), 0);
+    ids.push(schedule(&r, "r", due, "c").await);
+    at(&r, &clock, due).await;
+    let mut got = Vec::new();
+    for _ in 0..7 {
+        got.push(r.recv().await.id);
+    }
+    assert_eq!(got, ids);
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn a_far_message_cancelled_by_uid_never_fires_even_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let r = start(far_config(dir.path()), clock.clone());
+    let due = T0 + 48 * HOUR;
+    let doomed = schedule(&r, "reviews", due, "doomed").await;
+    let kept = schedule(&r, "reviews", due, "kept").await;
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 2);
+
+    // As the admin API does: read, resolve the x-delayd-id, cancel.
+    let (info, record) = r.engine.read(doomed).unwrap().unwrap();
+    assert_eq!((info.due_ms, info.phase), (due, Phase::Waiting));
+    let Record::Schedule { uid, message, .. } = record else {
+        panic!("not a schedule")
+    };
+    assert_eq!(message, b"doomed");
+    let uid = MessageId::or_legacy(uid, doomed);
+    assert_eq!(r.engine.find_by_uid(uid).unwrap(), Some(doomed));
+    assert!(r.engine.cancel(doomed).await.unwrap());
+    assert!(!r.engine.cancel(doomed).await.unwrap(), "cancelled once");
+    assert_eq!(r.engine.far_pending(), 1);
+    assert_eq!(r.engine.find_by_uid(uid).unwrap(), None);
+    r.stop().await;
+
+    let mut r = start(far_config(dir.path()), clock.clone());
+    assert_eq!(r.engine.far_pending(), 1);
+    at(&r, &clock, due).await;
+    assert_eq!(r.recv().await.id, kept);
+    let extra = r.recv_within(Duration::from_millis(300)).await;
+    assert!(extra.is_none(), "the cancelled message fired: {extra:?}");
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn a_cancel_by_key_reaches_far_messages_stored_before_it_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let mut r = start(far_config(dir.path()), clock.clone());
+    let due = T0 + 10 * HOUR;
+    let engine = &r.engine;
+    let before = engine
+        .schedule("k", due, keyed(Some("order-1"), None, "before"))
+        .await
+        .unwrap();
+    let other = engine
+        .schedule("k", due, keyed(Some("order-2"), None, "other"))
+        .await
+        .unwrap();
+    let near = engine
+        .schedule("k", T0 + 60_000, keyed(Some("order-1"), None, "near"))
+        .await
+        .unwrap();
+    engine.far_round().await.unwrap();
+    assert_eq!(engine.far_pending(), 2);
+    let cancelled = engine.cancel_by_key("k", b"order-1").await.unwrap();
+    assert_eq!(cancelled, [near], "the wheel's match is cancelled at once");
+    let after = engine
+        .schedule("k", due, keyed(Some("order-1"), None, "after"))
+        .await
+        .unwrap();
+    engine.far_round().await.unwrap();
+    r = {
+        r.stop().await;
+        start(far_config(dir.path()), clock.clone())
+    };
+    at(&r, &clock, due).await;
+    let got: HashSet<u64> = [r.recv().await.id, r.recv().await.id].into();
+    assert_eq!(got, HashSet::from([other, after]));
+    assert!(!got.contains(&before));
+    assert_eq!(r.engine.pending(), 0);
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn a_listing_pages_through_the_wheel_and_the_far_tier_in_due_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let r = start(far_config(dir.path()), clock.clone());
+    let mut all = Vec::new();
+    for i in 0..12u64 {
+        let due = T0 + 60_000 + (i % 4) * 9 * HOUR + i;
+        all.push((
+            due,
+            schedule(&r, if i % 2 == 0 { "a" } else { "b" }, due, "m").await,
+        ));
+    }
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 9);
+    all.sort();
+    let mut listed = Vec::new();
+    let mut after = None;
+    loop {
+        let page = r.engine.list(&ListQuery {
+            after,
+            limit: 5,
+            ..ListQuery::default()
+        });
+        let Some(last) = page.last() else { break };
+        after = Some((last.due_ms, last.id));
+        listed.extend(page.iter().map(|p| (p.due_ms, p.id)));
+    }
+    assert_eq!(listed, all);
+    let b_only = r.engine.list(&ListQuery {
+        route: Some("b".into()),
+        due_from: Some(T0 + 9 * HOUR),
+        limit: 100,
+        ..ListQuery::default()
+    });
+    let want: Vec<_> = all
+        .iter()
+        .filter(|(due, _)| *due >= T0 + 9 * HOUR && due % 2 == 1)
+        .copied()
+        .collect();
+    let got: Vec<_> = b_only.iter().map(|p| (p.due_ms, p.id)).collect();
+    assert_eq!(got, want);
+    assert_eq!(r.engine.waiting().len(), 12);
+    r.stop().await;
+}

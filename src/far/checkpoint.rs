@@ -1,0 +1,121 @@
+//! The far tier's checkpoint: what its files hold, written atomically.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::wal::fs::FileSystem;
+use crate::wal::WalError;
+
+use super::{sync_dir, FarError};
+
+const VERSION: u32 = 1;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub version: u32,
+    /// Buckets starting before this are loaded (none is on disk).
+    pub frontier: u64,
+    /// The seq the next frame gets.
+    pub next_seq: u64,
+    /// Bucket start -> what the checkpoint vouches for.
+    pub buckets: BTreeMap<u64, BucketMeta>,
+    pub tombstones: Vec<KeyTombstone>,
+}
+
+impl Checkpoint {
+    pub fn new(frontier: u64) -> Self {
+        Self {
+            version: VERSION,
+            frontier,
+            next_seq: 1,
+            buckets: BTreeMap::new(),
+            tombstones: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BucketMeta {
+    /// Synced length: anything after it is cut off at open.
+    pub bytes: u64,
+    pub salt: u32,
+    /// The smallest id written here (tombstones are kept while some
+    /// bucket could hold an id below theirs).
+    pub min_id: u64,
+    /// Schedules written per route, less cancels.
+    pub routes: BTreeMap<String, u64>,
+}
+
+impl BucketMeta {
+    pub fn new(salt: u32) -> Self {
+        Self {
+            bytes: 0,
+            salt,
+            min_id: u64::MAX,
+            routes: BTreeMap::new(),
+        }
+    }
+}
+
+/// A cancel by key (a Kafka tombstone, or the admin API) that far
+/// messages stored before it must obey when their bucket is read.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KeyTombstone {
+    pub route: String,
+    pub key: Vec<u8>,
+    /// Applies to ids below this: those stored before the cancel.
+    pub before_id: u64,
+}
+
+/// The checkpoint at `path`, or `None` if there is none yet.
+pub fn read(fs: &dyn FileSystem, path: &Path) -> Result<Option<Checkpoint>, FarError> {
+    let file = match fs.open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(WalError::io(path, e).into()),
+    };
+    let bytes = crate::wal::reader::read_all(&*file, path)?;
+    let cp: Checkpoint = serde_json::from_slice(&bytes).map_err(|e| FarError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    if cp.version != VERSION {
+        return Err(FarError::Checkpoint {
+            path: path.to_path_buf(),
+            reason: format!("version {} (this delayd reads {VERSION})", cp.version),
+        });
+    }
+    Ok(Some(cp))
+}
+
+/// Write `cp` to `dir/tmp`, sync it, rename it over `dir/name`, sync `dir`.
+pub fn write(
+    fs: &dyn FileSystem,
+    dir: &Path,
+    name: &str,
+    tmp: &str,
+    cp: &Checkpoint,
+) -> Result<(), FarError> {
+    let tmp = dir.join(tmp);
+    let path = dir.join(name);
+    let bytes = serde_json::to_vec(cp).map_err(|e| FarError::Checkpoint {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    match fs.remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(WalError::io(&tmp, e).into()),
+    }
+    let file = fs.create_new(&tmp).map_err(|e| WalError::io(&tmp, e))?;
+    file.append(&bytes).map_err(|e| WalError::io(&tmp, e))?;
+    file.sync_all().map_err(|source| WalError::Fatal {
+        op: "fsync of the far tier's checkpoint",
+        path: tmp.clone(),
+        source,
+    })?;
+    fs.rename(&tmp, &path).map_err(|e| WalError::io(&path, e))?;
+    sync_dir(fs, dir)
+}

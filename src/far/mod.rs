@@ -1,0 +1,587 @@
+//! The far tier: messages due beyond the engine's horizon, kept on disk only.
+//!
+//! A message due within the horizon (an hour by default) waits in the timing
+//! wheel, its record in the WAL. One due later is *spilled*: its record is
+//! copied into the bucket file for its due time and its WAL record retired,
+//! so it costs no RAM and holds no WAL segment. As the horizon reaches a
+//! bucket the engine *loads* it: the records go back into the WAL and the
+//! wheel in (due, id) order, and the file is deleted. The models are Pulsar's
+//! PIP-195 buckets and RocketMQ's TimerLog; unlike both, a bucket holds the
+//! messages themselves, so loading one reads one file front to back.
+//!
+//! # Files
+//!
+//! `<wal.dir>/far/` holds:
+//!
+//! - `bucket-<start_ms>.log` (20 digits): every message due in
+//!   `[start, start + bucket_ms)`, in the WAL's segment format (salted
+//!   header, CRC frames, see `crate::wal`). A Schedule frame is a message as
+//!   the WAL stored it, with its WAL id; a Done frame cancels that id in
+//!   this bucket. Frame seqs increase across the whole tier, so each file's
+//!   do, as the WAL's scanner requires.
+//! - `checkpoint`: JSON. The frontier (buckets before it are loaded), the
+//!   next frame seq, every bucket's durable length, salt, smallest id and
+//!   count per route, and the key tombstones still to apply. Written to
+//!   `checkpoint.tmp`, synced, renamed, and the directory synced.
+//!
+//! # Crash rules
+//!
+//! - A spill writes the frames, syncs each file it touched, writes the
+//!   checkpoint, and only then retires the messages in the WAL. Bytes past a
+//!   bucket's checkpointed length (or a bucket the checkpoint does not name)
+//!   were never counted, and the WAL still holds them live: opening cuts them
+//!   off and the engine spills those messages again. Opening therefore reads
+//!   the checkpoint and one `stat` per bucket, never a bucket's contents.
+//! - A crash after the checkpoint and before the WAL's Done spills the
+//!   message a second time. Reading a bucket keeps one record per id.
+//! - A load copies a bucket's records into the WAL and waits for them to be
+//!   durable, deletes the bucket and writes the checkpoint, and only then
+//!   arms them. A crash in between leaves both: the engine skips the records
+//!   it already holds.
+//! - A bad frame inside a bucket's checkpointed length is corruption: it is
+//!   logged and counted like the WAL's, and the frames after it are read.
+
+mod checkpoint;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::wal::frame::{self, Salt, Schedule};
+use crate::wal::fs::{parent_dir, FileSystem};
+use crate::wal::reader::{self, ScanItem, Scanner};
+use crate::wal::{RecordRef, WalError};
+
+use self::checkpoint::{BucketMeta, Checkpoint, KeyTombstone};
+
+/// Where the far tier lives and how wide a bucket is.
+#[derive(Debug, Clone)]
+pub struct FarConfig {
+    pub dir: PathBuf,
+    /// Width of a bucket in due time (the engine uses its horizon).
+    pub bucket_ms: u64,
+    /// Longest frame accepted when reading (the WAL's limit).
+    pub max_frame_len: u32,
+    pub fs: Arc<dyn FileSystem>,
+}
+
+/// A message as the WAL stored it, moving to or from the far tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FarRecord {
+    pub id: u64,
+    pub due_ms: u64,
+    pub uid: u128,
+    pub route: String,
+    pub message: Vec<u8>,
+}
+
+/// Reads the lookup key out of a stored message (see `EngineConfig::key_of`).
+pub type KeyOf = fn(&[u8]) -> Option<&[u8]>;
+
+/// A bucket's live records, in (due, id) order, and those a key tombstone
+/// cancelled (to be reported, never loaded).
+#[derive(Debug, Default)]
+pub struct BucketRead {
+    pub live: Vec<FarRecord>,
+    pub tombstoned: Vec<FarRecord>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FarError {
+    #[error(transparent)]
+    Io(#[from] WalError),
+    #[error("far tier checkpoint {path}: {reason}")]
+    Checkpoint { path: PathBuf, reason: String },
+    #[error("far tier bucket {path} is shorter ({found} bytes) than its checkpoint says ({expected}): bytes that were synced are gone")]
+    Shrunk {
+        path: PathBuf,
+        found: u64,
+        expected: u64,
+    },
+    #[error("far tier bucket {0} is named in the checkpoint but missing")]
+    Missing(PathBuf),
+}
+
+/// The far tier's files and what the checkpoint says of them.
+pub struct FarStore {
+    config: FarConfig,
+    cp: Checkpoint,
+}
+
+const CHECKPOINT: &str = "checkpoint";
+const CHECKPOINT_TMP: &str = "checkpoint.tmp";
+
+fn bucket_name(start: u64) -> String {
+    format!("bucket-{start:020}.log")
+}
+
+fn parse_bucket_name(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("bucket-")?.strip_suffix(".log")?;
+    (digits.len() == 20).then(|| digits.parse().ok())?
+}
+
+impl FarStore {
+    /// Open (or create) the tier. `frontier` is used for a new one: the
+    /// first bucket start not yet loaded, i.e. where the wheel's part ends.
+    /// Cuts every bucket to its checkpointed length; reads no bucket.
+    pub fn open(config: FarConfig, frontier: u64) -> Result<FarStore, FarError> {
+        let fs = &*config.fs;
+        let dir = config.dir.clone();
+        if !fs.is_dir(&dir) {
+            let created = fs.create_dir_all(&dir).map_err(|e| WalError::io(&dir, e))?;
+            for d in created {
+                sync_dir(fs, parent_dir(&d))?;
+            }
+        }
+        let cp = match checkpoint::read(fs, &dir.join(CHECKPOINT))? {
+            Some(cp) => cp,
+            None => Checkpoint::new(frontier),
+        };
+        let mut store = FarStore { config, cp };
+        store.trim()?;
+        Ok(store)
+    }
+
+    /// Make the files agree with the checkpoint: cut what follows each
+    /// bucket's checkpointed length, remove buckets it does not name.
+    fn trim(&mut self) -> Result<(), FarError> {
+        let fs = &*self.config.fs;
+        let dir = &self.config.dir;
+        let mut seen = HashSet::new();
+        let mut removed = false;
+        for path in fs.list(dir).map_err(|e| WalError::io(dir, e))? {
+            let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            if name == CHECKPOINT_TMP {
+                fs.remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+                removed = true;
+                continue;
+            }
+            let Some(start) = parse_bucket_name(name) else {
+                continue;
+            };
+            let Some(meta) = self.cp.buckets.get(&start) else {
+                tracing::info!(bucket = %path.display(), "removing a far bucket written after the last checkpoint; its messages are still in the WAL");
+                fs.remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+                removed = true;
+                continue;
+            };
+            seen.insert(start);
+            let file = fs.open_write(&path).map_err(|e| WalError::io(&path, e))?;
+            let size = file.size().map_err(|e| WalError::io(&path, e))?;
+            if size < meta.bytes {
+                return Err(FarError::Shrunk {
+                    path,
+                    found: size,
+                    expected: meta.bytes,
+                });
+            }
+            if size > meta.bytes {
+                file.set_len(meta.bytes)
+                    .map_err(|e| WalError::io(&path, e))?;
+                file.sync_data().map_err(|source| WalError::Fatal {
+                    op: "fsync after truncation",
+                    path: path.clone(),
+                    source,
+                })?;
+            }
+        }
+        if let Some(&start) = self.cp.buckets.keys().find(|s| !seen.contains(s)) {
+            return Err(FarError::Missing(self.bucket_path(start)));
+        }
+        if removed {
+            sync_dir(fs, dir)?;
+        }
+        Ok(())
+    }
+
+    pub fn bucket_ms(&self) -> u64 {
+        self.config.bucket_ms
+    }
+
+    /// The start of the bucket `due_ms` falls in.
+    pub fn bucket_of(&self, due_ms: u64) -> u64 {
+        due_ms - due_ms % self.config.bucket_ms
+    }
+
+    /// The first bucket start not yet loaded: messages due at or after it
+    /// belong here, earlier ones in the wheel.
+    pub fn frontier(&self) -> u64 {
+        self.cp.frontier
+    }
+
+    /// The earliest bucket on disk.
+    pub fn first_bucket(&self) -> Option<u64> {
+        self.cp.buckets.keys().next().copied()
+    }
+
+    /// Bucket starts on disk, in order, from the one holding `from` on.
+    pub fn buckets_from(&self, from: u64) -> Vec<u64> {
+        let first = self.bucket_of(from);
+        self.cp.buckets.range(first..).map(|(&s, _)| s).collect()
+    }
+
+    pub fn contains_bucket(&self, start: u64) -> bool {
+        self.cp.buckets.contains_key(&start)
+    }
+
+    /// Messages per route (a message spilled twice by a crash counts twice
+    /// until its bucket is loaded; one cancelled by a key tombstone counts
+    /// until then too).
+    pub fn counts(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for meta in self.cp.buckets.values() {
+            for (route, &n) in &meta.routes {
+                *out.entry(route.clone()).or_default() += n;
+            }
+        }
+        out
+    }
+
+    /// Bytes on disk in bucket files.
+    pub fn bytes(&self) -> u64 {
+        self.cp.buckets.values().map(|m| m.bytes).sum()
+    }
+
+    pub fn bucket_count(&self) -> usize {
+        self.cp.buckets.len()
+    }
+
+    fn bucket_path(&self, start: u64) -> PathBuf {
+        self.config.dir.join(bucket_name(start))
+    }
+
+    /// Append `records` (each due at or after the frontier) to their
+    /// buckets, sync every file touched, then write the checkpoint. On an
+    /// error nothing is counted and each touched file is cut back.
+    pub fn append(&mut self, records: &[FarRecord]) -> Result<(), FarError> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let mut by_bucket: BTreeMap<u64, Vec<&FarRecord>> = BTreeMap::new();
+        for r in records {
+            debug_assert!(r.due_ms >= self.cp.frontier, "spilling behind the frontier");
+            by_bucket
+                .entry(self.bucket_of(r.due_ms))
+                .or_default()
+                .push(r);
+        }
+        let mut next_seq = self.cp.next_seq;
+        let mut written: Vec<(u64, BucketMeta)> = Vec::with_capacity(by_bucket.len());
+        let mut result = Ok(());
+        for (start, recs) in by_bucket {
+            let mut meta = self.cp.buckets.get(&start).cloned();
+            match self.write_frames(start, meta.as_mut(), &recs, &mut next_seq) {
+                Ok(m) => written.push((start, m)),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        if result.is_ok() {
+            let old_seq = std::mem::replace(&mut self.cp.next_seq, next_seq);
+            let before: Vec<(u64, Option<BucketMeta>)> = written
+                .iter()
+                .map(|(start, meta)| (*start, self.cp.buckets.insert(*start, meta.clone())))
+                .collect();
+            result = self.write_checkpoint();
+            if result.is_err() {
+                self.cp.next_seq = old_seq;
+                for (start, meta) in before {
+                    match meta {
+                        Some(meta) => self.cp.buckets.insert(start, meta),
+                        None => self.cp.buckets.remove(&start),
+                    };
+                }
+            }
+        }
+        if result.is_err() {
+            self.cut_back(written.iter().map(|(s, _)| *s));
+        }
+        result
+    }
+
+    /// Write `recs` to bucket `start` (created if `meta` is `None`) and sync
+    /// it; returns the bucket's new metadata (not yet checkpointed).
+    fn write_frames(
+        &self,
+        start: u64,
+        meta: Option<&mut BucketMeta>,
+        recs: &[&FarRecord],
+        next_seq: &mut u64,
+    ) -> Result<BucketMeta, FarError> {
+        let fs = &*self.config.fs;
+        let path = self.bucket_path(start);
+        let (file, mut meta, created) = match meta {
+            Some(meta) => {
+                let file = fs.open_append(&path).map_err(|e| WalError::io(&path, e))?;
+                (file, meta.clone(), false)
+            }
+            None => {
+                let salt = Salt::random();
+                let file = fs.create_new(&path).map_err(|e| WalError::io(&path, e))?;
+                file.append(&frame::segment_header(salt.value()))
+                    .map_err(|e| WalError::io(&path, e))?;
+                (file, BucketMeta::new(salt.value()), true)
+            }
+        };
+        let salt = Salt::new(meta.salt);
+        let mut buf = Vec::with_capacity(
+            recs.iter()
+                .map(|r| 64 + r.route.len() + r.message.len())
+                .sum(),
+        );
+        for r in recs {
+            frame::put_schedule(
+                &mut buf,
+                salt,
+                *next_seq,
+                &Schedule {
+                    id: r.id,
+                    due_ms: r.due_ms,
+                    uid: r.uid,
+                    route: &r.route,
+                    message: &r.message,
+                },
+            );
+            *next_seq += 1;
+            *meta.routes.entry(r.route.clone()).or_default() += 1;
+            meta.min_id = meta.min_id.min(r.id);
+        }
+        file.append(&buf).map_err(|e| WalError::io(&path, e))?;
+        file.sync_data().map_err(|source| WalError::Fatal {
+            op: "fsync of a far bucket",
+            path: path.clone(),
+            source,
+        })?;
+        if created {
+            sync_dir(fs, &self.config.dir)?;
+        }
+        meta.bytes = file.size().map_err(|e| WalError::io(&path, e))?;
+        Ok(meta)
+    }
+
+    /// After a failed append: cut each touched bucket back to its
+    /// checkpointed length (a new one is removed). Best effort: opening
+    /// does the same from the checkpoint.
+    fn cut_back(&self, starts: impl Iterator<Item = u64>) {
+        let fs = &*self.config.fs;
+        for start in starts {
+            let path = self.bucket_path(start);
+            let outcome = match self.cp.buckets.get(&start) {
+                Some(meta) => fs
+                    .open_write(&path)
+                    .and_then(|f| f.set_len(meta.bytes).and_then(|_| f.sync_data())),
+                None => fs.remove_file(&path),
+            };
+            if let Err(e) = outcome {
+                tracing::warn!(bucket = %path.display(), error = %e, "cannot cut a far bucket back after a failed spill; the next start will");
+            }
+        }
+    }
+
+    /// Cancel message `id` of `route` in bucket `start`: a Done frame,
+    /// synced and checkpointed.
+    pub fn cancel(&mut self, start: u64, id: u64, route: &str) -> Result<(), FarError> {
+        let Some(meta) = self.cp.buckets.get(&start).cloned() else {
+            return Ok(());
+        };
+        let fs = &*self.config.fs;
+        let path = self.bucket_path(start);
+        let mut buf = Vec::new();
+        frame::put_done(&mut buf, Salt::new(meta.salt), self.cp.next_seq, id, 0);
+        let write = || -> Result<u64, FarError> {
+            let file = fs.open_append(&path).map_err(|e| WalError::io(&path, e))?;
+            file.append(&buf).map_err(|e| WalError::io(&path, e))?;
+            file.sync_data().map_err(|source| WalError::Fatal {
+                op: "fsync of a far bucket",
+                path: path.clone(),
+                source,
+            })?;
+            Ok(file.size().map_err(|e| WalError::io(&path, e))?)
+        };
+        let bytes = match write() {
+            Ok(b) => b,
+            Err(e) => {
+                self.cut_back(std::iter::once(start));
+                return Err(e);
+            }
+        };
+        let mut updated = meta.clone();
+        updated.bytes = bytes;
+        if let Some(n) = updated.routes.get_mut(route) {
+            *n = n.saturating_sub(1);
+        }
+        self.cp.buckets.insert(start, updated);
+        self.cp.next_seq += 1;
+        if let Err(e) = self.write_checkpoint() {
+            self.cp.buckets.insert(start, meta);
+            self.cp.next_seq -= 1;
+            self.cut_back(std::iter::once(start));
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Remember durably that every message of `route` with lookup key `key`
+    /// and an id below `before_id` is cancelled: applied as buckets are
+    /// read. A no-op when no bucket could hold such a message.
+    pub fn add_tombstone(
+        &mut self,
+        route: &str,
+        key: &[u8],
+        before_id: u64,
+    ) -> Result<(), FarError> {
+        if !self.cp.buckets.values().any(|m| m.min_id < before_id) {
+            return Ok(());
+        }
+        self.cp.tombstones.push(KeyTombstone {
+            route: route.to_owned(),
+            key: key.to_vec(),
+            before_id,
+        });
+        if let Err(e) = self.write_checkpoint() {
+            self.cp.tombstones.pop();
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    pub fn tombstones(&self) -> usize {
+        self.cp.tombstones.len()
+    }
+
+    /// Bucket `start`'s live records in (due, id) order: one per id,
+    /// without cancelled ones; those a key tombstone cancels apart.
+    pub fn read_bucket(&self, start: u64, key_of: KeyOf) -> Result<BucketRead, FarError> {
+        let Some(meta) = self.cp.buckets.get(&start) else {
+            return Ok(BucketRead::default());
+        };
+        let fs = &*self.config.fs;
+        let path = self.bucket_path(start);
+        let file = fs.open(&path).map_err(|e| WalError::io(&path, e))?;
+        let mut buf = reader::read_all(&*file, &path)?;
+        buf.truncate(meta.bytes as usize);
+        let mut records = Vec::new();
+        let mut cancelled = HashSet::new();
+        for item in Scanner::new(&buf, self.config.max_frame_len) {
+            match item {
+                ScanItem::Frame {
+                    record:
+                        RecordRef::Schedule {
+                            id,
+                            due_ms,
+                            uid,
+                            route,
+                            message,
+                            ..
+                        },
+                    ..
+                } => records.push(FarRecord {
+                    id,
+                    due_ms,
+                    uid,
+                    route: route.to_owned(),
+                    message: message.to_vec(),
+                }),
+                ScanItem::Frame {
+                    record: RecordRef::Done { id, .. },
+                    ..
+                } => {
+                    cancelled.insert(id);
+                }
+                ScanItem::Commit { .. } => {}
+                ScanItem::Bad { offset, reason, .. } => {
+                    metrics::counter!("delayd_far_corrupt_frames_total").increment(1);
+                    tracing::error!(bucket = %path.display(), offset, %reason, "corrupt frame in a far bucket; reading on after it");
+                }
+            }
+        }
+        records.sort_by_key(|r| (r.due_ms, r.id));
+        records.dedup_by_key(|r| r.id);
+        records.retain(|r| !cancelled.contains(&r.id));
+        let mut out = BucketRead::default();
+        for r in records {
+            let hit = self.cp.tombstones.iter().any(|t| {
+                r.id < t.before_id && t.route == r.route && key_of(&r.message) == Some(&t.key)
+            });
+            if hit {
+                out.tombstoned.push(r);
+            } else {
+                out.live.push(r);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Bucket `start` was loaded into the WAL: delete it, move the
+    /// frontier to `frontier`, drop tombstones nothing left can match, and
+    /// write the checkpoint. Returns the bucket's counts per route.
+    pub fn remove_bucket(
+        &mut self,
+        start: u64,
+        frontier: u64,
+    ) -> Result<BTreeMap<String, u64>, FarError> {
+        let meta = self.cp.buckets.remove(&start);
+        let old_frontier = self.cp.frontier;
+        self.cp.frontier = self.cp.frontier.max(frontier);
+        let min_id = self.cp.buckets.values().map(|m| m.min_id).min();
+        let tombstones = std::mem::take(&mut self.cp.tombstones);
+        self.cp.tombstones = tombstones
+            .iter()
+            .filter(|t| min_id.is_some_and(|m| m < t.before_id))
+            .cloned()
+            .collect();
+        // The checkpoint goes first: a bucket it still named could not be
+        // missing at the next open.
+        if let Err(e) = self.write_checkpoint() {
+            if let Some(meta) = meta {
+                self.cp.buckets.insert(start, meta);
+            }
+            self.cp.frontier = old_frontier;
+            self.cp.tombstones = tombstones;
+            return Err(e);
+        }
+        if meta.is_some() {
+            let fs = &*self.config.fs;
+            let path = self.bucket_path(start);
+            fs.remove_file(&path).map_err(|e| WalError::io(&path, e))?;
+            sync_dir(fs, &self.config.dir)?;
+        }
+        Ok(meta.map(|m| m.routes).unwrap_or_default())
+    }
+
+    /// Move the frontier without loading anything (no bucket before it).
+    /// Kept in memory; written with the next checkpoint.
+    pub fn advance_frontier(&mut self, frontier: u64) {
+        debug_assert!(
+            self.cp.buckets.range(..frontier).next().is_none(),
+            "moving the frontier past a bucket not loaded"
+        );
+        self.cp.frontier = self.cp.frontier.max(frontier);
+    }
+
+    fn write_checkpoint(&self) -> Result<(), FarError> {
+        checkpoint::write(
+            &*self.config.fs,
+            &self.config.dir,
+            CHECKPOINT,
+            CHECKPOINT_TMP,
+            &self.cp,
+        )
+    }
+}
+
+fn sync_dir(fs: &dyn FileSystem, dir: &Path) -> Result<(), FarError> {
+    fs.sync_dir(dir).map_err(|source| {
+        FarError::Io(WalError::Fatal {
+            op: "fsync of the far tier's directory",
+            path: dir.to_path_buf(),
+            source,
+        })
+    })
+}

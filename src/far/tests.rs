@@ -1,0 +1,152 @@
+//! The far tier's files: order, one record per id, cancels, key
+//! tombstones, and opening after a crash from the checkpoint alone.
+
+use super::*;
+use crate::wal::StdFs;
+
+const HOUR: u64 = 3_600_000;
+
+fn config(dir: &Path) -> FarConfig {
+    FarConfig {
+        dir: dir.join("far"),
+        bucket_ms: HOUR,
+        max_frame_len: 1 << 20,
+        fs: Arc::new(StdFs),
+    }
+}
+
+fn record(id: u64, due_ms: u64, key: &str) -> FarRecord {
+    FarRecord {
+        id,
+        due_ms,
+        uid: u128::from(id) << 64 | 7,
+        route: "orders".into(),
+        message: key.as_bytes().to_vec(),
+    }
+}
+
+/// The whole message is its key: enough for the tombstone tests.
+fn whole(message: &[u8]) -> Option<&[u8]> {
+    Some(message)
+}
+
+fn ids(read: &[FarRecord]) -> Vec<u64> {
+    read.iter().map(|r| r.id).collect()
+}
+
+#[test]
+fn a_bucket_reads_back_in_due_then_id_order_once_per_id_without_cancelled_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = FarStore::open(config(dir.path()), 10 * HOUR).unwrap();
+    let b = 11 * HOUR;
+    store
+        .append(&[
+            record(5, b + 9, "a"),
+            record(3, b + 9, "b"),
+            record(4, b + 1, "c"),
+        ])
+        .unwrap();
+    // Spilled again after a crash lost the WAL's Done: kept once.
+    store
+        .append(&[record(3, b + 9, "b"), record(9, b + 2, "d")])
+        .unwrap();
+    store.cancel(b, 9, "orders").unwrap();
+    let read = store.read_bucket(b, whole).unwrap();
+    assert_eq!(ids(&read.live), [4, 3, 5]);
+    assert_eq!(read.live[1], record(3, b + 9, "b"));
+    assert!(read.tombstoned.is_empty());
+    assert_eq!(
+        store.counts()["orders"],
+        4,
+        "a double spill counts until loaded"
+    );
+}
+
+#[test]
+fn opening_cuts_what_the_checkpoint_does_not_vouch_for_and_reads_no_bucket() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = 20 * HOUR;
+    {
+        let mut store = FarStore::open(config(dir.path()), 10 * HOUR).unwrap();
+        store.append(&[record(1, b, "a")]).unwrap();
+    }
+    let path = dir.path().join("far").join(bucket_name(b));
+    let good = std::fs::metadata(&path).unwrap().len();
+    // A spill that crashed before its checkpoint: bytes past the length,
+    // and a bucket the checkpoint never named.
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap();
+    std::io::Write::write_all(&mut f, b"torn half-written frame").unwrap();
+    let stray = dir.path().join("far").join(bucket_name(30 * HOUR));
+    std::fs::write(&stray, b"unnamed").unwrap();
+
+    let store = FarStore::open(config(dir.path()), 0).unwrap();
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), good);
+    assert!(!stray.exists());
+    assert_eq!(
+        store.frontier(),
+        10 * HOUR,
+        "the checkpoint's, not the default"
+    );
+    assert_eq!(ids(&store.read_bucket(b, whole).unwrap().live), [1]);
+}
+
+#[test]
+fn a_bucket_shorter_than_its_checkpoint_or_missing_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = 20 * HOUR;
+    {
+        let mut store = FarStore::open(config(dir.path()), 10 * HOUR).unwrap();
+        store.append(&[record(1, b, "a")]).unwrap();
+    }
+    let path = dir.path().join("far").join(bucket_name(b));
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
+    let e = FarStore::open(config(dir.path()), 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains(&path.display().to_string()) && e.contains("shorter"),
+        "{e}"
+    );
+    std::fs::remove_file(&path).unwrap();
+    let e = FarStore::open(config(dir.path()), 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains(&path.display().to_string()) && e.contains("missing"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_key_tombstone_cancels_only_messages_stored_before_it_and_survives_reopening() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = 20 * HOUR;
+    {
+        let mut store = FarStore::open(config(dir.path()), 10 * HOUR).unwrap();
+        store
+            .append(&[record(1, b, "k"), record(2, b, "other"), record(4, b, "k")])
+            .unwrap();
+        store.add_tombstone("orders", b"k", 3).unwrap();
+        store.add_tombstone("payments", b"k", 3).unwrap();
+    }
+    let mut store = FarStore::open(config(dir.path()), 0).unwrap();
+    let read = store.read_bucket(b, whole).unwrap();
+    assert_eq!(ids(&read.live), [2, 4]);
+    assert_eq!(ids(&read.tombstoned), [1]);
+    assert_eq!(store.tombstones(), 2);
+    store.remove_bucket(b, b + HOUR).unwrap();
+    assert_eq!(store.tombstones(), 0, "nothing left could match");
+    assert_eq!(store.frontier(), b + HOUR);
+    assert!(!dir.path().join("far").join(bucket_name(b)).exists());
+}
