@@ -166,6 +166,13 @@ pub const METRICS: &[MetricDef] = &[
     def("delayd_wal_written_bytes_total", Counter, &[], "Bytes written to the WAL."),
     def("delayd_wal_compactions_total", Counter, &[], "WAL segments compacted."),
     def("delayd_wal_corrupt_frames_total", Counter, &[], "Damaged WAL frames found by recovery."),
+    def("delayd_far_messages", Gauge, &[], "Pending messages in the far tier (due beyond engine.horizon), on disk only."),
+    def("delayd_far_bytes", Gauge, &[], "Far tier size on disk."),
+    def("delayd_far_buckets", Gauge, &[], "Far tier bucket files."),
+    def("delayd_far_spilled_total", Counter, &[], "Messages moved from memory and the WAL into the far tier."),
+    def("delayd_far_loaded_total", Counter, &[], "Messages loaded back from the far tier as the horizon reached their bucket."),
+    def("delayd_far_errors_total", Counter, &[], "Far tier spills or loads that failed (retried the next round)."),
+    def("delayd_far_corrupt_frames_total", Counter, &[], "Damaged frames found reading a far tier bucket."),
 ];
 
 /// The definition of metric `name`, if delayd exports it.

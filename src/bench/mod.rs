@@ -12,6 +12,7 @@
 //! `x-delayed-message` exchange alike), or a delay topic and a target topic.
 
 mod amqp;
+mod fill;
 mod kafka;
 pub mod scrape;
 
@@ -40,13 +41,13 @@ pub struct BenchArgs {
     #[arg(long, default_value = "classic", value_parser = ["classic", "quorum"])]
     pub queue_type: String,
     /// AMQP: exchange to publish the delayed messages to.
-    #[arg(long, required_unless_present = "kafka")]
+    #[arg(long, required_unless_present_any = ["kafka", "fill"])]
     pub exchange: Option<String>,
     /// AMQP: routing key to publish with.
     #[arg(long, default_value = "bench")]
     pub routing_key: String,
     /// AMQP: queue to consume the delivered messages from.
-    #[arg(long, required_unless_present = "kafka")]
+    #[arg(long, required_unless_present_any = ["kafka", "fill"])]
     pub queue: Option<String>,
     /// AMQP: declare `--queue` and bind it to this exchange with key `#`
     /// first. An exchange that exists is used as it is (a plugin exchange,
@@ -109,6 +110,23 @@ pub struct BenchArgs {
     /// times leave in arrival order).
     #[arg(long, conflicts_with = "kafka")]
     pub burst: bool,
+    /// Fill mode: store this many messages through the engine's own API
+    /// into the WAL `--config` names, as an intake would, without a broker
+    /// (delayd must be stopped). Delays spread over `--delay-min` ..
+    /// `--delay-max` ms, `--body-bytes` each, `--in-flight` stores at once;
+    /// `--exchange` and `--routing-key` are recorded as their source.
+    #[arg(long, requires = "config", conflicts_with_all = ["kafka", "burst", "publish_only"])]
+    pub fill: Option<u64>,
+    /// Fill mode: delayd's configuration file (its `wal` and `[engine]`).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+    /// Fill mode: the route the messages are stored for.
+    #[arg(long, default_value = "bench")]
+    pub route: String,
+    /// Fill mode: then this many more, already due, so that the next start
+    /// on the store fires at once (to time restart to first fire).
+    #[arg(long, default_value_t = 0)]
+    pub overdue: u64,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -215,6 +233,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         args.delay_max >= args.delay_min,
         "--delay-max must be >= --delay-min"
     );
+    if let Some(count) = args.fill {
+        let report = fill::run(&args, count).await?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            println!("{report:#?}");
+        }
+        return Ok(());
+    }
     anyhow::ensure!(
         args.rate > 0 && args.count > 0,
         "--rate and --count must be positive"

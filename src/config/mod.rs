@@ -227,6 +227,12 @@ pub struct EngineSection {
     pub max_pending: u64,
     /// Backpressure: the same for WAL bytes on disk. 0 = no limit.
     pub max_disk: u64,
+    /// Messages due further ahead than this wait on disk in the far tier
+    /// (`<wal.dir>/far`), not in memory; they come back into memory an
+    /// horizon before they are due. 0 = keep every pending message in
+    /// memory. With `store.kind = "broker"` nothing new goes there.
+    #[serde(with = "duration")]
+    pub horizon: Duration,
 }
 
 impl Default for EngineSection {
@@ -243,6 +249,7 @@ impl Default for EngineSection {
             dedup_window: 100_000,
             max_pending: 0,
             max_disk: 0,
+            horizon: Duration::from_secs(3600),
         }
     }
 }

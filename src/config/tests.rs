@@ -609,3 +609,14 @@ fn a_type_error_under_brokers_never_shows_the_value() {
         .to_string();
     assert!(!e.contains("123456789"), "{e}");
 }
+
+#[test]
+fn a_horizon_under_a_second_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("delayd.toml");
+    std::fs::write(&path, format!("[engine]\nhorizon = \"500ms\"\n{GOOD}")).unwrap();
+    let e = Config::load(Some(&path)).unwrap_err().to_string();
+    assert!(e.contains("engine.horizon") && e.contains("500ms"), "{e}");
+    std::fs::write(&path, format!("[engine]\nhorizon = \"0\"\n{GOOD}")).unwrap();
+    assert!(Config::load(Some(&path)).unwrap().engine.horizon.is_zero());
+}

@@ -192,6 +192,15 @@ impl Config {
                 "must be at least 1".into(),
             ));
         }
+        if !self.engine.horizon.is_zero() && self.engine.horizon < Duration::from_secs(1) {
+            return Err(err(
+                "engine.horizon".into(),
+                format!(
+                    "{} is too short: 0 (no far tier) or at least 1s",
+                    humantime::format_duration(self.engine.horizon)
+                ),
+            ));
+        }
         if self.engine.max_disk > 0 && self.engine.max_disk < 2 * self.wal.segment_bytes {
             return Err(err(
                 "engine.max_disk".into(),

@@ -27,7 +27,8 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: CancellationToken) {
 /// half of it, so its size stays proportional to what is pending.
 fn sweep_keys(inner: &Inner) {
     let mut state = inner.state();
-    if state.indexed_keys() as u64 > 2 * state.pending() + 1024 {
+    let in_memory = state.pending() - state.far_pending();
+    if state.indexed_keys() as u64 > 2 * in_memory + 1024 {
         state.sweep_keys();
     }
 }

@@ -580,8 +580,10 @@ impl Engine {
         let far = match &config.far {
             Some(settings) => {
                 let tier = tier::Tier::open(settings, &config.wal, now)?;
-                tier.adopt(&mut state)?;
-                Some(tier)
+                if let Some(tier) = &tier {
+                    tier.adopt(&mut state)?;
+                }
+                tier
             }
             None => None,
         };
@@ -1298,6 +1300,11 @@ impl Engine {
     /// Messages in the far tier.
     pub fn far_pending(&self) -> u64 {
         self.state().far_pending()
+    }
+
+    /// Bytes on disk in the far tier.
+    pub fn far_bytes(&self) -> u64 {
+        self.inner.far.as_ref().map_or(0, |t| t.store().bytes())
     }
 
     /// One round of segment GC and compaction (also run periodically by `run`).

@@ -29,9 +29,11 @@ pub struct FarSettings {
     /// Messages due further ahead than this wait on disk, not in the wheel;
     /// also the width of a bucket.
     pub horizon: Duration,
-    /// Routes whose messages always stay in the wheel (the broker-kept
-    /// store restores and releases them there).
+    /// Routes whose messages always stay in the wheel.
     pub near_only: HashSet<String>,
+    /// Off: nothing new goes to the tier, and it is opened only if it
+    /// holds something (which still loads in time).
+    pub spill: bool,
 }
 
 /// Bucket hints kept for cancels by id that follow a lookup.
@@ -42,16 +44,26 @@ pub(crate) struct Tier {
     store: Mutex<FarStore>,
     horizon_ms: u64,
     near_only: HashSet<String>,
+    spill: bool,
     /// Id -> bucket of far messages found lately (by a listing or a lookup
     /// by uid), so that the cancel which follows reads one bucket.
     hints: Mutex<HashMap<u64, u64>>,
 }
 
 impl Tier {
-    pub fn open(settings: &FarSettings, wal: &WalConfig, now: u64) -> Result<Tier, EngineError> {
+    /// Open the tier, or `None` when spilling is off and it holds nothing.
+    pub fn open(
+        settings: &FarSettings,
+        wal: &WalConfig,
+        now: u64,
+    ) -> Result<Option<Tier>, EngineError> {
         let horizon_ms = (settings.horizon.as_millis() as u64).max(1);
+        let dir = wal.dir.join("far");
+        if !settings.spill && !wal.fs.is_dir(&dir) {
+            return Ok(None);
+        }
         let config = FarConfig {
-            dir: wal.dir.join("far"),
+            dir,
             bucket_ms: horizon_ms,
             max_frame_len: wal.max_frame_len(),
             fs: wal.fs.clone(),
@@ -59,18 +71,19 @@ impl Tier {
         let reach = now.saturating_add(horizon_ms);
         let frontier = reach - reach % horizon_ms + horizon_ms;
         let store = FarStore::open(config, frontier)?;
-        Ok(Tier {
+        Ok(Some(Tier {
             ops: tokio::sync::Mutex::new(()),
             store: Mutex::new(store),
             horizon_ms,
             near_only: settings.near_only.clone(),
+            spill: settings.spill,
             hints: Mutex::new(HashMap::new()),
-        })
+        }))
     }
 
     /// May messages of `route` go to the far tier?
     pub fn spills(&self, route: &str) -> bool {
-        !self.near_only.contains(route)
+        self.spill && !self.near_only.contains(route)
     }
 
     pub fn store(&self) -> MutexGuard<'_, FarStore> {
@@ -206,6 +219,10 @@ pub(crate) fn publish_gauges(inner: &Inner) {
     }
 }
 
+/// Records read back and written per append: bounds a spill's memory
+/// (a few tens of MB with small messages) whatever the intake rate.
+const SPILL_CHUNK: usize = 32 * 1024;
+
 /// Move the waiting spill candidates into their buckets, then retire them
 /// in the WAL. Returns how many moved.
 pub(crate) async fn spill(inner: &Arc<Inner>) -> Result<usize, EngineError> {
@@ -216,68 +233,83 @@ pub(crate) async fn spill(inner: &Arc<Inner>) -> Result<usize, EngineError> {
     // No compaction may move what is being spilled (nor free its segment).
     let _gc = inner.compacting.lock().await;
     let worker = inner.clone();
-    let taken = tokio::task::spawn_blocking(move || write_spill(&worker))
+    let (spilled, failed) = tokio::task::spawn_blocking(move || write_spill(&worker))
         .await
-        .map_err(|_| EngineError::WriterGone)??;
-    if taken.is_empty() {
-        return Ok(0);
-    }
+        .map_err(|_| EngineError::WriterGone)?;
     // Durable in the bucket and counted there: retire the WAL's copy. A
     // crash before this is durable spills it again (kept once per id).
-    let mut dones = Vec::with_capacity(taken.len());
-    for e in &taken {
+    let mut dones = Vec::with_capacity(spilled.len());
+    for e in &spilled {
         dones.push(inner.wal.append_done(e.id, e.data.pos)?);
     }
     for rx in dones {
         rx.await.map_err(|_| EngineError::WriterGone)??;
     }
-    metrics::counter!("delayd_far_spilled_total").increment(taken.len() as u64);
-    Ok(taken.len())
+    metrics::counter!("delayd_far_spilled_total").increment(spilled.len() as u64);
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(spilled.len()),
+    }
 }
 
-/// Under the store lock: take the candidates out of the wheel, read their
-/// records and append them. On failure they go back into the wheel.
-fn write_spill(inner: &Inner) -> Result<Vec<Expired<Slot>>, EngineError> {
+/// Under the store lock: take the candidates out of the wheel, and append
+/// them chunk by chunk. Returns those now durable in the tier, and the
+/// error that put the rest back into the wheel, if one did.
+fn write_spill(inner: &Inner) -> (Vec<Expired<Slot>>, Option<EngineError>) {
     let tier = inner.far.as_ref().expect("spill without a far tier");
     let mut store = tier.store();
     let taken = inner.state().take_spillable();
-    if taken.is_empty() {
-        return Ok(taken);
+    let mut spilled = Vec::with_capacity(taken.len());
+    for (i, chunk) in taken.chunks(SPILL_CHUNK).enumerate() {
+        if let Err(e) = spill_chunk(inner, &mut store, chunk) {
+            inner.state().unspill(&taken[i * SPILL_CHUNK..]);
+            return (spilled, Some(e));
+        }
+        spilled.extend_from_slice(chunk);
     }
-    let written = (|| {
-        let mut records = Vec::with_capacity(taken.len());
-        for e in &taken {
-            match inner.wal.read(e.data.pos)? {
-                Record::Schedule {
-                    id,
-                    uid,
-                    route,
-                    message,
-                    ..
-                } if id == e.id => records.push(FarRecord {
-                    id,
-                    due_ms: e.deadline,
-                    uid,
-                    route,
-                    message,
-                }),
-                _ => {
-                    return Err(EngineError::Interrupted(
-                        "a spill found another record at a message's WAL position",
-                    ))
-                }
+    (spilled, None)
+}
+
+/// Read one chunk's records from the WAL and append them to their buckets.
+fn spill_chunk(
+    inner: &Inner,
+    store: &mut FarStore,
+    chunk: &[Expired<Slot>],
+) -> Result<(), EngineError> {
+    let mut records = Vec::with_capacity(chunk.len());
+    for e in chunk {
+        match inner.wal.read(e.data.pos)? {
+            Record::Schedule {
+                id,
+                uid,
+                route,
+                message,
+                ..
+            } if id == e.id => records.push(FarRecord {
+                id,
+                due_ms: e.deadline,
+                uid,
+                route,
+                message,
+            }),
+            _ => {
+                return Err(EngineError::Interrupted(
+                    "a spill found another record at a message's WAL position",
+                ))
             }
         }
-        store.append(&records)?;
-        Ok(())
-    })();
-    match written {
-        Ok(()) => Ok(taken),
-        Err(e) => {
-            inner.state().unspill(&taken);
-            Err(e)
+    }
+    store.append(&records)?;
+    // Their key-index entries go with them (a sweep would keep them: they
+    // are still pending, just not in the wheel).
+    let key_of = inner.config.key_of;
+    let mut state = inner.state();
+    for (e, r) in chunk.iter().zip(&records) {
+        if let Some(key) = key_of(&r.message) {
+            state.unindex_key(key_hash(e.data.route, key), e.id);
         }
     }
+    Ok(())
 }
 
 /// Load every bucket the horizon has reached. Returns how many messages.
@@ -306,7 +338,7 @@ async fn load_one(
     from: u64,
     reach: u64,
 ) -> Result<usize, EngineError> {
-    let width = tier.horizon_ms;
+    let width = tier.store().bucket_ms();
     {
         let mut store = tier.store();
         if !store.contains_bucket(from) {

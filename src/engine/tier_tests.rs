@@ -16,6 +16,7 @@ fn far_config(dir: &std::path::Path) -> EngineConfig {
         far: Some(FarSettings {
             horizon: Duration::from_millis(HOUR),
             near_only: HashSet::from(["kept-near".to_owned()]),
+            spill: true,
         }),
         ..config(dir)
     }

@@ -19,17 +19,21 @@ pub struct Checkpoint {
     pub frontier: u64,
     /// The seq the next frame gets.
     pub next_seq: u64,
+    /// Width of a bucket: fixed when the tier is created (a later horizon
+    /// changes when buckets load, not how they are cut).
+    pub bucket_ms: u64,
     /// Bucket start -> what the checkpoint vouches for.
     pub buckets: BTreeMap<u64, BucketMeta>,
     pub tombstones: Vec<KeyTombstone>,
 }
 
 impl Checkpoint {
-    pub fn new(frontier: u64) -> Self {
+    pub fn new(frontier: u64, bucket_ms: u64) -> Self {
         Self {
             version: VERSION,
             frontier,
             next_seq: 1,
+            bucket_ms,
             buckets: BTreeMap::new(),
             tombstones: Vec::new(),
         }

@@ -60,7 +60,8 @@ use self::checkpoint::{BucketMeta, Checkpoint, KeyTombstone};
 #[derive(Debug, Clone)]
 pub struct FarConfig {
     pub dir: PathBuf,
-    /// Width of a bucket in due time (the engine uses its horizon).
+    /// Width of a bucket in due time for a new tier (the engine uses its
+    /// horizon); an existing tier keeps the width its checkpoint names.
     pub bucket_ms: u64,
     /// Longest frame accepted when reading (the WAL's limit).
     pub max_frame_len: u32,
@@ -137,7 +138,7 @@ impl FarStore {
         }
         let cp = match checkpoint::read(fs, &dir.join(CHECKPOINT))? {
             Some(cp) => cp,
-            None => Checkpoint::new(frontier),
+            None => Checkpoint::new(frontier, config.bucket_ms),
         };
         let mut store = FarStore { config, cp };
         store.trim()?;
@@ -199,12 +200,12 @@ impl FarStore {
     }
 
     pub fn bucket_ms(&self) -> u64 {
-        self.config.bucket_ms
+        self.cp.bucket_ms
     }
 
     /// The start of the bucket `due_ms` falls in.
     pub fn bucket_of(&self, due_ms: u64) -> u64 {
-        due_ms - due_ms % self.config.bucket_ms
+        due_ms - due_ms % self.cp.bucket_ms
     }
 
     /// The first bucket start not yet loaded: messages due at or after it

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{self, AdminState};
 use crate::config::{Config, ExchangeKind};
 use crate::engine::Pressure;
-use crate::engine::{Dispatch, Engine, EngineConfig, SystemClock};
+use crate::engine::{Dispatch, Engine, EngineConfig, FarSettings, SystemClock};
 use crate::route::Route;
 use crate::status::{BrokerStatus, RouteIntake, RuntimeStatus};
 use crate::wal::WalConfig;
@@ -54,6 +54,18 @@ pub fn engine_config(config: &Config) -> EngineConfig {
         max_pending: config.engine.max_pending,
         max_disk: config.engine.max_disk,
         key_of: delayd_adapters::lookup_key,
+        far: Some(FarSettings {
+            horizon: if config.engine.horizon.is_zero() {
+                std::time::Duration::from_secs(3600)
+            } else {
+                config.engine.horizon
+            },
+            near_only: Default::default(),
+            // With the broker store every route restores and releases in
+            // the wheel; what the tier already holds still loads.
+            spill: !config.engine.horizon.is_zero()
+                && config.store.kind == crate::config::StoreKind::Local,
+        }),
         ..EngineConfig::new(wal)
     }
 }
