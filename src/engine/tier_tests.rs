@@ -265,3 +265,84 @@ async fn a_listing_pages_through_the_wheel_and_the_far_tier_in_due_order() {
     assert_eq!(r.engine.waiting().len(), 12);
     r.stop().await;
 }
+
+/// A crash after a spill's checkpoint and before its WAL Done: the message
+/// is both in its bucket and live in the WAL. The next start spills it
+/// again; it fires once.
+#[tokio::test]
+async fn a_message_both_in_a_bucket_and_live_in_the_wal_fires_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let due = T0 + 7 * HOUR;
+    // Stored with no far tier: live in the WAL only.
+    let r = start(config(dir.path()), clock.clone());
+    let id = schedule(&r, "orders", due, "twice").await;
+    let (_, record) = r.engine.read(id).unwrap().unwrap();
+    r.stop().await;
+    let Record::Schedule {
+        uid,
+        route,
+        message,
+        ..
+    } = record
+    else {
+        panic!("not a schedule")
+    };
+    // ... and written to its bucket, checkpointed, as a spill does.
+    {
+        let cfg = far_config(dir.path());
+        let tier = tier::Tier::open(cfg.far.as_ref().unwrap(), &cfg.wal, T0)
+            .unwrap()
+            .unwrap();
+        let mut store = tier.store();
+        store
+            .append(&[FarRecord {
+                id,
+                due_ms: due,
+                uid,
+                route,
+                message,
+            }])
+            .unwrap();
+    }
+    let mut r = start(far_config(dir.path()), clock.clone());
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.space().live_records, 0, "retired in the WAL now");
+    at(&r, &clock, due - HOUR).await;
+    assert_eq!(
+        (r.engine.space().live_records, r.engine.far_pending()),
+        (1, 0),
+        "loaded back as one record"
+    );
+    at(&r, &clock, due).await;
+    let f = r.recv().await;
+    assert_eq!((f.id, f.message.as_slice()), (id, &b"twice"[..]));
+    let extra = r.recv_within(Duration::from_millis(300)).await;
+    assert!(extra.is_none(), "fired twice: {extra:?}");
+    assert_eq!(r.engine.pending(), 0);
+    r.stop().await;
+}
+
+/// `engine.horizon = "0"` or the broker store after a far tier was used:
+/// nothing new is spilled, and what the tier holds still fires.
+#[tokio::test]
+async fn with_spilling_off_the_tier_still_loads_what_it_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let due = T0 + 5 * HOUR;
+    let r = start(far_config(dir.path()), clock.clone());
+    let spilled = schedule(&r, "orders", due, "spilled").await;
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 1);
+    r.stop().await;
+
+    let mut off = far_config(dir.path());
+    off.far.as_mut().unwrap().spill = false;
+    let mut r = start(off, clock.clone());
+    let kept = schedule(&r, "orders", due + 1, "kept").await;
+    r.engine.far_round().await.unwrap();
+    assert_eq!((r.engine.far_pending(), r.engine.pending()), (1, 2));
+    at(&r, &clock, due + 1).await;
+    assert_eq!([r.recv().await.id, r.recv().await.id], [spilled, kept]);
+    r.stop().await;
+}
