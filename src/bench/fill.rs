@@ -33,6 +33,9 @@ pub struct FillReport {
     pub peak_rss_bytes: u64,
 }
 
+/// Most messages stored and not yet spilled at once (a fill waits).
+const MAX_BACKLOG: u64 = 1_000_000;
+
 /// A deterministic spread of delays (splitmix64): no dependency, and the
 /// same fill for the same arguments.
 fn mix(seq: u64) -> u64 {
@@ -103,6 +106,11 @@ pub async fn run(args: &BenchArgs, count: u64) -> anyhow::Result<FillReport> {
     let mut tasks = JoinSet::new();
     let limit = args.in_flight.max(1);
     for seq in 0..total {
+        // Faster than the spill can write buckets, the wheel (and the WAL
+        // the spill has not retired yet) would grow with the backlog.
+        while engine.pending() - engine.far_pending() > MAX_BACKLOG {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         while tasks.len() >= limit {
             tasks.join_next().await.expect("a task")??;
             bar.inc(1);

@@ -253,6 +253,8 @@ pub struct DelaydOptions {
     pub route_extra: String,
     /// Keys added to the route's inline `from` table (`, key = value`...).
     pub from_extra: String,
+    /// TOML lines added to `[engine]`.
+    pub engine_extra: String,
 }
 
 impl Default for DelaydOptions {
@@ -267,6 +269,7 @@ impl Default for DelaydOptions {
             to_routing_key: None,
             route_extra: String::new(),
             from_extra: String::new(),
+            engine_extra: String::new(),
         }
     }
 }
@@ -315,6 +318,7 @@ listen = "{http}"
 [engine]
 shutdown_grace = {grace}
 max_pending = {max_pending}
+{engine_extra}
 
 [log]
 format = "pretty"
@@ -338,6 +342,7 @@ to = {{ broker = "rabbit", exchange = {to}{to_key} }}
             .map(|k| format!(", routing_key = {}", toml_string(k)))
             .unwrap_or_default(),
         extra = opts.route_extra,
+        engine_extra = opts.engine_extra,
         from_extra = opts.from_extra,
         wal_dir = toml_string(wal_dir),
         grace = toml_string(&opts.shutdown_grace),
