@@ -5,6 +5,7 @@
 
 mod connections;
 mod duration;
+pub mod partitions;
 mod secrets;
 mod validate;
 
@@ -424,6 +425,10 @@ pub enum ExchangeKind {
     Topic,
     Fanout,
     Headers,
+    /// The `rabbitmq_consistent_hash_exchange` plugin's type; what a
+    /// route with `partitions` declares.
+    #[serde(rename = "x-consistent-hash")]
+    ConsistentHash,
 }
 
 /// Type of a source queue delayd declares (its `x-queue-type`).
@@ -512,6 +517,17 @@ pub struct RouteConfig {
     /// (default: durable queue `delayd.parked` on the source broker).
     #[serde(default)]
     pub park: Option<DestinationConfig>,
+    /// RabbitMQ: split the route into this many partitions, routes
+    /// `<name>.0` .. `<name>.<N-1>` consuming queues `<from.queue>.0` ..,
+    /// bound to `from.exchange` declared as a consistent-hash exchange: a
+    /// routing key always lands in one partition. Each partition has its
+    /// own owner (and state streams) with the broker store, and the
+    /// instances share the partitions out evenly. See `config::partitions`.
+    #[serde(default)]
+    pub partitions: Option<u16>,
+    /// Set on the routes a partitioned one expands into (not a key).
+    #[serde(skip)]
+    pub partition: Option<partitions::Partition>,
 }
 
 /// `[routes.retry]`: how long to wait before each retry and when to give up.
@@ -656,6 +672,7 @@ impl Config {
             .map_err(|e| ConfigError::from_figment(e, file))?;
         config.file = file.map(Path::to_path_buf);
         config.validate(file)?;
+        config.routes = partitions::expand(std::mem::take(&mut config.routes));
         // Read every secret and certificate file now, so `delayd check`
         // and `delayd run` both fail on a missing one, naming it.
         config.connections()?;
@@ -670,6 +687,8 @@ impl Config {
             .extract()
             .map_err(|e| ConfigError::from_figment(e, None))?;
         config.validate(None)?;
+        let mut config = config;
+        config.routes = partitions::expand(std::mem::take(&mut config.routes));
         Ok(config)
     }
 }

@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::{AmqpAuth, BrokerConfig, Config, DestinationConfig, Mode, RouteConfig, StoreKind};
+use super::{
+    AmqpAuth, BrokerConfig, Config, DestinationConfig, ExchangeKind, Mode, RouteConfig, StoreKind,
+};
 
 /// Longest duration a key may hold: far beyond any real delay, and small
 /// enough that epoch milliseconds plus it never overflow a u64 (nor f64
@@ -297,6 +299,10 @@ impl Config {
                     format!("route name {:?} is used twice", route.name),
                 ));
             }
+            if let Some(n) = route.partitions {
+                self.check_partitions(route, n, &names)
+                    .map_err(|m| err(key("partitions"), m))?;
+            }
             if let Some(max) = route.max_delay.filter(|d| *d > MAX_DURATION) {
                 return Err(err(key("max_delay"), too_long(max)));
             }
@@ -510,6 +516,48 @@ impl Config {
                         "broker {name:?} is AMQP: set exactly one of `queue` or `exchange`"
                     ));
                 }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    /// `partitions = n` on `route`: a RabbitMQ route with an exchange for
+    /// producers, and partition names no other route has.
+    fn check_partitions(
+        &self,
+        route: &super::RouteConfig,
+        n: u16,
+        names: &HashSet<&str>,
+    ) -> Result<(), String> {
+        use super::partitions::{name, MAX_PARTITIONS};
+        if n == 0 || n > MAX_PARTITIONS {
+            return Err(format!("{n}: must be between 1 and {MAX_PARTITIONS}"));
+        }
+        if !matches!(self.broker(&route.from.broker), Some(BrokerConfig::Amqp { .. })) {
+            return Err("partitions are for RabbitMQ routes (a Kafka topic has its own)".into());
+        }
+        if route.from.exchange.is_none() {
+            return Err(
+                "a partitioned route needs from.exchange: producers publish there, and delayd declares it as the consistent-hash exchange in front of the partitions".into(),
+            );
+        }
+        if !matches!(
+            route.from.exchange_type,
+            ExchangeKind::Topic | ExchangeKind::ConsistentHash
+        ) {
+            return Err(format!(
+                "from.exchange_type {:?}: a partitioned route's exchange is declared x-consistent-hash",
+                route.from.exchange_type
+            ));
+        }
+        let taken = self.routes.iter().map(|r| r.name.as_str()).chain(names.iter().copied());
+        for other in taken {
+            if (0..n).any(|i| name(&route.name, i) == other) {
+                return Err(format!(
+                    "partition route {other:?} would have the name of another route"
+                ));
             }
         }
         Ok(())

@@ -282,6 +282,7 @@ fn start_source(
                     ExchangeKind::Topic => ExchangeType::Topic,
                     ExchangeKind::Fanout => ExchangeType::Fanout,
                     ExchangeKind::Headers => ExchangeType::Headers,
+                    ExchangeKind::ConsistentHash => ExchangeType::ConsistentHash,
                 };
                 source_cfg = source_cfg.with_exchange(exchange.clone(), kind);
             }

@@ -14,6 +14,7 @@ mod broker_store;
 mod clock;
 mod deploy;
 mod endpoints;
+mod partitions;
 mod far_tier;
 mod handoff;
 mod kafka_security;

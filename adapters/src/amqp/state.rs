@@ -115,6 +115,10 @@ pub enum StateError {
     /// are gone, and restoring without them would start the route empty.
     #[error("state stream {stream} is missing: the pointer names generation {generation}, but the stream was deleted; refusing to start the route without its pending messages (see docs/broker-store.md, \"A missing state stream\")")]
     Missing { stream: String, generation: u64 },
+    /// A candidate left the lock queue on purpose (it owns its share of a
+    /// partitioned route's partitions already).
+    #[error("stood down from the lock on {lock}")]
+    StoodDown { lock: String },
     /// The broker did not confirm a state write in time.
     #[error("the broker did not confirm a write to {stream} within {timeout:?}")]
     TimedOut { stream: String, timeout: Duration },
@@ -386,25 +390,55 @@ impl Candidate {
         every: Duration,
         mut standby: impl FnMut(),
     ) -> Result<StateSession, StateError> {
-        let waited = async {
-            loop {
-                self.wait_for_ping(every, &mut standby, None).await?;
-                tokio::time::sleep(LOCK_LEASE + LEASE_MARGIN).await;
-                let nonce = fresh_nonce().to_be_bytes();
-                if self
-                    .wait_for_ping(every, &mut standby, Some(&nonce))
-                    .await?
-                {
-                    return Ok::<_, StateError>(every);
-                }
-            }
-        };
-        match waited.await {
-            Ok(every) => self.into_session(every).await,
+        match self.wait_elected(every, &mut standby).await {
+            Ok(()) => self.into_session(every).await,
             Err(e) => {
                 // Not elected: this connection is of no further use.
                 self.close().await;
                 Err(e)
+            }
+        }
+    }
+
+    /// [`Candidate::elected`], unless `stand_down` resolves first: then the
+    /// candidate leaves the lock queue (its connection closed) and this
+    /// returns [`StateError::StoodDown`].
+    pub async fn elected_unless(
+        mut self,
+        every: Duration,
+        mut standby: impl FnMut(),
+        stand_down: impl std::future::Future<Output = ()>,
+    ) -> Result<StateSession, StateError> {
+        let waited = tokio::select! {
+            w = self.wait_elected(every, &mut standby) => Some(w),
+            _ = stand_down => None,
+        };
+        match waited {
+            Some(Ok(())) => self.into_session(every).await,
+            Some(Err(e)) => {
+                self.close().await;
+                Err(e)
+            }
+            None => {
+                self.close().await;
+                Err(StateError::StoodDown {
+                    lock: self.names.lock(),
+                })
+            }
+        }
+    }
+
+    async fn wait_elected(
+        &mut self,
+        every: Duration,
+        standby: &mut impl FnMut(),
+    ) -> Result<(), StateError> {
+        loop {
+            self.wait_for_ping(every, standby, None).await?;
+            tokio::time::sleep(LOCK_LEASE + LEASE_MARGIN).await;
+            let nonce = fresh_nonce().to_be_bytes();
+            if self.wait_for_ping(every, standby, Some(&nonce)).await? {
+                return Ok(());
             }
         }
     }
@@ -502,6 +536,91 @@ impl Candidate {
 
     /// Give up waiting.
     pub async fn close(&self) {
+        let _ = self.connection.close(200, "delayd stops".into()).await;
+    }
+}
+
+/// The instances that share a partitioned route: each holds one consumer
+/// on a quorum queue nothing is ever published to, and the queue's consumer
+/// count is how many there are. A consumer on a lost node goes after
+/// [`LOCK_LEASE`], like a lock's.
+pub struct Presence {
+    connection: Connection,
+    channel: Channel,
+    _consumer: lapin::Consumer,
+    queue: lapin::types::ShortString,
+}
+
+impl Presence {
+    pub async fn join(connection: Connection, queue: &str) -> Result<Self, StateError> {
+        let joined = async {
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(protocol("opening the presence channel"))?;
+            let name = short_string(queue, "presence queue name").map_err(AmqpError::from)?;
+            let mut args = FieldTable::default();
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString(LongString::from("quorum")),
+            );
+            args.insert(
+                "x-consumer-disconnected-timeout".into(),
+                AMQPValue::LongLongInt(LOCK_LEASE.as_millis() as i64),
+            );
+            channel
+                .queue_declare(name.clone(), QueueDeclareOptions::durable(), args)
+                .await
+                .map_err(protocol(format!("declaring the presence queue {queue}")))?;
+            let tag = format!("delayd-member-{:x}", fresh_nonce());
+            let consumer = channel
+                .basic_consume(
+                    name.clone(),
+                    short_string(&tag, "consumer tag").map_err(AmqpError::from)?,
+                    BasicConsumeOptions {
+                        no_ack: true,
+                        ..BasicConsumeOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(protocol(format!("consuming the presence queue {queue}")))?;
+            Ok::<_, StateError>((channel, consumer, name))
+        }
+        .await;
+        match joined {
+            Ok((channel, consumer, queue)) => Ok(Self {
+                connection,
+                channel,
+                _consumer: consumer,
+                queue,
+            }),
+            Err(e) => {
+                let _ = connection.close(200, "presence failed".into()).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// How many instances are present (this one included).
+    pub async fn count(&self) -> Result<u32, StateError> {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let queue = self
+            .channel
+            .queue_declare(self.queue.clone(), passive, FieldTable::default())
+            .await
+            .map_err(protocol(format!("counting the members of {}", self.queue)))?;
+        Ok(queue.consumer_count())
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.connection.status().connected() && self.channel.status().connected()
+    }
+
+    pub async fn leave(&self) {
         let _ = self.connection.close(200, "delayd stops".into()).await;
     }
 }

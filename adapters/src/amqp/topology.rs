@@ -35,6 +35,10 @@ pub enum ExchangeType {
     Fanout,
     /// Routing on header values.
     Headers,
+    /// `x-consistent-hash` (the `rabbitmq_consistent_hash_exchange` plugin,
+    /// shipped with RabbitMQ): each routing key goes to one bound queue,
+    /// in proportion to the binding keys, read as weights.
+    ConsistentHash,
 }
 
 impl ExchangeType {
@@ -45,6 +49,7 @@ impl ExchangeType {
             ExchangeType::Topic => "topic",
             ExchangeType::Fanout => "fanout",
             ExchangeType::Headers => "headers",
+            ExchangeType::ConsistentHash => "x-consistent-hash",
         }
     }
 
@@ -54,6 +59,8 @@ impl ExchangeType {
     pub fn default_binding_key(self) -> &'static str {
         match self {
             ExchangeType::Fanout => "",
+            // A weight: every partition's queue gets an equal share.
+            ExchangeType::ConsistentHash => "1",
             _ => "#",
         }
     }
@@ -64,6 +71,7 @@ impl ExchangeType {
             ExchangeType::Topic => ExchangeKind::Topic,
             ExchangeType::Fanout => ExchangeKind::Fanout,
             ExchangeType::Headers => ExchangeKind::Headers,
+            ExchangeType::ConsistentHash => ExchangeKind::Custom(self.as_str().into()),
         }
     }
 }
@@ -76,7 +84,7 @@ impl fmt::Display for ExchangeType {
 
 /// An exchange type name that is not one of the four standard ones.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown exchange type {0:?} (expected direct, topic, fanout or headers)")]
+#[error("unknown exchange type {0:?} (expected direct, topic, fanout, headers or x-consistent-hash)")]
 pub struct UnknownExchangeType(pub String);
 
 impl FromStr for ExchangeType {
@@ -88,6 +96,7 @@ impl FromStr for ExchangeType {
             "topic" => Ok(ExchangeType::Topic),
             "fanout" => Ok(ExchangeType::Fanout),
             "headers" => Ok(ExchangeType::Headers),
+            "x-consistent-hash" => Ok(ExchangeType::ConsistentHash),
             _ => Err(UnknownExchangeType(s.to_owned())),
         }
     }

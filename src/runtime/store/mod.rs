@@ -14,6 +14,7 @@
 
 mod kafka;
 mod mirrored;
+mod partitions;
 mod rabbitmq;
 
 use std::sync::Arc;
@@ -33,6 +34,7 @@ use crate::engine::Engine;
 use crate::engine::{EngineError, Stored};
 use crate::id::MessageId;
 use kafka::KafkaStore;
+use partitions::PartitionGroup;
 use rabbitmq::{Phase, StreamStore};
 
 #[derive(Clone)]
@@ -177,6 +179,7 @@ pub(super) async fn open_stores(
     }
     // Routes whose state this WAL last kept in the broker.
     let mirrored = mirrored::mirrored_routes(&config.wal.dir)?;
+    let mut groups: HashMap<String, Arc<PartitionGroup>> = HashMap::new();
     for route in &config.routes {
         let topic = config.store.topic(&route.name);
         let was_mirrored = mirrored.contains(&route.name);
@@ -196,14 +199,34 @@ pub(super) async fn open_stores(
                 .await
             }
             Some(BrokerHandle::Amqp { connections }) => {
+                let endpoints = connections.consume.endpoints().clone();
+                let group = route.partition.as_ref().map(|p| {
+                    groups
+                        .entry(p.group.clone())
+                        .or_insert_with(|| {
+                            let group = PartitionGroup::new(&p.group, p.count);
+                            let broker = delayd_adapters::amqp::Broker::with_endpoints(
+                                endpoints.clone(),
+                                delayd_adapters::amqp::BrokerOptions::named(format!(
+                                    "delayd-members-{}",
+                                    p.group
+                                )),
+                            );
+                            let queue = format!("{}.members", config.store.topic(&p.group));
+                            tokio::spawn(group.clone().run_presence(broker, queue, stop.clone()));
+                            group
+                        })
+                        .clone()
+                });
                 open_stream_store(
-                    connections.consume.endpoints().clone(),
+                    endpoints,
                     &topic,
                     route,
                     engine,
                     was_mirrored,
                     &config.store,
                     &config.wal.dir,
+                    group,
                 )
                 .await
             }
@@ -274,6 +297,7 @@ async fn open_stream_store(
     mirrored: bool,
     settings: &crate::config::StoreSection,
     wal_dir: &std::path::Path,
+    group: Option<Arc<PartitionGroup>>,
 ) -> anyhow::Result<RouteStore> {
     let names = delayd_adapters::amqp::state::StateNames::new(stream)
         .with_replicas(settings.replication_factor)
@@ -285,6 +309,7 @@ async fn open_stream_store(
         engine.clone(),
         settings.checkpoint_records,
         wal_dir.to_owned(),
+        group,
     )?;
     let (released, kept) = store.adopt_cached(mirrored).await?;
     if released > 0 {

@@ -39,6 +39,8 @@ use tokio_util::sync::CancellationToken;
 use crate::engine::{Engine, EngineError, Stored, Storing};
 use crate::id::MessageId;
 
+use super::partitions::PartitionGroup;
+
 /// Releases in flight at once when an owner gives its messages up.
 const RELEASE_CONCURRENCY: usize = 256;
 
@@ -115,6 +117,8 @@ pub struct StreamStore {
     /// The WAL directory, where the route is marked broker-kept (see
     /// `store::mark_mirrored`) once no message of it is local-only.
     wal_dir: std::path::PathBuf,
+    /// The partitioned route this route is a partition of, if any.
+    group: Option<Arc<PartitionGroup>>,
 }
 
 impl StreamStore {
@@ -125,6 +129,7 @@ impl StreamStore {
         engine: Engine,
         checkpoint_floor: u64,
         wal_dir: std::path::PathBuf,
+        group: Option<Arc<PartitionGroup>>,
     ) -> anyhow::Result<Arc<Self>> {
         let broker = Broker::with_endpoints(
             endpoints,
@@ -142,6 +147,7 @@ impl StreamStore {
             state_missing: Default::default(),
             checkpoint_floor,
             wal_dir,
+            group,
         }))
     }
 
@@ -475,12 +481,24 @@ impl StreamStore {
     ) {
         loop {
             self.set_phase(Phase::Electing);
+            if let Some(group) = &self.group {
+                // Compete for this partition only below this instance's share.
+                if group.wait_for_room(&shutdown).await {
+                    return;
+                }
+            }
             let elected = tokio::select! {
                 s = self.elect() => s,
                 _ = shutdown.cancelled() => return,
             };
             let session = match elected {
-                Ok(s) => Arc::new(s),
+                Ok(s) => {
+                    if let Some(group) = &self.group {
+                        group.took();
+                    }
+                    Arc::new(s)
+                }
+                Err(StateError::StoodDown { .. }) => continue,
                 Err(e) => {
                     tracing::warn!(route = %self.route, error = %e, "cannot wait for the route's lock; trying again");
                     if sleep_or_stop(LOCK_RETRY, &shutdown).await {
@@ -506,6 +524,7 @@ impl StreamStore {
                     self.set_phase(Phase::Electing);
                     *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
                     self.lose(session).await;
+                    self.left_partition(false);
                     return;
                 }
                 Some(Err(e)) => {
@@ -521,6 +540,7 @@ impl StreamStore {
                         LOCK_RETRY
                     };
                     self.lose(session).await;
+                    self.left_partition(false);
                     if sleep_or_stop(retry, &shutdown).await {
                         return;
                     }
@@ -536,16 +556,28 @@ impl StreamStore {
                 Err(e) => {
                     tracing::error!(route = %self.route, error = %e, "cannot start consuming");
                     self.end_session().await;
+                    self.left_partition(false);
                     if sleep_or_stop(LOCK_RETRY, &shutdown).await {
                         return;
                     }
                     continue;
                 }
             };
+            let yield_turn = async {
+                match &self.group {
+                    Some(group) => group.yield_turn().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let mut yielding = false;
             let stopping = tokio::select! {
                 _ = shutdown.cancelled() => true,
                 _ = session.lost() => false,
                 _ = failed.cancelled() => false,
+                _ = yield_turn => {
+                    yielding = true;
+                    false
+                }
             };
             if !stopping {
                 // The lock is gone: nothing more fires here (see
@@ -564,8 +596,20 @@ impl StreamStore {
             if stopping {
                 return; // the runtime calls `flush` once publishes are done
             }
-            tracing::error!(route = %self.route, "lost the route's lock (its connection closed or a state write failed); releasing its messages to the next owner");
+            if yielding {
+                tracing::info!(route = %self.route, "giving this partition to an instance below its share; releasing its messages to the next owner");
+            } else {
+                tracing::error!(route = %self.route, "lost the route's lock (its connection closed or a state write failed); releasing its messages to the next owner");
+            }
             self.end_session().await;
+            self.left_partition(yielding);
+        }
+    }
+
+    /// This partition's lock is no longer held here (see `PartitionGroup`).
+    fn left_partition(&self, yielding: bool) {
+        if let Some(group) = &self.group {
+            group.gave_up(yielding);
         }
     }
 
@@ -574,9 +618,16 @@ impl StreamStore {
         let connection = self.broker.open_dedicated().await?;
         let candidate = Candidate::register(connection, &self.names).await?;
         tracing::info!(route = %self.route, lock = %self.names.lock(), "waiting to own the route (standby while another instance owns it)");
-        candidate
-            .elected(LOCK_RETRY, || self.set_phase(Phase::Standby))
-            .await
+        let standby = || self.set_phase(Phase::Standby);
+        match &self.group {
+            // Owning its share already, this instance leaves the lock queue.
+            Some(group) => {
+                candidate
+                    .elected_unless(LOCK_RETRY, standby, group.full())
+                    .await
+            }
+            None => candidate.elected(LOCK_RETRY, standby).await,
+        }
     }
 
     /// Read the live set back, write it into a fresh generation, start the
