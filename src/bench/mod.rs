@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// AMQP: routing key to publish with.
     #[arg(long, default_value = "bench")]
     pub routing_key: String,
+    /// AMQP: spread the publishes over this many routing keys
+    /// (`<routing-key>.<n>`), as a partitioned route's producers would.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub routing_keys: u64,
     /// AMQP: queue to consume the delivered messages from.
     #[arg(long, required_unless_present_any = ["kafka", "fill"])]
     pub queue: Option<String>,
@@ -434,7 +438,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         };
         last_due = last_due.max(due);
         let message = bench_message(&run_id, seq, when, due, args.body_bytes);
-        let publish = sink.publish(message, target.clone());
+        let target = if args.routing_keys > 1 {
+            Target {
+                destination: target.destination.clone(),
+                routing_key: Some(format!("{}.{}", args.routing_key, seq % args.routing_keys)),
+            }
+        } else {
+            target.clone()
+        };
+        let publish = sink.publish(message, target);
         let (failures, bar, confirmed) = (failures.clone(), pub_bar.clone(), confirmed.clone());
         let delaying_exchange = args.delaying_exchange;
         tokio::spawn(async move {
