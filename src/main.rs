@@ -43,7 +43,7 @@ enum Command {
         command: StoreCommand,
     },
     /// Load generator: publish delayed messages and measure their arrival.
-    Bench(delayd::bench::BenchArgs),
+    Bench(Box<delayd::bench::BenchArgs>),
     /// List, show, cancel and purge pending messages through the admin API.
     Messages(delayd::messages::MessagesArgs),
     /// Ask a running delayd whether it is alive (exit 0) or not (exit 1):
@@ -97,7 +97,7 @@ fn main() -> ExitCode {
                 level: "warn,lapin::channel=off".into(),
                 ..Default::default()
             });
-            runtime().and_then(|rt| rt.block_on(delayd::bench::run(args)))
+            runtime().and_then(|rt| rt.block_on(delayd::bench::run(*args)))
         }
         Command::Messages(args) => delayd::messages::run(args),
         Command::Healthcheck(args) => delayd::healthcheck::run(args),

@@ -535,7 +535,10 @@ impl Config {
         if n == 0 || n > MAX_PARTITIONS {
             return Err(format!("{n}: must be between 1 and {MAX_PARTITIONS}"));
         }
-        if !matches!(self.broker(&route.from.broker), Some(BrokerConfig::Amqp { .. })) {
+        if !matches!(
+            self.broker(&route.from.broker),
+            Some(BrokerConfig::Amqp { .. })
+        ) {
             return Err("partitions are for RabbitMQ routes (a Kafka topic has its own)".into());
         }
         if route.from.exchange.is_none() {
@@ -552,7 +555,11 @@ impl Config {
                 route.from.exchange_type
             ));
         }
-        let taken = self.routes.iter().map(|r| r.name.as_str()).chain(names.iter().copied());
+        let taken = self
+            .routes
+            .iter()
+            .map(|r| r.name.as_str())
+            .chain(names.iter().copied());
         for other in taken {
             if (0..n).any(|i| name(&route.name, i) == other) {
                 return Err(format!(

@@ -87,7 +87,10 @@ impl Partitioned {
         for i in 0..PER_BATCH {
             let delay = 3_000 + (i as u64 * 7919) % 5_000;
             let mut headers = FieldTable::default();
-            headers.insert(ShortString::from("x-delay"), AMQPValue::LongLongInt(delay as i64));
+            headers.insert(
+                ShortString::from("x-delay"),
+                AMQPValue::LongLongInt(delay as i64),
+            );
             let id = format!("{tag}-{i}");
             let props = BasicProperties::default()
                 .with_message_id(id.as_str().into())
@@ -124,10 +127,14 @@ async fn three_instances_share_six_partitions_through_a_kill_and_an_addition() {
         let pointer = format!("{prefix}{}.{p}", names.route);
         cleanup.queues.push(format!("{pointer}.pointer"));
         cleanup.queues.push(format!("{pointer}.lock"));
-        cleanup.queues.extend((0..4).map(|g| format!("{pointer}.{g}")));
+        cleanup
+            .queues
+            .extend((0..4).map(|g| format!("{pointer}.{g}")));
         cleanup.queues.push(pointer);
     }
-    cleanup.queues.push(format!("{prefix}{}.members", names.route));
+    cleanup
+        .queues
+        .push(format!("{prefix}{}.members", names.route));
     let r = Partitioned {
         names,
         prefix,
@@ -160,7 +167,11 @@ async fn three_instances_share_six_partitions_through_a_kill_and_an_addition() {
             .unwrap_or_else(|| panic!("only {} of {} arrived", first.len(), sent.len()));
         let id = m.message_id().unwrap_or_default().to_owned();
         let (at, delay) = sent[&id];
-        assert!(m.at_ms >= at + delay, "{id} arrived {} ms early", at + delay - m.at_ms);
+        assert!(
+            m.at_ms >= at + delay,
+            "{id} arrived {} ms early",
+            at + delay - m.at_ms
+        );
         assert_eq!(m.delivery.data, format!("body {id}").as_bytes());
         let uid = m.header_text("x-delayd-id").expect("x-delayd-id");
         match first.get(&id) {
@@ -176,7 +187,10 @@ async fn three_instances_share_six_partitions_through_a_kill_and_an_addition() {
         }
     }
     receiver.close().await;
-    eprintln!("{} arrived, {duplicates} duplicates ({other_id} under another id)", sent.len());
+    eprintln!(
+        "{} arrived, {duplicates} duplicates ({other_id} under another id)",
+        sent.len()
+    );
     assert_eq!(other_id, 0, "a message stored twice");
     assert!(
         duplicates * 1000 <= sent.len(),

@@ -84,7 +84,9 @@ impl fmt::Display for ExchangeType {
 
 /// An exchange type name that is not one of the four standard ones.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown exchange type {0:?} (expected direct, topic, fanout, headers or x-consistent-hash)")]
+#[error(
+    "unknown exchange type {0:?} (expected direct, topic, fanout, headers or x-consistent-hash)"
+)]
 pub struct UnknownExchangeType(pub String);
 
 impl FromStr for ExchangeType {

@@ -224,8 +224,7 @@ pub(super) async fn open_stores(
                     route,
                     engine,
                     was_mirrored,
-                    &config.store,
-                    &config.wal.dir,
+                    config,
                     group,
                 )
                 .await
@@ -295,10 +294,10 @@ async fn open_stream_store(
     route: &crate::config::RouteConfig,
     engine: &Engine,
     mirrored: bool,
-    settings: &crate::config::StoreSection,
-    wal_dir: &std::path::Path,
+    config: &Config,
     group: Option<Arc<PartitionGroup>>,
 ) -> anyhow::Result<RouteStore> {
+    let (settings, wal_dir) = (&config.store, &config.wal.dir);
     let names = delayd_adapters::amqp::state::StateNames::new(stream)
         .with_replicas(settings.replication_factor)
         .with_append_timeout(settings.write_timeout);

@@ -45,7 +45,8 @@ impl PartitionGroup {
 
     /// How many partitions this instance should own.
     pub fn fair_share(&self) -> u32 {
-        self.count.div_ceil(self.members.load(Ordering::Acquire).max(1))
+        self.count
+            .div_ceil(self.members.load(Ordering::Acquire).max(1))
     }
 
     pub fn owned(&self) -> u32 {
@@ -136,13 +137,19 @@ impl PartitionGroup {
 
     /// Be present on `queue` and count the instances there until `stop`,
     /// reconnecting as needed.
-    pub async fn run_presence(self: Arc<Self>, broker: Broker, queue: String, stop: CancellationToken) {
+    pub async fn run_presence(
+        self: Arc<Self>,
+        broker: Broker,
+        queue: String,
+        stop: CancellationToken,
+    ) {
         loop {
             let joined = async {
-                let connection = broker.open_dedicated().await?;
-                Ok::<_, delayd_adapters::amqp::state::StateError>(
-                    Presence::join(connection, &queue).await?,
-                )
+                let connection = broker
+                    .open_dedicated()
+                    .await
+                    .map_err(delayd_adapters::amqp::state::StateError::from)?;
+                Presence::join(connection, &queue).await
             };
             let presence = tokio::select! {
                 p = joined => p,
