@@ -342,6 +342,9 @@ async fn with_spilling_off_the_tier_still_loads_what_it_holds() {
     let kept = schedule(&r, "orders", due + 1, "kept").await;
     r.engine.far_round().await.unwrap();
     assert_eq!((r.engine.far_pending(), r.engine.pending()), (1, 2));
+    // Loaded an horizon ahead, as always, before either is due.
+    at(&r, &clock, due - HOUR).await;
+    assert_eq!(r.engine.far_pending(), 0);
     at(&r, &clock, due + 1).await;
     assert_eq!([r.recv().await.id, r.recv().await.id], [spilled, kept]);
     r.stop().await;
