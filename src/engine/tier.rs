@@ -362,8 +362,10 @@ async fn load_one(
     .await
     .map_err(|_| EngineError::WriterGone)??;
 
-    // Copy into the WAL what it does not hold yet (a crash between a
-    // load's copy and its removal of the bucket leaves both).
+    // Back into the WAL, under new ids: the ids they had are retired there
+    // (the spill's Done, which compaction may copy past a record with the
+    // same id). Their identity (uid, the x-delayd-id) is kept. One still in
+    // the wheel (spilled twice, then armed again from the WAL) stays as is.
     let mut copies = Vec::with_capacity(read.live.len());
     for r in read.live {
         let (route, key) = {
@@ -376,26 +378,27 @@ async fn load_one(
         };
         let rx = inner
             .wal
-            .append_copy(r.id, r.due_ms, r.uid, &r.route, r.message)?;
+            .append_returning(r.due_ms, r.uid, &r.route, r.message)?;
         copies.push((r.id, r.due_ms, route, key, rx));
     }
     let mut placed = Vec::with_capacity(copies.len());
     let mut failed = None;
-    for (id, due, route, key, rx) in copies {
+    for (arrival, due, route, key, rx) in copies {
         match rx
             .await
             .map_err(|_| EngineError::WriterGone)
             .and_then(|r| Ok(r?))
         {
-            Ok(appended) => placed.push((
+            Ok(appended) => placed.push(Rearm {
                 due,
-                id,
-                Slot {
+                arrival,
+                id: appended.id,
+                slot: Slot {
                     pos: appended.pos,
                     route,
                 },
                 key,
-            )),
+            }),
             Err(e) => failed = Some(e),
         }
     }
@@ -444,27 +447,35 @@ async fn load_one(
     Ok(n)
 }
 
+/// A message to arm as a load ends: `arrival` orders equal due times (the
+/// id it was first stored under; a loaded message's `id` is a new one).
+struct Rearm {
+    due: u64,
+    arrival: u64,
+    id: u64,
+    slot: Slot,
+    key: Option<u64>,
+}
+
 /// Arm loaded messages and the candidates that share their bucket in (due,
-/// id) order, so that equal due times fire in arrival order across both.
-fn arm_sorted(
-    inner: &Inner,
-    loaded: Vec<(u64, u64, Slot, Option<u64>)>,
-    candidates: Vec<Expired<Slot>>,
-) {
+/// arrival) order, so that equal due times fire in arrival order across both.
+fn arm_sorted(inner: &Inner, loaded: Vec<Rearm>, candidates: Vec<Expired<Slot>>) {
     let mut all = loaded;
-    all.extend(
-        candidates
-            .into_iter()
-            .map(|e| (e.deadline, e.id, e.data, None)),
-    );
-    all.sort_by_key(|a| (a.0, a.1));
-    let earliest = all.first().map(|a| a.0);
+    all.extend(candidates.into_iter().map(|e| Rearm {
+        due: e.deadline,
+        arrival: e.id,
+        id: e.id,
+        slot: e.data,
+        key: None,
+    }));
+    all.sort_by_key(|a| (a.due, a.arrival));
+    let earliest = all.first().map(|a| a.due);
     {
         let mut state = inner.state();
-        for (due, id, slot, key) in all {
-            state.arm(id, due, slot);
-            if let Some(hash) = key {
-                state.index_key(hash, id);
+        for a in all {
+            state.arm(a.id, a.due, a.slot);
+            if let Some(hash) = a.key {
+                state.index_key(hash, a.id);
             }
         }
     }

@@ -344,6 +344,21 @@ impl Wal {
             .send(AppendRequest::schedule(None, due_ms, uid, route, message))
     }
 
+    /// Append a Schedule for a message that comes back from elsewhere (the
+    /// far tier): a new id, its identity `uid` kept, and no size check (it
+    /// was accepted once, under whatever limit applied then).
+    pub fn append_returning(
+        &self,
+        due_ms: u64,
+        uid: u128,
+        route: &str,
+        message: Vec<u8>,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        self.shared
+            .writer
+            .send(AppendRequest::schedule(None, due_ms, uid, route, message))
+    }
+
     /// Append a compaction copy of an existing Schedule (same id and uid).
     pub fn append_copy(
         &self,
