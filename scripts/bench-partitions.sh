@@ -65,7 +65,7 @@ owners() { # instances: partitions consuming, over all of them
     local i total=0 shares=""
     for i in $(seq 1 "$1"); do
         local n
-        n=$(curl -sf "http://127.0.0.1:$((9470 + i))/readyz" 2>/dev/null |
+        n=$(curl -s "http://127.0.0.1:$((9470 + i))/readyz" 2>/dev/null |
             jq '[.routes | to_entries[] | select(.value == "consuming")] | length' 2>/dev/null || echo 0)
         total=$((total + n))
         shares="$shares${shares:+/}$n"

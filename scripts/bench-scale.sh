@@ -21,7 +21,9 @@
 #   4. delayd's RSS after the restart and after the load run, and the
 #      bytes on disk in the WAL and in the far tier.
 # One JSON line per N goes to $work/scale.jsonl and a table to stdout;
-# PLOT=file.svg also draws RSS and restart time against N.
+# PLOT=file.svg also draws RSS and restart time against N. STORE=dir
+# measures an existing filled WAL directory (moved into the work directory
+# and back) instead of filling one; COUNTS then names its size.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 counts="${COUNTS:-0 1000000 10000000}"
@@ -57,7 +59,10 @@ rss_bytes() { echo $(( $(ps -o rss= -p "$pid") * 1024 )); }
 for n in $counts; do
     rm -rf "$work/wal"
     fill='{}'
-    if [ "$n" -gt 0 ]; then
+    if [ -n "${STORE:-}" ]; then
+        mv "$STORE" "$work/wal"
+        trap 'mv "$work/wal" "$STORE"; cleanup' EXIT
+    elif [ "$n" -gt 0 ]; then
         fill=$(DELAYD_WAL__DIR="$work/wal" "$delayd" bench --fill "$n" --config "$config" \
             --route bench --exchange bench.delayed --delay-min 3600000 --delay-max 2592000000 \
             --body-bytes 64 --in-flight 8192 --json ${QUIET:+--quiet})
@@ -65,10 +70,12 @@ for n in $counts; do
     # A first start, then 1000 messages due in 10 s, then SIGKILL.
     start_delayd
     until ready; do sleep 0.05; done
+    before=$(pending)
     "$delayd" bench --quiet --publish-only --exchange bench.delayed --queue bench.q \
         --bind-to bench.out --count 1000 --rate 100000 --delay-min 10000 --delay-max 10000 >/dev/null
     # Stored (in the WAL) before the kill.
-    until [ "$(pending)" -ge $(( n + 1000 )) ]; do sleep 0.05; done
+    until [ "$(pending)" -ge $(( before + 1000 )) ]; do sleep 0.05; done
+    [ "$before" -eq "$n" ] || echo "warning: $before pending after the first start, not $n" >&2
     kill -KILL "$pid"
     wait "$pid" 2>/dev/null || true
     pid=""

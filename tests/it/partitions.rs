@@ -69,13 +69,16 @@ impl Partitioned {
         let start = Instant::now();
         loop {
             let (shares, owned) = self.shares(instances);
-            if owned == PARTS as usize && shares.iter().all(|&s| s == share) {
+            // Ready too: one that leaves the other partitions to the others
+            // reports them as a standby does, not as starting.
+            let ready = instances.iter().all(|d| d.readyz()["ready"] == true);
+            if owned == PARTS as usize && shares.iter().all(|&s| s == share) && ready {
                 eprintln!("settled in {:?}: {shares:?}", start.elapsed());
                 return;
             }
             assert!(
                 start.elapsed() < SETTLE,
-                "not settled after {SETTLE:?}: shares {shares:?}, {owned} of {PARTS} owned"
+                "not settled after {SETTLE:?}: shares {shares:?}, {owned} of {PARTS} owned, ready {ready}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

@@ -53,7 +53,7 @@ impl PartitionGroup {
         self.owned.load(Ordering::Acquire)
     }
 
-    fn has_room(&self) -> bool {
+    pub fn has_room(&self) -> bool {
         self.owned() < self.fair_share()
     }
 

@@ -482,7 +482,12 @@ impl StreamStore {
         loop {
             self.set_phase(Phase::Electing);
             if let Some(group) = &self.group {
-                // Compete for this partition only below this instance's share.
+                // Compete for this partition only below this instance's
+                // share; meanwhile another instance owns it (or will): a
+                // standby, as ready as one waiting on the lock queue.
+                if !group.has_room() {
+                    self.set_phase(Phase::Standby);
+                }
                 if group.wait_for_room(&shutdown).await {
                     return;
                 }
