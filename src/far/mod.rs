@@ -50,7 +50,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::wal::frame::{self, Salt, Schedule};
-use crate::wal::fs::{parent_dir, FileSystem};
+use crate::wal::fs::{parent_dir, FileSystem, WalFile};
 use crate::wal::reader::{self, ScanItem, Scanner};
 use crate::wal::{RecordRef, WalError};
 
@@ -353,16 +353,10 @@ impl FarStore {
             *meta.routes.entry(r.route.clone()).or_default() += 1;
             meta.min_id = meta.min_id.min(r.id);
         }
-        file.append(&buf).map_err(|e| WalError::io(&path, e))?;
-        file.sync_data().map_err(|source| WalError::Fatal {
-            op: "fsync of a far bucket",
-            path: path.clone(),
-            source,
-        })?;
+        meta.bytes = append_synced(&*file, &buf, &path)?;
         if created {
             sync_dir(fs, &self.config.dir)?;
         }
-        meta.bytes = file.size().map_err(|e| WalError::io(&path, e))?;
         Ok(meta)
     }
 
@@ -397,13 +391,7 @@ impl FarStore {
         frame::put_done(&mut buf, Salt::new(meta.salt), self.cp.next_seq, id, 0);
         let write = || -> Result<u64, FarError> {
             let file = fs.open_append(&path).map_err(|e| WalError::io(&path, e))?;
-            file.append(&buf).map_err(|e| WalError::io(&path, e))?;
-            file.sync_data().map_err(|source| WalError::Fatal {
-                op: "fsync of a far bucket",
-                path: path.clone(),
-                source,
-            })?;
-            Ok(file.size().map_err(|e| WalError::io(&path, e))?)
+            append_synced(&*file, &buf, &path)
         };
         let bytes = match write() {
             Ok(b) => b,
@@ -575,6 +563,17 @@ impl FarStore {
             &self.cp,
         )
     }
+}
+
+/// Append `buf` to a bucket and sync it; its new length.
+fn append_synced(file: &dyn WalFile, buf: &[u8], path: &Path) -> Result<u64, FarError> {
+    file.append(buf).map_err(|e| WalError::io(path, e))?;
+    file.sync_data().map_err(|source| WalError::Fatal {
+        op: "fsync of a far bucket",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(file.size().map_err(|e| WalError::io(path, e))?)
 }
 
 fn sync_dir(fs: &dyn FileSystem, dir: &Path) -> Result<(), FarError> {

@@ -339,9 +339,7 @@ impl Wal {
         message: Vec<u8>,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
         self.check_size(route, &message)?;
-        self.shared
-            .writer
-            .send(AppendRequest::schedule(None, due_ms, uid, route, message))
+        self.append_returning(due_ms, uid, route, message)
     }
 
     /// Append a Schedule for a message that comes back from elsewhere (the
