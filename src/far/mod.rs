@@ -34,10 +34,13 @@
 //!   the checkpoint and one `stat` per bucket, never a bucket's contents.
 //! - A crash after the checkpoint and before the WAL's Done spills the
 //!   message a second time. Reading a bucket keeps one record per id.
-//! - A load copies a bucket's records into the WAL and waits for them to be
-//!   durable, deletes the bucket and writes the checkpoint, and only then
-//!   arms them. A crash in between leaves both: the engine skips the records
-//!   it already holds.
+//! - A load appends a bucket's records to the WAL under new ids (their
+//!   identity, the `x-delayd-id`, kept; the old ids are retired there, and
+//!   compaction may copy a retiring Done past a record that reused one),
+//!   waits for them to be durable, writes the checkpoint without the bucket
+//!   and deletes it, and only then arms them. A crash between the WAL's sync
+//!   and the checkpoint's leaves both: the bucket loads again and its
+//!   messages fire twice, under the same `x-delayd-id`.
 //! - A bad frame inside a bucket's checkpointed length is corruption: it is
 //!   logged and counted like the WAL's, and the frames after it are read.
 
