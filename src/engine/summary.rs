@@ -29,17 +29,25 @@ pub struct DueSummary {
 
 impl DueSummary {
     fn add(&mut self, due: u64, now: u64) {
-        self.pending += 1;
+        self.add_n(due, 1, now);
+    }
+
+    /// `n` messages due at `due`.
+    fn add_n(&mut self, due: u64, n: u64, now: u64) {
+        if n == 0 {
+            return;
+        }
+        self.pending += n;
         self.next_due_ms = Some(self.next_due_ms.map_or(due, |d| d.min(due)));
         if due <= now {
-            self.overdue += 1;
+            self.overdue += n;
             self.oldest_overdue_ms = Some(self.oldest_overdue_ms.map_or(due, |d| d.min(due)));
             return;
         }
         let ahead = due - now;
-        self.within_minute += u64::from(ahead <= 60_000);
-        self.within_hour += u64::from(ahead <= 3_600_000);
-        self.within_day += u64::from(ahead <= 86_400_000);
+        self.within_minute += n * u64::from(ahead <= 60_000);
+        self.within_hour += n * u64::from(ahead <= 3_600_000);
+        self.within_day += n * u64::from(ahead <= 86_400_000);
     }
 }
 
@@ -51,6 +59,8 @@ impl Engine {
     /// as much.
     pub fn due_summary(&self) -> (u64, BTreeMap<Arc<str>, DueSummary>) {
         let now = self.inner.clock.now_ms();
+        // Held throughout: nothing moves between the tiers meanwhile.
+        let far = self.inner.far.as_ref().map(|t| t.store());
         let mut by_id: Vec<DueSummary> = Vec::new();
         let mut names: Vec<Arc<str>> = Vec::new();
         let mut add = |route: u16, name: &dyn Fn() -> Arc<str>, due: u64| {
@@ -84,6 +94,25 @@ impl Engine {
         for (_, flight) in state.flights() {
             let route = flight.slot.route;
             add(route, &|| state.route_name(route), flight.deadline);
+        }
+        // The far tier by bucket: each message counted at its bucket's start
+        // (at most a bucket early; never due within the horizon).
+        if let Some(store) = &far {
+            for (start, routes) in store.bucket_counts() {
+                for (name, &n) in routes {
+                    if let Some(r) = state.route_id(name) {
+                        let r = r as usize;
+                        if by_id.len() <= r {
+                            by_id.resize(r + 1, DueSummary::default());
+                            names.resize(r + 1, Arc::from(""));
+                        }
+                        if names[r].is_empty() {
+                            names[r] = state.route_name(r as u16);
+                        }
+                        by_id[r].add_n(start, n, now);
+                    }
+                }
+            }
         }
         let mut out: BTreeMap<Arc<str>, DueSummary> = state
             .counts_by_route()

@@ -294,6 +294,16 @@ async fn a_listing_pages_through_the_wheel_and_the_far_tier_in_due_order() {
     let got: Vec<_> = b_only.iter().map(|p| (p.due_ms, p.id)).collect();
     assert_eq!(got, want);
     assert_eq!(r.engine.waiting().len(), 12);
+    // The status page's summary counts the far tier too: 3 near, then 9 h
+    // and 18 h (within a day), 27 h (later), three of each.
+    let (_, summaries) = r.engine.due_summary();
+    let pending: u64 = summaries.values().map(|s| s.pending).sum();
+    let within_day: u64 = summaries.values().map(|s| s.within_day).sum();
+    let within_hour: u64 = summaries.values().map(|s| s.within_hour).sum();
+    assert_eq!((pending, within_hour, within_day), (12, 3, 9));
+    // Route b has only far messages: its next due time is its first
+    // bucket's start, at most a bucket early.
+    assert_eq!(summaries["b"].next_due_ms, Some(T0 + 9 * HOUR));
     r.stop().await;
 }
 

@@ -245,6 +245,14 @@ impl FarStore {
         out
     }
 
+    /// Each bucket's start and its counts per route.
+    pub fn bucket_counts(&self) -> impl Iterator<Item = (u64, &BTreeMap<String, u64>)> {
+        self.cp
+            .buckets
+            .iter()
+            .map(|(&start, meta)| (start, &meta.routes))
+    }
+
     /// Bytes on disk in bucket files.
     pub fn bytes(&self) -> u64 {
         self.cp.buckets.values().map(|m| m.bytes).sum()
