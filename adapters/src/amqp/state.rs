@@ -559,17 +559,12 @@ impl Presence {
                 .await
                 .map_err(protocol("opening the presence channel"))?;
             let name = short_string(queue, "presence queue name").map_err(AmqpError::from)?;
-            let mut args = FieldTable::default();
-            args.insert(
-                "x-queue-type".into(),
-                AMQPValue::LongString(LongString::from("quorum")),
-            );
-            args.insert(
-                "x-consumer-disconnected-timeout".into(),
-                AMQPValue::LongLongInt(LOCK_LEASE.as_millis() as i64),
-            );
             channel
-                .queue_declare(name.clone(), QueueDeclareOptions::durable(), args)
+                .queue_declare(
+                    name.clone(),
+                    QueueDeclareOptions::durable(),
+                    quorum_leased(),
+                )
                 .await
                 .map_err(protocol(format!("declaring the presence queue {queue}")))?;
             let tag = format!("delayd-member-{:x}", fresh_nonce());
@@ -630,13 +625,10 @@ impl Presence {
 /// given up after [`LOCK_LEASE`] rather than RabbitMQ 4's 60 s. One declared
 /// otherwise by an older delayd (classic, or without the timeout) is used as
 /// it is: redeclaring it with other arguments fails.
-async fn declare_lock_queue(
-    connection: &Connection,
-    channel: Channel,
-    queue: &lapin::types::ShortString,
-) -> Result<Channel, StateError> {
+/// The arguments of a quorum queue whose consumers on a lost node are
+/// given up after [`LOCK_LEASE`] (RabbitMQ 4's default is 60 s).
+fn quorum_leased() -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
     args.insert(
         "x-queue-type".into(),
         AMQPValue::LongString(LongString::from("quorum")),
@@ -645,6 +637,16 @@ async fn declare_lock_queue(
         "x-consumer-disconnected-timeout".into(),
         AMQPValue::LongLongInt(LOCK_LEASE.as_millis() as i64),
     );
+    args
+}
+
+async fn declare_lock_queue(
+    connection: &Connection,
+    channel: Channel,
+    queue: &lapin::types::ShortString,
+) -> Result<Channel, StateError> {
+    let mut args = quorum_leased();
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
     let declared = channel
         .queue_declare(queue.clone(), QueueDeclareOptions::durable(), args)
         .await
