@@ -69,28 +69,20 @@ pub async fn run(args: &BenchArgs, count: u64) -> anyhow::Result<FillReport> {
     // collect and compact WAL segments; here as fast as they go, since a
     // fill outruns the once-a-second rounds of `delayd run`.
     let stop = Arc::new(AtomicBool::new(false));
-    let spiller = {
-        let (engine, stop) = (engine.clone(), stop.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                if let Err(e) = engine.far_round().await {
-                    tracing::warn!(error = %e, "far tier round failed");
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        })
-    };
-    let compactor = {
-        let (engine, stop) = (engine.clone(), stop.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                if let Err(e) = engine.compact_now().await {
-                    tracing::warn!(error = %e, "WAL compaction failed");
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
+    let spiller = repeat(&stop, Duration::from_millis(200), "far tier round", {
+        let engine = engine.clone();
+        move || {
+            let engine = engine.clone();
+            async move { engine.far_round().await }
+        }
+    });
+    let compactor = repeat(&stop, Duration::from_millis(50), "WAL compaction", {
+        let engine = engine.clone();
+        move || {
+            let engine = engine.clone();
+            async move { engine.compact_now().await }
+        }
+    });
     let total = count + args.overdue;
     let bar = if args.quiet {
         ProgressBar::hidden()
@@ -173,6 +165,28 @@ pub async fn run(args: &BenchArgs, count: u64) -> anyhow::Result<FillReport> {
     };
     engine.close().await?;
     Ok(report)
+}
+
+/// Run `round` every `pause` until `stop`, logging its failures.
+fn repeat<F, Fut>(
+    stop: &Arc<AtomicBool>,
+    pause: Duration,
+    what: &'static str,
+    round: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), crate::engine::EngineError>> + Send,
+{
+    let stop = stop.clone();
+    tokio::spawn(async move {
+        while !stop.load(Ordering::Relaxed) {
+            if let Err(e) = round().await {
+                tracing::warn!(error = %e, "{what} failed");
+            }
+            tokio::time::sleep(pause).await;
+        }
+    })
 }
 
 /// `VmHWM` of this process, from /proc (0 where there is none).
