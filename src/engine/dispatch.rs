@@ -135,7 +135,10 @@ impl Dispatcher {
     fn take_due(&self, now: u64, batch: &mut Vec<Expired<Slot>>) -> Option<u64> {
         let mut state = self.inner.state();
         let room = self.permits.available_permits() + 1;
-        state.pop_due(now, room.min(BATCH), batch);
+        // Read under the state lock: a claim closes only after its message
+        // is armed, under this lock.
+        let claimed = self.inner.wal.first_claimed();
+        state.pop_due(now, room.min(BATCH), claimed, batch);
         state.hold_blocked(now, batch);
         let probes = batch.len();
         state.take_probes(now, batch);

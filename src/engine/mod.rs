@@ -43,7 +43,8 @@ use tokio_util::sync::CancellationToken;
 use crate::far::{FarError, FarRecord};
 use crate::id::MessageId;
 use crate::wal::{
-    Appended, Record, RecordRef, RecoveryReport, SpaceReport, Wal, WalConfig, WalError, WalPos,
+    Appended, Claimed, Record, RecordRef, RecoveryReport, SpaceReport, Wal, WalConfig, WalError,
+    WalPos,
 };
 
 use self::state::{Slot, State};
@@ -52,7 +53,11 @@ use self::state::{Slot, State};
 type AppendReceiver = oneshot::Receiver<Result<Appended, WalError>>;
 
 /// A Schedule queued for the WAL: route id, key-index hash, durability.
-type Queued = (u16, Option<u64>, AppendReceiver);
+type Queued = (
+    u16,
+    Option<u64>,
+    oneshot::Receiver<Result<Claimed, WalError>>,
+);
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -648,7 +653,8 @@ impl Engine {
         let engine = self.clone();
         async move {
             let (route_id, key, appended) = queued?;
-            let appended = appended.await.map_err(|_| EngineError::WriterGone)??;
+            let Claimed { appended, claim } =
+                appended.await.map_err(|_| EngineError::WriterGone)??;
             let slot = Slot {
                 pos: appended.pos,
                 route: route_id,
@@ -664,6 +670,8 @@ impl Engine {
                     state.index_key(hash, appended.id);
                 }
             }
+            // Armed: later messages may go out now (see `wal::claims`).
+            drop(claim);
             if due_ms < engine.inner.planned_wake.load(Ordering::Acquire) {
                 engine.inner.wake.notify_one();
             }
@@ -683,10 +691,10 @@ impl Engine {
             .intern(route)
             .ok_or(EngineError::TooManyRoutes)?;
         let key = (self.inner.config.key_of)(&message).map(|k| key_hash(route_id, k));
-        let appended = self
-            .inner
-            .wal
-            .append_schedule(due_ms, uid.as_u128(), route, message)?;
+        let appended =
+            self.inner
+                .wal
+                .append_schedule_claimed(due_ms, uid.as_u128(), route, message)?;
         Ok((route_id, key, appended))
     }
 

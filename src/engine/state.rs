@@ -446,8 +446,20 @@ impl State {
     /// after the wheel advanced) is held until the clock reaches it. A batch
     /// that ends inside a group of equal deadlines moves the whole group to
     /// the held set, which yields it in id order over the next batches.
-    pub fn pop_due(&mut self, now: u64, max: usize, out: &mut Vec<Expired<Slot>>) {
-        self.unhold_due(now, max, out);
+    ///
+    /// `claimed` is the earliest (due, id) stored but not yet armed
+    /// ([`crate::wal::Wal::first_claimed`]): nothing after it goes out
+    /// before it is armed, so a message stored after its due instant does
+    /// not overtake an earlier one whose append resolved later.
+    pub fn pop_due(
+        &mut self,
+        now: u64,
+        max: usize,
+        claimed: Option<(u64, u64)>,
+        out: &mut Vec<Expired<Slot>>,
+    ) {
+        let first = out.len();
+        self.unhold_due(now, max, claimed, out);
         let start = out.len();
         self.wheel.poll_expired(now, max - out.len(), out);
         // The wheel gives equal deadlines in the order they were armed, which
@@ -473,13 +485,16 @@ impl State {
                     for e in rest {
                         self.hold(e.deadline, e.id, e.data);
                     }
-                    self.unhold_due(now, max, out);
+                    self.unhold_due(now, max, claimed, out);
                 }
             }
         }
-        let mut i = start;
+        let waits = |e: &Expired<Slot>| {
+            e.deadline > now || claimed.is_some_and(|first| (e.deadline, e.id) > first)
+        };
+        let mut i = first;
         while i < out.len() {
-            if out[i].deadline > now {
+            if waits(&out[i]) {
                 let e = out.remove(i);
                 self.hold(e.deadline, e.id, e.data);
             } else {
@@ -492,10 +507,16 @@ impl State {
     }
 
     /// Move held entries due by `now` into `out`, in (deadline, id) order,
-    /// until it holds `max`.
-    fn unhold_due(&mut self, now: u64, max: usize, out: &mut Vec<Expired<Slot>>) {
+    /// until it holds `max` or reaches `claimed` (see [`State::pop_due`]).
+    fn unhold_due(
+        &mut self,
+        now: u64,
+        max: usize,
+        claimed: Option<(u64, u64)>,
+        out: &mut Vec<Expired<Slot>>,
+    ) {
         while let Some((&(deadline, id), _)) = self.held.iter().next() {
-            if deadline > now || out.len() >= max {
+            if deadline > now || out.len() >= max || claimed.is_some_and(|c| (deadline, id) > c) {
                 break;
             }
             if let Some(slot) = self.unhold(deadline, id) {

@@ -48,6 +48,10 @@ pub(crate) struct Tier {
     /// Id -> bucket of far messages found lately (by a listing or a lookup
     /// by uid), so that the cancel which follows reads one bucket.
     hints: Mutex<HashMap<u64, u64>>,
+    /// Tests only: the next load stops, as a crash would, once its copies
+    /// are durable in the WAL and before its bucket is removed.
+    #[cfg(test)]
+    pub(crate) crash_after_copies: std::sync::atomic::AtomicBool,
 }
 
 impl Tier {
@@ -78,6 +82,8 @@ impl Tier {
             near_only: settings.near_only.clone(),
             spill: settings.spill,
             hints: Mutex::new(HashMap::new()),
+            #[cfg(test)]
+            crash_after_copies: Default::default(),
         }))
     }
 
@@ -354,13 +360,19 @@ async fn load_one(
     }
     let key_of = inner.config.key_of;
     let worker = inner.clone();
-    let read = tokio::task::spawn_blocking(move || {
+    // Every copy gets an id above any assigned so far.
+    let after_id = inner.state().max_id();
+    let (mut read, resumed) = tokio::task::spawn_blocking(move || {
         let tier = worker.far.as_ref().expect("far tier");
-        let store = tier.store();
-        store.read_bucket(from, key_of)
+        let mut store = tier.store();
+        let resumed = store.begin_load(from, after_id)?;
+        Ok::<_, EngineError>((store.read_bucket(from, key_of)?, resumed))
     })
     .await
     .map_err(|_| EngineError::WriterGone)??;
+    if let Some(after_id) = resumed {
+        skip_copied(inner, &mut read.live, from, from + width, after_id)?;
+    }
 
     // Back into the WAL, under new ids: the ids they had are retired there
     // (the spill's Done, which compaction may copy past a record with the
@@ -401,6 +413,10 @@ async fn load_one(
             }),
             Err(e) => failed = Some(e),
         }
+    }
+    #[cfg(test)]
+    if tier.crash_after_copies.swap(false, Ordering::AcqRel) {
+        return Err(EngineError::Interrupted("test: crashed after the copies"));
     }
     if let Some(e) = failed {
         // What was copied is durable: arm it (the bucket stays, and the
@@ -445,6 +461,51 @@ async fn load_one(
     metrics::counter!("delayd_far_loaded_total").increment(n as u64);
     tracing::debug!(bucket = from, messages = n, "loaded a far bucket");
     Ok(n)
+}
+
+/// A load of this bucket began before and did not finish: some records
+/// may have a copy already, under an id above `after_id` and with the same
+/// identity and due time, live in the WAL (armed) or spilled back into the
+/// bucket. Drop the originals of those from `live`, so each loads once.
+fn skip_copied(
+    inner: &Inner,
+    live: &mut Vec<FarRecord>,
+    from: u64,
+    to: u64,
+    after_id: u64,
+) -> Result<(), EngineError> {
+    let mut armed = Vec::new();
+    inner.state().scan_armed(0, usize::MAX, |e| {
+        if e.id > after_id && (from..to).contains(&e.deadline) {
+            armed.push((e.id, e.data.pos));
+        }
+    });
+    let mut copied: HashSet<(u128, u64)> = live
+        .iter()
+        .filter(|r| r.id > after_id)
+        .map(|r| (r.uid, r.due_ms))
+        .collect();
+    for (id, pos) in armed {
+        if let Record::Schedule {
+            id: found,
+            uid,
+            due_ms,
+            ..
+        } = inner.wal.read(pos)?
+        {
+            if found == id {
+                copied.insert((uid, due_ms));
+            }
+        }
+    }
+    let before = live.len();
+    live.retain(|r| r.id > after_id || !copied.contains(&(r.uid, r.due_ms)));
+    tracing::info!(
+        bucket = from,
+        skipped = before - live.len(),
+        "a far bucket's earlier load did not finish; its records already copied load once"
+    );
+    Ok(())
 }
 
 /// A message to arm as a load ends: `arrival` orders equal due times (the

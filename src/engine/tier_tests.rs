@@ -433,3 +433,46 @@ async fn a_loaded_message_survives_its_spill_done_copied_by_compaction() {
     assert_eq!(body(&r.recv().await), "far");
     r.stop().await;
 }
+
+/// A crash after a load's copies are durable in the WAL and before its
+/// bucket is removed leaves each message twice: in the bucket, and live in
+/// the WAL under a new id (a spill candidate again, so the next spill may
+/// write it back into the bucket). Each must still fire once; it fired
+/// twice, with the same x-delayd-id.
+#[tokio::test]
+async fn a_load_cut_short_after_its_copies_fires_each_message_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let due = T0 + 5 * HOUR;
+    let r = start(far_config(dir.path()), clock.clone());
+    let mut uids = Vec::new();
+    for i in 0..5 {
+        let id = schedule(&r, "orders", due + i, &format!("m{i}")).await;
+        uids.push(uid_of(&r, id));
+    }
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 5);
+    let tier = r.engine.inner.far.as_ref().unwrap();
+    tier.crash_after_copies.store(true, Ordering::Release);
+    clock.set(due - HOUR);
+    assert!(r.engine.far_round().await.is_err(), "the load went through");
+    assert_eq!(
+        r.engine.space().live_records,
+        5,
+        "the copies are in the WAL"
+    );
+    r.stop().await;
+
+    let mut r = start(far_config(dir.path()), clock.clone());
+    r.engine.far_round().await.unwrap();
+    at(&r, &clock, due + 10).await;
+    for (i, uid) in uids.iter().enumerate() {
+        let f = r.recv().await;
+        assert_eq!(body(&f), format!("m{i}"));
+        assert_eq!(f.uid, *uid, "its identity kept");
+    }
+    let extra = r.recv_within(Duration::from_millis(300)).await;
+    assert!(extra.is_none(), "fired twice: {extra:?}");
+    assert_eq!((r.engine.pending(), buckets(dir.path())), (0, 0));
+    r.stop().await;
+}

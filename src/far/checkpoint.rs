@@ -25,6 +25,18 @@ pub struct Checkpoint {
     /// Bucket start -> what the checkpoint vouches for.
     pub buckets: BTreeMap<u64, BucketMeta>,
     pub tombstones: Vec<KeyTombstone>,
+    /// A load that began and has not removed its bucket yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loading: Option<Loading>,
+}
+
+/// Bucket `bucket` is being copied into the WAL, where its copies get ids
+/// above `after_id`. Found at the next load of that bucket, it means some
+/// copies may already be live there (a crash, or a failed append).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Loading {
+    pub bucket: u64,
+    pub after_id: u64,
 }
 
 impl Checkpoint {
@@ -36,6 +48,7 @@ impl Checkpoint {
             bucket_ms,
             buckets: BTreeMap::new(),
             tombstones: Vec::new(),
+            loading: None,
         }
     }
 }

@@ -38,9 +38,13 @@
 //!   identity, the `x-delayd-id`, kept; the old ids are retired there, and
 //!   compaction may copy a retiring Done past a record that reused one),
 //!   waits for them to be durable, writes the checkpoint without the bucket
-//!   and deletes it, and only then arms them. A crash between the WAL's sync
-//!   and the checkpoint's leaves both: the bucket loads again and its
-//!   messages fire twice, under the same `x-delayd-id`.
+//!   and deletes it, and only then arms them. Before the first copy it
+//!   checkpoints a `loading` marker: the bucket, and an id every copy is
+//!   above. A crash (or a failed append) between the copies and the
+//!   bucket's removal leaves both, and the marker: the next load of that
+//!   bucket skips each record whose copy (same `x-delayd-id` and due time,
+//!   an id above the marker's) is live in the WAL or was spilled back into
+//!   the bucket, so each message fires once.
 //! - A bad frame inside a bucket's checkpointed length is corruption: it is
 //!   logged and counted like the WAL's, and the frames after it are read.
 
@@ -57,7 +61,7 @@ use crate::wal::fs::{parent_dir, FileSystem, WalFile};
 use crate::wal::reader::{self, ScanItem, Scanner};
 use crate::wal::{RecordRef, WalError};
 
-use self::checkpoint::{BucketMeta, Checkpoint, KeyTombstone};
+use self::checkpoint::{BucketMeta, Checkpoint, KeyTombstone, Loading};
 
 /// Where the far tier lives and how wide a bucket is.
 #[derive(Debug, Clone)]
@@ -518,6 +522,25 @@ impl FarStore {
         Ok(out)
     }
 
+    /// Checkpoint that bucket `start` is being copied into the WAL under
+    /// ids above `after_id`. If an earlier load of it never finished,
+    /// nothing is written and its marker's `after_id` is returned: copies
+    /// above it may be live already.
+    pub fn begin_load(&mut self, start: u64, after_id: u64) -> Result<Option<u64>, FarError> {
+        if let Some(l) = self.cp.loading.filter(|l| l.bucket == start) {
+            return Ok(Some(l.after_id));
+        }
+        let before = self.cp.loading.replace(Loading {
+            bucket: start,
+            after_id,
+        });
+        if let Err(e) = self.write_checkpoint() {
+            self.cp.loading = before;
+            return Err(e);
+        }
+        Ok(None)
+    }
+
     /// Bucket `start` was loaded into the WAL: delete it, move the
     /// frontier to `frontier`, drop tombstones nothing left can match, and
     /// write the checkpoint. Returns the bucket's counts per route.
@@ -527,6 +550,7 @@ impl FarStore {
         frontier: u64,
     ) -> Result<BTreeMap<String, u64>, FarError> {
         let meta = self.cp.buckets.remove(&start);
+        let loading = self.cp.loading.take_if(|l| l.bucket == start);
         let old_frontier = self.cp.frontier;
         self.cp.frontier = self.cp.frontier.max(frontier);
         let min_id = self.cp.buckets.values().map(|m| m.min_id).min();
@@ -544,6 +568,7 @@ impl FarStore {
             }
             self.cp.frontier = old_frontier;
             self.cp.tombstones = tombstones;
+            self.cp.loading = loading.or(self.cp.loading);
             return Err(e);
         }
         if meta.is_some() {

@@ -110,6 +110,7 @@
 //! whose live Schedule is such a copy, and none naming the copy's segment)
 //! and the engine writes the missing Done before it deletes anything.
 
+mod claims;
 pub(crate) mod frame;
 pub mod fs;
 mod halt;
@@ -121,6 +122,7 @@ mod segments;
 pub(crate) mod sim;
 mod writer;
 
+pub use claims::{Claim, Claims};
 pub use frame::{Record, RecordRef, SCHEDULE_OVERHEAD};
 pub use fs::{FileSystem, StdFs, WalFile};
 pub use halt::Halt;
@@ -128,6 +130,7 @@ pub use lock::{live_holder, LOCK_FILE};
 pub use reader::{inspect_segment, FrameSummary, SegmentScan};
 pub use recovery::{Corruption, RecoveryReport};
 pub use segments::SpaceReport;
+pub use writer::Claimed;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -286,6 +289,7 @@ struct Shared {
     config: WalConfig,
     segments: Arc<Mutex<SegmentTable>>,
     writer: Writer,
+    claims: Arc<Claims>,
     /// Held for as long as any handle to the log exists.
     _lock: Box<dyn fs::DirGuard>,
 }
@@ -316,13 +320,20 @@ impl Wal {
         let lock = files.lock_dir(&config.dir)?;
         let (table, report) = recovery::recover(&config, visit)?;
         let segments = Arc::new(Mutex::new(table));
-        let writer = Writer::start(config.clone(), segments.clone(), report.next_seq)?;
+        let claims = Arc::new(Claims::default());
+        let writer = Writer::start(
+            config.clone(),
+            segments.clone(),
+            claims.clone(),
+            report.next_seq,
+        )?;
         Ok((
             Wal {
                 shared: Arc::new(Shared {
                     config,
                     segments,
                     writer,
+                    claims,
                     _lock: lock,
                 }),
             },
@@ -340,6 +351,28 @@ impl Wal {
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
         self.check_size(route, &message)?;
         self.append_returning(due_ms, uid, route, message)
+    }
+
+    /// [`Wal::append_schedule`] for an appender that arms the message: it
+    /// resolves with a [`Claim`] to drop once the message is armed. Until
+    /// then [`Wal::first_claimed`] names it (see [`claims`]).
+    pub fn append_schedule_claimed(
+        &self,
+        due_ms: u64,
+        uid: u128,
+        route: &str,
+        message: Vec<u8>,
+    ) -> Result<oneshot::Receiver<Result<Claimed, WalError>>, WalError> {
+        self.check_size(route, &message)?;
+        self.shared
+            .writer
+            .send_claimed(AppendRequest::schedule(None, due_ms, uid, route, message))
+    }
+
+    /// The earliest (due, id) of a durable Schedule whose appender has not
+    /// dropped its claim yet.
+    pub fn first_claimed(&self) -> Option<(u64, u64)> {
+        self.shared.claims.first()
     }
 
     /// Append a Schedule for a message that comes back from elsewhere (the

@@ -9,13 +9,36 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
+use super::claims::{Claim, Claims};
 use super::frame::{self, Salt};
 use super::fs::WalFile;
 use super::halt::Halt;
 use super::segments::{segment_name, sync_dir, SegmentTable};
 use super::{Appended, WalConfig, WalError, WalPos};
 
-type Reply = oneshot::Sender<Result<Appended, WalError>>;
+/// How an append is answered.
+pub enum Reply {
+    Plain(oneshot::Sender<Result<Appended, WalError>>),
+    /// A Schedule its appender arms: answered with a [`Claim`], opened
+    /// before any record of its batch is answered.
+    Claimed(oneshot::Sender<Result<Claimed, WalError>>),
+}
+
+/// A durable Schedule, claimed until its appender drops the claim.
+#[derive(Debug)]
+pub struct Claimed {
+    pub appended: Appended,
+    pub claim: Claim,
+}
+
+impl Reply {
+    fn fail(self, e: WalError) {
+        match self {
+            Reply::Plain(tx) => drop(tx.send(Err(e))),
+            Reply::Claimed(tx) => drop(tx.send(Err(e))),
+        }
+    }
+}
 
 pub enum AppendRequest {
     Schedule {
@@ -102,6 +125,7 @@ impl Writer {
     pub fn start(
         config: WalConfig,
         segments: Arc<Mutex<SegmentTable>>,
+        claims: Arc<Claims>,
         next_seq: u64,
     ) -> Result<Self, WalError> {
         let halt = Halt::default();
@@ -110,6 +134,7 @@ impl Writer {
             fsyncs: fsyncs.clone(),
             config,
             segments,
+            claims,
             file: None,
             head: 0,
             head_bytes: 0,
@@ -136,15 +161,29 @@ impl Writer {
         &self,
         request: AppendRequest,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        let (reply, rx) = oneshot::channel();
+        self.send_with(request, Reply::Plain(reply))?;
+        Ok(rx)
+    }
+
+    /// [`Writer::send`] for a Schedule answered with a claim.
+    pub fn send_claimed(
+        &self,
+        request: AppendRequest,
+    ) -> Result<oneshot::Receiver<Result<Claimed, WalError>>, WalError> {
+        let (reply, rx) = oneshot::channel();
+        self.send_with(request, Reply::Claimed(reply))?;
+        Ok(rx)
+    }
+
+    fn send_with(&self, request: AppendRequest, reply: Reply) -> Result<(), WalError> {
         if self.is_stopped() {
             return Err(WalError::Stopped);
         }
-        let (reply, rx) = oneshot::channel();
         let guard = self.tx.lock().expect("writer sender poisoned");
         let tx = guard.as_ref().ok_or(WalError::Stopped)?;
         tx.send(Command::Append(request, reply, Instant::now()))
-            .map_err(|_| WalError::Stopped)?;
-        Ok(rx)
+            .map_err(|_| WalError::Stopped)
     }
 
     pub fn is_stopped(&self) -> bool {
@@ -183,6 +222,7 @@ struct WriterState {
     fsyncs: Arc<AtomicU64>,
     config: WalConfig,
     segments: Arc<Mutex<SegmentTable>>,
+    claims: Arc<Claims>,
     file: Option<(Box<dyn WalFile>, PathBuf)>,
     head: u32,
     head_bytes: u64,
@@ -198,6 +238,8 @@ struct Pending {
     reply: Reply,
     appended: Appended,
     done_target: Option<u64>,
+    /// A Schedule's due time (what its claim is ordered by).
+    due_ms: u64,
 }
 
 impl WriterState {
@@ -301,7 +343,7 @@ impl WriterState {
         }
         if self.is_stopped() {
             for (_, reply) in batch.drain(..) {
-                let _ = reply.send(Err(WalError::Stopped));
+                reply.fail(WalError::Stopped);
             }
             return;
         }
@@ -338,7 +380,7 @@ impl WriterState {
                 segment: self.head,
                 offset,
             };
-            let (id, done_target) = match req {
+            let (id, done_target, due_ms) = match req {
                 AppendRequest::Schedule {
                     id,
                     due_ms,
@@ -355,17 +397,18 @@ impl WriterState {
                         message: &message,
                     };
                     frame::put_schedule(&mut self.buf, salt, seq, &schedule);
-                    (id, None)
+                    (id, None, due_ms)
                 }
                 AppendRequest::Done { id, segment, .. } => {
                     frame::put_done(&mut self.buf, salt, seq, id, segment);
-                    (id, Some(segment))
+                    (id, Some(segment), 0)
                 }
             };
             pending.push(Pending {
                 reply,
                 appended: Appended { id, pos },
                 done_target,
+                due_ms,
             });
         }
         // The Commit tells recovery where this batch began, so a batch torn
@@ -384,8 +427,25 @@ impl WriterState {
                         }
                     }
                 }
+                // All of the batch's claims before any answer.
+                let claimed = pending
+                    .iter()
+                    .filter(|p| matches!(p.reply, Reply::Claimed(_)))
+                    .map(|p| (p.due_ms, p.appended.id));
+                let mut claims = self.claims.open(claimed).into_iter();
                 for p in pending {
-                    let _ = p.reply.send(Ok(p.appended));
+                    match p.reply {
+                        Reply::Plain(tx) => drop(tx.send(Ok(p.appended))),
+                        Reply::Claimed(tx) => {
+                            let claim = claims.next().expect("one claim per claimed record");
+                            // Refused (the appender went away): the claim
+                            // comes back in the error and closes here.
+                            drop(tx.send(Ok(Claimed {
+                                appended: p.appended,
+                                claim,
+                            })));
+                        }
+                    }
                 }
             }
             Err(e) => fail_all(pending.into_iter().map(|p| p.reply), &e),
@@ -473,6 +533,6 @@ fn fail_all(replies: impl Iterator<Item = Reply>, err: &WalError) {
             WalError::DiskFull(p) => WalError::DiskFull(p.clone()),
             other => WalError::Invalid(other.to_string()),
         };
-        let _ = reply.send(Err(e));
+        reply.fail(e);
     }
 }
