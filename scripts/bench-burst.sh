@@ -64,6 +64,8 @@ for run in $(seq 1 "$runs"); do
         "run \($run): \(.published) in at \(.publish_rate | round) msg/s, released at "
         + "\(.delivery_rate | round) msg/s, the broker alone \($floor | round) msg/s "
         + "(\(.delivery_rate / $floor * 100 | round) %) | lost \(.lost) early \(.early) "
-        + "dup \(.duplicates) out of order \(.out_of_order) | last \(.lateness_max_ms) ms late"
+        + "dup \(.duplicates) out of order \(.out_of_order) "
+        + "| publisher retries: unconfirmed \(.publish_failures), published twice \(.published_twice) "
+        + "| last \(.lateness_max_ms) ms late"
         + (if .delayd_resident_bytes then " | delayd \(.delayd_resident_bytes / 1e6 | round) MB" else "" end)'
 done

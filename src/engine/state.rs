@@ -443,9 +443,10 @@ impl State {
 
     /// Move due entries from the wheel (and from the held set) into `out`. An
     /// entry whose deadline is ahead of the wall clock (the clock stepped back
-    /// after the wheel advanced) is held until the clock reaches it. A batch
-    /// that ends inside a group of equal deadlines moves the whole group to
-    /// the held set, which yields it in id order over the next batches.
+    /// after the wheel advanced) is held until the clock reaches it. A full
+    /// batch while the wheel has more of its deadlines moves them all to the
+    /// held set, which yields them in (deadline, id) order over the next
+    /// batches.
     ///
     /// `claimed` is the earliest (due, id) stored but not yet armed
     /// ([`crate::wal::Wal::first_claimed`]): nothing after it goes out
@@ -460,29 +461,22 @@ impl State {
     ) {
         let first = out.len();
         self.unhold_due(now, max, claimed, out);
-        let start = out.len();
         self.wheel.poll_expired(now, max - out.len(), out);
         // The wheel gives equal deadlines in the order they were armed, which
-        // is not quite id order (appends complete concurrently).
+        // is not quite id order (appends complete concurrently), and part of
+        // a burst may be in the held set already while an earlier message
+        // of it is armed only now. So a full batch whose deadlines the wheel
+        // still has more of takes all of those through the held set, where
+        // they are ordered by (deadline, id), and the batch comes from there.
         if out.len() == max {
-            if let Some(last) = out.last().map(|e| e.deadline) {
+            if let Some(last) = out[first..].iter().map(|e| e.deadline).max() {
                 let mut rest = Vec::new();
                 while self.wheel.poll_expired(now, 1, &mut rest) == 1
-                    && rest.last().is_some_and(|e| e.deadline == last)
+                    && rest.last().is_some_and(|e| e.deadline <= last)
                 {}
                 if !rest.is_empty() {
-                    // The group goes on past this batch (a burst): all of
-                    // it, with what this batch took of it, is ordered by id
-                    // in the held set, and the batch is taken from there.
-                    let mut i = start;
-                    while i < out.len() {
-                        if out[i].deadline == last {
-                            rest.push(out.remove(i));
-                        } else {
-                            i += 1;
-                        }
-                    }
-                    for e in rest {
+                    let taken: Vec<_> = out.drain(first..).collect();
+                    for e in taken.into_iter().chain(rest) {
                         self.hold(e.deadline, e.id, e.data);
                     }
                     self.unhold_due(now, max, claimed, out);
