@@ -17,8 +17,13 @@
 #      instant comes: the report's delivery rate is the release rate,
 #      `out_of_order` counts messages that overtook an earlier one (equal
 #      due times leave in arrival order).
+#   3. meanwhile, from the burst's due instant on, a second route (its own
+#      queue and exchanges, same delayd) takes SIDE_RATE msg/s (default
+#      500) for SIDE_SECONDS (default 20) with x-delay 1-2 s: the intake
+#      that goes on while the burst is released, with its own lateness.
 # One line per run: intake rate, release rate, release / floor, lost,
-# early, duplicates, out of order, the last message's lateness, delayd's RSS.
+# early, duplicates, out of order, the last message's lateness, delayd's RSS;
+# then the side route's rate, lost, early and lateness.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 count="${COUNT:-200000}"
@@ -29,8 +34,19 @@ bash scripts/rabbitmq.sh >/dev/null
 bash scripts/build-deps.sh
 cargo build --release --quiet
 delayd="$PWD/target/release/delayd"
-config="$PWD/config/examples/bench.toml"
 work="$(mktemp -d /var/tmp/delayd-bench-burst.XXXXXX)"
+side_rate="${SIDE_RATE:-500}"
+side_seconds="${SIDE_SECONDS:-20}"
+config="$work/delayd.toml"
+cat config/examples/bench.toml - >"$config" <<'TOML'
+
+# The side route: new messages taken in while the burst is released.
+[[routes]]
+name = "side"
+mode = "delay"
+from = { broker = "rabbit", queue = "delayd.side", exchange = "bench.side.delayed", exchange_type = "topic", prefetch = 1000 }
+to = { broker = "rabbit", exchange = "bench.side.out" }
+TOML
 pid=""
 cleanup() {
     if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
@@ -53,10 +69,17 @@ for run in $(seq 1 "$runs"); do
         curl -sf http://127.0.0.1:9464/readyz >/dev/null && break
         sleep 0.2
     done
+    # The side load starts at the burst's due instant (5 s after its first publish).
+    (sleep 5 && exec "$delayd" bench --quiet --json --exchange bench.side.delayed \
+        --queue bench.side.q --bind-to bench.side.out --count $((side_rate * side_seconds)) \
+        --rate "$side_rate" --delay-min 1000 --delay-max 2000 --drain-timeout 300s \
+        >"$work/side.json" 2>>"$work/side.log") &
+    side=$!
     report=$("$delayd" bench --quiet --json --burst --exchange bench.delayed --queue bench.q \
         --bind-to bench.out --count "$count" --rate "$rate" --in-flight 1000 \
         --delay-min 5000 --delay-max 5000 --drain-timeout 300s \
         --metrics http://127.0.0.1:9464/metrics)
+    wait "$side" || echo "the side load failed: $(tail -3 "$work/side.log")" >&2
     kill -TERM "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
     pid=""
@@ -68,4 +91,8 @@ for run in $(seq 1 "$runs"); do
         + "| publisher retries: unconfirmed \(.publish_failures), published twice \(.published_twice) "
         + "| last \(.lateness_max_ms) ms late"
         + (if .delayd_resident_bytes then " | delayd \(.delayd_resident_bytes / 1e6 | round) MB" else "" end)'
+    jq -r --arg run "$run" '"run \($run), side route meanwhile: \(.published) in at \(.publish_rate | round) msg/s "
+        + "| lost \(.lost) early \(.early) dup \(.duplicates) "
+        + "| lateness p50 \(.lateness_p50_ms) p99 \(.lateness_p99_ms) max \(.lateness_max_ms) ms"' \
+        "$work/side.json" 2>/dev/null || echo "run $run: no side report"
 done
