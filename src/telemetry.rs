@@ -153,6 +153,7 @@ pub const METRICS: &[MetricDef] = &[
     def("delayd_backpressure", Gauge, ROUTE, "1 while the route's intake is paused."),
     def("delayd_backpressure_held_total", Counter, ROUTE, "Deliveries held while the route was paused."),
     def("delayd_redeliveries_deduplicated_total", Counter, ROUTE, "Broker redeliveries recognised as already stored."),
+    def("delayd_redeliveries_superseding_total", Counter, ROUTE, "Held deliveries not stored again because the broker redelivered them (their channel closed); the redelivery kept their identity."),
     def("delayd_lateness_seconds", Histogram, ROUTE, "How long after its due time a message was handed to its target."),
     scraped("delayd_next_due_timestamp_seconds", ROUTE, "Due time (Unix seconds) of the route's earliest pending message; absent when none is pending."),
     scraped("delayd_oldest_overdue_seconds", ROUTE, "How long the route's oldest message past its due time has been waiting; 0 when none is."),

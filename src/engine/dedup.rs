@@ -21,11 +21,15 @@
 //! partition given back after a crash redelivered records whose segment was
 //! already gone, and each was stored and sent again under a new id.
 //!
-//! A record is remembered only once durable. A redelivery can come sooner:
-//! the connection its original came on died while the original was still
-//! being written. [`Writing`] counts the stores being written by
-//! fingerprint, and a redelivery with one of those waits for them to end
-//! before it is compared.
+//! A record is remembered only once its whole store is durable: the WAL
+//! record and, with the broker-kept store, the broker's record too. A
+//! redelivery can come sooner: the connection its original came on died
+//! while the original was still being written. [`Writing`] counts the
+//! stores being written by fingerprint, and a redelivery with one of those
+//! waits for them to end before it is compared. Remembered any sooner (once
+//! the WAL record alone was durable), a redelivery was called a duplicate
+//! and acked while the broker's record could still fail, and the message
+//! was then in neither.
 
 use std::collections::{HashMap, VecDeque};
 

@@ -190,6 +190,33 @@ pub enum Storing<F> {
     New(F),
 }
 
+/// A record durable in the WAL and armed, whose store may not be complete
+/// yet: a broker-kept store still writes its own record. Until
+/// [`Written::commit`] a redelivery of the same bytes waits (see
+/// [`Engine::wait_for_original`]) rather than being called a duplicate of a
+/// store that may still fail. Dropped uncommitted (the store failed), the
+/// redelivery is stored in its own right.
+#[must_use = "commit the store once it is complete"]
+pub struct Written {
+    pub id: u64,
+    fp: u64,
+    pos: WalPos,
+    writing: WritingGuard,
+}
+
+impl Written {
+    /// The store is complete: until the source ack is confirmed, a
+    /// redelivery of it is a duplicate.
+    pub fn commit(self) -> u64 {
+        self.writing
+            .engine
+            .state()
+            .unconfirmed
+            .add(self.id, self.fp, self.pos);
+        self.id
+    }
+}
+
 /// [`Engine::store`]'s start: at once, or once the original is written.
 enum Start<S, W> {
     Now(S),
@@ -731,7 +758,7 @@ impl Engine {
             };
             match storing {
                 Storing::Duplicate => Ok(Stored::Duplicate),
-                Storing::New(stored) => Ok(Stored::New(stored.await?)),
+                Storing::New(stored) => Ok(Stored::New(stored.await?.commit())),
             }
         }
     }
@@ -782,7 +809,7 @@ impl Engine {
         uid: MessageId,
         message: Vec<u8>,
         redelivered: bool,
-    ) -> Storing<impl Future<Output = Result<u64, EngineError>> + Send + 'static> {
+    ) -> Storing<impl Future<Output = Result<Written, EngineError>> + Send + 'static> {
         let fp = fingerprint(route, &message);
         if redelivered && self.take_stored_copy(route, fp, &message) {
             metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route.to_owned())
@@ -791,13 +818,14 @@ impl Engine {
         }
         let writing = WritingGuard::begin(self, fp);
         let scheduled = self.schedule_at(route, due_ms, uid, message);
-        let engine = self.clone();
         Storing::New(async move {
             let (id, pos) = scheduled.await?;
-            // Until the source ack is confirmed, a redelivery of it is a duplicate.
-            engine.state().unconfirmed.add(id, fp, pos);
-            drop(writing);
-            Ok(id)
+            Ok(Written {
+                id,
+                fp,
+                pos,
+                writing,
+            })
         })
     }
 

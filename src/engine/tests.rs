@@ -568,6 +568,69 @@ async fn a_redelivery_arriving_while_its_original_is_written_is_recognised() {
     );
 }
 
+/// With the broker-kept store a store is complete only once the broker's
+/// record is written too, after the WAL's. A redelivery that comes in
+/// between must wait for that write: if it fails, the original is released
+/// and not acked, and a copy called its duplicate (and acked) would be in
+/// neither store. (It was called a duplicate as soon as the WAL record was
+/// durable.)
+#[tokio::test]
+async fn a_redelivery_waits_for_the_whole_store_of_its_original() {
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let due = now() + 1_000_000;
+    let stored = |msg: &[u8]| {
+        let Storing::New(wal) =
+            engine.begin_store("r", due, MessageId::mint(), msg.to_vec(), false)
+        else {
+            panic!("a first copy is new");
+        };
+        wal
+    };
+    let bound = Duration::from_secs(10);
+
+    // The broker's record fails: the original is released, and its copy is
+    // stored in its own right.
+    let failing = b"the broker's record of this one fails".to_vec();
+    let written = tokio::time::timeout(bound, stored(&failing))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        engine.wait_for_original("r", &failing, true).is_some(),
+        "a redelivery must wait while the broker's record is written"
+    );
+    let copy = tokio::spawn(engine.store("r", due, MessageId::mint(), failing.clone(), true));
+    engine.release(written.id).await.unwrap();
+    drop(written);
+    let copy = tokio::time::timeout(bound, copy)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(copy, Stored::New(_)),
+        "the copy of a message whose store failed was {copy:?}"
+    );
+    assert_eq!(engine.pending(), 1);
+
+    // The broker's record is written: the copy is a duplicate.
+    let written_ok = b"the broker's record of this one is written".to_vec();
+    let written = tokio::time::timeout(bound, stored(&written_ok))
+        .await
+        .unwrap()
+        .unwrap();
+    let copy = tokio::spawn(engine.store("r", due, MessageId::mint(), written_ok, true));
+    written.commit();
+    let copy = tokio::time::timeout(bound, copy)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(copy, Stored::Duplicate);
+    assert_eq!(engine.pending(), 2);
+}
+
 pub(super) fn keyed(message_id: Option<&str>, kafka_key: Option<&[u8]>, body: &str) -> Vec<u8> {
     let mut m = delayd_adapters::Message::with_body(body.as_bytes().to_vec());
     m.properties.message_id = message_id.map(str::to_owned);

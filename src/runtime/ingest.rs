@@ -23,6 +23,7 @@ use crate::wal::WalError;
 use super::backpressure::Backpressure;
 use super::brokers::Brokers;
 use super::deliver::park;
+use super::in_hand::{InHand, Ticket};
 use super::store::RouteStore;
 use crate::finisher::Finisher;
 use crate::id::MessageId;
@@ -60,11 +61,16 @@ enum Attempt {
 /// dead-letters the message. The prefetch bounds how many are held.
 struct Held {
     message: delayd_adapters::Message,
+    /// `message` encoded, as stored.
+    encoded: Arc<[u8]>,
     due: u64,
     /// Its identity, assigned at intake (see `crate::id`).
     uid: MessageId,
     redelivered: bool,
     ack: Box<dyn AckHandle>,
+    /// Its place among the deliveries in hand (AMQP only): a redelivery of
+    /// it takes its identity and supersedes it.
+    ticket: Option<Ticket>,
 }
 
 /// How long a delivery whose store failed for a passing reason waits
@@ -95,6 +101,9 @@ pub struct Intake {
     pub byte_budget: usize,
     /// The route's broker-kept store (`store.kind = "broker"`).
     pub store: Option<RouteStore>,
+    /// Deliveries taken and not yet settled, for one identity per message
+    /// across redeliveries (shared by the route's terms of ownership).
+    pub in_hand: Arc<InHand>,
 }
 
 impl Intake {
@@ -268,13 +277,19 @@ impl Intake {
         match plan {
             Ok(Plan::Park) => Started::Park { message, ack },
             Ok(Plan::Due(due)) => {
-                let uid = handed_uid.unwrap_or_else(|| identity_of(&message));
+                let encoded: Arc<[u8]> = delayd_adapters::encode(&message).into();
+                let (uid, ticket) = match handed_uid {
+                    Some(uid) => (uid, None),
+                    None => self.identify(&message, &encoded, redelivered),
+                };
                 let held = Held {
                     message,
+                    encoded,
                     due,
                     uid,
                     redelivered,
                     ack,
+                    ticket,
                 };
                 // At a limit the delivery waits, unacked; the intake loop
                 // pauses the source before taking more.
@@ -288,9 +303,27 @@ impl Intake {
         }
     }
 
+    /// A new delivery's identity: a Kafka record's follows from where it
+    /// was read; an AMQP delivery's is minted, unless it is a redelivery of
+    /// one still in hand (see `super::in_hand`).
+    fn identify(
+        &self,
+        message: &delayd_adapters::Message,
+        encoded: &Arc<[u8]>,
+        redelivered: bool,
+    ) -> (MessageId, Option<Ticket>) {
+        if is_kafka_record(message) {
+            return (identity_of(message), None);
+        }
+        let (uid, ticket) = self
+            .in_hand
+            .take_in(encoded.clone(), redelivered, MessageId::mint);
+        (uid, Some(ticket))
+    }
+
     /// Queue the WAL record of a held delivery.
     fn store(&self, held: Held, admission: Admission) -> Attempt {
-        let encoded = delayd_adapters::encode(&held.message);
+        let encoded = held.encoded.to_vec();
         let stored = match &self.store {
             Some(store) => {
                 store.store(&held.message, held.due, held.uid, encoded, held.redelivered)
@@ -340,6 +373,9 @@ impl Intake {
                     let Some(held) = self.hold(held, RECHECK, stop).await else {
                         return;
                     };
+                    let Some(held) = self.unless_superseded(held).await else {
+                        return;
+                    };
                     attempt = self.admit(held);
                     continue;
                 }
@@ -379,8 +415,25 @@ impl Intake {
             let Some(held) = self.hold(held, wait, stop).await else {
                 return;
             };
+            let Some(held) = self.unless_superseded(held).await else {
+                return;
+            };
             attempt = self.admit(held);
         }
+    }
+
+    /// A held delivery is to be stored again, unless a redelivery of it
+    /// took over meanwhile (its channel closed): then it is given back
+    /// (a no-op on a closed channel) and `None` is returned.
+    async fn unless_superseded(&self, held: Held) -> Option<Held> {
+        if !held.ticket.as_ref().is_some_and(Ticket::superseded) {
+            return Some(held);
+        }
+        tracing::info!(route = %self.route.name(), uid = %held.uid, "a redelivery of a held delivery took over; not storing the held copy again");
+        metrics::counter!("delayd_redeliveries_superseding_total", "route" => self.route.name().to_owned())
+            .increment(1);
+        let _ = held.ack.requeue().await;
+        None
     }
 
     /// Store a held delivery if a limit lets it in now.
@@ -472,6 +525,12 @@ impl Intake {
             }
         }
     }
+}
+
+/// Whether `message` is a Kafka record (its identity follows from where it
+/// was read).
+fn is_kafka_record(message: &delayd_adapters::Message) -> bool {
+    message.partition.is_some() && message.offset.is_some()
 }
 
 /// A new delivery's identity: a Kafka record's follows from where it was

@@ -10,6 +10,7 @@ mod backpressure;
 mod brokers;
 mod deliver;
 mod handoff;
+mod in_hand;
 mod ingest;
 mod store;
 
@@ -188,6 +189,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             bytes: intake_bytes.clone(),
             byte_budget,
             store: store.clone(),
+            in_hand: Default::default(),
         };
         if let Some(RouteStore::Stream(stream)) = &store {
             // Consumed only while this instance owns the route.

@@ -203,8 +203,8 @@ impl KafkaStore {
         let tp = (message.source.clone(), partition);
         let this = self.clone();
         Box::pin(async move {
-            let id = match wal.await {
-                Ok(id) => id,
+            let written = match wal.await {
+                Ok(w) => w,
                 Err(e) => {
                     if is_too_large(&e) {
                         // It goes to the invalid destination: not pending anywhere.
@@ -213,9 +213,10 @@ impl KafkaStore {
                     return Err(e);
                 }
             };
-            this.own(tp, id);
-            this.settle_put(put, partition, &key, &value, id).await?;
-            Ok(Stored::New(id))
+            this.own(tp, written.id);
+            this.settle_put(put, partition, &key, &value, written.id)
+                .await?;
+            Ok(Stored::New(written.commit()))
         })
     }
 

@@ -275,8 +275,8 @@ impl StreamStore {
         });
         let this = self.clone();
         Box::pin(async move {
-            let id = match wal.await {
-                Ok(id) => id,
+            let written_here = match wal.await {
+                Ok(w) => w,
                 Err(e) => {
                     // Not pending here (not acked, or sent to the invalid
                     // destination): its Schedule must not come back.
@@ -284,6 +284,7 @@ impl StreamStore {
                     return Err(e);
                 }
             };
+            let id = written_here.id;
             this.bind(id, store_id);
             let written = if queued {
                 written
@@ -293,13 +294,18 @@ impl StreamStore {
                 Err("this instance does not own the route".into())
             };
             if let Err(e) = written {
-                // Not acked: the broker gives the delivery to the owner.
+                // Not acked: the broker gives the delivery to the owner. Its
+                // Done is queued (release) before a redelivery waiting for
+                // this store may go on (`written_here` dropped), so a
+                // Schedule the redelivery writes under the same identity
+                // comes after it in the stream.
                 tracing::warn!(route = %this.route, error = %e, "the state record was not written; the delivery goes back");
                 let _ = this.engine.release(id).await;
+                drop(written_here);
                 return Err(EngineError::Interrupted("the state record was not written"));
             }
             metrics::counter!("delayd_store_writes_total", "route" => this.route.clone(), "kind" => "schedule").increment(1);
-            Ok(Stored::New(id))
+            Ok(Stored::New(written_here.commit()))
         })
     }
 
