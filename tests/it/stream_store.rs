@@ -97,10 +97,17 @@ impl StreamRoute {
             .count()
     }
 
-    /// Waits until the owner `d` holds `count` messages.
+    /// Waits until the owner `d` holds `count` messages and has acked
+    /// them all. (A message is pending once its WAL record is durable, and
+    /// acked only after its state record is written: a kill -9 at
+    /// `pending == count` left some unacked, and the broker gave them back.)
     async fn wait_stored(&self, d: &Delayd, count: usize) {
         wait_for("every message stored by the owner", DEADLINE, || async {
             (d.pending() == count as u64).then_some(())
+        })
+        .await;
+        wait_for("every stored message acked", DEADLINE, || async {
+            (Client::queue_unsettled(&self.names.from_queue) == Some((0, 0))).then_some(())
         })
         .await;
     }

@@ -1011,6 +1011,29 @@ impl Client {
         result.ok().map(|q| (q.message_count(), q.consumer_count()))
     }
 
+    /// Queue `queue`'s (ready, unacknowledged) message counts, from
+    /// `rabbitmqctl` on the default node (the passive declare of
+    /// [`Client::queue_counts`] counts only ready ones).
+    pub fn queue_unsettled(queue: &str) -> Option<(u64, u64)> {
+        let out = std::process::Command::new("rabbitmqctl")
+            .args([
+                "list_queues",
+                "-q",
+                "name",
+                "messages_ready",
+                "messages_unacknowledged",
+            ])
+            .output()
+            .expect("rabbitmqctl list_queues");
+        String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+            let mut fields = l.split('\t');
+            (fields.next() == Some(queue)).then_some(())?;
+            let ready = fields.next()?.trim().parse().ok()?;
+            let unacked = fields.next()?.trim().parse().ok()?;
+            Some((ready, unacked))
+        })
+    }
+
     /// Publishes without waiting for the confirm.
     pub async fn publish_unconfirmed(
         &self,
