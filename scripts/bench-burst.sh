@@ -88,7 +88,7 @@ for run in $(seq 1 "$runs"); do
         + "\(.delivery_rate | round) msg/s, the broker alone \($floor | round) msg/s "
         + "(\(.delivery_rate / $floor * 100 | round) %) | lost \(.lost) early \(.early) "
         + "dup \(.duplicates) out of order \(.out_of_order) "
-        + "| publisher retries: unconfirmed \(.publish_failures), published twice \(.published_twice) "
+        + "| unconfirmed publishes \(.publish_failures) "
         + "| last \(.lateness_max_ms) ms late"
         + (if .delayd_resident_bytes then " | delayd \(.delayd_resident_bytes / 1e6 | round) MB" else "" end)'
     jq -r --arg run "$run" '"run \($run), side route meanwhile: \(.published) in at \(.publish_rate | round) msg/s "

@@ -28,9 +28,9 @@
 # Pass: 0 lost and 0 early, never two owners at once, the state streams on
 # all three nodes, duplicates under another x-delayd-id than the first copy's
 # 0 in the store scenarios, all duplicates at most 0.1 % of the messages
-# received (1 % in the short run). A message the bench's publisher sent
-# twice (its confirm lost as a node stopped: two messages in the broker,
-# with different timestamp_in_ms) is counted apart, not as a duplicate.
+# received (2 % in the short run). The bench publishes each message once
+# (a publish whose confirm is lost is not sent again, only counted
+# unconfirmed), so every further copy is delayd's.
 # Lost counts only publishes the broker confirmed; early is judged against
 # the bench's clock at publish. It stops and starts the cluster's nodes, so
 # run it alone, not beside the integration tests.
@@ -40,7 +40,10 @@ cd "$(dirname "$0")/.."
 short=false
 [ "${1:-}" = "--short" ] && short=true
 if $short; then
-    default_cycles=1 rate="${RATE:-200}" delay_max=20000 dup_permille=10
+    # Same-id copies: a lock lost while publishes to a target whose leader
+    # died wait for their confirms; the next owner sends them again. 0.2 to
+    # 0.7 % of a short lock-leader run (measured 2026-11-27), so 2 %.
+    default_cycles=1 rate="${RATE:-200}" delay_max=20000 dup_permille=20
 else
     default_cycles=3 rate="${RATE:-2000}" delay_max=60000 dup_permille=1
 fi

@@ -56,8 +56,7 @@ print(f"{a.scenario:12} {'ok  ' if ok else 'FAIL'} cycles {a.cycles:>3}  publish
       f" (+{r['publish_failures']} unconfirmed)  received {r['received']:>7}  lost {r['lost']}"
       f"  early {r['early']}  duplicates {r['duplicates']} ({100 * dup_rate:.3f} %:"
       f" same id {r['duplicates_same_id']}, different id {other_id};"
-      f" +{r['redelivered_to_bench']} redelivered to the bench,"
-      f" +{r['published_twice']} published twice by the bench)"
+      f" +{r['redelivered_to_bench']} redelivered to the bench)"
       f"  p99 {r['lateness_p99_ms']} ms  max {r['lateness_max_ms']} ms{owners}  {a.seconds} s")
 if r.get("different_id_examples"):
     print(f"{'':12} different-id copies (seq, first id, other id): {r['different_id_examples'][:5]}")

@@ -55,6 +55,9 @@ pub(super) async fn endpoints(args: &BenchArgs) -> anyhow::Result<Endpoints> {
         conns.publish.clone(),
         SinkConfig {
             batch: args.in_flight.max(1),
+            // One broker message per sequence number: a second copy that
+            // arrives is delayd's (see `Tally`), never a publish sent again.
+            republish_unconfirmed: false,
             ..SinkConfig::default()
         },
     );

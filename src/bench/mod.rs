@@ -163,13 +163,12 @@ pub struct BenchReport {
     /// other copy's id (a minted id's high half names the process).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub different_id_examples: Vec<(u64, String, String)>,
+    /// The first few same-id copies: sequence number and id (to look up in
+    /// delayd's logs).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub same_id_examples: Vec<(u64, String)>,
     /// Copies the broker redelivered to the bench after its ack was lost.
     pub redelivered_to_bench: u64,
-    /// Copies of a message the bench's own publisher sent twice (its
-    /// connection failed before the confirm, and it published again): the
-    /// broker took two messages, stamped with different `timestamp_in_ms`,
-    /// and delayd rightly delays both. Not counted in `duplicates`.
-    pub published_twice: u64,
     /// `--burst`: first copies that arrived after a later-published one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub out_of_order: Option<u64>,
@@ -191,21 +190,12 @@ pub struct BenchReport {
 const RUN: &str = "x-bench-run";
 const SEQ: &str = "x-bench-seq";
 const DUE: &str = "x-bench-due";
-const BROKER_STAMP: &str = "timestamp_in_ms";
 const DELAYD_ID: &str = crate::route::rewrite::X_DELAYD_ID;
 
 struct Tally {
     seen: Vec<u64>, // bitset of sequence numbers
     /// The `x-delayd-id` each sequence number first arrived with.
     first_ids: Vec<Option<Box<str>>>,
-    /// The broker's `timestamp_in_ms` on each sequence number's first copy
-    /// (RabbitMQ ≥ 3.12 stamps every message it takes): tells a second
-    /// publish from a second copy of one.
-    first_stamps: Vec<Option<i64>>,
-    /// The `x-delayd-id` of each message the bench published again, by
-    /// sequence number and broker stamp.
-    published_again: std::collections::HashMap<(u64, i64), Option<Box<str>>>,
-    published_twice: u64,
     /// Highest sequence number received so far, and first copies that
     /// arrived after a higher one.
     highest_seq: Option<u64>,
@@ -214,6 +204,7 @@ struct Tally {
     duplicates: u64,
     duplicates_different_id: u64,
     different_id_examples: Vec<(u64, String, String)>,
+    same_id_examples: Vec<(u64, String)>,
     /// Seen again, flagged redelivered by the broker: the bench's ack was
     /// lost, not a duplicate from delayd.
     redelivered_to_bench: u64,
@@ -274,15 +265,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let tally = Arc::new(Mutex::new(Tally {
         seen: vec![0; args.count.div_ceil(64) as usize],
         first_ids: vec![None; args.count as usize],
-        first_stamps: vec![None; args.count as usize],
-        published_again: Default::default(),
-        published_twice: 0,
         highest_seq: None,
         out_of_order: 0,
         received: 0,
         duplicates: 0,
         duplicates_different_id: 0,
         different_id_examples: Vec::new(),
+        same_id_examples: Vec::new(),
         redelivered_to_bench: 0,
         early: 0,
         lateness: Histogram::new(3)?,
@@ -337,28 +326,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     .map(Box::<str>::from);
                 let mut t = tally.lock().expect("tally");
                 let (word, bit) = ((seq as u64 / 64) as usize, seq as u64 % 64);
-                let stamp = number(h.get(BROKER_STAMP));
                 if word >= t.seen.len() || t.seen[word] & (1 << bit) != 0 {
-                    let first_stamp = t.first_stamps.get(seq as usize).copied().flatten();
                     if redelivered {
                         t.redelivered_to_bench += 1;
                         continue;
                     }
-                    // Which broker message this is a copy of: the first
-                    // one published, or one the bench published again.
-                    let first = match (stamp, first_stamp) {
-                        (Some(stamp), Some(first)) if stamp != first => {
-                            match t.published_again.get(&(seq as u64, stamp)) {
-                                Some(first_id) => first_id.clone(),
-                                None => {
-                                    t.published_again.insert((seq as u64, stamp), id);
-                                    t.published_twice += 1;
-                                    continue;
-                                }
-                            }
-                        }
-                        _ => t.first_ids.get(seq as usize).cloned().flatten(),
-                    };
+                    // The publisher sends each sequence number once, as one
+                    // broker message (it never publishes again after a lost
+                    // confirm), so every further copy is delayd's. Its broker
+                    // stamp cannot tell: the broker stamps delayd's publish
+                    // to the target anew.
+                    let first = t.first_ids.get(seq as usize).cloned().flatten();
                     t.duplicates += 1;
                     if first != id {
                         t.duplicates_different_id += 1;
@@ -368,6 +346,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                             t.different_id_examples
                                 .push((seq as u64, text(first), text(id)));
                         }
+                    } else if t.same_id_examples.len() < 20 {
+                        t.same_id_examples
+                            .push((seq as u64, id.map(String::from).unwrap_or_default()));
                     }
                     continue;
                 }
@@ -378,9 +359,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 t.highest_seq = t.highest_seq.max(Some(seq as u64));
                 if let Some(first) = t.first_ids.get_mut(seq as usize) {
                     *first = id;
-                }
-                if let Some(first) = t.first_stamps.get_mut(seq as usize) {
-                    *first = stamp;
                 }
                 t.received += 1;
                 let at = Instant::now();
@@ -622,8 +600,8 @@ fn summarise(
         duplicates_same_id: t.duplicates - t.duplicates_different_id,
         duplicates_different_id: t.duplicates_different_id,
         different_id_examples: t.different_id_examples.clone(),
+        same_id_examples: t.same_id_examples.clone(),
         redelivered_to_bench: t.redelivered_to_bench,
-        published_twice: t.published_twice,
         out_of_order: None,
         lateness_p50_ms: t.lateness.value_at_quantile(0.5),
         lateness_p99_ms: t.lateness.value_at_quantile(0.99),

@@ -68,6 +68,12 @@ pub struct SinkConfig {
     /// publishes report [`SinkError::Transient`] (they may then arrive twice,
     /// which delayd's at-least-once contract allows). Default 30 s.
     pub confirm_timeout: Duration,
+    /// When a batch's channel fails before its confirms, publish its
+    /// messages again one by one on a new channel (those that had landed
+    /// then arrive twice, as two broker messages). Default true. Off, they
+    /// report [`SinkError::Transient`] and the caller decides: the bench
+    /// turns it off so that it never sends one message twice unawares.
+    pub republish_unconfirmed: bool,
 }
 
 impl Default for SinkConfig {
@@ -76,6 +82,7 @@ impl Default for SinkConfig {
             channels: 4,
             batch: 256,
             confirm_timeout: Duration::from_secs(30),
+            republish_unconfirmed: true,
         }
     }
 }
@@ -371,6 +378,9 @@ impl Worker {
         }
         match self.try_batch(batch).await {
             Ok(()) => {}
+            Err((batch, failure)) if !self.config.republish_unconfirmed => {
+                self.fail(batch, &failure.why)
+            }
             Err((batch, _)) if batch.len() > 1 => {
                 for job in batch {
                     if let Some(why) = missing.check(&job.exchange) {
