@@ -101,7 +101,7 @@ impl InHand {
 
     /// How many deliveries are in hand.
     #[cfg(test)]
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries().values().map(Vec::len).sum()
     }
 }

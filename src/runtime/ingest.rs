@@ -312,8 +312,8 @@ impl Intake {
         encoded: &Arc<[u8]>,
         redelivered: bool,
     ) -> (MessageId, Option<Ticket>) {
-        if is_kafka_record(message) {
-            return (identity_of(message), None);
+        if let Some(uid) = kafka_identity(message) {
+            return (uid, None);
         }
         let (uid, ticket) = self
             .in_hand
@@ -527,19 +527,164 @@ impl Intake {
     }
 }
 
-/// Whether `message` is a Kafka record (its identity follows from where it
-/// was read).
-fn is_kafka_record(message: &delayd_adapters::Message) -> bool {
-    message.partition.is_some() && message.offset.is_some()
+/// A Kafka record's identity: it follows from where the record was read
+/// (the same if it is read again). `None` for any other message.
+fn kafka_identity(message: &delayd_adapters::Message) -> Option<MessageId> {
+    let (partition, offset) = message.partition.zip(message.offset)?;
+    Some(MessageId::of_kafka_record(
+        &message.source,
+        partition,
+        offset,
+        message.timestamp_ms,
+    ))
 }
 
 /// A new delivery's identity: a Kafka record's follows from where it was
-/// read (the same if it is read again); any other is minted.
+/// read; any other is minted.
 pub fn identity_of(message: &delayd_adapters::Message) -> MessageId {
-    match (message.partition, message.offset) {
-        (Some(partition), Some(offset)) => {
-            MessageId::of_kafka_record(&message.source, partition, offset, message.timestamp_ms)
+    kafka_identity(message).unwrap_or_else(MessageId::mint)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Instant;
+
+    use delayd_adapters::{Consuming, FieldTable, Message, Value};
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::engine::{EngineConfig, SystemClock};
+    use crate::wal::WalConfig;
+
+    /// What happened to each delivery, by name.
+    type Settled = Arc<Mutex<Vec<(&'static str, &'static str)>>>;
+
+    struct Ack {
+        name: &'static str,
+        settled: Settled,
+    }
+
+    impl Ack {
+        fn settle(self, how: &'static str) -> BoxFuture<'static, Result<(), SourceError>> {
+            self.settled.lock().unwrap().push((self.name, how));
+            Box::pin(async { Ok(()) })
         }
-        _ => MessageId::mint(),
+    }
+
+    impl AckHandle for Ack {
+        fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
+            self.settle("ack")
+        }
+        fn requeue(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
+            self.settle("requeue")
+        }
+    }
+
+    /// Deliveries the test hands in, whatever pause says (a broker's
+    /// prefetched deliveries keep coming too).
+    struct Feed(mpsc::UnboundedReceiver<Delivery>);
+
+    impl Source for Feed {
+        fn next(&mut self) -> BoxFuture<'_, Result<Delivery, SourceError>> {
+            Box::pin(async { self.0.recv().await.ok_or(SourceError::Closed) })
+        }
+        fn pause(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn resume(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn consuming(&self) -> Consuming {
+            Consuming::default()
+        }
+    }
+
+    async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A delivery held unacked (here at `max_pending`; a failed store holds
+    /// it the same way) whose channel closes: the broker redelivers it, and
+    /// the redelivery must keep the held copy's identity while the held copy
+    /// is not stored again. (The held copy was stored again under its
+    /// identity and the redelivery under a new one: one message, two
+    /// `x-delayd-id`s, as the cluster campaign's node kills made happen.)
+    #[tokio::test]
+    async fn a_redelivery_of_a_held_delivery_takes_its_identity_and_is_stored_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine_config = EngineConfig {
+            max_pending: 2,
+            ..EngineConfig::new(WalConfig::new(dir.path()))
+        };
+        let (engine, _) = Engine::open(engine_config, Arc::new(SystemClock)).unwrap();
+        // Two messages already pending: the next delivery is held.
+        let far = engine.now_ms() + 3_600_000;
+        let mut fillers = Vec::new();
+        for body in [b"filler 1".to_vec(), b"filler 2".to_vec()] {
+            fillers.push(engine.schedule("other", far, body).await.unwrap());
+        }
+        let config = Config::from_toml_str(
+            r#"
+[brokers.rabbit]
+kind = "amqp"
+url = "amqp://guest:guest@127.0.0.1:5672/%2f"
+[[routes]]
+name = "r"
+from = { broker = "rabbit", queue = "q" }
+to = { broker = "rabbit", exchange = "out" }
+"#,
+        )
+        .unwrap();
+        let in_hand = Arc::new(InHand::default());
+        let intake = Intake {
+            route: Arc::new(Route::compile(&config.routes[0], &config)),
+            engine: engine.clone(),
+            brokers: Brokers::default(),
+            concurrency: 8,
+            fatal: CancellationToken::new(),
+            pressure: Arc::default(),
+            bytes: Arc::new(Semaphore::new(1 << 20)),
+            byte_budget: 1 << 20,
+            store: None,
+            in_hand: in_hand.clone(),
+        };
+        let (feed, deliveries) = mpsc::unbounded_channel();
+        let stop = CancellationToken::new();
+        let running = tokio::spawn(intake.run(Box::new(Feed(deliveries)), stop.clone()));
+
+        let settled = Settled::default();
+        let mut message = Message::with_body(b"close order 7".to_vec());
+        message.headers = FieldTable(vec![("x-delay".into(), Value::I64(600_000))]);
+        let deliver = |name, redelivered| Delivery {
+            message: message.clone(),
+            redelivered,
+            ack: Box::new(Ack {
+                name,
+                settled: settled.clone(),
+            }),
+        };
+        feed.send(deliver("first", false)).unwrap();
+        wait_until("the first copy held", || in_hand.len() == 1).await;
+        // Its channel closed; the broker delivers the message again.
+        feed.send(deliver("again", true)).unwrap();
+        wait_until("the redelivery taken in", || in_hand.len() == 2).await;
+        // Room for both, should both be stored.
+        for id in fillers {
+            assert!(engine.cancel(id).await.unwrap());
+        }
+        wait_until("both copies settled", || settled.lock().unwrap().len() == 2).await;
+        let mut outcomes = settled.lock().unwrap().clone();
+        outcomes.sort();
+        assert_eq!(outcomes, [("again", "ack"), ("first", "requeue")]);
+        let pending = engine.list(&Default::default());
+        assert_eq!(pending.len(), 1, "stored twice: {pending:?}");
+        stop.cancel();
+        running.await.unwrap();
     }
 }
