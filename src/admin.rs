@@ -669,16 +669,8 @@ async fn cancel_by_key_or_purge(
     Ok(Json(purged).into_response())
 }
 
-/// Messages listed per walk of a purge.
-const PURGE_PAGE: usize = 10_000;
-/// Cancels of a purge waiting for their Done at once (one group commit
-/// makes many durable).
-const PURGE_CONCURRENCY: usize = 256;
-
-/// Cancel every pending message of `route` due within the window, each as
-/// `DELETE /v1/messages/{id}` would (a durable Done; a tombstone in the
-/// broker-kept store). Those being published are left (they are leaving
-/// anyway) and counted apart. `dry_run`: only count.
+/// Cancel every pending message of `route` due within the window (see
+/// [`Engine::purge`]), logged when anything went.
 async fn purge(
     engine: &Engine,
     route: String,
@@ -686,58 +678,19 @@ async fn purge(
     due_to: Option<u64>,
     dry_run: bool,
 ) -> Result<Purged, ApiError> {
-    use futures_util::stream::{self, StreamExt};
-    let mut result = Purged {
-        route: route.clone(),
+    let count = engine.purge(&route, due_from, due_to, dry_run).await?;
+    if count.purged > 0 {
+        tracing::warn!(route = %route, purged = count.purged, due_from, due_to, "purged pending messages through the admin API");
+    }
+    Ok(Purged {
+        route,
         due_from,
         due_to,
         dry_run,
-        matched: 0,
-        purged: 0,
-        in_flight: 0,
-    };
-    let mut after = None;
-    loop {
-        let query = ListQuery {
-            route: Some(route.clone()),
-            due_from,
-            due_to,
-            after,
-            limit: PURGE_PAGE,
-        };
-        let e = engine.clone();
-        let page = tokio::task::spawn_blocking(move || e.list(&query)).await?;
-        let Some(last) = page.last() else { break };
-        after = Some((last.due_ms, last.id));
-        let full = page.len() == PURGE_PAGE;
-        result.matched += page.len() as u64;
-        if !dry_run {
-            let outcomes: Vec<Result<bool, EngineError>> = stream::iter(page)
-                .map(|info| {
-                    let e = engine.clone();
-                    async move { e.cancel(info.id).await }
-                })
-                .buffer_unordered(PURGE_CONCURRENCY)
-                .collect()
-                .await;
-            for outcome in outcomes {
-                match outcome {
-                    Ok(true) => result.purged += 1,
-                    // Fired meanwhile.
-                    Ok(false) => {}
-                    Err(EngineError::InFlight(_)) => result.in_flight += 1,
-                    Err(e) => return Err(e.into()),
-                }
-            }
-        }
-        if !full {
-            break;
-        }
-    }
-    if result.purged > 0 {
-        tracing::warn!(route = %result.route, purged = result.purged, due_from, due_to, "purged pending messages through the admin API");
-    }
-    Ok(result)
+        matched: count.matched,
+        purged: count.purged,
+        in_flight: count.in_flight,
+    })
 }
 
 /// `DELETE /v1/messages?route=R&message_id=X` (or `key=K`, `key_hex=HEX`):

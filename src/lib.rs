@@ -26,6 +26,8 @@ pub mod inspect;
 pub mod messages;
 pub mod route;
 pub mod runtime;
+#[cfg(test)]
+mod sim;
 pub mod status;
 pub mod status_page;
 pub mod store_inspect;

@@ -16,6 +16,7 @@ mod dedup;
 mod dispatch;
 mod keys;
 mod pressure;
+mod purge;
 mod state;
 mod summary;
 mod tier;
@@ -25,6 +26,7 @@ pub use dedup::fingerprint;
 pub use dispatch::{Dispatch, Fired, Outcome};
 pub use keys::key_hash;
 pub use pressure::{Admission, Pressure};
+pub use purge::PurgeCount;
 pub use state::Phase;
 pub use summary::DueSummary;
 pub use tier::FarSettings;
@@ -88,6 +90,11 @@ pub struct EngineConfig {
     /// The far tier: messages due beyond its horizon wait on disk, not in
     /// the wheel (`None`: every pending message is in the wheel).
     pub far: Option<FarSettings>,
+    /// Run compaction and the far tier's rounds on their own, every
+    /// `gc_interval` (false: the caller drives them with
+    /// [`Engine::compact_now`] and [`Engine::far_round`], as tests and the
+    /// simulator do, so that no round races theirs).
+    pub background_rounds: bool,
 }
 
 /// Reads the lookup key out of a stored message's bytes.
@@ -115,6 +122,7 @@ impl EngineConfig {
             max_disk: 0,
             key_of: no_key,
             far: None,
+            background_rounds: true,
         }
     }
 }
@@ -1306,11 +1314,17 @@ impl Engine {
         shutdown: CancellationToken,
         grace: Duration,
     ) {
-        let gc = tokio::spawn(compact::run(self.inner.clone(), shutdown.clone()));
-        let far = tokio::spawn(tier::run(self.inner.clone(), shutdown.clone()));
+        let rounds = self.inner.config.background_rounds.then(|| {
+            (
+                tokio::spawn(compact::run(self.inner.clone(), shutdown.clone())),
+                tokio::spawn(tier::run(self.inner.clone(), shutdown.clone())),
+            )
+        });
         dispatch::run(self.inner.clone(), dispatch, shutdown, grace).await;
-        let _ = gc.await;
-        let _ = far.await;
+        if let Some((gc, far)) = rounds {
+            let _ = gc.await;
+            let _ = far.await;
+        }
     }
 
     /// Make the dispatcher look at the clock again (after a clock change).
@@ -1404,6 +1418,19 @@ fn far_record(r: &FarRecord) -> Record {
         uid: r.uid,
         route: r.route.clone(),
         message: r.message.clone(),
+    }
+}
+
+/// Tests and the simulator: whether the dispatcher is done for now.
+#[cfg(test)]
+impl Engine {
+    /// Nothing due at the clock's now is waiting or being published.
+    pub(crate) fn settled(&self) -> bool {
+        let now = self.now_ms();
+        let state = self.state();
+        state.next_deadline().is_none_or(|d| d > now)
+            && state.flights().next().is_none()
+            && self.inner.wal.is_idle()
     }
 }
 

@@ -18,6 +18,8 @@ fn far_config(dir: &std::path::Path) -> EngineConfig {
             near_only: HashSet::from(["kept-near".to_owned()]),
             spill: true,
         }),
+        // Each test drives its rounds: a background one would race them.
+        background_rounds: false,
         ..config(dir)
     }
 }

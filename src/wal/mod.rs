@@ -591,6 +591,11 @@ impl Wal {
     }
 
     /// True once a fatal error stopped the log: the process must exit.
+    /// The writer has answered every record sent to it.
+    pub fn is_idle(&self) -> bool {
+        self.shared.writer.is_idle()
+    }
+
     pub fn is_stopped(&self) -> bool {
         self.shared.writer.is_stopped()
     }

@@ -30,6 +30,9 @@ use super::WalError;
 /// How much of what was not synced a power loss leaves on disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PowerLoss {
+    /// The process dies, the machine does not (kill -9): every write and
+    /// name change stays, synced or not, as the kernel still holds it.
+    ProcessCrash,
     /// Nothing: every unsynced byte, and every name change whose directory
     /// was not synced since, is gone.
     DropUnsynced,
@@ -75,6 +78,9 @@ struct Inode {
     rewritten: bool,
     /// The size after each append since the last sync.
     ends: Vec<usize>,
+    /// Bytes a failed sync dropped: reads still see them (the kernel
+    /// marked their pages clean), the disk never gets them.
+    lost: Vec<std::ops::Range<usize>>,
 }
 
 #[derive(Debug, Default)]
@@ -89,6 +95,10 @@ struct State {
     journal: Vec<Change>,
     locks: BTreeSet<PathBuf>,
     syncs: u64,
+    /// See [`SimFs::set_full`]: writes under these fail with `ENOSPC`.
+    full: Vec<PathBuf>,
+    /// See [`SimFs::fail_next_sync`].
+    fail_sync: bool,
     /// See [`SimFs::fail_next_append`].
     fail_append: Option<usize>,
     /// Operations that changed the disk so far (see [`SimFs::crash_after`]).
@@ -124,6 +134,10 @@ fn dead() -> io::Error {
     io::Error::other("simulated power loss: this process is gone")
 }
 
+fn enospc() -> io::Error {
+    io::Error::from_raw_os_error(28)
+}
+
 fn not_found(path: &Path) -> io::Error {
     io::Error::new(
         io::ErrorKind::NotFound,
@@ -132,6 +146,12 @@ fn not_found(path: &Path) -> io::Error {
 }
 
 impl State {
+    /// By the path's text, so a prefix of a file name counts (`wal-`).
+    fn is_full(&self, path: &Path) -> bool {
+        let path = path.to_string_lossy();
+        self.full.iter().any(|d| path.starts_with(&*d.to_string_lossy()))
+    }
+
     fn is_dir(&self, path: &Path) -> bool {
         path.parent().is_none() || self.names.get(path) == Some(&Entry::Dir)
     }
@@ -244,6 +264,16 @@ impl SimFs {
         state.crash_at = Some(state.ops + n);
     }
 
+    /// The power went at [`SimFs::crash_after`]'s call: this boot is over.
+    pub fn is_frozen(&self) -> bool {
+        self.state.lock().expect("sim fs poisoned").frozen
+    }
+
+    /// Forget a [`SimFs::crash_after`] that has not come yet.
+    pub fn cancel_crash(&self) {
+        self.state.lock().expect("sim fs poisoned").crash_at = None;
+    }
+
     /// Operations that changed the disk so far.
     pub fn ops(&self) -> u64 {
         self.state.lock().expect("sim fs poisoned").ops
@@ -254,8 +284,18 @@ impl SimFs {
     /// next boot.
     pub fn power_loss(&self, loss: PowerLoss) -> SimFs {
         let mut state = self.state.lock().expect("sim fs poisoned");
+        if loss == PowerLoss::ProcessCrash {
+            // Everything written is what the next boot reads.
+            for inode in &mut state.inodes {
+                SimFile::write_back(inode);
+            }
+            let journal = std::mem::take(&mut state.journal);
+            for change in &journal {
+                State::apply(&mut state.durable, change);
+            }
+        }
         let mut rng = match loss {
-            PowerLoss::DropUnsynced => None,
+            PowerLoss::DropUnsynced | PowerLoss::ProcessCrash => None,
             PowerLoss::Torn { seed } => Some(Rng(seed)),
         };
         let journal = std::mem::take(&mut state.journal);
@@ -287,6 +327,7 @@ impl SimFs {
         state.names = names.clone();
         state.durable = names;
         state.locks.clear();
+        state.fail_sync = false;
         state.frozen = false;
         state.crash_at = None;
         state.epoch += 1;
@@ -312,6 +353,20 @@ impl SimFs {
     /// then fail with `ENOSPC`.
     pub fn fail_next_append(&self, written: usize) {
         self.live().expect("a live handle").fail_append = Some(written);
+    }
+
+    /// Fill the disk under each of `dirs` (none: space again): appends and
+    /// new files there fail with `ENOSPC`, an append after writing a part
+    /// of its buffer (`partial` bytes, at most), as a real short write does.
+    /// Survives a power loss: the disk is still full.
+    pub fn set_full(&self, dirs: Vec<PathBuf>) {
+        self.state.lock().expect("sim fs poisoned").full = dirs;
+    }
+
+    /// Make the next file sync fail with `EIO` (the kernel may have
+    /// dropped the dirty pages it could not write).
+    pub fn fail_next_sync(&self) {
+        self.state.lock().expect("sim fs poisoned").fail_sync = true;
     }
 
     /// The bytes of `path` as the running process reads them.
@@ -356,6 +411,8 @@ struct SimFile {
     fs: SimFs,
     ino: usize,
     writable: bool,
+    /// Where it was opened (for [`SimFs::set_full`]).
+    path: PathBuf,
 }
 
 impl SimFile {
@@ -366,6 +423,15 @@ impl SimFile {
 
     fn sync(&self) -> io::Result<()> {
         let mut state = self.fs.mutating()?;
+        if std::mem::take(&mut state.fail_sync) {
+            // As Linux does: the dirty pages are marked clean unwritten,
+            // and a later sync succeeds without them.
+            let inode = &mut state.inodes[self.ino];
+            let from = if inode.rewritten { 0 } else { inode.synced.len() };
+            let lost = from..inode.data.len();
+            inode.lost.push(lost);
+            return Err(io::Error::from_raw_os_error(5)); // EIO
+        }
         state.syncs += 1;
         Self::write_back(&mut state.inodes[self.ino]);
         Ok(())
@@ -381,6 +447,13 @@ impl SimFile {
             let at = inode.synced.len();
             let Inode { data, synced, .. } = inode;
             synced.extend_from_slice(&data[at..]);
+        }
+        let Inode { synced, lost, .. } = inode;
+        for range in lost.iter() {
+            let end = range.end.min(synced.len());
+            if range.start < end {
+                synced[range.start..end].fill(0);
+            }
         }
     }
 
@@ -400,12 +473,20 @@ impl WalFile for SimFile {
     fn append(&self, buf: &[u8]) -> io::Result<()> {
         self.check_writable()?;
         let mut state = self.fs.mutating()?;
+        if state.is_full(&self.path) {
+            // A short write of half the buffer, then ENOSPC.
+            let inode = &mut state.inodes[self.ino];
+            inode.data.extend_from_slice(&buf[..buf.len() / 2]);
+            let end = inode.data.len();
+            inode.ends.push(end);
+            return Err(enospc());
+        }
         let fail = state.fail_append.take();
         let inode = &mut state.inodes[self.ino];
         if let Some(written) = fail {
             inode.data.extend_from_slice(&buf[..written.min(buf.len())]);
             Self::write_back(inode);
-            return Err(io::Error::from_raw_os_error(28)); // ENOSPC
+            return Err(enospc());
         }
         inode.data.extend_from_slice(buf);
         let end = inode.data.len();
@@ -436,6 +517,12 @@ impl WalFile for SimFile {
         let inode = &mut state.inodes[self.ino];
         inode.rewritten = true;
         inode.data.resize(len as usize, 0);
+        // What is cut off is no longer lost: a later write lands anew.
+        let len = len as usize;
+        inode.lost.retain(|r| r.start < len);
+        for r in &mut inode.lost {
+            r.end = r.end.min(len);
+        }
         Ok(())
     }
 
@@ -514,6 +601,9 @@ impl FileSystem for SimFs {
                 format!("{} exists", path.display()),
             ));
         }
+        if state.is_full(path) {
+            return Err(enospc());
+        }
         let ino = state.inodes.len();
         state.inodes.push(Inode::default());
         state.change(
@@ -524,6 +614,7 @@ impl FileSystem for SimFs {
             fs: self.clone(),
             ino,
             writable: true,
+            path: path.to_path_buf(),
         }))
     }
 
@@ -533,6 +624,7 @@ impl FileSystem for SimFs {
             fs: self.clone(),
             ino,
             writable: false,
+            path: path.to_path_buf(),
         }))
     }
 
@@ -542,6 +634,7 @@ impl FileSystem for SimFs {
             fs: self.clone(),
             ino,
             writable: true,
+            path: path.to_path_buf(),
         }))
     }
 

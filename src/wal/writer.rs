@@ -118,6 +118,10 @@ pub struct Writer {
     tx: Mutex<Option<mpsc::Sender<Command>>>,
     halt: Halt,
     fsyncs: Arc<AtomicU64>,
+    /// Records sent, and records answered (written or failed): equal when
+    /// the writer has nothing left to do.
+    sent: AtomicU64,
+    answered: Arc<AtomicU64>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -130,8 +134,10 @@ impl Writer {
     ) -> Result<Self, WalError> {
         let halt = Halt::default();
         let fsyncs = Arc::new(AtomicU64::new(0));
+        let answered = Arc::new(AtomicU64::new(0));
         let mut state = WriterState {
             fsyncs: fsyncs.clone(),
+            answered: answered.clone(),
             config,
             segments,
             claims,
@@ -153,6 +159,8 @@ impl Writer {
             tx: Mutex::new(Some(tx)),
             halt,
             fsyncs,
+            sent: AtomicU64::new(0),
+            answered,
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -183,7 +191,15 @@ impl Writer {
         let guard = self.tx.lock().expect("writer sender poisoned");
         let tx = guard.as_ref().ok_or(WalError::Stopped)?;
         tx.send(Command::Append(request, reply, Instant::now()))
-            .map_err(|_| WalError::Stopped)
+            .map_err(|_| WalError::Stopped)?;
+        self.sent.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Every record sent so far was answered (a test's condition to wait
+    /// for: lazy Dones included).
+    pub fn is_idle(&self) -> bool {
+        self.answered.load(Ordering::Acquire) >= self.sent.load(Ordering::Acquire)
     }
 
     pub fn is_stopped(&self) -> bool {
@@ -220,6 +236,7 @@ impl Writer {
 
 struct WriterState {
     fsyncs: Arc<AtomicU64>,
+    answered: Arc<AtomicU64>,
     config: WalConfig,
     segments: Arc<Mutex<SegmentTable>>,
     claims: Arc<Claims>,
@@ -338,6 +355,13 @@ impl WriterState {
     }
 
     fn write_batch(&mut self, batch: &mut Vec<(AppendRequest, Reply)>) {
+        let n = batch.len() as u64;
+        self.write_batch_answered(batch);
+        self.answered.fetch_add(n, Ordering::AcqRel);
+    }
+
+    /// Write the batch and answer each of its records.
+    fn write_batch_answered(&mut self, batch: &mut Vec<(AppendRequest, Reply)>) {
         if batch.is_empty() {
             return;
         }

@@ -1,0 +1,650 @@
+//! Plays a list of operations against the real engine on a simulated disk
+//! and clock, one at a time, checking the model after each.
+
+use std::collections::{HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::{
+    BoxFuture, Clock, Dispatch, Engine, EngineConfig, FarSettings, Fired, ManualClock, Outcome, Stored,
+};
+use crate::id::MessageId;
+use crate::wal::sim::{PowerLoss, SimFs};
+use crate::wal::WalConfig;
+
+use super::model::Model;
+use super::ops::{Loss, Op, Rng, Scope, HORIZONS, ROUTES};
+use super::Failure;
+
+const DIR: &str = "/vol/wal";
+const T0: u64 = 1_700_000_000_000;
+/// Far rounds (or compactions) that may still fail once the disk has room
+/// again, before the tier is said not to recover.
+const RECOVERY_ROUNDS: u32 = 2;
+/// Longest a settle may take in real time before the engine is said stuck.
+const SETTLE_LIMIT: Duration = Duration::from_secs(20);
+
+/// What a run did (it broke nothing).
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub seed: u64,
+    pub ops: usize,
+    pub messages: usize,
+    pub fires: u64,
+    pub restarts: u32,
+    pub faults: u32,
+    pub same_id_copies: u64,
+    pub other_id_copies: u64,
+    /// Messages lost to a twin taken for their redelivery (issue #37).
+    pub twin_losses: u64,
+    /// A hash of every operation's outcome and every message handed out:
+    /// equal for two runs of one seed.
+    pub trace: u64,
+}
+
+/// The sink: records what went out, fails publishes when told to.
+#[derive(Default)]
+struct Sink {
+    out: Mutex<Vec<Fired>>,
+    fail_next: AtomicU32,
+}
+
+impl Dispatch for Sink {
+    fn deliver(&self, fired: Fired) -> BoxFuture<'static, Outcome> {
+        let fail = self
+            .fail_next
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        let outcome = if fail {
+            Outcome::Retry("simulated publish failure".into())
+        } else {
+            self.out.lock().expect("sink").push(fired);
+            Outcome::Done
+        };
+        Box::pin(async move { outcome })
+    }
+}
+
+struct Node {
+    engine: Engine,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// A delivery the broker still holds: (message, redelivered).
+type Held = (usize, bool);
+
+pub struct Sim {
+    seed: u64,
+    rng: Rng,
+    fs: SimFs,
+    clock: Arc<ManualClock>,
+    horizon: u64,
+    node: Option<Node>,
+    sink: Arc<Sink>,
+    model: Model,
+    /// Deliveries the broker holds, to deliver again.
+    broker: VecDeque<Held>,
+    /// Stored deliveries whose ack is in doubt: (message, engine id).
+    in_doubt: Vec<(usize, u64)>,
+    full: Option<Scope>,
+    sync_fault: bool,
+    /// Far rounds and compactions failed since the disk had room again.
+    failed_since_space: u32,
+    next_uid: u64,
+    step: usize,
+    trace: std::collections::hash_map::DefaultHasher,
+    report: Report,
+}
+
+fn sim_key(message: &[u8]) -> Option<&[u8]> {
+    let end = message.iter().position(|&b| b == b'|')?;
+    (end > 0).then(|| &message[..end])
+}
+
+impl Sim {
+    pub fn new(seed: u64, strict_twins: bool) -> Self {
+        let mut rng = Rng::new(seed.wrapping_mul(31).wrapping_add(7));
+        let horizon = HORIZONS[rng.below(HORIZONS.len() as u64) as usize];
+        Sim {
+            seed,
+            rng,
+            fs: SimFs::with_dir(DIR),
+            clock: Arc::new(ManualClock::new(T0)),
+            horizon,
+            node: None,
+            sink: Arc::default(),
+            model: Model::new(strict_twins),
+            broker: VecDeque::new(),
+            in_doubt: Vec::new(),
+            full: None,
+            sync_fault: false,
+            failed_since_space: 0,
+            next_uid: 0,
+            step: 0,
+            trace: Default::default(),
+            report: Report {
+                seed,
+                ..Report::default()
+            },
+        }
+    }
+
+    fn fail(&self, what: impl Into<String>) -> Failure {
+        Failure {
+            seed: self.seed,
+            step: self.step,
+            what: what.into(),
+        }
+    }
+
+    fn note(&mut self, event: impl Hash + std::fmt::Debug) {
+        if std::env::var_os("SIM_TRACE").is_some() {
+            eprintln!("trace {} {event:?}", self.step);
+        }
+        event.hash(&mut self.trace);
+    }
+
+    fn faulty(&self) -> bool {
+        self.full.is_some() || self.sync_fault || self.fs.is_frozen()
+    }
+
+    fn config(&self) -> EngineConfig {
+        let mut wal = WalConfig::new(DIR);
+        wal.fs = Arc::new(self.fs.clone());
+        wal.segment_bytes = 4096;
+        wal.lazy_done_wait = Duration::ZERO;
+        let far = (self.horizon > 0).then(|| FarSettings {
+            horizon: Duration::from_millis(self.horizon),
+            near_only: HashSet::new(),
+            spill: true,
+        });
+        EngineConfig {
+            max_in_flight: 64,
+            overdue_rate: 0,
+            retry_initial: Duration::from_millis(100),
+            retry_max: Duration::from_millis(2_000),
+            dedup_window: 1_000,
+            gc_interval: Duration::from_secs(3600),
+            key_of: sim_key,
+            far: far.or_else(|| {
+                // Spilling off: what the tier holds still loads.
+                Some(FarSettings {
+                    horizon: Duration::from_millis(HORIZONS[1]),
+                    near_only: HashSet::new(),
+                    spill: false,
+                })
+            }),
+            background_rounds: false,
+            ..EngineConfig::new(wal)
+        }
+    }
+
+    /// Start the engine if it is down; `Ok(false)` if it cannot start
+    /// while a fault lasts.
+    async fn ensure_started(&mut self) -> Result<bool, Failure> {
+        if self.node.is_some() {
+            return Ok(true);
+        }
+        // The last process's tasks let go of the directory lock as they
+        // wind down.
+        let started = Instant::now();
+        let opened = loop {
+            match Engine::open(self.config(), self.clock.clone()) {
+                Err(crate::engine::EngineError::Wal(crate::wal::WalError::Locked { .. }))
+                    if started.elapsed() < SETTLE_LIMIT =>
+                {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                other => break other,
+            }
+        };
+        match opened {
+            Ok((engine, report)) => {
+                if !report.corruptions.is_empty() {
+                    return Err(self.fail(format!(
+                        "recovery found corruption: {:?}",
+                        report.corruptions
+                    )));
+                }
+                let shutdown = CancellationToken::new();
+                let task = {
+                    let engine = engine.clone();
+                    let sink: Arc<dyn Dispatch> = self.sink.clone();
+                    let shutdown = shutdown.clone();
+                    tokio::spawn(async move {
+                        engine.run(sink, shutdown, Duration::from_secs(1)).await
+                    })
+                };
+                self.node = Some(Node {
+                    engine,
+                    shutdown,
+                    task,
+                });
+                self.report.restarts += 1;
+                self.note(("start", self.horizon));
+                Ok(true)
+            }
+            Err(e) if self.faulty() => {
+                self.note("start refused under a fault");
+                let _ = e;
+                Ok(false)
+            }
+            Err(e) => Err(self.fail(format!("cannot start: {e}"))),
+        }
+    }
+
+    fn engine(&self) -> Option<Engine> {
+        self.node.as_ref().map(|n| n.engine.clone())
+    }
+
+    /// The process ends as `loss` says; what was in doubt is settled by
+    /// the broker.
+    async fn kill(&mut self, loss: Loss) {
+        let power = match loss {
+            Loss::Process => PowerLoss::ProcessCrash,
+            Loss::Unsynced => PowerLoss::DropUnsynced,
+            Loss::Torn => PowerLoss::Torn {
+                seed: self.rng.next(),
+            },
+        };
+        // The disk first: nothing the old process still does reaches it.
+        self.fs = self.fs.power_loss(power);
+        if let Some(node) = self.node.take() {
+            node.shutdown.cancel();
+            node.task.abort();
+            let _ = node.task.await;
+        }
+        self.sync_fault = false;
+        for (msg, _) in std::mem::take(&mut self.in_doubt) {
+            if self.rng.chance(50) {
+                self.broker.push_back((msg, true));
+            }
+        }
+        self.note(("kill", format!("{loss:?}")));
+    }
+
+    async fn stop_cleanly(&mut self) {
+        if let Some(node) = self.node.take() {
+            node.shutdown.cancel();
+            let _ = node.task.await;
+            let _ = node.engine.close().await;
+        }
+        // A clean stop gets its acks through.
+        self.in_doubt.clear();
+    }
+
+    fn uid(&mut self) -> MessageId {
+        self.next_uid += 1;
+        MessageId::from_u128((u128::from(self.seed) << 64) | u128::from(self.next_uid))
+    }
+
+    /// Hand `msg` to the engine as the broker would.
+    async fn deliver(&mut self, msg: usize, redelivered: bool, ack_in_doubt: bool) -> Result<(), Failure> {
+        let Some(engine) = self.engine() else {
+            self.broker.push_back((msg, redelivered));
+            return Ok(());
+        };
+        let uid = self.uid();
+        let m = &self.model.msgs[msg];
+        let (route, due, bytes) = (m.route, m.due, m.bytes.clone());
+        // May reach the disk even if the store fails.
+        self.model.stored(msg, uid.as_u128());
+        match engine.store(route, due, uid, bytes, redelivered).await {
+            Ok(Stored::New(id)) => {
+                self.model.msgs[msg].acked = true;
+                if ack_in_doubt {
+                    self.in_doubt.push((msg, id));
+                } else {
+                    engine.confirm_ack(id);
+                }
+                self.note(("stored", msg, redelivered));
+            }
+            Ok(Stored::Duplicate) => {
+                self.model.msgs[msg].acked = true;
+                self.note(("duplicate", msg));
+            }
+            Err(e) => {
+                if !self.faulty() {
+                    return Err(self.fail(format!("a store failed with no fault: {e}")));
+                }
+                self.broker.push_back((msg, true));
+                self.note(("store failed", msg));
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn play(mut self, ops: &[Op]) -> Result<Report, Failure> {
+        self.ensure_started().await?;
+        for (step, op) in ops.iter().enumerate() {
+            self.step = step;
+            self.apply(op).await?;
+            self.after_op().await?;
+        }
+        self.step = ops.len();
+        self.finish().await?;
+        self.report.ops = ops.len();
+        self.report.messages = self.model.msgs.len();
+        self.report.fires = self.model.fires;
+        (self.report.same_id_copies, self.report.other_id_copies) = self.model.duplicates();
+        self.report.trace = self.trace.finish();
+        Ok(self.report)
+    }
+
+    async fn apply(&mut self, op: &Op) -> Result<(), Failure> {
+        if !matches!(op, Op::Kill { .. } | Op::Restart { .. }) && !self.ensure_started().await? {
+            // Down until a fault clears: faults and the clock still move.
+            if !matches!(
+                op,
+                Op::DiskSpace | Op::DiskFull { .. } | Op::Clock { .. } | Op::Deliver { .. }
+            ) {
+                return Ok(());
+            }
+        }
+        match *op {
+            Op::Deliver {
+                route,
+                key,
+                body,
+                delay_ms,
+                twin,
+                ack_in_doubt,
+            } => {
+                let route = ROUTES[route as usize % ROUTES.len()];
+                let due = self.clock.now_ms() + delay_ms;
+                let earlier: Vec<usize> = (0..self.model.msgs.len())
+                    .filter(|&i| self.model.msgs[i].route == route)
+                    .collect();
+                let (key, bytes) = match twin {
+                    Some(pick) if !earlier.is_empty() => {
+                        let m = &self.model.msgs[earlier[pick as usize % earlier.len()]];
+                        (m.key, m.bytes.clone())
+                    }
+                    _ => {
+                        let key = (key > 0).then_some(key);
+                        let k = key.map_or(String::new(), |k| format!("k{k}"));
+                        (key, format!("{k}|body-{body}").into_bytes())
+                    }
+                };
+                let msg = self.model.add(route, key, bytes, due);
+                self.deliver(msg, false, ack_in_doubt).await?;
+            }
+            Op::Redeliver => {
+                if let Some((msg, redelivered)) = self.broker.pop_front() {
+                    self.deliver(msg, redelivered, false).await?;
+                }
+            }
+            Op::Cancel { pick } => self.cancel(pick).await?,
+            Op::CancelKey { route, key } => {
+                let Some(engine) = self.engine() else {
+                    return Ok(());
+                };
+                let route = ROUTES[route as usize % ROUTES.len()];
+                let k = format!("k{key}");
+                match engine.cancel_by_key(route, k.as_bytes()).await {
+                    Ok(ids) => {
+                        self.model
+                            .cancel_where(|m| m.route == route && m.key == Some(key));
+                        self.note(("cancel key", route, key, ids.len()));
+                    }
+                    Err(e) if self.faulty() => self.note(("cancel key failed", e.to_string())),
+                    Err(e) => return Err(self.fail(format!("cancel by key failed with no fault: {e}"))),
+                }
+            }
+            Op::Purge {
+                route,
+                from_ms,
+                width_ms,
+            } => {
+                let Some(engine) = self.engine() else {
+                    return Ok(());
+                };
+                let route = ROUTES[route as usize % ROUTES.len()];
+                let from = self.clock.now_ms() + from_ms;
+                let to = from + width_ms;
+                match engine.purge(route, Some(from), Some(to), false).await {
+                    Ok(count) => {
+                        self.model
+                            .cancel_where(|m| m.route == route && (from..=to).contains(&m.due));
+                        self.note(("purge", count.purged, count.in_flight));
+                    }
+                    Err(e) if self.faulty() => self.note(("purge failed", e.to_string())),
+                    Err(e) => return Err(self.fail(format!("purge failed with no fault: {e}"))),
+                }
+            }
+            Op::Clock { ms } => {
+                let now = self.clock.now_ms();
+                self.clock.set(now.saturating_add_signed(ms));
+                if let Some(engine) = self.engine() {
+                    engine.wake();
+                }
+                self.note(("clock", ms));
+            }
+            Op::FarRound => {
+                if let Some(engine) = self.engine() {
+                    let outcome = engine.far_round().await.map_err(|e| e.to_string());
+                    self.round_outcome("far round", outcome)?;
+                }
+            }
+            Op::Compact => {
+                if let Some(engine) = self.engine() {
+                    let outcome = engine.compact_now().await.map_err(|e| e.to_string());
+                    self.round_outcome("compaction", outcome)?;
+                }
+            }
+            Op::PublishFails { n } => {
+                self.sink.fail_next.store(u32::from(n), Ordering::Release);
+            }
+            Op::Kill { loss } => {
+                self.kill(loss).await;
+                self.ensure_started().await?;
+            }
+            Op::Restart { horizon } => {
+                self.stop_cleanly().await;
+                self.horizon = HORIZONS[horizon as usize % HORIZONS.len()];
+                self.ensure_started().await?;
+            }
+            Op::CrashAfter { n } => {
+                self.fs.crash_after(u64::from(n));
+                self.report.faults += 1;
+            }
+            Op::DiskFull { scope } => {
+                let dirs = match scope {
+                    Scope::Wal => vec![wal_files()],
+                    Scope::Far => vec![PathBuf::from(DIR).join("far")],
+                    Scope::Both => vec![PathBuf::from(DIR)],
+                };
+                self.fs.set_full(dirs);
+                self.full = Some(scope);
+                self.report.faults += 1;
+                self.note(("full", format!("{scope:?}")));
+            }
+            Op::DiskSpace => {
+                if self.full.take().is_some() {
+                    self.fs.set_full(Vec::new());
+                    self.failed_since_space = 0;
+                    self.note("space");
+                }
+            }
+            Op::SyncFails => {
+                self.fs.fail_next_sync();
+                self.sync_fault = true;
+                self.report.faults += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// A far round or a compaction: it may fail under a fault, and must
+    /// succeed again within [`RECOVERY_ROUNDS`] once the fault is gone.
+    fn round_outcome(&mut self, what: &str, outcome: Result<(), String>) -> Result<(), Failure> {
+        match outcome {
+            Ok(()) => {
+                self.failed_since_space = 0;
+                self.note((what, "ok"));
+            }
+            Err(e) if self.faulty() => self.note((what, "failed under a fault", e)),
+            Err(e) => {
+                self.failed_since_space += 1;
+                if self.failed_since_space > RECOVERY_ROUNDS {
+                    return Err(self.fail(format!(
+                        "{what} still fails {} rounds after the disk had room again: {e}",
+                        self.failed_since_space
+                    )));
+                }
+                self.note((what, "failed after a fault", e));
+            }
+        }
+        Ok(())
+    }
+
+    async fn cancel(&mut self, pick: u32) -> Result<(), Failure> {
+        let Some(engine) = self.engine() else {
+            return Ok(());
+        };
+        let uids: Vec<u128> = self.model.msgs.iter().flat_map(|m| m.uids.clone()).collect();
+        if uids.is_empty() {
+            return Ok(());
+        }
+        let uid = uids[pick as usize % uids.len()];
+        let found = match engine.find_by_uid(MessageId::from_u128(uid)) {
+            Ok(found) => found,
+            Err(e) if self.faulty() => {
+                self.note(("lookup failed", e.to_string()));
+                return Ok(());
+            }
+            Err(e) => return Err(self.fail(format!("lookup by id failed with no fault: {e}"))),
+        };
+        let Some(id) = found else {
+            self.note(("cancel: not pending", uid));
+            return Ok(());
+        };
+        match engine.cancel(id).await {
+            Ok(true) => {
+                self.model.cancel_uid(uid);
+                self.note(("cancelled", uid));
+            }
+            Ok(false) => self.note(("cancel: gone", uid)),
+            Err(e) if self.faulty() => self.note(("cancel failed", e.to_string())),
+            Err(e) => return Err(self.fail(format!("cancel failed with no fault: {e}"))),
+        }
+        Ok(())
+    }
+
+    /// After each operation: a process whose disk froze or whose log
+    /// stopped dies and restarts; then the engine settles and what it
+    /// handed out is checked.
+    async fn after_op(&mut self) -> Result<(), Failure> {
+        let halted = self
+            .node
+            .as_ref()
+            .is_some_and(|n| n.engine.wal().is_stopped());
+        if self.fs.is_frozen() || halted {
+            let loss = if self.rng.chance(50) {
+                Loss::Torn
+            } else {
+                Loss::Unsynced
+            };
+            self.kill(loss).await;
+            self.ensure_started().await?;
+        }
+        self.settle().await?;
+        self.check_fired()
+    }
+
+    /// Wait until nothing due at the clock's now waits or is in flight.
+    async fn settle(&mut self) -> Result<(), Failure> {
+        let Some(engine) = self.engine() else {
+            return Ok(());
+        };
+        engine.wake();
+        let started = Instant::now();
+        while !engine.settled() {
+            if engine.wal().is_stopped() || self.fs.is_frozen() {
+                return Ok(());
+            }
+            if started.elapsed() > SETTLE_LIMIT {
+                return Err(self.fail("the engine did not hand out what was due within 20 s"));
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        Ok(())
+    }
+
+    fn check_fired(&mut self) -> Result<(), Failure> {
+        let mut out = std::mem::take(&mut *self.sink.out.lock().expect("sink"));
+        out.sort_by_key(|f| (f.uid.as_u128(), f.fired_ms));
+        for f in &out {
+            if let Err(what) = self.model.fired(f) {
+                return Err(self.fail(what));
+            }
+            self.note(("fired", f.uid.as_u128(), f.fired_ms));
+        }
+        Ok(())
+    }
+
+    /// The faults go, the broker delivers what it holds, and the clock
+    /// passes every due time: then everything owed must have fired, and
+    /// nothing may come back after a restart.
+    async fn finish(&mut self) -> Result<(), Failure> {
+        self.fs.set_full(Vec::new());
+        self.fs.cancel_crash();
+        self.full = None;
+        self.failed_since_space = 0;
+        if self.fs.is_frozen() || self.sync_fault {
+            self.kill(Loss::Unsynced).await;
+        }
+        self.ensure_started().await?;
+        while let Some((msg, redelivered)) = self.broker.pop_front() {
+            self.deliver(msg, redelivered, false).await?;
+            self.after_op().await?;
+        }
+        let last_due = self.model.msgs.iter().map(|m| m.due).max().unwrap_or(0);
+        // Past every due time at once (a load takes every bucket the
+        // horizon reached), then on by the longest back-off until nothing
+        // is left.
+        for _ in 0..50 {
+            let engine = self.engine().ok_or_else(|| self.fail("down at the end"))?;
+            let now = self.clock.now_ms();
+            self.clock.set(now.max(last_due) + 3_000);
+            let outcome = engine.far_round().await.map_err(|e| e.to_string());
+            self.round_outcome("far round", outcome)?;
+            let outcome = engine.compact_now().await.map_err(|e| e.to_string());
+            self.round_outcome("compaction", outcome)?;
+            self.after_op().await?;
+            if engine.pending() == 0 {
+                break;
+            }
+        }
+        let left = self.engine().map_or(0, |e| e.pending());
+        if left > 0 {
+            return Err(self.fail(format!(
+                "{left} messages still pending after every due time passed"
+            )));
+        }
+        self.report.twin_losses = self.model.check_complete().map_err(|w| self.fail(w))?;
+        // A clean restart brings nothing back.
+        self.stop_cleanly().await;
+        self.ensure_started().await?;
+        self.settle().await?;
+        self.check_fired()?;
+        let back = self.engine().map_or(0, |e| e.pending());
+        if back > 0 {
+            return Err(self.fail(format!("{back} messages came back after a clean restart")));
+        }
+        self.stop_cleanly().await;
+        Ok(())
+    }
+}
+
+/// The WAL's own files (segments sit in the WAL directory itself; the far
+/// tier in its `far` subdirectory is spared by a full `Wal` scope).
+fn wal_files() -> PathBuf {
+    Path::new(DIR).join("wal-")
+}

@@ -1,0 +1,111 @@
+//! A deterministic simulator of the engine, in the way of FoundationDB's
+//! simulation and TigerBeetle's VOPR (tests only; `scripts/sim.sh`).
+//!
+//! One seed draws a list of operations ([`ops`]) and the driver
+//! ([`driver`]) plays them, one at a time, against the real engine: the
+//! WAL, the wheel, the far tier, redelivery detection, cancel by id and by
+//! key, purge, compaction, spill and load, kill, power loss and restart.
+//! Underneath are a [`ManualClock`](crate::engine::ManualClock) and
+//! [`SimFs`](crate::wal::sim::SimFs), which forgets what was never synced
+//! and can fill up, fail an fsync, or freeze between any two writes. The
+//! broker is a model too: it redelivers what was not acked, and acks that
+//! were in doubt at a crash.
+//!
+//! After every operation the engine is left to settle (everything due at
+//! the clock's now handed to the sink) and a reference model ([`model`])
+//! checks what came out: nothing early, nothing unknown, the bytes as
+//! stored, nothing after an answered cancel. At the end, with the faults
+//! gone and the clock past every due time, every acknowledged message that
+//! was not cancelled must have fired under one of its own ids.
+//!
+//! Operations run one after another and every wait is for a condition, so
+//! the same seed gives the same run: the trace hash in the [`Report`] is
+//! checked by a test. A failure names its seed and the shortest list of
+//! operations that still fails ([`shrink`]).
+
+mod driver;
+mod model;
+mod ops;
+#[cfg(test)]
+mod tests;
+
+pub use driver::Report;
+pub use ops::Op;
+
+/// A run that broke a guarantee.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub seed: u64,
+    /// Index of the operation after which it was seen (`ops.len()`: at the end).
+    pub step: usize,
+    pub what: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "seed {} step {}: {}", self.seed, self.step, self.what)
+    }
+}
+
+/// Operations drawn per seed.
+pub const OPS_PER_SEED: usize = 120;
+
+/// Play `ops` with randomness from `seed`.
+pub fn run(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
+    play(seed, ops, false)
+}
+
+/// [`run`], failing on a message lost to a byte-equal twin too (issue
+/// #37, open: see [`model::Model::strict_twins`]).
+pub fn run_strict(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
+    play(seed, ops, true)
+}
+
+fn play(seed: u64, ops: &[Op], strict_twins: bool) -> Result<Report, Failure> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    runtime.block_on(driver::Sim::new(seed, strict_twins).play(ops))
+}
+
+/// Draw the operations of `seed` and play them.
+pub fn run_seed(seed: u64) -> Result<Report, Failure> {
+    run(seed, &ops::draw(seed, OPS_PER_SEED))
+}
+
+/// The shortest list of operations found that still fails (delta
+/// debugging: drop chunks, halving their size, while the run still fails).
+pub fn shrink(seed: u64, mut ops: Vec<Op>) -> Vec<Op> {
+    let mut chunk = ops.len() / 2;
+    while chunk >= 1 {
+        let mut start = 0;
+        while start < ops.len() {
+            let mut fewer = ops.clone();
+            fewer.drain(start..(start + chunk).min(ops.len()));
+            if run(seed, &fewer).is_err() {
+                ops = fewer;
+            } else {
+                start += chunk;
+            }
+        }
+        chunk /= 2;
+    }
+    ops
+}
+
+/// Run seeds `from..from + count`; the first failure, shrunk.
+pub fn run_seeds(from: u64, count: u64) -> Result<Vec<Report>, (Failure, Vec<Op>)> {
+    let mut reports = Vec::new();
+    for seed in from..from + count {
+        match run_seed(seed) {
+            Ok(r) => reports.push(r),
+            Err(f) => {
+                let ops = shrink(seed, ops::draw(seed, OPS_PER_SEED));
+                let f = run(seed, &ops).err().unwrap_or(f);
+                return Err((f, ops));
+            }
+        }
+    }
+    Ok(reports)
+}
