@@ -44,6 +44,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::far::{FarError, FarRecord};
 use crate::id::MessageId;
+use crate::wheel::Expired;
 use crate::wal::{
     Appended, Claimed, Record, RecordRef, RecoveryReport, SpaceReport, Wal, WalConfig, WalError,
     WalPos,
@@ -173,15 +174,30 @@ struct Retired {
     route: Arc<str>,
     /// Its stored bytes, when they could be read.
     message: Option<Vec<u8>>,
+    /// Where it waited in the wheel, and its key-index hash: armed again
+    /// if its Done fails.
+    was: Option<(Expired<Slot>, Option<u64>)>,
 }
 
 impl Retired {
     /// Wait for the Done to be durable; then, for a cancel, tell the
     /// engine's cancel hook and wait for its store write: a cancel is
     /// acknowledged only once it is durable everywhere the message is kept.
-    async fn settle(self, cancel_hook: Option<&CancelHook>) -> Result<(), EngineError> {
+    /// A Done that fails (a full disk) puts the message back: the cancel
+    /// fails and the message fires as if it had not been asked for.
+    async fn settle(self, inner: &Inner, cancel_hook: Option<&CancelHook>) -> Result<(), EngineError> {
         if let Some(done) = self.done {
-            done.await.map_err(|_| EngineError::WriterGone)??;
+            let written = match done.await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(EngineError::from(e)),
+                Err(_) => Err(EngineError::WriterGone),
+            };
+            if let Err(e) = written {
+                if let Some((entry, hash)) = self.was {
+                    inner.rearm_retired(entry, hash);
+                }
+                return Err(e);
+            }
         }
         if let (Some(hook), Some(message)) = (cancel_hook, &self.message) {
             hook(&self.route, self.id, message)
@@ -890,7 +906,7 @@ impl Engine {
         let Some(retired) = self.retire(id, "cancelled").await? else {
             return Ok(false);
         };
-        retired.settle(self.inner.cancel_hook.get()).await?;
+        retired.settle(&self.inner, self.inner.cancel_hook.get()).await?;
         Ok(true)
     }
 
@@ -900,7 +916,7 @@ impl Engine {
         let Some(retired) = self.retire(id, "handed_off").await? else {
             return Ok(false);
         };
-        retired.settle(None).await?;
+        retired.settle(&self.inner, None).await?;
         Ok(true)
     }
 
@@ -917,7 +933,7 @@ impl Engine {
             Ok(None) | Err(EngineError::InFlight(_)) => return Ok(false),
             Err(e) => return Err(e),
         };
-        retired.settle(None).await?;
+        retired.settle(&self.inner, None).await?;
         Ok(true)
     }
 
@@ -1009,6 +1025,7 @@ impl Engine {
                 done: None,
                 route: Arc::from(record.route.as_str()),
                 message: Some(record.message),
+                was: None,
             }))
         })
         .await
@@ -1046,7 +1063,14 @@ impl Engine {
             state.unindex_key(hash, id);
         }
         // Written under the lock so it is ordered before any compaction copy.
-        let done = self.inner.wal.append_done(id, entry.data.pos)?;
+        let done = match self.inner.wal.append_done(id, entry.data.pos) {
+            Ok(done) => done,
+            Err(e) => {
+                drop(state);
+                self.inner.rearm_retired(entry, hash);
+                return Err(e.into());
+            }
+        };
         let route = state.route_name(entry.data.route);
         metrics::counter!(format!("delayd_{why}_total"), "route" => route.to_string()).increment(1);
         Ok(Some(Retired {
@@ -1054,6 +1078,7 @@ impl Engine {
             done: Some(done),
             route,
             message: stored.map(|(_, m)| m),
+            was: Some((entry, hash)),
         }))
     }
 
@@ -1121,12 +1146,20 @@ impl Engine {
         })
         .await
         .map_err(|_| EngineError::WriterGone)??;
+        // Each settled, even after one failed: a failed Done puts its
+        // message back (see `Retired::settle`).
         let mut cancelled = Vec::with_capacity(queued.len());
+        let mut failed = None;
         for (id, retired) in queued {
-            retired.settle(self.inner.cancel_hook.get()).await?;
-            cancelled.push(id);
+            match retired.settle(&self.inner, self.inner.cancel_hook.get()).await {
+                Ok(()) => cancelled.push(id),
+                Err(e) => failed = failed.or(Some(e)),
+            }
         }
-        Ok(cancelled)
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(cancelled),
+        }
     }
 
     /// A pending message's route id and stored bytes.
@@ -1377,6 +1410,19 @@ impl Engine {
 impl Inner {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().expect("engine state poisoned")
+    }
+
+    /// A message whose Done failed waits again where it waited: live in
+    /// its segment, armed, and in the key index.
+    fn rearm_retired(&self, entry: Expired<Slot>, hash: Option<u64>) {
+        self.wal.revive(entry.data.pos);
+        let mut state = self.state();
+        state.arm(entry.id, entry.deadline, entry.data);
+        if let Some(hash) = hash {
+            state.index_key(hash, entry.id);
+        }
+        drop(state);
+        self.wake.notify_one();
     }
 
     fn publish_gauges(&self) {

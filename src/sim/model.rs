@@ -72,12 +72,14 @@ impl Model {
         }
     }
 
-    /// Every stored message matching `covered` was answered cancelled.
+    /// Every stored message matching `covered` was answered cancelled, but
+    /// those that fired already: one whose Done was lost may be pending
+    /// again (a copy under its id), or not, and the answer names neither.
     pub fn cancel_where(&mut self, covered: impl Fn(&Msg) -> bool) {
         let uids: Vec<u128> = self
             .msgs
             .iter()
-            .filter(|m| covered(m))
+            .filter(|m| m.fired.is_empty() && covered(m))
             .flat_map(|m| m.uids.clone())
             .collect();
         for uid in uids {
@@ -126,10 +128,12 @@ impl Model {
             if !m.acked || m.cancelled || !m.fired.is_empty() {
                 continue;
             }
-            let twin_fired = self.msgs.iter().enumerate().any(|(j, t)| {
-                j != i && t.route == m.route && t.bytes == m.bytes && !t.fired.is_empty()
+            // A byte-equal message stored too: its record may have been
+            // taken for this one's redelivery.
+            let twin = self.msgs.iter().enumerate().any(|(j, t)| {
+                j != i && t.route == m.route && t.bytes == m.bytes && !t.uids.is_empty()
             });
-            if twin_fired && !self.strict_twins {
+            if twin && !self.strict_twins {
                 twin_losses += 1;
                 continue;
             }

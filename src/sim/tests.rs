@@ -113,6 +113,54 @@ fn twins_lose_nothing() {
     }
 }
 
+/// Seed 2: a cancel whose Done fails (the WAL's disk is full) had taken the
+/// message out of the wheel for good: no answer, yet it never fired (until
+/// some restart read it back). Now it waits again where it waited.
+#[test]
+fn seed_2_a_cancel_whose_done_fails_leaves_the_message_armed() {
+    use ops::{Op, Scope};
+    let ops = [
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 5,
+            delay_ms: 3_597,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::DiskFull { scope: Scope::Wal },
+        Op::Cancel { pick: 2_284_173_303 },
+    ];
+    if let Err(f) = run_strict(2, &ops) {
+        panic!("{f}");
+    }
+}
+
+/// Seed 13: a cancel by key whose first Done failed returned at once and
+/// dropped the others unsettled: out of the wheel, not cancelled, lost.
+#[test]
+fn seed_13_a_cancel_by_key_settles_every_match() {
+    use ops::{Op, Scope};
+    let deliver = |key, body, delay_ms, twin| Op::Deliver {
+        route: 0,
+        key,
+        body,
+        delay_ms,
+        twin,
+        ack_in_doubt: false,
+    };
+    let ops = [
+        deliver(1, 1, 163_734, None),
+        deliver(2, 2, 181_757, Some(1_422_703_214)),
+        deliver(1, 3, 27_359, None),
+        Op::DiskFull { scope: Scope::Wal },
+        Op::CancelKey { route: 0, key: 1 },
+    ];
+    if let Err(f) = run_strict(13, &ops) {
+        panic!("{f}");
+    }
+}
+
 #[test]
 #[ignore]
 fn trace_seed() {

@@ -430,6 +430,13 @@ impl Wal {
             .ok_or(WalError::NoSegment(pos.segment))
     }
 
+    /// Undo [`Wal::append_done`]'s count after its Done failed: the
+    /// Schedule at `pos` is live again (its segment must not be collected).
+    pub fn revive(&self, pos: WalPos) {
+        let mut table = self.shared.segments.lock().expect("segment table poisoned");
+        table.add_live(pos.segment);
+    }
+
     /// [`Wal::append_done`] for a message that was delivered: written
     /// without an fdatasync of its own (the next batch that needs one, or
     /// a timer, makes it durable). A crash before that sends the message
