@@ -45,6 +45,12 @@ pub(crate) struct Tier {
     horizon_ms: u64,
     near_only: HashSet<String>,
     spill: bool,
+    /// Spilled messages whose WAL Done failed (a full disk), as (id, first
+    /// seq of their segment): durable in a bucket and still live in the
+    /// WAL. Their Dones are written before the tier does anything else, so
+    /// that no cancel is answered while a copy could come back at a
+    /// restart (see [`retire_spilled`]).
+    unretired: Mutex<Vec<(u64, u64)>>,
     /// Id -> bucket of far messages found lately (by a listing or a lookup
     /// by uid), so that the cancel which follows reads one bucket.
     hints: Mutex<HashMap<u64, u64>>,
@@ -82,6 +88,7 @@ impl Tier {
             near_only: settings.near_only.clone(),
             spill: settings.spill,
             hints: Mutex::new(HashMap::new()),
+            unretired: Mutex::new(Vec::new()),
             #[cfg(test)]
             crash_after_copies: Default::default(),
         }))
@@ -239,23 +246,73 @@ pub(crate) async fn spill(inner: &Arc<Inner>) -> Result<usize, EngineError> {
     // No compaction may move what is being spilled (nor free its segment).
     let _gc = inner.compacting.lock().await;
     let worker = inner.clone();
-    let (spilled, failed) = tokio::task::spawn_blocking(move || write_spill(&worker))
-        .await
-        .map_err(|_| EngineError::WriterGone)?;
+    let (spilled, failed) = tokio::task::spawn_blocking(move || {
+        retire_spilled(&worker)?;
+        Ok::<_, EngineError>(write_spill(&worker))
+    })
+    .await
+    .map_err(|_| EngineError::WriterGone)??;
     // Durable in the bucket and counted there: retire the WAL's copy. A
     // crash before this is durable spills it again (kept once per id).
     let mut dones = Vec::with_capacity(spilled.len());
+    let mut not_retired = Vec::new();
+    let mut done_failed = None;
     for e in &spilled {
-        dones.push(inner.wal.append_done(e.id, e.data.pos)?);
+        match inner.wal.append_done(e.id, e.data.pos) {
+            Ok(rx) => dones.push((e, rx)),
+            Err(err) => {
+                not_retired.push(e);
+                done_failed.get_or_insert(EngineError::from(err));
+            }
+        }
     }
-    for rx in dones {
-        rx.await.map_err(|_| EngineError::WriterGone)??;
+    for (e, rx) in dones {
+        let written = match rx.await {
+            Ok(Ok(_)) => continue,
+            Ok(Err(err)) => EngineError::from(err),
+            Err(_) => EngineError::WriterGone,
+        };
+        not_retired.push(e);
+        done_failed.get_or_insert(written);
+    }
+    if !not_retired.is_empty() {
+        let mut unretired = tier.unretired.lock().expect("unretired poisoned");
+        for e in not_retired {
+            if let Some(first_seq) = inner.wal.segment_first_seq(e.data.pos.segment) {
+                unretired.push((e.id, first_seq));
+            }
+        }
     }
     metrics::counter!("delayd_far_spilled_total").increment(spilled.len() as u64);
-    match failed {
+    match failed.or(done_failed) {
         Some(e) => Err(e),
         None => Ok(spilled.len()),
     }
+}
+
+/// Write the WAL Dones of spilled messages that a full disk kept from
+/// being written (blocking: call it from a blocking task, with the tier's
+/// operation lock held). Until they are durable a restart would arm a
+/// message the tier also holds, beside any cancel made there meanwhile.
+pub(crate) fn retire_spilled(inner: &Inner) -> Result<(), EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(());
+    };
+    let mut unretired = tier.unretired.lock().expect("unretired poisoned");
+    if unretired.is_empty() {
+        return Ok(());
+    }
+    // A segment collected meanwhile took the WAL's copy with it.
+    unretired.retain(|&(_, first_seq)| inner.wal.segment_exists(first_seq));
+    let mut replies = Vec::with_capacity(unretired.len());
+    for &(id, first_seq) in unretired.iter() {
+        replies.push(inner.wal.append_done_copy(id, first_seq)?);
+    }
+    for rx in replies {
+        rx.blocking_recv().map_err(|_| EngineError::WriterGone)??;
+    }
+    unretired.clear();
+    Ok(())
 }
 
 /// Under the store lock: take the candidates out of the wheel, and append
@@ -551,6 +608,7 @@ pub(crate) fn cancel(inner: &Inner, id: u64) -> Result<Option<FarRecord>, Engine
     let Some(tier) = inner.far.as_ref() else {
         return Ok(None);
     };
+    retire_spilled(inner)?;
     let mut store = tier.store();
     let Some((bucket, record)) = tier.find_id(&store, id, inner.config.key_of)? else {
         return Ok(None);
@@ -570,6 +628,7 @@ pub(crate) fn tombstone(inner: &Inner, route: &str, key: &[u8]) -> Result<(), En
     let Some(tier) = inner.far.as_ref() else {
         return Ok(());
     };
+    retire_spilled(inner)?;
     let before_id = inner.state().max_id() + 1;
     tier.store().add_tombstone(route, key, before_id)?;
     Ok(())

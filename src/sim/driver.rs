@@ -393,7 +393,11 @@ impl Sim {
                             .cancel_where(|m| m.route == route && m.key == Some(key));
                         self.note(("cancel key", route, key, ids.len()));
                     }
-                    Err(e) if self.faulty() => self.note(("cancel key failed", e.to_string())),
+                    Err(e) if self.faulty() => {
+                        self.model
+                            .maybe_cancel_where(|m| m.route == route && m.key == Some(key));
+                        self.note(("cancel key failed", e.to_string()));
+                    }
                     Err(e) => return Err(self.fail(format!("cancel by key failed with no fault: {e}"))),
                 }
             }
@@ -414,7 +418,11 @@ impl Sim {
                             .cancel_where(|m| m.route == route && (from..=to).contains(&m.due));
                         self.note(("purge", count.purged, count.in_flight));
                     }
-                    Err(e) if self.faulty() => self.note(("purge failed", e.to_string())),
+                    Err(e) if self.faulty() => {
+                        self.model
+                            .maybe_cancel_where(|m| m.route == route && (from..=to).contains(&m.due));
+                        self.note(("purge failed", e.to_string()));
+                    }
                     Err(e) => return Err(self.fail(format!("purge failed with no fault: {e}"))),
                 }
             }
@@ -531,7 +539,10 @@ impl Sim {
                 self.note(("cancelled", uid));
             }
             Ok(false) => self.note(("cancel: gone", uid)),
-            Err(e) if self.faulty() => self.note(("cancel failed", e.to_string())),
+            Err(e) if self.faulty() => {
+                self.model.maybe_cancel_uid(uid);
+                self.note(("cancel failed", e.to_string()));
+            }
             Err(e) => return Err(self.fail(format!("cancel failed with no fault: {e}"))),
         }
         Ok(())

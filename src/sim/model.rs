@@ -18,7 +18,8 @@ pub struct Msg {
     pub uids: Vec<u128>,
     /// Its ack reached, or may have reached, the broker: it must fire.
     pub acked: bool,
-    /// A cancel covering it was answered: it need not fire.
+    /// A cancel covering it was answered, or failed (and so may have
+    /// taken effect): it need not fire.
     pub cancelled: bool,
     pub fired: BTreeMap<u128, u32>,
 }
@@ -69,6 +70,22 @@ impl Model {
         self.cancelled.insert(uid);
         if let Some(&m) = self.owner.get(&uid) {
             self.msgs[m].cancelled = true;
+        }
+    }
+
+    /// A cancel of `uid` failed: it may have taken effect, or not.
+    pub fn maybe_cancel_uid(&mut self, uid: u128) {
+        if let Some(&m) = self.owner.get(&uid) {
+            self.msgs[m].cancelled = true;
+        }
+    }
+
+    /// [`Model::maybe_cancel_uid`] for every message matching `covered`.
+    pub fn maybe_cancel_where(&mut self, covered: impl Fn(&Msg) -> bool) {
+        for m in &mut self.msgs {
+            if covered(m) {
+                m.cancelled = true;
+            }
         }
     }
 

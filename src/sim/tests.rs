@@ -161,9 +161,64 @@ fn seed_13_a_cancel_by_key_settles_every_match() {
     }
 }
 
+/// Seed 13 again: a spill whose WAL Dones failed (the WAL's disk full,
+/// the far tier's not) left the message in its bucket and live in the WAL.
+/// A cancel by key answered for the bucket's copy only; after a restart
+/// the WAL's copy fired. The tier now writes those Dones before any other
+/// operation, a cancel's included.
+#[test]
+fn seed_13_a_spill_whose_wal_done_fails_is_retired_before_a_cancel() {
+    use ops::{Op, Scope};
+    let ops = [
+        Op::Restart { horizon: 1 },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 3,
+            delay_ms: 27_359,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::DiskFull { scope: Scope::Wal },
+        Op::FarRound,
+        Op::CancelKey { route: 0, key: 1 },
+    ];
+    if let Err(f) = run_strict(13, &ops) {
+        panic!("{f}");
+    }
+}
+
 #[test]
 #[ignore]
 fn trace_seed() {
     let seed = std::env::var("SIM_SEED").unwrap().parse().unwrap();
     let _ = run_seed(seed);
+}
+
+#[test]
+#[ignore]
+fn scratch() {
+    use ops::{Loss, Op};
+    let d = |key, body, delay_ms, twin, ack_in_doubt| Op::Deliver { route: 0, key, body, delay_ms, twin, ack_in_doubt };
+    let ops = [
+        d(1, 5, 1597, None, false),
+        d(0, 0, 0, None, false),
+        d(0, 5, 12926, None, true),
+        Op::Kill { loss: Loss::Process },
+        Op::Clock { ms: 877 },
+        d(3, 2, 2938, None, true),
+        d(0, 5, 647, Some(3904218709), false),
+        Op::CrashAfter { n: 11 },
+        d(0, 2, 0, None, false),
+        Op::Clock { ms: 1544 },
+        Op::Cancel { pick: 2141559458 },
+        Op::Redeliver,
+        Op::CancelKey { route: 0, key: 1 },
+        d(1, 0, 353369, None, false),
+        Op::SyncFails,
+        Op::CancelKey { route: 0, key: 3 },
+    ];
+    if let Err(f) = run_strict(26, &ops) {
+        panic!("{f}");
+    }
 }
