@@ -1470,6 +1470,14 @@ fn far_record(r: &FarRecord) -> Record {
 /// Tests and the simulator: whether the dispatcher is done for now.
 #[cfg(test)]
 impl Engine {
+    /// Bad frames the far tier met in its buckets.
+    pub(crate) fn far_corrupt_frames(&self) -> u64 {
+        self.inner
+            .far
+            .as_ref()
+            .map_or(0, |t| t.store().corrupt_frames())
+    }
+
     /// Nothing due at the clock's now is waiting or being published.
     pub(crate) fn settled(&self) -> bool {
         let now = self.now_ms();

@@ -116,6 +116,8 @@ pub enum FarError {
 pub struct FarStore {
     config: FarConfig,
     cp: Checkpoint,
+    /// Bad frames met inside checkpointed lengths since opening.
+    corrupt_frames: std::sync::atomic::AtomicU64,
 }
 
 const CHECKPOINT: &str = "checkpoint";
@@ -147,7 +149,11 @@ impl FarStore {
             Some(cp) => cp,
             None => Checkpoint::new(frontier, config.bucket_ms),
         };
-        let mut store = FarStore { config, cp };
+        let mut store = FarStore {
+            config,
+            cp,
+            corrupt_frames: Default::default(),
+        };
         store.trim()?;
         Ok(store)
     }
@@ -260,6 +266,12 @@ impl FarStore {
     /// Bytes on disk in bucket files.
     pub fn bytes(&self) -> u64 {
         self.cp.buckets.values().map(|m| m.bytes).sum()
+    }
+
+    /// Bad frames met inside checkpointed lengths since opening.
+    pub fn corrupt_frames(&self) -> u64 {
+        self.corrupt_frames
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn bucket_count(&self) -> usize {
@@ -500,6 +512,8 @@ impl FarStore {
                 }
                 ScanItem::Commit { .. } => {}
                 ScanItem::Bad { offset, reason, .. } => {
+                    self.corrupt_frames
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     metrics::counter!("delayd_far_corrupt_frames_total").increment(1);
                     tracing::error!(bucket = %path.display(), offset, %reason, "corrupt frame in a far bucket; reading on after it");
                 }

@@ -552,6 +552,10 @@ impl Sim {
     /// stopped dies and restarts; then the engine settles and what it
     /// handed out is checked.
     async fn after_op(&mut self) -> Result<(), Failure> {
+        let corrupt = self.engine().map_or(0, |e| e.far_corrupt_frames());
+        if corrupt > 0 {
+            return Err(self.fail(format!("the far tier read {corrupt} corrupt frames")));
+        }
         let halted = self
             .node
             .as_ref()

@@ -57,7 +57,7 @@ pub enum Op {
     Deliver {
         route: u8,
         key: u8,
-        body: u8,
+        body: u16,
         delay_ms: u64,
         twin: Option<u32>,
         ack_in_doubt: bool,
@@ -105,7 +105,7 @@ fn draw_one(rng: &mut Rng) -> Op {
         0..=329 => Op::Deliver {
             route: rng.below(2) as u8,
             key: rng.below(4) as u8,
-            body: rng.below(6) as u8,
+            body: rng.below(1000) as u16,
             delay_ms: draw_delay(rng),
             twin: rng.chance(15).then(|| rng.next() as u32),
             ack_in_doubt: rng.chance(30),

@@ -50,8 +50,12 @@ pub fn recover(
         let file = fs.open(&path).map_err(|e| WalError::io(&path, e))?;
         let buf = reader::read_all(&*file, &path)?;
         let Some(salt) = frame::header_salt(&buf) else {
-            if is_last && buf[..buf.len().min(16)].iter().all(|&b| b == 0) {
-                // Created but its header never reached the disk: nothing in it.
+            // Created but its header never (or only partly) reached the
+            // disk: nothing in it. Shorter than a header, a segment holds
+            // nothing wherever it is (a creation cut short by a full disk,
+            // then a crash before the failed segment was removed).
+            let short = (buf.len() as u64) < frame::SEGMENT_HEADER_BYTES;
+            if short || (is_last && buf[..buf.len().min(16)].iter().all(|&b| b == 0)) {
                 tracing::warn!(segment = %path.display(), "removing WAL segment with a torn header");
                 fs.remove_file(&path).map_err(|e| WalError::io(&path, e))?;
                 sync_dir(fs, &config.dir)?;

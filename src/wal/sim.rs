@@ -355,9 +355,9 @@ impl SimFs {
         self.live().expect("a live handle").fail_append = Some(written);
     }
 
-    /// Fill the disk under each of `dirs` (none: space again): appends and
-    /// new files there fail with `ENOSPC`, an append after writing a part
-    /// of its buffer (`partial` bytes, at most), as a real short write does.
+    /// Fill the disk under each of `dirs` (none: space again): appends
+    /// there fail with `ENOSPC` after writing half their buffer, as a real
+    /// short write does. A new file is still created (an inode, no data).
     /// Survives a power loss: the disk is still full.
     pub fn set_full(&self, dirs: Vec<PathBuf>) {
         self.state.lock().expect("sim fs poisoned").full = dirs;
@@ -427,7 +427,9 @@ impl SimFile {
             // As Linux does: the dirty pages are marked clean unwritten,
             // and a later sync succeeds without them.
             let inode = &mut state.inodes[self.ino];
-            let from = if inode.rewritten { 0 } else { inode.synced.len() };
+            // A cut is no dirty page: what follows the shorter of the two
+            // sizes is what was written since.
+            let from = inode.synced.len().min(inode.data.len());
             let lost = from..inode.data.len();
             inode.lost.push(lost);
             return Err(io::Error::from_raw_os_error(5)); // EIO
@@ -600,9 +602,6 @@ impl FileSystem for SimFs {
                 io::ErrorKind::AlreadyExists,
                 format!("{} exists", path.display()),
             ));
-        }
-        if state.is_full(path) {
-            return Err(enospc());
         }
         let ino = state.inodes.len();
         state.inodes.push(Inode::default());
