@@ -148,6 +148,17 @@ pub enum EngineError {
     StoreCancel(String),
 }
 
+impl EngineError {
+    /// A failed fsync, or the log already stopped for one: the process
+    /// must stop (see [`Inner::stop_if_fatal`]).
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            EngineError::Wal(e) | EngineError::Far(FarError::Io(e)) => e.is_fatal(),
+            _ => false,
+        }
+    }
+}
+
 /// Outcome of storing a delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stored {
@@ -1011,7 +1022,8 @@ impl Engine {
         };
         let engine = self.clone();
         // Reads the stored record (key index): blocking file I/O.
-        tokio::task::spawn_blocking(move || {
+        let inner = self.inner.clone();
+        let retired = tokio::task::spawn_blocking(move || {
             if let Some(retired) = engine.retire_queued(id, why)? {
                 return Ok(Some(retired));
             }
@@ -1029,7 +1041,11 @@ impl Engine {
             }))
         })
         .await
-        .map_err(|_| EngineError::WriterGone)?
+        .map_err(|_| EngineError::WriterGone)?;
+        if let Err(e) = &retired {
+            inner.stop_if_fatal(e);
+        }
+        retired
     }
 
     /// The stored record a listing or [`Engine::waiting`] pointed at: read
@@ -1145,7 +1161,8 @@ impl Engine {
             }
         })
         .await
-        .map_err(|_| EngineError::WriterGone)??;
+        .map_err(|_| EngineError::WriterGone)?
+        .inspect_err(|e| self.inner.stop_if_fatal(e))?;
         // Each settled, even after one failed: a failed Done puts its
         // message back (see `Retired::settle`).
         let mut cancelled = Vec::with_capacity(queued.len());
@@ -1410,6 +1427,16 @@ impl Engine {
 impl Inner {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().expect("engine state poisoned")
+    }
+
+    /// A failed fsync anywhere (the far tier's included) stops the log, as
+    /// the WAL's own does: the runtime exits, and nothing retries an fsync
+    /// whose pages the kernel may have dropped.
+    fn stop_if_fatal(&self, e: &EngineError) {
+        if e.is_fatal() && !self.wal.is_stopped() {
+            tracing::error!(error = %e, "stopping the log");
+            self.wal.halt().stop(e);
+        }
     }
 
     /// A message whose Done failed waits again where it waited: live in

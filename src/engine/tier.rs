@@ -214,10 +214,17 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: CancellationToken) {
 
 /// One spill, then every load that is due.
 pub(crate) async fn round(inner: &Arc<Inner>) -> Result<(), EngineError> {
-    spill(inner).await?;
-    load_due(inner).await?;
+    let done = async {
+        spill(inner).await?;
+        load_due(inner).await?;
+        Ok(())
+    }
+    .await;
+    if let Err(e) = &done {
+        inner.stop_if_fatal(e);
+    }
     publish_gauges(inner);
-    Ok(())
+    done
 }
 
 pub(crate) fn publish_gauges(inner: &Inner) {

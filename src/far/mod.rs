@@ -299,9 +299,12 @@ impl FarStore {
         }
         let mut next_seq = self.cp.next_seq;
         let mut written: Vec<(u64, BucketMeta)> = Vec::with_capacity(by_bucket.len());
+        // Every bucket written to, the one that failed included.
+        let mut touched = Vec::with_capacity(by_bucket.len());
         let mut result = Ok(());
         for (start, recs) in by_bucket {
             let mut meta = self.cp.buckets.get(&start).cloned();
+            touched.push(start);
             match self.write_frames(start, meta.as_mut(), &recs, &mut next_seq) {
                 Ok(m) => written.push((start, m)),
                 Err(e) => {
@@ -310,15 +313,17 @@ impl FarStore {
                 }
             }
         }
+        // Seqs handed out are never handed out again, whatever happens to
+        // their frames: a stale frame a failed cut-back left behind can
+        // then never follow a newer one with a higher seq.
+        self.cp.next_seq = next_seq;
         if result.is_ok() {
-            let old_seq = std::mem::replace(&mut self.cp.next_seq, next_seq);
             let before: Vec<(u64, Option<BucketMeta>)> = written
                 .iter()
                 .map(|(start, meta)| (*start, self.cp.buckets.insert(*start, meta.clone())))
                 .collect();
             result = self.write_checkpoint();
             if result.is_err() {
-                self.cp.next_seq = old_seq;
                 for (start, meta) in before {
                     match meta {
                         Some(meta) => self.cp.buckets.insert(start, meta),
@@ -327,10 +332,42 @@ impl FarStore {
                 }
             }
         }
-        if result.is_err() {
-            self.cut_back(written.iter().map(|(s, _)| *s));
+        match result {
+            Err(e) => Err(self.cut_back(touched.into_iter(), e)),
+            ok => ok,
         }
-        result
+    }
+
+    /// Open bucket `start` to append to, first cutting what lies past its
+    /// checkpointed length (a failed append whose cut-back failed too);
+    /// `None`: a new bucket, created (a file the checkpoint does not name
+    /// holds nothing counted, and goes first).
+    fn open_bucket(
+        &self,
+        start: u64,
+        meta: Option<&BucketMeta>,
+    ) -> Result<Box<dyn WalFile>, FarError> {
+        let fs = &*self.config.fs;
+        let path = self.bucket_path(start);
+        let io = |e| WalError::io(&path, e);
+        let Some(meta) = meta else {
+            match fs.remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(e).into()),
+            }
+            return Ok(fs.create_new(&path).map_err(io)?);
+        };
+        let file = fs.open_append(&path).map_err(io)?;
+        if file.size().map_err(io)? > meta.bytes {
+            file.set_len(meta.bytes).map_err(io)?;
+            file.sync_data().map_err(|source| WalError::Fatal {
+                op: "fsync after cutting a far bucket back",
+                path: path.clone(),
+                source,
+            })?;
+        }
+        Ok(file)
     }
 
     /// Write `recs` to bucket `start` (created if `meta` is `None`) and sync
@@ -344,17 +381,14 @@ impl FarStore {
     ) -> Result<BucketMeta, FarError> {
         let fs = &*self.config.fs;
         let path = self.bucket_path(start);
-        let (file, mut meta, created) = match meta {
-            Some(meta) => {
-                let file = fs.open_append(&path).map_err(|e| WalError::io(&path, e))?;
-                (file, meta.clone(), false)
-            }
+        let file = self.open_bucket(start, meta.as_deref())?;
+        let (mut meta, created) = match meta {
+            Some(meta) => (meta.clone(), false),
             None => {
                 let salt = Salt::random();
-                let file = fs.create_new(&path).map_err(|e| WalError::io(&path, e))?;
                 file.append(&frame::segment_header(salt.value()))
                     .map_err(|e| WalError::io(&path, e))?;
-                (file, BucketMeta::new(salt.value()), true)
+                (BucketMeta::new(salt.value()), true)
             }
         };
         let salt = Salt::new(meta.salt);
@@ -388,22 +422,41 @@ impl FarStore {
     }
 
     /// After a failed append: cut each touched bucket back to its
-    /// checkpointed length (a new one is removed). Best effort: opening
-    /// does the same from the checkpoint.
-    fn cut_back(&self, starts: impl Iterator<Item = u64>) {
+    /// checkpointed length (a new one is removed). Best effort (opening,
+    /// and the next append to the bucket, cut too), but a failed fsync is
+    /// fatal as everywhere else: that error replaces `failed`.
+    fn cut_back(&self, starts: impl Iterator<Item = u64>, failed: FarError) -> FarError {
         let fs = &*self.config.fs;
+        let warn = |path: &Path, e: std::io::Error| {
+            tracing::warn!(bucket = %path.display(), error = %e, "cannot cut a far bucket back after a failed spill; the next append to it or the next start will");
+        };
         for start in starts {
             let path = self.bucket_path(start);
-            let outcome = match self.cp.buckets.get(&start) {
-                Some(meta) => fs
-                    .open_write(&path)
-                    .and_then(|f| f.set_len(meta.bytes).and_then(|_| f.sync_data())),
-                None => fs.remove_file(&path),
+            let Some(meta) = self.cp.buckets.get(&start) else {
+                if let Err(e) = fs.remove_file(&path) {
+                    warn(&path, e);
+                }
+                continue;
             };
-            if let Err(e) = outcome {
-                tracing::warn!(bucket = %path.display(), error = %e, "cannot cut a far bucket back after a failed spill; the next start will");
+            let cut = fs
+                .open_write(&path)
+                .and_then(|f| f.set_len(meta.bytes).map(|()| f));
+            let file = match cut {
+                Ok(file) => file,
+                Err(e) => {
+                    warn(&path, e);
+                    continue;
+                }
+            };
+            if let Err(source) = file.sync_data() {
+                return FarError::Io(WalError::Fatal {
+                    op: "fsync of a far bucket cut back",
+                    path,
+                    source,
+                });
             }
         }
+        failed
     }
 
     /// Cancel message `id` of `route` in bucket `start`: a Done frame,
@@ -412,20 +465,18 @@ impl FarStore {
         let Some(meta) = self.cp.buckets.get(&start).cloned() else {
             return Ok(());
         };
-        let fs = &*self.config.fs;
         let path = self.bucket_path(start);
         let mut buf = Vec::new();
         frame::put_done(&mut buf, Salt::new(meta.salt), self.cp.next_seq, id, 0);
+        // Never handed out again (see `append`).
+        self.cp.next_seq += 1;
         let write = || -> Result<u64, FarError> {
-            let file = fs.open_append(&path).map_err(|e| WalError::io(&path, e))?;
+            let file = self.open_bucket(start, Some(&meta))?;
             append_synced(&*file, &buf, &path)
         };
         let bytes = match write() {
             Ok(b) => b,
-            Err(e) => {
-                self.cut_back(std::iter::once(start));
-                return Err(e);
-            }
+            Err(e) => return Err(self.cut_back(std::iter::once(start), e)),
         };
         let mut updated = meta.clone();
         updated.bytes = bytes;
@@ -433,12 +484,9 @@ impl FarStore {
             *n = n.saturating_sub(1);
         }
         self.cp.buckets.insert(start, updated);
-        self.cp.next_seq += 1;
         if let Err(e) = self.write_checkpoint() {
             self.cp.buckets.insert(start, meta);
-            self.cp.next_seq -= 1;
-            self.cut_back(std::iter::once(start));
-            return Err(e);
+            return Err(self.cut_back(std::iter::once(start), e));
         }
         Ok(())
     }

@@ -150,3 +150,90 @@ fn a_key_tombstone_cancels_only_messages_stored_before_it_and_survives_reopening
     assert_eq!(store.frontier(), b + HOUR);
     assert!(!dir.path().join("far").join(bucket_name(b)).exists());
 }
+
+/// On a disk that fills up and frees again (`SimFs`).
+mod full_disk {
+    use super::*;
+    use crate::wal::sim::SimFs;
+
+    const DIR: &str = "/vol/wal";
+
+    fn sim_config(fs: &SimFs) -> FarConfig {
+        FarConfig {
+            dir: PathBuf::from(DIR).join("far"),
+            bucket_ms: HOUR,
+            max_frame_len: 1 << 20,
+            fs: Arc::new(fs.clone()),
+        }
+    }
+
+    fn full(fs: &SimFs, on: bool) {
+        fs.set_full(if on { vec![PathBuf::from(DIR)] } else { Vec::new() });
+    }
+
+    /// A spill into a new bucket fails on a full disk: the file it created
+    /// goes, so the next spill can create it again (it failed with "file
+    /// exists" for ever).
+    #[test]
+    fn a_failed_spill_into_a_new_bucket_leaves_no_file_behind() {
+        let fs = SimFs::with_dir(DIR);
+        let mut store = FarStore::open(sim_config(&fs), 10 * HOUR).unwrap();
+        let b = 11 * HOUR;
+        full(&fs, true);
+        assert!(store.append(&[record(1, b + 1, "a")]).is_err());
+        full(&fs, false);
+        store.append(&[record(1, b + 1, "a")]).unwrap();
+        let read = store.read_bucket(b, whole).unwrap();
+        assert_eq!(ids(&read.live), [1]);
+        assert_eq!(store.corrupt_frames(), 0);
+    }
+
+    /// A spill into an existing bucket fails half-way through its frames:
+    /// they are cut off, and the frames written after space came back read
+    /// cleanly (the stale half frame sat inside the next checkpointed
+    /// length: corrupt frames, and the records behind it unreadable).
+    #[test]
+    fn a_failed_spill_into_an_existing_bucket_is_cut_back_and_its_seqs_not_reused() {
+        let fs = SimFs::with_dir(DIR);
+        let mut store = FarStore::open(sim_config(&fs), 10 * HOUR).unwrap();
+        let b = 11 * HOUR;
+        store.append(&[record(1, b + 1, "a")]).unwrap();
+        full(&fs, true);
+        assert!(store
+            .append(&[record(2, b + 2, "b"), record(3, b + 3, "c")])
+            .is_err());
+        full(&fs, false);
+        store
+            .append(&[record(2, b + 2, "b"), record(3, b + 3, "c")])
+            .unwrap();
+        let read = store.read_bucket(b, whole).unwrap();
+        assert_eq!(ids(&read.live), [1, 2, 3]);
+        assert_eq!(store.corrupt_frames(), 0);
+        // And so after reopening from the checkpoint.
+        let fs = fs.power_loss(crate::wal::sim::PowerLoss::DropUnsynced);
+        let store = FarStore::open(sim_config(&fs), 10 * HOUR).unwrap();
+        let read = store.read_bucket(b, whole).unwrap();
+        assert_eq!(ids(&read.live), [1, 2, 3]);
+        assert_eq!(store.corrupt_frames(), 0);
+    }
+
+    /// A cut-back that itself fails (the file cannot be opened for
+    /// writing, say) leaves stale bytes past the checkpointed length: the
+    /// next append cuts them first, and numbers its frames past every seq
+    /// handed out before, so no frame's seq ever goes backwards.
+    #[test]
+    fn stale_bytes_past_the_checkpoint_are_cut_before_the_next_append() {
+        let fs = SimFs::with_dir(DIR);
+        let mut store = FarStore::open(sim_config(&fs), 10 * HOUR).unwrap();
+        let b = 11 * HOUR;
+        store.append(&[record(1, b + 1, "a")]).unwrap();
+        // A half frame past the checkpointed length, as a failed append
+        // whose cut-back failed leaves it.
+        let path = store.bucket_path(b);
+        fs.append_on_disk(&path, &[0x55; 21]);
+        store.append(&[record(2, b + 2, "b")]).unwrap();
+        let read = store.read_bucket(b, whole).unwrap();
+        assert_eq!(ids(&read.live), [1, 2]);
+        assert_eq!(store.corrupt_frames(), 0);
+    }
+}

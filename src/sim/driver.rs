@@ -94,6 +94,8 @@ pub struct Sim {
     in_doubt: Vec<(usize, u64)>,
     full: Option<Scope>,
     sync_fault: bool,
+    /// Failed syncs the last check saw (see `after_op`).
+    failed_syncs: u64,
     /// Far rounds and compactions failed since the disk had room again.
     failed_since_space: u32,
     next_uid: u64,
@@ -125,6 +127,7 @@ impl Sim {
             full: None,
             sync_fault: false,
             failed_since_space: 0,
+            failed_syncs: 0,
             next_uid: 0,
             step: 0,
             trace: Default::default(),
@@ -560,6 +563,15 @@ impl Sim {
             .node
             .as_ref()
             .is_some_and(|n| n.engine.wal().is_stopped());
+        // An fsync failed: its pages may be gone while reads still see
+        // them, so the process must stop (it never retries an fsync).
+        let failed_syncs = self.fs.failed_syncs();
+        if failed_syncs > self.failed_syncs {
+            self.failed_syncs = failed_syncs;
+            if self.node.is_some() && !halted {
+                return Err(self.fail("an fsync failed and the engine carried on"));
+            }
+        }
         if self.fs.is_frozen() || halted {
             let loss = if self.rng.chance(50) {
                 Loss::Torn

@@ -188,6 +188,28 @@ fn seed_13_a_spill_whose_wal_done_fails_is_retired_before_a_cancel() {
     }
 }
 
+/// Seed 2: the far tier's bucket fsync failed and the round was simply
+/// tried again (the WAL stops on a failed fsync; the far tier did not).
+#[test]
+fn seed_2_a_failed_far_fsync_stops_the_log() {
+    use ops::Op;
+    let ops = [
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 724,
+            delay_ms: 219_513,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::SyncFails,
+        Op::FarRound,
+    ];
+    if let Err(f) = run_strict(2, &ops) {
+        panic!("{f}");
+    }
+}
+
 #[test]
 #[ignore]
 fn trace_seed() {

@@ -99,6 +99,8 @@ struct State {
     full: Vec<PathBuf>,
     /// See [`SimFs::fail_next_sync`].
     fail_sync: bool,
+    /// Syncs that failed so far.
+    failed_syncs: u64,
     /// See [`SimFs::fail_next_append`].
     fail_append: Option<usize>,
     /// Operations that changed the disk so far (see [`SimFs::crash_after`]).
@@ -269,6 +271,11 @@ impl SimFs {
         self.state.lock().expect("sim fs poisoned").frozen
     }
 
+    /// File syncs that failed so far (see [`SimFs::fail_next_sync`]).
+    pub fn failed_syncs(&self) -> u64 {
+        self.state.lock().expect("sim fs poisoned").failed_syncs
+    }
+
     /// Forget a [`SimFs::crash_after`] that has not come yet.
     pub fn cancel_crash(&self) {
         self.state.lock().expect("sim fs poisoned").crash_at = None;
@@ -432,6 +439,7 @@ impl SimFile {
             let from = inode.synced.len().min(inode.data.len());
             let lost = from..inode.data.len();
             inode.lost.push(lost);
+            state.failed_syncs += 1;
             return Err(io::Error::from_raw_os_error(5)); // EIO
         }
         state.syncs += 1;
