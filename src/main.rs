@@ -131,6 +131,9 @@ fn run(config: Option<PathBuf>) -> anyhow::Result<()> {
 
 fn check(path: Option<PathBuf>, offline: bool) -> anyhow::Result<()> {
     let config = Config::load(path.as_deref())?;
+    if !offline {
+        check_leftover_partitions(&config)?;
+    }
     let file = path
         .map(|p| p.display().to_string())
         .unwrap_or_else(|| "defaults".into());
@@ -163,9 +166,6 @@ fn check(path: Option<PathBuf>, offline: bool) -> anyhow::Result<()> {
             r.name, r.mode, r.from.broker, from, r.to.broker, to
         );
     }
-    if !offline {
-        check_leftover_partitions(&config)?;
-    }
     Ok(())
 }
 
@@ -186,9 +186,7 @@ fn check_leftover_partitions(config: &Config) -> anyhow::Result<()> {
     let found = match runtime()?.block_on(inspect(config)) {
         Ok(found) => found,
         Err(e) => {
-            println!(
-                "  cannot look for leftover partitions on the broker ({e}); the start looks again"
-            );
+            eprintln!("delayd: warning: cannot look on the broker for partitions the routes had before ({e}); the start looks again");
             return Ok(());
         }
     };
@@ -207,8 +205,8 @@ fn check_leftover_partitions(config: &Config) -> anyhow::Result<()> {
             return Err(anyhow::Error::msg(shrunk.to_string()));
         }
         let queues: Vec<&str> = found.iter().map(|f| f.names.queue.as_str()).collect();
-        println!(
-            "  route {}: partitions it had before ({}) are empty; the start removes them",
+        eprintln!(
+            "delayd: note: route {}: partitions it had before ({}) are empty; the start removes them",
             group.route,
             queues.join(", ")
         );

@@ -39,13 +39,13 @@ pub enum LeftoverError {
     Amqp {
         route: String,
         #[source]
-        source: AmqpError,
+        source: Box<AmqpError>,
     },
     #[error("route {route:?}: cannot read the state of a partition it had before: {source}")]
     State {
         route: String,
         #[source]
-        source: StateError,
+        source: Box<StateError>,
     },
     #[error("route {route:?}: {message}")]
     Config { route: String, message: String },
@@ -427,7 +427,7 @@ fn shrunk(group: &Group, found: Vec<Found>) -> LeftoverError {
 async fn find(broker: &Broker, group: &Group) -> Result<Vec<Found>, LeftoverError> {
     let amqp = |source| LeftoverError::Amqp {
         route: group.route.clone(),
-        source,
+        source: Box::new(source),
     };
     let exists = |name: String| async move {
         topology::queue_state(broker, &name)
@@ -531,7 +531,7 @@ async fn remove(
 ) -> Result<Option<String>, LeftoverError> {
     let amqp = |source| LeftoverError::Amqp {
         route: group.route.clone(),
-        source,
+        source: Box::new(source),
     };
     let key = ExchangeType::ConsistentHash.default_binding_key();
     for f in found {
@@ -555,13 +555,13 @@ async fn remove(
                     .await
                     .map_err(|source| LeftoverError::State {
                         route: group.route.clone(),
-                        source,
+                        source: Box::new(source),
                     })?;
             let deleted = delete_state(&session, names).await;
             session.close().await;
             deleted.map_err(|source| LeftoverError::State {
                 route: group.route.clone(),
-                source,
+                source: Box::new(source),
             })?;
         }
         tracing::info!(
