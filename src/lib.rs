@@ -10,6 +10,8 @@
 //! - [`admin`]: health, metrics and the `/v1/messages` API; [`messages`]
 //!   and [`client`]: the same API from the command line; [`healthcheck`]:
 //!   the probes from the command line.
+//! - [`partition_leftovers`]: partitions a route had before and no longer
+//!   has, refused or removed at start and by `delayd check`.
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -24,6 +26,7 @@ pub mod healthcheck;
 pub mod id;
 pub mod inspect;
 pub mod messages;
+pub mod partition_leftovers;
 pub mod route;
 pub mod runtime;
 #[cfg(test)]

@@ -27,10 +27,15 @@ enum Command {
         #[arg(short, long, env = "DELAYD_CONFIG")]
         config: Option<PathBuf>,
     },
-    /// Validate a config file and print the effective routes.
+    /// Validate a config file and print the effective routes; with
+    /// partitioned RabbitMQ routes, also look on the broker for partitions
+    /// they had before and no longer have (unless --offline).
     Check {
         #[arg(short, long, env = "DELAYD_CONFIG")]
         config: Option<PathBuf>,
+        /// Do not connect to any broker: check the file alone.
+        #[arg(long)]
+        offline: bool,
     },
     /// Inspect the write-ahead log.
     Wal {
@@ -79,7 +84,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run { config } => run(config),
-        Command::Check { config } => check(config),
+        Command::Check { config, offline } => check(config, offline),
         Command::Wal {
             command: WalCommand::Inspect { dir, json },
         } => delayd::inspect::run(&dir, json),
@@ -124,8 +129,11 @@ fn run(config: Option<PathBuf>) -> anyhow::Result<()> {
     runtime()?.block_on(delayd::runtime::run(config))
 }
 
-fn check(path: Option<PathBuf>) -> anyhow::Result<()> {
+fn check(path: Option<PathBuf>, offline: bool) -> anyhow::Result<()> {
     let config = Config::load(path.as_deref())?;
+    if !offline {
+        check_leftover_partitions(&config)?;
+    }
     let file = path
         .map(|p| p.display().to_string())
         .unwrap_or_else(|| "defaults".into());
@@ -156,6 +164,51 @@ fn check(path: Option<PathBuf>) -> anyhow::Result<()> {
         println!(
             "  route {} ({:?}): {}/{} -> {}/{}",
             r.name, r.mode, r.from.broker, from, r.to.broker, to
+        );
+    }
+    Ok(())
+}
+
+/// Partitions that partitioned routes had before and no longer have: an
+/// error if the start would refuse them, a note if it would remove them
+/// (empty), a warning if the broker cannot be reached (the start looks
+/// again).
+fn check_leftover_partitions(config: &Config) -> anyhow::Result<()> {
+    use delayd::partition_leftovers::{inspect, Shrunk};
+    if delayd::partition_leftovers::groups(config).is_empty() {
+        return Ok(());
+    }
+    // lapin logs the broker's NOT_FOUND answers to the passive declares.
+    delayd::telemetry::init_logging(&delayd::config::LogSection {
+        level: "warn,lapin=off".into(),
+        ..Default::default()
+    });
+    let found = match runtime()?.block_on(inspect(config)) {
+        Ok(found) => found,
+        Err(e) => {
+            eprintln!("delayd: warning: cannot look on the broker for partitions the routes had before ({e}); the start looks again");
+            return Ok(());
+        }
+    };
+    for (group, found) in found {
+        if found.is_empty() {
+            continue;
+        }
+        if found.iter().any(|f| f.not_empty().is_some()) {
+            let shrunk = Shrunk {
+                key: group.key,
+                route: group.route,
+                exchange: group.exchange,
+                configured: group.count,
+                found,
+            };
+            return Err(anyhow::Error::msg(shrunk.to_string()));
+        }
+        let queues: Vec<&str> = found.iter().map(|f| f.names.queue.as_str()).collect();
+        eprintln!(
+            "delayd: note: route {}: partitions it had before ({}) are empty; the start removes them",
+            group.route,
+            queues.join(", ")
         );
     }
     Ok(())

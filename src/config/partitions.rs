@@ -21,6 +21,9 @@ pub struct Partition {
     pub group: String,
     pub index: u16,
     pub count: u16,
+    /// Its position under `[[routes]]`, for error messages
+    /// (`routes[<route_index>].partitions`).
+    pub route_index: usize,
 }
 
 /// The most partitions a route may have.
@@ -34,7 +37,7 @@ pub fn name(route: &str, index: u16) -> String {
 /// Every partitioned route replaced by its partitions, in place.
 pub fn expand(routes: Vec<RouteConfig>) -> Vec<RouteConfig> {
     let mut out = Vec::with_capacity(routes.len());
-    for route in routes {
+    for (route_index, route) in routes.into_iter().enumerate() {
         let Some(count) = route.partitions.filter(|&n| n > 0) else {
             out.push(route);
             continue;
@@ -47,6 +50,7 @@ pub fn expand(routes: Vec<RouteConfig>) -> Vec<RouteConfig> {
                 group: route.name.clone(),
                 index,
                 count,
+                route_index,
             });
             part.from.queue = route.from.queue.as_ref().map(|q| name(q, index));
             part.from.exchange_type = ExchangeKind::ConsistentHash;

@@ -102,6 +102,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
     // Stops consuming; also ends state-write retries (held deliveries go back).
     let intake_stop = CancellationToken::new();
+    // Partitions a route had before and no longer has: removed if empty,
+    // else the start is refused (guarantee 8), before anything consumes.
+    crate::partition_leftovers::enforce_until(&config, &shutdown).await?;
     let stores = Arc::new(open_stores(&config, &brokers, &engine, &intake_stop).await?);
     if !stores.is_empty() {
         let stores = stores.clone();

@@ -306,6 +306,98 @@ pub async fn exchange_exists(broker: &Broker, exchange: &str) -> Result<bool, Am
     }
 }
 
+/// What a passive `queue.declare` tells of a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueState {
+    /// Messages ready for delivery (not those delivered and unacked).
+    pub messages: u32,
+    pub consumers: u32,
+}
+
+/// `queue`'s state, or `None` if it does not exist: a passive declare on a
+/// channel of its own (RabbitMQ closes the channel of one that fails).
+pub async fn queue_state(broker: &Broker, queue: &str) -> Result<Option<QueueState>, AmqpError> {
+    let channel = open(broker, "queue check").await?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let result = channel
+        .queue_declare(
+            short_string(queue, "queue name")?,
+            passive,
+            FieldTable::default(),
+        )
+        .await;
+    match result {
+        Ok(q) => {
+            close(channel).await;
+            Ok(Some(QueueState {
+                messages: q.message_count(),
+                consumers: q.consumer_count(),
+            }))
+        }
+        Err(error) if is_soft_error(&error, AMQPSoftError::NOTFOUND) => Ok(None),
+        Err(source) => Err(AmqpError::Topology {
+            what: format!("checking queue {queue:?}"),
+            source,
+        }),
+    }
+}
+
+/// Removes the binding of `queue` to `exchange` with `binding_key` (a
+/// missing binding is fine).
+pub async fn unbind_queue(
+    broker: &Broker,
+    queue: &str,
+    exchange: &str,
+    binding_key: &str,
+) -> Result<(), AmqpError> {
+    let channel = open(broker, "unbinding").await?;
+    let result = channel
+        .queue_unbind(
+            short_string(queue, "queue name")?,
+            short_string(exchange, "exchange name")?,
+            short_string(binding_key, "binding key")?,
+            FieldTable::default(),
+        )
+        .await
+        .map_err(topology_error(format!(
+            "unbinding queue {queue:?} from exchange {exchange:?}"
+        )));
+    close(channel).await;
+    result
+}
+
+/// Deletes `queue` only if it holds no message and has no consumer, which
+/// the broker checks atomically: `Ok(false)` if it refused for that reason.
+/// A missing queue counts as deleted.
+pub async fn delete_queue_if_idle(broker: &Broker, queue: &str) -> Result<bool, AmqpError> {
+    let channel = open(broker, "queue delete").await?;
+    let result = channel
+        .queue_delete(
+            short_string(queue, "queue name")?,
+            lapin::options::QueueDeleteOptions {
+                if_unused: true,
+                if_empty: true,
+                nowait: false,
+            },
+        )
+        .await;
+    match result {
+        Ok(_) => {
+            close(channel).await;
+            Ok(true)
+        }
+        Err(error) if is_soft_error(&error, AMQPSoftError::PRECONDITIONFAILED) => Ok(false),
+        Err(error) if is_soft_error(&error, AMQPSoftError::NOTFOUND) => Ok(true),
+        Err(source) => Err(AmqpError::Topology {
+            what: format!("deleting queue {queue:?}"),
+            source,
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
