@@ -541,7 +541,13 @@ impl Sim {
                 self.model.cancel_uid(uid);
                 self.note(("cancelled", uid));
             }
-            Ok(false) => self.note(("cancel: gone", uid)),
+            // Nothing was in flight or fired in between: the lookup just
+            // found it pending, so it must be cancellable.
+            Ok(false) => {
+                return Err(self.fail(format!(
+                    "a cancel of id {uid:032x} said unknown right after its lookup found it pending"
+                )))
+            }
             Err(e) if self.faulty() => {
                 self.model.maybe_cancel_uid(uid);
                 self.note(("cancel failed", e.to_string()));

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Proves the simulator can fail: plants one bug by hand in the engine, runs
+# seeds until the simulator catches it, prints how many seeds that took, and
+# puts the code back. A benchmark-like command (a rebuild per bug), not part
+# of the test command. Results go in docs/testing.md.
+#
+#   bash scripts/sim-plant.sh            # every bug below, one at a time
+#   bash scripts/sim-plant.sh early      # one of them
+#   SEEDS=2000 bash scripts/sim-plant.sh # give up after that many seeds
+#
+# Bugs: nofsync (no fsync before the ack), early (a message fired 1 ms
+# early), cutback (a failed spill not cut back), cancelfar (a cancel that
+# forgets the far tier), loadid (a load that keeps the old id).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seeds="${SEEDS:-1000}"
+bugs=("$@")
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid)
+
+# plant NAME: edit the source; each edit must apply exactly once.
+plant() {
+    python3 - "$1" <<'PY'
+import sys
+bug = sys.argv[1]
+edits = {
+    "nofsync": [("src/wal/writer.rs",
+        "if let Err(source) = file.sync_data() {",
+        "if let Err(source) = Ok::<(), std::io::Error>(()) {")],
+    "early": [("src/engine/dispatch.rs",
+        "state.pop_due(now, room.min(BATCH), claimed, batch);",
+        "state.pop_due(now + 1, room.min(BATCH), claimed, batch);")],
+    "cutback": [("src/far/mod.rs",
+        "Err(e) => Err(self.cut_back(touched.into_iter(), e)),",
+        "Err(e) => { drop(touched); Err(e) }"),
+        ("src/far/mod.rs",
+        "        if file.size().map_err(io)? > meta.bytes {",
+        "        if false && file.size().map_err(io)? > meta.bytes {"),
+        ("src/far/mod.rs",
+        "            match fs.remove_file(&path) {\n                Ok(()) => {}",
+        "            match Ok::<(), std::io::Error>(()) {\n                Ok(()) => {}")],
+    "cancelfar": [("src/engine/mod.rs",
+        "if near.is_some() || self.inner.far.is_none() {",
+        "if true {")],
+    "loadid": [("src/engine/tier.rs",
+        ".append_returning(r.due_ms, r.uid, &r.route, r.message)?;",
+        ".append_copy(r.id, r.due_ms, r.uid, &r.route, r.message)?;")],
+}
+for path, old, new in edits[bug]:
+    text = open(path).read()
+    assert text.count(old) == 1, f"{bug}: {path} does not hold the line to change once"
+    open(path, "w").write(text.replace(old, new))
+PY
+}
+
+for bug in "${bugs[@]}"; do
+    if ! git diff --quiet -- src; then
+        echo "sim-plant: src/ has uncommitted changes; commit or stash them first" >&2
+        exit 2
+    fi
+    plant "$bug"
+    echo "sim-plant: $bug planted; running up to $seeds seeds"
+    set +e
+    out=$(SIM_SEEDS="$seeds" cargo test --lib sim::tests::long_run -- --ignored --nocapture 2>&1)
+    status=$?
+    set -e
+    git checkout -q -- src
+    if [ $status -eq 0 ]; then
+        echo "sim-plant: $bug NOT caught in $seeds seeds"
+    else
+        line=$(grep -m1 -E '^seed [0-9]+ step' <<<"$out" || grep -m1 -E 'panicked|error' <<<"$out")
+        echo "sim-plant: $bug caught: $line"
+    fi
+done
