@@ -29,7 +29,7 @@ pub use pressure::{Admission, Pressure};
 pub use purge::PurgeCount;
 pub use state::Phase;
 pub use summary::DueSummary;
-pub use tier::FarSettings;
+pub use tier::{FarSettings, LOAD_CHUNK_BYTES};
 
 use std::collections::BinaryHeap;
 use std::future::Future;
@@ -44,11 +44,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::far::{FarError, FarRecord};
 use crate::id::MessageId;
-use crate::wheel::Expired;
 use crate::wal::{
     Appended, Claimed, Record, RecordRef, RecoveryReport, SpaceReport, Wal, WalConfig, WalError,
     WalPos,
 };
+use crate::wheel::Expired;
 
 use self::state::{Slot, State};
 
@@ -196,7 +196,11 @@ impl Retired {
     /// acknowledged only once it is durable everywhere the message is kept.
     /// A Done that fails (a full disk) puts the message back: the cancel
     /// fails and the message fires as if it had not been asked for.
-    async fn settle(self, inner: &Inner, cancel_hook: Option<&CancelHook>) -> Result<(), EngineError> {
+    async fn settle(
+        self,
+        inner: &Inner,
+        cancel_hook: Option<&CancelHook>,
+    ) -> Result<(), EngineError> {
         if let Some(done) = self.done {
             let written = match done.await {
                 Ok(Ok(_)) => Ok(()),
@@ -917,7 +921,9 @@ impl Engine {
         let Some(retired) = self.retire(id, "cancelled").await? else {
             return Ok(false);
         };
-        retired.settle(&self.inner, self.inner.cancel_hook.get()).await?;
+        retired
+            .settle(&self.inner, self.inner.cancel_hook.get())
+            .await?;
         Ok(true)
     }
 
@@ -1168,7 +1174,10 @@ impl Engine {
         let mut cancelled = Vec::with_capacity(queued.len());
         let mut failed = None;
         for (id, retired) in queued {
-            match retired.settle(&self.inner, self.inner.cancel_hook.get()).await {
+            match retired
+                .settle(&self.inner, self.inner.cancel_hook.get())
+                .await
+            {
                 Ok(()) => cancelled.push(id),
                 Err(e) => failed = failed.or(Some(e)),
             }
@@ -1497,6 +1506,11 @@ fn far_record(r: &FarRecord) -> Record {
 /// Tests and the simulator: whether the dispatcher is done for now.
 #[cfg(test)]
 impl Engine {
+    /// The most message bytes one far load chunk held so far.
+    pub(crate) fn far_load_peak(&self) -> usize {
+        self.inner.far.as_ref().map_or(0, |t| t.load_peak())
+    }
+
     /// Bad frames the far tier met in its buckets.
     pub(crate) fn far_corrupt_frames(&self) -> u64 {
         self.inner

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::far::{FarConfig, FarRecord, FarStore};
+use crate::far::{Entry, FarConfig, FarRecord, FarStore};
 use crate::id::MessageId;
 use crate::wal::{Record, WalConfig};
 use crate::wheel::Expired;
@@ -34,7 +34,13 @@ pub struct FarSettings {
     /// Off: nothing new goes to the tier, and it is opened only if it
     /// holds something (which still loads in time).
     pub spill: bool,
+    /// Most bytes of messages a load reads into memory at once (the next
+    /// chunk is read once these are durable in the WAL).
+    pub load_chunk_bytes: usize,
 }
+
+/// [`FarSettings::load_chunk_bytes`] by default.
+pub const LOAD_CHUNK_BYTES: usize = 16 << 20;
 
 /// Bucket hints kept for cancels by id that follow a lookup.
 const MAX_HINTS: usize = 4096;
@@ -45,6 +51,9 @@ pub(crate) struct Tier {
     horizon_ms: u64,
     near_only: HashSet<String>,
     spill: bool,
+    load_chunk_bytes: usize,
+    /// The most message bytes one load chunk held (tests).
+    load_peak: std::sync::atomic::AtomicUsize,
     /// Spilled messages whose WAL Done failed (a full disk), as (id, first
     /// seq of their segment): durable in a bucket and still live in the
     /// WAL. Their Dones are written before the tier does anything else, so
@@ -87,6 +96,8 @@ impl Tier {
             horizon_ms,
             near_only: settings.near_only.clone(),
             spill: settings.spill,
+            load_chunk_bytes: settings.load_chunk_bytes.max(1),
+            load_peak: Default::default(),
             hints: Mutex::new(HashMap::new()),
             unretired: Mutex::new(Vec::new()),
             #[cfg(test)]
@@ -126,6 +137,16 @@ impl Tier {
             }
         }
         Ok(())
+    }
+
+    fn note_load_chunk(&self, bytes: usize) {
+        self.load_peak.fetch_max(bytes, Ordering::Relaxed);
+    }
+
+    /// The most message bytes one load chunk held so far.
+    #[cfg(test)]
+    pub fn load_peak(&self) -> usize {
+        self.load_peak.load(Ordering::Relaxed)
     }
 
     pub fn hint(&self, id: u64, bucket: u64) {
@@ -426,56 +447,97 @@ async fn load_one(
     let worker = inner.clone();
     // Every copy gets an id above any assigned so far.
     let after_id = inner.state().max_id();
-    let (mut read, resumed) = tokio::task::spawn_blocking(move || {
+    // The bucket's index: its live records without their bytes.
+    let (mut index, tombstoned, resumed) = tokio::task::spawn_blocking(move || {
         let tier = worker.far.as_ref().expect("far tier");
         let mut store = tier.store();
         let resumed = store.begin_load(from, after_id)?;
-        Ok::<_, EngineError>((store.read_bucket(from, key_of)?, resumed))
+        let reader = store.reader(from)?.ok_or(EngineError::Interrupted(
+            "a far bucket went while it was loaded",
+        ))?;
+        let index = reader.index(key_of)?;
+        let tombstoned = index
+            .tombstoned
+            .iter()
+            .map(|e| reader.read(e).map(|r| r.route))
+            .collect::<Result<Vec<String>, _>>()?;
+        Ok::<_, EngineError>((index, tombstoned, resumed))
     })
     .await
     .map_err(|_| EngineError::WriterGone)??;
     if let Some(after_id) = resumed {
-        skip_copied(inner, &mut read.live, from, from + width, after_id)?;
+        skip_copied(inner, &mut index.live, from, from + width, after_id)?;
     }
 
     // Back into the WAL, under new ids: the ids they had are retired there
     // (the spill's Done, which compaction may copy past a record with the
     // same id). Their identity (uid, the x-delayd-id) is kept. One still in
     // the wheel (spilled twice, then armed again from the WAL) stays as is.
-    let mut copies = Vec::with_capacity(read.live.len());
-    for r in read.live {
-        let (route, key) = {
-            let mut state = inner.state();
-            if state.is_pending(r.id) {
-                continue;
-            }
-            let route = state.intern(&r.route).ok_or(EngineError::TooManyRoutes)?;
-            (route, key_of(&r.message).map(|k| key_hash(route, k)))
-        };
-        let rx = inner
-            .wal
-            .append_returning(r.due_ms, r.uid, &r.route, r.message)?;
-        copies.push((r.id, r.due_ms, route, key, rx));
-    }
-    let mut placed = Vec::with_capacity(copies.len());
+    // A chunk of records at a time, each durable before the next is read:
+    // a load holds at most `load_chunk_bytes` of messages, whatever the
+    // bucket holds.
+    let mut placed = Vec::with_capacity(index.live.len());
     let mut failed = None;
-    for (arrival, due, route, key, rx) in copies {
-        match rx
-            .await
-            .map_err(|_| EngineError::WriterGone)
-            .and_then(|r| Ok(r?))
-        {
-            Ok(appended) => placed.push(Rearm {
-                due,
-                arrival,
-                id: appended.id,
-                slot: Slot {
-                    pos: appended.pos,
-                    route,
-                },
-                key,
-            }),
-            Err(e) => failed = Some(e),
+    let mut left = &index.live[..];
+    while !left.is_empty() && failed.is_none() {
+        let worker = inner.clone();
+        let wanted = left.to_vec();
+        let limit = tier.load_chunk_bytes;
+        let chunk = tokio::task::spawn_blocking(move || {
+            let tier = worker.far.as_ref().expect("far tier");
+            let store = tier.store();
+            let reader = store.reader(from)?.ok_or(EngineError::Interrupted(
+                "a far bucket went while it was loaded",
+            ))?;
+            let mut chunk = Vec::new();
+            let mut bytes = 0;
+            for entry in &wanted {
+                let record = reader.read(entry)?;
+                bytes += record.message.len();
+                chunk.push(record);
+                if bytes >= limit {
+                    break;
+                }
+            }
+            tier.note_load_chunk(bytes);
+            Ok::<_, EngineError>(chunk)
+        })
+        .await
+        .map_err(|_| EngineError::WriterGone)??;
+        left = &left[chunk.len()..];
+        let mut copies = Vec::with_capacity(chunk.len());
+        for r in chunk {
+            let (route, key) = {
+                let mut state = inner.state();
+                if state.is_pending(r.id) {
+                    continue;
+                }
+                let route = state.intern(&r.route).ok_or(EngineError::TooManyRoutes)?;
+                (route, key_of(&r.message).map(|k| key_hash(route, k)))
+            };
+            let rx = inner
+                .wal
+                .append_returning(r.due_ms, r.uid, &r.route, r.message)?;
+            copies.push((r.id, r.due_ms, route, key, rx));
+        }
+        for (arrival, due, route, key, rx) in copies {
+            match rx
+                .await
+                .map_err(|_| EngineError::WriterGone)
+                .and_then(|r| Ok(r?))
+            {
+                Ok(appended) => placed.push(Rearm {
+                    due,
+                    arrival,
+                    id: appended.id,
+                    slot: Slot {
+                        pos: appended.pos,
+                        route,
+                    },
+                    key,
+                }),
+                Err(e) => failed = Some(e),
+            }
         }
     }
     #[cfg(test)]
@@ -519,8 +581,8 @@ async fn load_one(
     .await
     .map_err(|_| EngineError::WriterGone)??;
 
-    for r in &read.tombstoned {
-        metrics::counter!("delayd_cancelled_total", "route" => r.route.clone()).increment(1);
+    for route in tombstoned {
+        metrics::counter!("delayd_cancelled_total", "route" => route).increment(1);
     }
     metrics::counter!("delayd_far_loaded_total").increment(n as u64);
     tracing::debug!(bucket = from, messages = n, "loaded a far bucket");
@@ -533,7 +595,7 @@ async fn load_one(
 /// bucket. Drop the originals of those from `live`, so each loads once.
 fn skip_copied(
     inner: &Inner,
-    live: &mut Vec<FarRecord>,
+    live: &mut Vec<Entry>,
     from: u64,
     to: u64,
     after_id: u64,

@@ -49,8 +49,11 @@
 //!   logged and counted like the WAL's, and the frames after it are read.
 
 mod checkpoint;
+mod stream;
 #[cfg(test)]
 mod tests;
+
+pub use stream::Entry;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -58,8 +61,7 @@ use std::sync::Arc;
 
 use crate::wal::frame::{self, Salt, Schedule};
 use crate::wal::fs::{parent_dir, FileSystem, WalFile};
-use crate::wal::reader::{self, ScanItem, Scanner};
-use crate::wal::{RecordRef, WalError};
+use crate::wal::WalError;
 
 use self::checkpoint::{BucketMeta, Checkpoint, KeyTombstone, Loading};
 
@@ -520,68 +522,40 @@ impl FarStore {
     }
 
     /// Bucket `start`'s live records in (due, id) order: one per id,
-    /// without cancelled ones; those a key tombstone cancels apart.
+    /// without cancelled ones; those a key tombstone cancels apart. All in
+    /// memory: a load reads a bucket through [`FarStore::reader`] instead.
     pub fn read_bucket(&self, start: u64, key_of: KeyOf) -> Result<BucketRead, FarError> {
-        let Some(meta) = self.cp.buckets.get(&start) else {
+        let Some(reader) = self.reader(start)? else {
             return Ok(BucketRead::default());
         };
-        let fs = &*self.config.fs;
+        let index = reader.index(key_of)?;
+        let read = |entries: &[Entry]| -> Result<Vec<FarRecord>, FarError> {
+            entries.iter().map(|e| reader.read(e)).collect()
+        };
+        Ok(BucketRead {
+            live: read(&index.live)?,
+            tombstoned: read(&index.tombstoned)?,
+        })
+    }
+
+    /// A reader of bucket `start` (`None`: no such bucket).
+    pub fn reader(&self, start: u64) -> Result<Option<BucketReader<'_>>, FarError> {
+        let Some(meta) = self.cp.buckets.get(&start) else {
+            return Ok(None);
+        };
         let path = self.bucket_path(start);
-        let file = fs.open(&path).map_err(|e| WalError::io(&path, e))?;
-        let mut buf = reader::read_all(&*file, &path)?;
-        buf.truncate(meta.bytes as usize);
-        let mut records = Vec::new();
-        let mut cancelled = HashSet::new();
-        for item in Scanner::new(&buf, self.config.max_frame_len) {
-            match item {
-                ScanItem::Frame {
-                    record:
-                        RecordRef::Schedule {
-                            id,
-                            due_ms,
-                            uid,
-                            route,
-                            message,
-                            ..
-                        },
-                    ..
-                } => records.push(FarRecord {
-                    id,
-                    due_ms,
-                    uid,
-                    route: route.to_owned(),
-                    message: message.to_vec(),
-                }),
-                ScanItem::Frame {
-                    record: RecordRef::Done { id, .. },
-                    ..
-                } => {
-                    cancelled.insert(id);
-                }
-                ScanItem::Commit { .. } => {}
-                ScanItem::Bad { offset, reason, .. } => {
-                    self.corrupt_frames
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    metrics::counter!("delayd_far_corrupt_frames_total").increment(1);
-                    tracing::error!(bucket = %path.display(), offset, %reason, "corrupt frame in a far bucket; reading on after it");
-                }
-            }
-        }
-        records.sort_by_key(|r| (r.due_ms, r.id));
-        records.dedup_by_key(|r| r.id);
-        records.retain(|r| !cancelled.contains(&r.id));
-        let mut out = BucketRead::default();
-        for r in records {
-            let hit = self.cp.tombstones.iter().any(|t| {
-                r.id < t.before_id && t.route == r.route && key_of(&r.message) == Some(&t.key)
-            });
-            if hit {
-                out.tombstoned.push(r);
-            } else {
-                out.live.push(r);
-            }
-        }
-        Ok(out)
+        let file = self
+            .config
+            .fs
+            .open(&path)
+            .map_err(|e| WalError::io(&path, e))?;
+        Ok(Some(BucketReader {
+            store: self,
+            file,
+            path,
+            end: meta.bytes,
+            salt: Salt::new(meta.salt),
+        }))
     }
 
     /// Checkpoint that bucket `start` is being copied into the WAL under
@@ -659,6 +633,57 @@ impl FarStore {
             CHECKPOINT,
             CHECKPOINT_TMP,
             &self.cp,
+        )
+    }
+}
+
+/// One bucket, read a record at a time.
+pub struct BucketReader<'s> {
+    store: &'s FarStore,
+    file: Box<dyn WalFile>,
+    path: PathBuf,
+    end: u64,
+    salt: Salt,
+}
+
+impl BucketReader<'_> {
+    /// The bucket's live records, without their bytes, in (due, id) order
+    /// (see [`stream::BucketIndex`]). Streams the file: a window in memory.
+    pub fn index(&self, key_of: KeyOf) -> Result<stream::BucketIndex, FarError> {
+        let tombstones = &self.store.cp.tombstones;
+        let stream = stream::FrameStream::new(
+            &*self.file,
+            &self.path,
+            self.end,
+            self.salt,
+            self.store.config.max_frame_len,
+        );
+        stream::BucketIndex::build(
+            stream,
+            |id, route, message| {
+                tombstones.iter().any(|t| {
+                    id < t.before_id && t.route == route && key_of(message) == Some(&t.key)
+                })
+            },
+            |offset, reason| {
+                self.store
+                    .corrupt_frames
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                metrics::counter!("delayd_far_corrupt_frames_total").increment(1);
+                tracing::error!(bucket = %self.path.display(), offset, %reason, "corrupt frame in a far bucket; reading on after it");
+            },
+        )
+    }
+
+    /// The record an index entry points at.
+    pub fn read(&self, entry: &Entry) -> Result<FarRecord, FarError> {
+        stream::read_record(
+            &*self.file,
+            &self.path,
+            self.end,
+            self.salt,
+            self.store.config.max_frame_len,
+            entry.offset,
         )
     }
 }

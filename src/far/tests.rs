@@ -168,7 +168,11 @@ mod full_disk {
     }
 
     fn full(fs: &SimFs, on: bool) {
-        fs.set_full(if on { vec![PathBuf::from(DIR)] } else { Vec::new() });
+        fs.set_full(if on {
+            vec![PathBuf::from(DIR)]
+        } else {
+            Vec::new()
+        });
     }
 
     /// A spill into a new bucket fails on a full disk: the file it created

@@ -66,6 +66,7 @@ pub fn engine_config(config: &Config) -> EngineConfig {
             // the wheel; what the tier already holds still loads.
             spill: !config.engine.horizon.is_zero()
                 && config.store.kind == crate::config::StoreKind::Local,
+            load_chunk_bytes: crate::engine::LOAD_CHUNK_BYTES,
         }),
         ..EngineConfig::new(wal)
     }

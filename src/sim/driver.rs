@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::{
-    BoxFuture, Clock, Dispatch, Engine, EngineConfig, FarSettings, Fired, ManualClock, Outcome, Stored,
+    BoxFuture, Clock, Dispatch, Engine, EngineConfig, FarSettings, Fired, ManualClock, Outcome,
+    Stored,
 };
 use crate::id::MessageId;
 use crate::wal::sim::{PowerLoss, SimFs};
@@ -26,12 +27,18 @@ const T0: u64 = 1_700_000_000_000;
 /// Far rounds (or compactions) that may still fail once the disk has room
 /// again, before the tier is said not to recover.
 const RECOVERY_ROUNDS: u32 = 2;
+/// Message bytes a far load reads at once: a few messages, so that loads
+/// go chunk by chunk.
+const LOAD_CHUNK: usize = 64;
+/// Longest message the simulator stores (a key and a body).
+const MAX_MESSAGE: usize = 16;
 /// Longest a settle may take in real time before the engine is said stuck.
 const SETTLE_LIMIT: Duration = Duration::from_secs(20);
 
 /// What a run did (it broke nothing).
 #[derive(Debug, Clone, Default)]
 pub struct Report {
+    #[allow(dead_code)] // shown by `{:?}` in scripts/sim.sh's replay
     pub seed: u64,
     pub ops: usize,
     pub messages: usize,
@@ -166,6 +173,7 @@ impl Sim {
             horizon: Duration::from_millis(self.horizon),
             near_only: HashSet::new(),
             spill: true,
+            load_chunk_bytes: LOAD_CHUNK,
         });
         EngineConfig {
             max_in_flight: 64,
@@ -181,6 +189,7 @@ impl Sim {
                     horizon: Duration::from_millis(HORIZONS[1]),
                     near_only: HashSet::new(),
                     spill: false,
+                    load_chunk_bytes: LOAD_CHUNK,
                 })
             }),
             background_rounds: false,
@@ -220,9 +229,9 @@ impl Sim {
                     let engine = engine.clone();
                     let sink: Arc<dyn Dispatch> = self.sink.clone();
                     let shutdown = shutdown.clone();
-                    tokio::spawn(async move {
-                        engine.run(sink, shutdown, Duration::from_secs(1)).await
-                    })
+                    tokio::spawn(
+                        async move { engine.run(sink, shutdown, Duration::from_secs(1)).await },
+                    )
                 };
                 self.node = Some(Node {
                     engine,
@@ -288,7 +297,12 @@ impl Sim {
     }
 
     /// Hand `msg` to the engine as the broker would.
-    async fn deliver(&mut self, msg: usize, redelivered: bool, ack_in_doubt: bool) -> Result<(), Failure> {
+    async fn deliver(
+        &mut self,
+        msg: usize,
+        redelivered: bool,
+        ack_in_doubt: bool,
+    ) -> Result<(), Failure> {
         let Some(engine) = self.engine() else {
             self.broker.push_back((msg, redelivered));
             return Ok(());
@@ -401,7 +415,9 @@ impl Sim {
                             .maybe_cancel_where(|m| m.route == route && m.key == Some(key));
                         self.note(("cancel key failed", e.to_string()));
                     }
-                    Err(e) => return Err(self.fail(format!("cancel by key failed with no fault: {e}"))),
+                    Err(e) => {
+                        return Err(self.fail(format!("cancel by key failed with no fault: {e}")))
+                    }
                 }
             }
             Op::Purge {
@@ -422,8 +438,9 @@ impl Sim {
                         self.note(("purge", count.purged, count.in_flight));
                     }
                     Err(e) if self.faulty() => {
-                        self.model
-                            .maybe_cancel_where(|m| m.route == route && (from..=to).contains(&m.due));
+                        self.model.maybe_cancel_where(|m| {
+                            m.route == route && (from..=to).contains(&m.due)
+                        });
                         self.note(("purge failed", e.to_string()));
                     }
                     Err(e) => return Err(self.fail(format!("purge failed with no fault: {e}"))),
@@ -519,7 +536,12 @@ impl Sim {
         let Some(engine) = self.engine() else {
             return Ok(());
         };
-        let uids: Vec<u128> = self.model.msgs.iter().flat_map(|m| m.uids.clone()).collect();
+        let uids: Vec<u128> = self
+            .model
+            .msgs
+            .iter()
+            .flat_map(|m| m.uids.clone())
+            .collect();
         if uids.is_empty() {
             return Ok(());
         }
@@ -561,6 +583,14 @@ impl Sim {
     /// stopped dies and restarts; then the engine settles and what it
     /// handed out is checked.
     async fn after_op(&mut self) -> Result<(), Failure> {
+        // A load holds one chunk of messages at a time (and the last one
+        // read may pass the limit).
+        let peak = self.engine().map_or(0, |e| e.far_load_peak());
+        if peak >= LOAD_CHUNK + MAX_MESSAGE {
+            return Err(self.fail(format!(
+                "a far load held {peak} bytes of messages at once (chunks of {LOAD_CHUNK})"
+            )));
+        }
         let corrupt = self.engine().map_or(0, |e| e.far_corrupt_frames());
         if corrupt > 0 {
             return Err(self.fail(format!("the far tier read {corrupt} corrupt frames")));

@@ -65,24 +65,45 @@ pub enum Op {
     /// The broker redelivers the oldest delivery it still holds.
     Redeliver,
     /// Cancel one id of a message by its `x-delayd-id`.
-    Cancel { pick: u32 },
+    Cancel {
+        pick: u32,
+    },
     /// Cancel by lookup key on a route.
-    CancelKey { route: u8, key: u8 },
+    CancelKey {
+        route: u8,
+        key: u8,
+    },
     /// Purge a route's messages due within `[now + from, now + from + width]`.
-    Purge { route: u8, from_ms: u64, width_ms: u64 },
+    Purge {
+        route: u8,
+        from_ms: u64,
+        width_ms: u64,
+    },
     /// Move the clock (backwards when negative).
-    Clock { ms: i64 },
+    Clock {
+        ms: i64,
+    },
     FarRound,
     Compact,
     /// The next `n` publishes fail (retried with back-off).
-    PublishFails { n: u8 },
-    Kill { loss: Loss },
+    PublishFails {
+        n: u8,
+    },
+    Kill {
+        loss: Loss,
+    },
     /// A clean stop, and a start with another far horizon (index into
     /// [`HORIZONS`]).
-    Restart { horizon: u8 },
+    Restart {
+        horizon: u8,
+    },
     /// The power goes just before the `n`th disk-changing call from now.
-    CrashAfter { n: u16 },
-    DiskFull { scope: Scope },
+    CrashAfter {
+        n: u16,
+    },
+    DiskFull {
+        scope: Scope,
+    },
     DiskSpace,
     /// The next fsync fails with EIO.
     SyncFails,

@@ -129,7 +129,9 @@ fn seed_2_a_cancel_whose_done_fails_leaves_the_message_armed() {
             ack_in_doubt: false,
         },
         Op::DiskFull { scope: Scope::Wal },
-        Op::Cancel { pick: 2_284_173_303 },
+        Op::Cancel {
+            pick: 2_284_173_303,
+        },
     ];
     if let Err(f) = run_strict(2, &ops) {
         panic!("{f}");
@@ -221,12 +223,21 @@ fn trace_seed() {
 #[ignore]
 fn scratch() {
     use ops::{Loss, Op};
-    let d = |key, body, delay_ms, twin, ack_in_doubt| Op::Deliver { route: 0, key, body, delay_ms, twin, ack_in_doubt };
+    let d = |key, body, delay_ms, twin, ack_in_doubt| Op::Deliver {
+        route: 0,
+        key,
+        body,
+        delay_ms,
+        twin,
+        ack_in_doubt,
+    };
     let ops = [
         d(1, 5, 1597, None, false),
         d(0, 0, 0, None, false),
         d(0, 5, 12926, None, true),
-        Op::Kill { loss: Loss::Process },
+        Op::Kill {
+            loss: Loss::Process,
+        },
         Op::Clock { ms: 877 },
         d(3, 2, 2938, None, true),
         d(0, 5, 647, Some(3904218709), false),

@@ -151,7 +151,9 @@ impl State {
     /// By the path's text, so a prefix of a file name counts (`wal-`).
     fn is_full(&self, path: &Path) -> bool {
         let path = path.to_string_lossy();
-        self.full.iter().any(|d| path.starts_with(&*d.to_string_lossy()))
+        self.full
+            .iter()
+            .any(|d| path.starts_with(&*d.to_string_lossy()))
     }
 
     fn is_dir(&self, path: &Path) -> bool {
