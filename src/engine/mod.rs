@@ -918,13 +918,49 @@ impl Engine {
     /// Resolves once its Done record is durable, so a crash right after
     /// cannot bring it back.
     pub async fn cancel(&self, id: u64) -> Result<bool, EngineError> {
+        // Its identity, for the other copy a load cut short may have left.
+        let uid = match self.inner.far.as_ref() {
+            Some(tier) if tier.store().loading().is_some() => match self.read(id)? {
+                Some((_, Record::Schedule { uid, .. })) => Some(uid),
+                _ => None,
+            },
+            _ => None,
+        };
         let Some(retired) = self.retire(id, "cancelled").await? else {
             return Ok(false);
         };
         retired
             .settle(&self.inner, self.inner.cancel_hook.get())
             .await?;
+        if let Some(uid) = uid {
+            self.cancel_copies(id, uid).await?;
+        }
         Ok(true)
+    }
+
+    /// A load cut short (a crash, a failed append) leaves each message of
+    /// its bucket twice until the bucket loads again: the copy armed under
+    /// a new id, the original in the bucket. A cancel of either takes the
+    /// other too, or the other would fire.
+    async fn cancel_copies(&self, cancelled: u64, uid: u128) -> Result<(), EngineError> {
+        let Some(tier) = self.inner.far.as_ref() else {
+            return Ok(());
+        };
+        let _op = tier.exclusive().await;
+        let engine = self.clone();
+        let near =
+            tokio::task::spawn_blocking(move || tier::cancel_copies(&engine.inner, cancelled, uid))
+                .await
+                .map_err(|_| EngineError::WriterGone)?
+                .inspect_err(|e| self.inner.stop_if_fatal(e))?;
+        for id in near {
+            if let Some(retired) = self.retire_queued(id, "cancelled")? {
+                retired
+                    .settle(&self.inner, self.inner.cancel_hook.get())
+                    .await?;
+            }
+        }
+        Ok(())
     }
 
     /// Take a message out for good because it was handed to another

@@ -691,6 +691,66 @@ pub(crate) fn cancel(inner: &Inner, id: u64) -> Result<Option<FarRecord>, Engine
     Ok(Some(record))
 }
 
+/// The other copies of the message with identity `uid` (other than
+/// `cancelled`) that a load cut short left: the bucket's original is
+/// cancelled here; the ids of copies armed in the wheel are returned, for
+/// the caller to retire. Nothing without a load cut short. Call with the
+/// ops lock held, from a blocking task.
+pub(crate) fn cancel_copies(
+    inner: &Inner,
+    cancelled: u64,
+    uid: u128,
+) -> Result<Vec<u64>, EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(Vec::new());
+    };
+    let mut store = tier.store();
+    let Some((bucket, after_id)) = store.loading() else {
+        return Ok(Vec::new());
+    };
+    let width = store.bucket_ms();
+    let originals: Vec<FarRecord> = match store.reader(bucket)? {
+        Some(reader) => {
+            let index = reader.index(inner.config.key_of)?;
+            index
+                .live
+                .iter()
+                .filter(|e| e.uid == uid && e.id != cancelled)
+                .map(|e| reader.read(e))
+                .collect::<Result<_, _>>()?
+        }
+        None => Vec::new(),
+    };
+    for r in originals {
+        store.cancel(bucket, r.id, &r.route)?;
+        let mut state = inner.state();
+        if let Some(route) = state.route_id(&r.route) {
+            state.add_far(route, -1);
+        }
+    }
+    drop(store);
+    let mut armed = Vec::new();
+    inner.state().scan_armed(0, usize::MAX, |e| {
+        if e.id > after_id && e.id != cancelled && (bucket..bucket + width).contains(&e.deadline) {
+            armed.push((e.id, e.data.pos));
+        }
+    });
+    let mut copies = Vec::new();
+    for (id, pos) in armed {
+        if let Record::Schedule {
+            id: found,
+            uid: copy_uid,
+            ..
+        } = inner.wal.read(pos)?
+        {
+            if found == id && copy_uid == uid {
+                copies.push(id);
+            }
+        }
+    }
+    Ok(copies)
+}
+
 /// A cancel by key reaches far messages stored before it when their bucket
 /// is read. Call with the ops lock held.
 pub(crate) fn tombstone(inner: &Inner, route: &str, key: &[u8]) -> Result<(), EngineError> {

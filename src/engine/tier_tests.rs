@@ -525,3 +525,53 @@ async fn a_bucket_loads_a_chunk_at_a_time() {
     assert_eq!(r.engine.pending(), 0);
     r.stop().await;
 }
+
+/// A load cut short leaves each message twice (its copy armed, its original
+/// in the bucket) until the bucket loads again. A cancel of either copy,
+/// by the id a lookup gives or by the id a listing gives, holds for both:
+/// it answered "cancelled" and the other copy fired.
+#[tokio::test]
+async fn a_cancel_after_a_load_cut_short_takes_both_copies() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let due = T0 + 5 * HOUR;
+    let r = start(far_config(dir.path()), clock.clone());
+    let mut uids = Vec::new();
+    for i in 0..3 {
+        let id = schedule(&r, "orders", due + i, &format!("m{i}")).await;
+        uids.push(uid_of(&r, id));
+    }
+    r.engine.far_round().await.unwrap();
+    let tier = r.engine.inner.far.as_ref().unwrap();
+    tier.crash_after_copies.store(true, Ordering::Release);
+    clock.set(due - HOUR);
+    assert!(r.engine.far_round().await.is_err(), "the load went through");
+    // As after a crash: the copies durable in the WAL come back armed.
+    r.stop().await;
+    let mut r = start(far_config(dir.path()), clock.clone());
+    // m0 by its lookup (the armed copy), m1 by its bucket original's id.
+    let near = r.engine.find_by_uid(uids[0]).unwrap().expect("m0 pending");
+    assert!(r.engine.cancel(near).await.unwrap());
+    let listed = r.engine.list(&ListQuery {
+        limit: 100,
+        ..ListQuery::default()
+    });
+    let far = listed
+        .iter()
+        .filter(|p| matches!(p.at, Location::Far(_)))
+        .find(|p| match r.engine.record_of(p).unwrap() {
+            Some(Record::Schedule { uid, .. }) => MessageId::or_legacy(uid, p.id) == uids[1],
+            _ => false,
+        })
+        .expect("m1's original is listed")
+        .id;
+    assert!(r.engine.cancel(far).await.unwrap());
+
+    at(&r, &clock, due + 10).await;
+    let f = r.recv().await;
+    assert_eq!((body(&f), f.uid), ("m2".to_owned(), uids[2]));
+    let extra = r.recv_within(Duration::from_millis(300)).await;
+    assert!(extra.is_none(), "a cancelled message fired: {extra:?}");
+    assert_eq!(r.engine.pending(), 0);
+    r.stop().await;
+}

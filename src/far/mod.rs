@@ -558,6 +558,11 @@ impl FarStore {
         }))
     }
 
+    /// A load cut short: (its bucket, the id every copy it made is above).
+    pub fn loading(&self) -> Option<(u64, u64)> {
+        self.cp.loading.map(|l| (l.bucket, l.after_id))
+    }
+
     /// Checkpoint that bucket `start` is being copied into the WAL under
     /// ids above `after_id`. If an earlier load of it never finished,
     /// nothing is written and its marker's `after_id` is returned: copies
