@@ -169,6 +169,10 @@ impl Sim {
         wal.fs = Arc::new(self.fs.clone());
         wal.segment_bytes = 4096;
         wal.lazy_done_wait = Duration::ZERO;
+        // One record per batch: which records share a group commit depends
+        // on threads' timing, and the frames it adds (a Commit per batch)
+        // would move every later seq, segment and compaction.
+        wal.max_batch_bytes = 1;
         let far = (self.horizon > 0).then(|| FarSettings {
             horizon: Duration::from_millis(self.horizon),
             near_only: HashSet::new(),
@@ -243,8 +247,9 @@ impl Sim {
                 Ok(true)
             }
             Err(e) if self.faulty() => {
-                self.note("start refused under a fault");
-                let _ = e;
+                // A start that failed is a process that exited.
+                self.failed_syncs = self.fs.failed_syncs();
+                self.note(("start refused under a fault", e.to_string()));
                 Ok(false)
             }
             Err(e) => Err(self.fail(format!("cannot start: {e}"))),
@@ -273,6 +278,8 @@ impl Sim {
             let _ = node.task.await;
         }
         self.sync_fault = false;
+        // The process a failed sync belonged to is gone.
+        self.failed_syncs = self.fs.failed_syncs();
         for (msg, _) in std::mem::take(&mut self.in_doubt) {
             if self.rng.chance(50) {
                 self.broker.push_back((msg, true));
@@ -287,6 +294,7 @@ impl Sim {
             let _ = node.task.await;
             let _ = node.engine.close().await;
         }
+        self.failed_syncs = self.fs.failed_syncs();
         // A clean stop gets its acks through.
         self.in_doubt.clear();
     }
@@ -579,10 +587,28 @@ impl Sim {
         Ok(())
     }
 
-    /// After each operation: a process whose disk froze or whose log
-    /// stopped dies and restarts; then the engine settles and what it
-    /// handed out is checked.
+    /// After each operation: the engine settles (everything due at the
+    /// clock's now handed out) and what it handed out is checked; a process
+    /// whose disk froze or whose log stopped dies and restarts, and settles
+    /// again.
     async fn after_op(&mut self) -> Result<(), Failure> {
+        for _ in 0..8 {
+            self.check_limits()?;
+            if !self.check_alive().await? {
+                continue;
+            }
+            self.settle().await?;
+            self.check_fired()?;
+            if self.check_alive().await? {
+                return Ok(());
+            }
+        }
+        Err(self.fail("the engine kept failing after restarts with no fault left"))
+    }
+
+    /// What the engine may never do whatever the faults: hold more than a
+    /// chunk in a load, read corrupt frames in the far tier.
+    fn check_limits(&self) -> Result<(), Failure> {
         // A load holds one chunk of messages at a time (and the last one
         // read may pass the limit).
         let peak = self.engine().map_or(0, |e| e.far_load_peak());
@@ -595,18 +621,20 @@ impl Sim {
         if corrupt > 0 {
             return Err(self.fail(format!("the far tier read {corrupt} corrupt frames")));
         }
+        Ok(())
+    }
+
+    /// `Ok(false)` if the process had to die (its disk froze, its log
+    /// stopped) and was restarted.
+    async fn check_alive(&mut self) -> Result<bool, Failure> {
         let halted = self
             .node
             .as_ref()
             .is_some_and(|n| n.engine.wal().is_stopped());
         // An fsync failed: its pages may be gone while reads still see
         // them, so the process must stop (it never retries an fsync).
-        let failed_syncs = self.fs.failed_syncs();
-        if failed_syncs > self.failed_syncs {
-            self.failed_syncs = failed_syncs;
-            if self.node.is_some() && !halted {
-                return Err(self.fail("an fsync failed and the engine carried on"));
-            }
+        if self.fs.failed_syncs() > self.failed_syncs && self.node.is_some() && !halted {
+            return Err(self.fail("an fsync failed and the engine carried on"));
         }
         if self.fs.is_frozen() || halted {
             let loss = if self.rng.chance(50) {
@@ -616,9 +644,9 @@ impl Sim {
             };
             self.kill(loss).await;
             self.ensure_started().await?;
+            return Ok(false);
         }
-        self.settle().await?;
-        self.check_fired()
+        Ok(true)
     }
 
     /// Wait until nothing due at the clock's now waits or is in flight.
