@@ -1054,6 +1054,9 @@ impl Engine {
         let near = tokio::task::spawn_blocking(move || engine.retire_queued(id, why))
             .await
             .map_err(|_| EngineError::WriterGone)??;
+        if let Some((entry, _)) = near.as_ref().and_then(|r| r.was.as_ref()) {
+            self.retire_far_copy(id, entry.deadline).await?;
+        }
         if near.is_some() || self.inner.far.is_none() {
             return Ok(near);
         }
@@ -1088,6 +1091,28 @@ impl Engine {
             inner.stop_if_fatal(e);
         }
         retired
+    }
+
+    /// A message spilled, then armed again from the WAL because the spill's
+    /// Done did not last (a crash, a full disk, a restart with spilling
+    /// off), is in its bucket too, under the same id: a cancel there as
+    /// well, or that copy would load and fire.
+    async fn retire_far_copy(&self, id: u64, due: u64) -> Result<(), EngineError> {
+        let Some(tier) = self.inner.far.as_ref() else {
+            return Ok(());
+        };
+        {
+            let store = tier.store();
+            if !store.contains_bucket(store.bucket_of(due)) {
+                return Ok(());
+            }
+        }
+        let _op = tier.exclusive().await;
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || tier::cancel_in_bucket(&inner, id, due))
+            .await
+            .map_err(|_| EngineError::WriterGone)?
+            .inspect_err(|e| self.inner.stop_if_fatal(e))
     }
 
     /// The stored record a listing or [`Engine::waiting`] pointed at: read

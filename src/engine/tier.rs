@@ -751,6 +751,35 @@ pub(crate) fn cancel_copies(
     Ok(copies)
 }
 
+/// Cancel the copy of message `id` (due at `due`) its bucket may hold. Call
+/// with the ops lock held, from a blocking task.
+pub(crate) fn cancel_in_bucket(inner: &Inner, id: u64, due: u64) -> Result<(), EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(());
+    };
+    let mut store = tier.store();
+    let bucket = store.bucket_of(due);
+    let found = match store.reader(bucket)? {
+        Some(reader) => {
+            let index = reader.index(inner.config.key_of)?;
+            match index.live.iter().find(|e| e.id == id) {
+                Some(e) => Some(reader.read(e)?),
+                None => None,
+            }
+        }
+        None => None,
+    };
+    if let Some(record) = found {
+        store.cancel(bucket, id, &record.route)?;
+        drop(store);
+        let mut state = inner.state();
+        if let Some(r) = state.route_id(&record.route) {
+            state.add_far(r, -1);
+        }
+    }
+    Ok(())
+}
+
 /// A cancel by key reaches far messages stored before it when their bucket
 /// is read. Call with the ops lock held.
 pub(crate) fn tombstone(inner: &Inner, route: &str, key: &[u8]) -> Result<(), EngineError> {

@@ -363,6 +363,7 @@ impl Sim {
     }
 
     async fn apply(&mut self, op: &Op) -> Result<(), Failure> {
+        let was_down = self.node.is_none();
         if !matches!(op, Op::Kill { .. } | Op::Restart { .. }) && !self.ensure_started().await? {
             // Down until a fault clears: faults and the clock still move.
             if !matches!(
@@ -371,6 +372,11 @@ impl Sim {
             ) {
                 return Ok(());
             }
+        }
+        if was_down && self.node.is_some() {
+            // Started just now: what fell due meanwhile goes out first.
+            self.settle().await?;
+            self.check_fired()?;
         }
         match *op {
             Op::Deliver {
