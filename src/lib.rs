@@ -32,7 +32,6 @@ pub mod runtime;
 #[cfg(test)]
 mod sim;
 pub mod status;
-pub mod status_page;
 pub mod store_inspect;
 pub mod telemetry;
 pub mod wal;

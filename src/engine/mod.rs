@@ -171,11 +171,8 @@ pub enum Stored {
 /// Told of a cancelled message: its route, id and stored bytes (see
 /// [`Engine::on_cancel`]). Resolves once the cancel is durable in the
 /// broker-kept store too.
-pub type CancelHook = Arc<
-    dyn Fn(&str, u64, &[u8]) -> delayd_adapters::BoxFuture<'static, Result<(), String>>
-        + Send
-        + Sync,
->;
+pub type CancelHook =
+    Arc<dyn Fn(&str, u64, &[u8]) -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
 
 /// A message taken out of the wheel, its Done queued (or out of the far
 /// tier, its cancel already durable there).

@@ -22,8 +22,9 @@ use crate::wal::WalError;
 
 use super::backpressure::Backpressure;
 use super::brokers::Brokers;
-use super::deliver::park;
+use super::identity::kafka_identity;
 use super::in_hand::{InHand, Ticket};
+use super::park::park;
 use super::store::RouteStore;
 use crate::finisher::Finisher;
 use crate::id::MessageId;
@@ -525,24 +526,6 @@ impl Intake {
             }
         }
     }
-}
-
-/// A Kafka record's identity: it follows from where the record was read
-/// (the same if it is read again). `None` for any other message.
-fn kafka_identity(message: &delayd_adapters::Message) -> Option<MessageId> {
-    let (partition, offset) = message.partition.zip(message.offset)?;
-    Some(MessageId::of_kafka_record(
-        &message.source,
-        partition,
-        offset,
-        message.timestamp_ms,
-    ))
-}
-
-/// A new delivery's identity: a Kafka record's follows from where it was
-/// read; any other is minted.
-pub fn identity_of(message: &delayd_adapters::Message) -> MessageId {
-    kafka_identity(message).unwrap_or_else(MessageId::mint)
 }
 
 #[cfg(test)]

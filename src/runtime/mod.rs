@@ -10,8 +10,10 @@ mod backpressure;
 mod brokers;
 mod deliver;
 mod handoff;
+mod identity;
 mod in_hand;
 mod ingest;
+mod park;
 mod store;
 
 pub use backpressure::Backpressure;

@@ -354,7 +354,7 @@ impl KafkaStore {
             let uid = match value.uid {
                 Some(uid) => MessageId::from_u128(uid),
                 None => delayd_adapters::decode(value.encoded)
-                    .map(|m| crate::runtime::ingest::identity_of(&m))
+                    .map(|m| crate::runtime::identity::identity_of(&m))
                     .unwrap_or_else(|_| MessageId::mint()),
             };
             // Not a redelivery: stored whatever the local WAL had (released).

@@ -13,10 +13,9 @@
 //! derived from the token (so another site cannot forge one) and does what
 //! `DELETE /v1/messages/{id}` does.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -27,7 +26,9 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{resolve_id, rfc3339, store_roles, summary, AdminState, StoreRole};
+use super::state::{
+    resolve_id, rfc3339, store_roles, summary, AdminState, RouteSample, StoreRole, SAMPLE_EVERY,
+};
 use crate::engine::{DueSummary, EngineError, ListQuery};
 
 pub fn routes() -> Router<AdminState> {
@@ -41,8 +42,6 @@ pub fn routes() -> Router<AdminState> {
 /// Messages per page of the pending list.
 const PAGE: usize = 50;
 /// How often fire counts and lateness are sampled, and how far back a rate looks.
-const SAMPLE_EVERY: Duration = Duration::from_secs(5);
-const WINDOW: Duration = Duration::from_secs(60);
 const COOKIE: &str = "delayd_ui";
 
 // ------------------------------------------------------------------ access
@@ -196,43 +195,6 @@ async fn cancel(
 }
 
 // ------------------------------------------------------------------ samples
-
-/// Fire counts and lateness histograms per route, sampled from the
-/// recorded metrics every few seconds over the last minute.
-#[derive(Default)]
-pub struct Samples {
-    taken: Mutex<VecDeque<(Instant, BTreeMap<String, RouteSample>)>>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq)]
-struct RouteSample {
-    fired: f64,
-    /// Lateness histogram: (upper bound in seconds, cumulative count).
-    buckets: Vec<(f64, f64)>,
-}
-
-impl Samples {
-    fn push(&self, at: Instant, sample: BTreeMap<String, RouteSample>) {
-        let mut taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
-        taken.push_back((at, sample));
-        while taken
-            .front()
-            .is_some_and(|(t, _)| at.duration_since(*t) > WINDOW + SAMPLE_EVERY)
-        {
-            taken.pop_front();
-        }
-    }
-
-    /// The oldest sample at most a minute old (and at least a second).
-    fn baseline(&self, now: Instant) -> Option<(Instant, BTreeMap<String, RouteSample>)> {
-        let taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
-        taken
-            .iter()
-            .find(|(t, _)| now.duration_since(*t) <= WINDOW + SAMPLE_EVERY)
-            .filter(|(t, _)| now.duration_since(*t) >= Duration::from_secs(1))
-            .cloned()
-    }
-}
 
 /// The sampler behind the page's rates; runs while the admin API does.
 pub async fn sample(state: AdminState, stop: CancellationToken) {

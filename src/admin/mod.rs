@@ -1,10 +1,16 @@
 //! Admin HTTP: `/healthz`, `/readyz`, `/metrics`, and the `/v1/messages` API
 //! (list, get, cancel by id or by key). Bound to loopback by default; `/v1`
 //! can require a bearer token. Every error is JSON: `{"error": "..."}`.
+//! Also the status page at `/` (`status_page`). What both use is in
+//! `state`.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod state;
+mod status_page;
+
+pub use state::AdminState;
+use state::{resolve_id, store_roles, summary, ApiError, StoreRole, Summaries};
+
+use std::collections::HashMap;
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, Request, State};
@@ -13,92 +19,15 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{
-    ApiErrorBody, Cancelled, CancelledIds, MessageDetail, MessagePage, MessageSummary,
-    MessageTarget, Purged,
-};
-use crate::engine::{DueSummary, Engine, EngineError, ListQuery, PendingInfo};
+use crate::api::{Cancelled, CancelledIds, MessageDetail, MessagePage, Purged};
+use crate::engine::{Engine, EngineError, ListQuery};
 use crate::id::MessageId;
-use crate::route::Route;
-use crate::status::{RouteIntake, RuntimeStatus};
+use crate::status::RouteIntake;
 use crate::wal::Record;
-
-#[derive(Clone)]
-pub struct AdminState {
-    pub(crate) engine: Engine,
-    pub(crate) status: Arc<dyn RuntimeStatus>,
-    pub(crate) token: Option<Arc<str>>,
-    metrics: Option<PrometheusHandle>,
-    pub(crate) routes: Option<Arc<HashMap<String, Arc<Route>>>>,
-    /// The last due-time summary, reused for a second (it walks every
-    /// pending message).
-    summary: Arc<std::sync::Mutex<Option<CachedSummary>>>,
-    /// Fire counts and lateness sampled every few seconds, for rates.
-    pub(crate) samples: Arc<crate::status_page::Samples>,
-}
-
-type Summaries = Arc<BTreeMap<Arc<str>, DueSummary>>;
-
-struct CachedSummary {
-    taken: Instant,
-    now_ms: u64,
-    routes: Summaries,
-}
-
-impl AdminState {
-    pub fn new(engine: Engine, status: Arc<dyn RuntimeStatus>, token: Option<String>) -> Self {
-        Self {
-            engine,
-            status,
-            token: token.map(Arc::from),
-            metrics: crate::telemetry::metrics_handle(),
-            routes: None,
-            summary: Arc::default(),
-            samples: Arc::default(),
-        }
-    }
-
-    /// Every route's due-time summary, at most a second old, and the time
-    /// it was taken (ms since the epoch).
-    pub(crate) async fn due_summary(&self) -> Result<(u64, Summaries), ApiError> {
-        {
-            let cached = self.summary.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(c) = cached.as_ref().filter(|c| c.taken.elapsed() < SUMMARY_TTL) {
-                return Ok((c.now_ms, c.routes.clone()));
-            }
-        }
-        let engine = self.engine.clone();
-        let (now_ms, routes) = tokio::task::spawn_blocking(move || engine.due_summary()).await?;
-        let routes = Arc::new(routes);
-        *self.summary.lock().unwrap_or_else(|e| e.into_inner()) = Some(CachedSummary {
-            taken: Instant::now(),
-            now_ms,
-            routes: routes.clone(),
-        });
-        Ok((now_ms, routes))
-    }
-
-    /// The recorded metrics in Prometheus text, if metrics are on.
-    pub(crate) fn rendered_metrics(&self) -> Option<String> {
-        self.metrics.as_ref().map(|handle| {
-            self.engine.publish_gauges();
-            crate::telemetry::render(handle)
-        })
-    }
-
-    /// The routes, for listing targets; their counters start at 0 (see
-    /// [`crate::telemetry::register_routes`]).
-    pub fn with_routes(mut self, routes: Arc<HashMap<String, Arc<Route>>>) -> Self {
-        crate::telemetry::register_routes(routes.keys().map(String::as_str));
-        self.routes = Some(routes);
-        self
-    }
-}
 
 pub fn router(state: AdminState) -> Router {
     let api = Router::new()
@@ -107,7 +36,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/counts", get(counts))
         .layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
-        .merge(crate::status_page::routes())
+        .merge(status_page::routes())
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -120,7 +49,7 @@ pub fn router(state: AdminState) -> Router {
 }
 
 pub async fn serve(listener: tokio::net::TcpListener, state: AdminState, stop: CancellationToken) {
-    let sampler = tokio::spawn(crate::status_page::sample(state.clone(), stop.clone()));
+    let sampler = tokio::spawn(status_page::sample(state.clone(), stop.clone()));
     let app = router(state);
     if let Err(e) = axum::serve(listener, app)
         .with_graceful_shutdown(async move { stop.cancelled().await })
@@ -130,9 +59,6 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState, stop: C
     }
     sampler.abort();
 }
-
-/// How long a due-time summary is reused.
-const SUMMARY_TTL: Duration = Duration::from_secs(1);
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
     ApiError::new(status, message).into_response()
@@ -266,55 +192,6 @@ fn scrape_time_metrics(out: &mut String, state: &AdminState, now_ms: u64, summar
 }
 
 /// What this instance is for a route on the broker-kept store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum StoreRole {
-    /// Owns it (RabbitMQ) or consumes it in the group (Kafka).
-    Owner,
-    Standby,
-    Restoring,
-    /// Its state stream is missing: not consumed (see docs/broker-store.md).
-    StateMissing,
-    Starting,
-}
-
-impl StoreRole {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            StoreRole::Owner => "owner",
-            StoreRole::Standby => "standby",
-            StoreRole::Restoring => "restoring",
-            StoreRole::StateMissing => "state missing",
-            StoreRole::Starting => "starting",
-        }
-    }
-}
-
-/// Each broker-kept route's role here (none with the local store).
-pub(crate) fn store_roles(state: &AdminState) -> Vec<(String, StoreRole)> {
-    let store = state.status.store();
-    let Some(routes) = store.get("routes").and_then(|r| r.as_object()) else {
-        return Vec::new();
-    };
-    let intake = state.status.routes();
-    routes
-        .iter()
-        .map(|(name, detail)| {
-            let role = match (
-                detail.get("owner").and_then(|o| o.as_bool()),
-                intake.get(name),
-            ) {
-                (_, Some(RouteIntake::Standby)) => StoreRole::Standby,
-                (_, Some(RouteIntake::StateMissing)) => StoreRole::StateMissing,
-                (_, Some(RouteIntake::Restoring)) => StoreRole::Restoring,
-                (Some(true), _) | (None, Some(RouteIntake::Consuming)) => StoreRole::Owner,
-                (Some(false), _) => StoreRole::Standby,
-                _ => StoreRole::Starting,
-            };
-            (name.clone(), role)
-        })
-        .collect()
-}
-
 async fn counts(State(state): State<AdminState>) -> Response {
     let routes: serde_json::Map<String, serde_json::Value> = state
         .engine
@@ -366,70 +243,6 @@ impl KeyParams {
             .as_ref()
             .or(self.key.as_ref())
             .map(|k| k.as_bytes().to_vec()))
-    }
-}
-
-/// An error answer: a status and `{"error": "..."}`.
-pub(crate) struct ApiError {
-    status: StatusCode,
-    message: String,
-}
-
-impl ApiError {
-    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-        }
-    }
-
-    fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, message)
-    }
-
-    fn internal(error: impl std::fmt::Display) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string())
-    }
-
-    fn no_such_id(id: impl std::fmt::Display) -> Self {
-        Self::new(
-            StatusCode::NOT_FOUND,
-            format!("no pending message with id {id}"),
-        )
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = ApiErrorBody {
-            error: self.message,
-        };
-        (self.status, Json(body)).into_response()
-    }
-}
-
-/// A malformed query string is a 400 with axum's reason.
-impl From<QueryRejection> for ApiError {
-    fn from(e: QueryRejection) -> Self {
-        ApiError::bad_request(e.body_text())
-    }
-}
-
-impl From<EngineError> for ApiError {
-    fn from(e: EngineError) -> Self {
-        match e {
-            EngineError::InFlight(id) => ApiError::new(
-                StatusCode::CONFLICT,
-                format!("message {id} is being published and can no longer be cancelled"),
-            ),
-            other => ApiError::internal(other),
-        }
-    }
-}
-
-impl From<tokio::task::JoinError> for ApiError {
-    fn from(e: tokio::task::JoinError) -> Self {
-        ApiError::internal(e)
     }
 }
 
@@ -511,69 +324,10 @@ fn parse_cursor(s: &str) -> Option<(u64, u64)> {
     Some((due.parse().ok()?, id.parse().ok()?))
 }
 
-/// One list row: metadata read from the stored record.
-pub(crate) fn summary(
-    engine: &Engine,
-    routes: Option<&HashMap<String, Arc<Route>>>,
-    info: &PendingInfo,
-) -> MessageSummary {
-    let mut row = MessageSummary {
-        id: MessageId::legacy(info.id).to_string(),
-        seq: info.id.to_string(),
-        route: info.route.to_string(),
-        due_ms: info.due_ms,
-        due: rfc3339(info.due_ms),
-        phase: info.phase,
-        size: None,
-        message_id: None,
-        key: None,
-        routing_key: None,
-        source: None,
-        target: None,
-    };
-    if let Ok(Some(Record::Schedule {
-        id, uid, message, ..
-    })) = engine.record_of(info)
-    {
-        row.id = MessageId::or_legacy(uid, id).to_string();
-        row.size = Some(message.len());
-        if let Ok(m) = delayd_adapters::decode(&message) {
-            if let Some(route) = routes.and_then(|r| r.get(&*info.route)) {
-                let target = route.target_for(&m);
-                row.target = Some(MessageTarget {
-                    broker: route.to.broker.clone(),
-                    destination: target.destination,
-                    routing_key: target.routing_key.unwrap_or_else(|| m.routing_key.clone()),
-                });
-            }
-            row.message_id = m.properties.message_id;
-            row.key = m
-                .key
-                .as_deref()
-                .map(|k| String::from_utf8_lossy(k).into_owned());
-            row.routing_key = Some(m.routing_key);
-            row.source = Some(m.source);
-        }
-    }
-    row
-}
-
 #[derive(Debug, Deserialize)]
 struct ShowParams {
     #[serde(default)]
     body: bool,
-}
-
-/// The local id of the pending message whose identity is `id` (as listed,
-/// and as its `x-delayd-id`).
-pub(crate) async fn resolve_id(engine: &Engine, id: &str) -> Result<u64, ApiError> {
-    let uid: MessageId = id
-        .parse()
-        .map_err(|_| ApiError::no_such_id(format!("{id:?}")))?;
-    let engine = engine.clone();
-    tokio::task::spawn_blocking(move || engine.find_by_uid(uid))
-        .await??
-        .ok_or_else(|| ApiError::no_such_id(uid))
 }
 
 async fn show(
@@ -753,12 +507,6 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .step_by(2)
         .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
         .collect()
-}
-
-pub(crate) fn rfc3339(ms: u64) -> String {
-    chrono::DateTime::from_timestamp_millis(ms as i64)
-        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
-        .unwrap_or_default()
 }
 
 fn hex(bytes: &[u8]) -> String {
