@@ -6,7 +6,7 @@ pub struct Rng(u64);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x5eed_0f_de1a_7d00)
+        Rng(seed ^ 0x005e_ed0f_de1a_7d00)
     }
 
     pub fn next(&mut self) -> u64 {
