@@ -446,7 +446,10 @@ async fn load_one(
     let key_of = inner.config.key_of;
     let worker = inner.clone();
     // Every copy gets an id above any assigned so far.
-    let after_id = inner.state().max_id();
+    let after_id = inner
+        .state()
+        .max_id()
+        .max(inner.wal.next_id().saturating_sub(1));
     // The bucket's index: its live records without their bytes.
     let (mut index, tombstoned, resumed) = tokio::task::spawn_blocking(move || {
         let tier = worker.far.as_ref().expect("far tier");
@@ -787,7 +790,9 @@ pub(crate) fn tombstone(inner: &Inner, route: &str, key: &[u8]) -> Result<(), En
         return Ok(());
     };
     retire_spilled(inner)?;
-    let before_id = inner.state().max_id() + 1;
+    // Every message stored before now, those only the far tier holds
+    // included (a restart arms none of them: `max_id` may be below theirs).
+    let before_id = inner.wal.next_id().max(inner.state().max_id() + 1);
     tier.store().add_tombstone(route, key, before_id)?;
     Ok(())
 }

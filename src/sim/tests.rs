@@ -257,6 +257,43 @@ fn seed_119_a_cancel_reaches_the_bucket_copy_of_a_message_armed_again() {
     }
 }
 
+/// Seed 1135 (the long run): after restarts and a compaction the WAL held
+/// nothing armed, so the ids the engine had seen were all below the far
+/// tier's; a cancel by key took "every id below the highest armed" for its
+/// tombstone, which covered none of the far messages. One fired after the
+/// cancel was answered. Tombstones (and a load's copies) now count from the
+/// WAL's next id, which never goes back.
+#[test]
+fn seed_1135_a_cancel_by_key_after_restarts_reaches_the_far_tier() {
+    use ops::{Loss, Op, Scope};
+    let d = |route, key, body, delay_ms, twin, ack_in_doubt| Op::Deliver {
+        route,
+        key,
+        body,
+        delay_ms,
+        twin,
+        ack_in_doubt,
+    };
+    let ops = [
+        Op::DiskFull { scope: Scope::Wal },
+        d(0, 1, 29, 1975, None, false),
+        d(0, 2, 115, 0, None, true),
+        d(0, 2, 962, 0, Some(2156620499), false),
+        Op::DiskSpace,
+        d(1, 1, 295, 107475, None, true),
+        Op::FarRound,
+        Op::CrashAfter { n: 4 },
+        Op::Redeliver,
+        Op::Clock { ms: 18157 },
+        Op::Compact,
+        Op::Kill { loss: Loss::Torn },
+        Op::CancelKey { route: 1, key: 1 },
+    ];
+    if let Err(f) = run_strict(1135, &ops) {
+        panic!("{f}");
+    }
+}
+
 #[test]
 #[ignore]
 fn scratch() {}

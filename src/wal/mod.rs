@@ -598,6 +598,12 @@ impl Wal {
     }
 
     /// True once a fatal error stopped the log: the process must exit.
+    /// Every id the log has handed out, before and since this start, is
+    /// below this.
+    pub fn next_id(&self) -> u64 {
+        self.shared.writer.next_seq()
+    }
+
     /// The writer has answered every record sent to it.
     pub fn is_idle(&self) -> bool {
         self.shared.writer.is_idle()

@@ -122,6 +122,8 @@ pub struct Writer {
     /// the writer has nothing left to do.
     sent: AtomicU64,
     answered: Arc<AtomicU64>,
+    /// Every seq (and so every id) handed out so far is below this.
+    next_seq: Arc<AtomicU64>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -135,9 +137,11 @@ impl Writer {
         let halt = Halt::default();
         let fsyncs = Arc::new(AtomicU64::new(0));
         let answered = Arc::new(AtomicU64::new(0));
+        let shared_next_seq = Arc::new(AtomicU64::new(next_seq));
         let mut state = WriterState {
             fsyncs: fsyncs.clone(),
             answered: answered.clone(),
+            shared_next_seq: shared_next_seq.clone(),
             config,
             segments,
             claims,
@@ -161,6 +165,7 @@ impl Writer {
             fsyncs,
             sent: AtomicU64::new(0),
             answered,
+            next_seq: shared_next_seq,
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -194,6 +199,12 @@ impl Writer {
             .map_err(|_| WalError::Stopped)?;
         self.sent.fetch_add(1, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// Every seq, and so every id, the log has handed out is below this
+    /// (it never goes back, restarts included).
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq.load(Ordering::Acquire)
     }
 
     /// Every record sent so far was answered (a test's condition to wait
@@ -237,6 +248,7 @@ impl Writer {
 struct WriterState {
     fsyncs: Arc<AtomicU64>,
     answered: Arc<AtomicU64>,
+    shared_next_seq: Arc<AtomicU64>,
     config: WalConfig,
     segments: Arc<Mutex<SegmentTable>>,
     claims: Arc<Claims>,
@@ -439,6 +451,8 @@ impl WriterState {
         // with its later pages on disk and earlier ones not is recognised.
         frame::put_commit(&mut self.buf, salt, self.next_seq, batch_first_seq);
         self.next_seq += 1;
+        self.shared_next_seq
+            .fetch_max(self.next_seq, Ordering::AcqRel);
         match self.flush() {
             Ok(()) => {
                 {
