@@ -9,6 +9,7 @@
 #   bash scripts/sim.sh 600          # 600 seconds
 #   bash scripts/sim.sh --seeds 5000 # seeds 1..5000 (SIM_FROM=N to start elsewhere)
 #   SIM_SEED=42 bash scripts/sim.sh  # replay one seed, shrunk if it fails
+#   SIM_THREADS=1 ...                # seeds run on every core by default
 #
 # The test command runs a fixed budget of seeds in a debug build
 # (sim::tests::a_fixed_budget_of_seeds_breaks_no_guarantee).

@@ -67,19 +67,50 @@ fn long_run() {
     }
     let from = var("SIM_FROM").unwrap_or(1);
     let started = std::time::Instant::now();
-    let reports = match (var("SIM_SEEDS"), var("SIM_SECONDS")) {
-        (Some(n), _) => run_or_panic(from, n),
-        (None, seconds) => {
-            let limit = std::time::Duration::from_secs(seconds.unwrap_or(60));
-            let mut all = Vec::new();
-            let mut seed = from;
-            while started.elapsed() < limit {
-                all.extend(run_or_panic(seed, 10));
-                seed += 10;
-            }
-            all
-        }
+    let (end, limit) = match (var("SIM_SEEDS"), var("SIM_SECONDS")) {
+        (Some(n), _) => (from + n, None),
+        (None, seconds) => (
+            u64::MAX,
+            Some(std::time::Duration::from_secs(seconds.unwrap_or(60))),
+        ),
     };
+    // Seeds are independent: one thread each per core, drawing the next.
+    let threads = var("SIM_THREADS")
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u64));
+    let next = std::sync::atomic::AtomicU64::new(from);
+    let reports = std::sync::Mutex::new(Vec::new());
+    let failed = std::sync::Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                if failed.lock().unwrap().is_some() || limit.is_some_and(|l| started.elapsed() >= l)
+                {
+                    return;
+                }
+                let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if seed >= end {
+                    return;
+                }
+                match run_seed(seed) {
+                    Ok(r) => reports.lock().unwrap().push(r),
+                    Err(f) => {
+                        let ops = shrink(seed, ops::draw(seed, OPS_PER_SEED));
+                        let f = run(seed, &ops).err().unwrap_or(f);
+                        failed.lock().unwrap().get_or_insert((f, ops));
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    if let Some((failure, ops)) = failed.into_inner().unwrap() {
+        panic!(
+            "{failure}\nshortest failing run ({} ops): {ops:#?}\nreplay: SIM_SEED={} scripts/sim.sh",
+            ops.len(),
+            failure.seed
+        );
+    }
+    let reports = reports.into_inner().unwrap();
     eprintln!(
         "sim: {} in {:.0} s",
         report(&reports),

@@ -131,20 +131,7 @@ async fn three_instances_share_six_partitions_through_a_kill_and_an_addition() {
     client
         .declare_target(&names.to_exchange, &names.target_queue)
         .await;
-    let mut cleanup: Cleanup = names.cleanup();
-    for p in 0..PARTS {
-        cleanup.queues.push(format!("{}.{p}", names.from_queue));
-        let pointer = format!("{prefix}{}.{p}", names.route);
-        cleanup.queues.push(format!("{pointer}.pointer"));
-        cleanup.queues.push(format!("{pointer}.lock"));
-        cleanup
-            .queues
-            .extend((0..4).map(|g| format!("{pointer}.{g}")));
-        cleanup.queues.push(pointer);
-    }
-    cleanup
-        .queues
-        .push(format!("{prefix}{}.members", names.route));
+    let cleanup = cleanup_for(&names, &prefix, PARTS);
     let r = Partitioned {
         names,
         prefix,
