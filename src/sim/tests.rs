@@ -325,6 +325,38 @@ fn seed_1135_a_cancel_by_key_after_restarts_reaches_the_far_tier() {
     }
 }
 
+/// Seed 1776 (the long run), against the first fix of seed 1135: a cancel
+/// by key on a full WAL disk took its tombstone's bound from ids a failed
+/// batch had been handed; after a crash the WAL handed those out again, and
+/// the tombstone cancelled a message stored after it when its bucket
+/// loaded. The bound is now the durable high-water mark.
+#[test]
+fn seed_1776_a_tombstone_never_covers_a_message_stored_after_it() {
+    use ops::{Loss, Op, Scope};
+    let d = |route, key, body, delay_ms, twin, ack_in_doubt| Op::Deliver {
+        route,
+        key,
+        body,
+        delay_ms,
+        twin,
+        ack_in_doubt,
+    };
+    let ops = [
+        d(1, 2, 329, 240958, None, true),
+        Op::FarRound,
+        Op::DiskFull { scope: Scope::Wal },
+        d(1, 1, 944, 78069, None, false),
+        Op::CancelKey { route: 0, key: 2 },
+        Op::Kill { loss: Loss::Torn },
+        Op::DiskSpace,
+        Op::Clock { ms: 168101 },
+        d(0, 2, 559, 767, None, false),
+    ];
+    if let Err(f) = run_strict(1776, &ops) {
+        panic!("{f}");
+    }
+}
+
 #[test]
 #[ignore]
 fn scratch() {}

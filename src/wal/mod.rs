@@ -598,8 +598,9 @@ impl Wal {
     }
 
     /// True once a fatal error stopped the log: the process must exit.
-    /// Every id the log has handed out, before and since this start, is
-    /// below this.
+    /// Every id of a durable record, before and since this start, is below
+    /// this; every id handed out from now on is at or above it (the ids of
+    /// a batch that failed are not counted: a restart may hand them out).
     pub fn next_id(&self) -> u64 {
         self.shared.writer.next_seq()
     }

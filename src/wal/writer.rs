@@ -122,7 +122,8 @@ pub struct Writer {
     /// the writer has nothing left to do.
     sent: AtomicU64,
     answered: Arc<AtomicU64>,
-    /// Every seq (and so every id) handed out so far is below this.
+    /// Every seq (and so every id) of a durable record is below this, and
+    /// every one handed out from now on, restarts included, at or above.
     next_seq: Arc<AtomicU64>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -201,8 +202,8 @@ impl Writer {
         Ok(())
     }
 
-    /// Every seq, and so every id, the log has handed out is below this
-    /// (it never goes back, restarts included).
+    /// Every seq, and so every id, of a durable record is below this; every
+    /// one handed out from now on, restarts included, is at or above it.
     pub fn next_seq(&self) -> u64 {
         self.next_seq.load(Ordering::Acquire)
     }
@@ -451,10 +452,12 @@ impl WriterState {
         // with its later pages on disk and earlier ones not is recognised.
         frame::put_commit(&mut self.buf, salt, self.next_seq, batch_first_seq);
         self.next_seq += 1;
-        self.shared_next_seq
-            .fetch_max(self.next_seq, Ordering::AcqRel);
         match self.flush() {
             Ok(()) => {
+                // Durable: ids of a batch that failed may be handed out
+                // again after a restart, these never.
+                self.shared_next_seq
+                    .fetch_max(self.next_seq, Ordering::AcqRel);
                 {
                     let mut table = self.segments.lock().expect("segment table poisoned");
                     table.set_bytes(self.head, self.head_bytes);
