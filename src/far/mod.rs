@@ -47,6 +47,17 @@
 //!   the bucket, so each message fires once.
 //! - A bad frame inside a bucket's checkpointed length is corruption: it is
 //!   logged and counted like the WAL's, and the frames after it are read.
+//! - A failed append is cut back in every bucket it touched (a new bucket
+//!   removed), its frame seqs are never handed out again, and an append
+//!   first cuts whatever lies past the checkpointed length. A failed fsync
+//!   anywhere here is fatal, as the WAL's is.
+//!
+//! # Memory
+//!
+//! A bucket is never read whole: `stream.rs` walks it through a window and
+//! keeps an index of its live records without their bytes (about 40 bytes
+//! each), and a load copies a chunk of records at a time
+//! (`FarSettings::load_chunk_bytes`), each durable before the next is read.
 
 mod checkpoint;
 mod stream;
