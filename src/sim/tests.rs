@@ -357,6 +357,52 @@ fn seed_1776_a_tombstone_never_covers_a_message_stored_after_it() {
     }
 }
 
+/// Seed 1887 (the long run), against the fix of seed 17: recovery removed
+/// a torn last segment, and with no other segment left the WAL's seqs began
+/// again at 1, handing out ids the far tier still held (a load skipped a
+/// message as "already armed"). A torn last segment is now emptied and kept
+/// as the seqs' high-water mark, and removed once a newer head is named
+/// past it.
+#[test]
+fn seed_1887_a_torn_last_segment_keeps_the_seq_high_water_mark() {
+    use ops::{Loss, Op, Scope};
+    let d = |route, key, body, delay_ms, ack_in_doubt| Op::Deliver {
+        route,
+        key,
+        body,
+        delay_ms,
+        twin: None,
+        ack_in_doubt,
+    };
+    let ops = [
+        Op::Clock { ms: -614 },
+        Op::CancelKey { route: 0, key: 3 },
+        Op::FarRound,
+        Op::DiskSpace,
+        d(0, 2, 507, 279_163, true),
+        Op::DiskFull { scope: Scope::Far },
+        d(1, 3, 715, 23_901, true),
+        Op::Kill { loss: Loss::Torn },
+        Op::PublishFails { n: 2 },
+        Op::DiskFull { scope: Scope::Wal },
+        Op::FarRound,
+        Op::DiskFull { scope: Scope::Both },
+        Op::Redeliver,
+        d(1, 3, 232, 5_246, true),
+        Op::Compact,
+        Op::CrashAfter { n: 2 },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::FarRound,
+        d(0, 3, 587, 37_359, false),
+        Op::FarRound,
+    ];
+    if let Err(f) = run_strict(1887, &ops) {
+        panic!("{f}");
+    }
+}
+
 #[test]
 #[ignore]
 fn scratch() {}

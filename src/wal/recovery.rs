@@ -56,6 +56,26 @@ pub fn recover(
             // then a crash before the failed segment was removed).
             let short = (buf.len() as u64) < frame::SEGMENT_HEADER_BYTES;
             if short || (is_last && buf[..buf.len().min(16)].iter().all(|&b| b == 0)) {
+                if is_last {
+                    // Its name is the log's high-water mark of seqs: with
+                    // no other segment left, removing it would hand out
+                    // ids again that the far tier may hold. It is emptied
+                    // (nothing in it was acknowledged: a batch's fdatasync
+                    // makes the header durable first), the new head is
+                    // named past it, and the next start removes it.
+                    tracing::warn!(segment = %path.display(), "emptying WAL segment with a torn header; the next start removes it");
+                    let cut = fs.open_write(&path).and_then(|f| {
+                        f.set_len(0)?;
+                        f.sync_data()
+                    });
+                    cut.map_err(|source| WalError::Fatal {
+                        op: "emptying a segment with a torn header",
+                        path: path.clone(),
+                        source,
+                    })?;
+                    last_seq = last_seq.max(first_seq);
+                    continue;
+                }
                 tracing::warn!(segment = %path.display(), "removing WAL segment with a torn header");
                 fs.remove_file(&path).map_err(|e| WalError::io(&path, e))?;
                 sync_dir(fs, &config.dir)?;
