@@ -99,6 +99,9 @@ pub struct Sim {
     broker: VecDeque<Held>,
     /// Stored deliveries whose ack is in doubt: (message, engine id).
     in_doubt: Vec<(usize, u64)>,
+    /// Every engine id a store answered: they are WAL seqs, never reused
+    /// (a reused one collides with what the far tier or a tombstone holds).
+    ids: HashSet<u64>,
     full: Option<Scope>,
     sync_fault: bool,
     /// Failed syncs the last check saw (see `after_op`).
@@ -131,6 +134,7 @@ impl Sim {
             model: Model::new(strict_twins),
             broker: VecDeque::new(),
             in_doubt: Vec::new(),
+            ids: HashSet::new(),
             full: None,
             sync_fault: false,
             failed_since_space: 0,
@@ -322,6 +326,9 @@ impl Sim {
         self.model.stored(msg, uid.as_u128());
         match engine.store(route, due, uid, bytes, redelivered).await {
             Ok(Stored::New(id)) => {
+                if !self.ids.insert(id) {
+                    return Err(self.fail(format!("engine id {id} was handed out twice")));
+                }
                 self.model.msgs[msg].acked = true;
                 if ack_in_doubt {
                     self.in_doubt.push((msg, id));
@@ -710,6 +717,9 @@ impl Sim {
             let engine = self.engine().ok_or_else(|| self.fail("down at the end"))?;
             let now = self.clock.now_ms();
             self.clock.set(now.max(last_due) + 3_000);
+            // What the wheel holds fires before the round loads: a round
+            // racing the engine's own firing made runs differ by timing.
+            self.settle().await?;
             let outcome = engine.far_round().await.map_err(|e| e.to_string());
             self.round_outcome("far round", outcome)?;
             let outcome = engine.compact_now().await.map_err(|e| e.to_string());

@@ -356,8 +356,11 @@ fn seed_1776_a_tombstone_never_covers_a_message_stored_after_it() {
 /// message as "already armed"). A torn last segment is now emptied and kept
 /// as the seqs' high-water mark, and removed once a newer head is named
 /// past it.
+///
+/// Its failure was once timing-dependent: the end's far round raced the
+/// engine's own firing. The driver now settles first, and checks that no
+/// engine id is handed out twice, which fails it on every run.
 #[test]
-#[ignore = "seed 1887: failed once of three runs on a busy machine (timing-dependent, like open seed 1846); fix with 1846"]
 fn seed_1887_a_torn_last_segment_keeps_the_seq_high_water_mark() {
     use ops::{Loss, Op, Scope};
     let d = |route, key, body, delay_ms, ack_in_doubt| Op::Deliver {
@@ -397,12 +400,12 @@ fn seed_1887_a_torn_last_segment_keeps_the_seq_high_water_mark() {
     }
 }
 
-/// Seed 1846 (the long run, found as the session that built the simulator
-/// ended): an acknowledged message never fired. Open: not yet understood or
-/// fixed. `cargo test --lib sim::tests::seed_1846 -- --ignored`.
+/// Seed 1846 (the long run): a start on a full disk removed the previous
+/// run's empty head before its new head was durable, then failed; a power
+/// loss took the new head's name, no segment was left, and seqs began again
+/// at 1. An empty head is now kept as the seqs' high-water mark.
 #[test]
-#[ignore = "seed 1846: open, found by the long run"]
-fn seed_1846_open() {
+fn seed_1846_an_empty_head_keeps_the_seq_high_water_mark() {
     use ops::{Loss, Op, Scope};
     let ops = [
         Op::Deliver {

@@ -170,11 +170,12 @@ pub fn recover(
             table.set_bytes(ordinal, cut);
         }
         if is_last && frames == 0 {
-            // An empty head from the previous run: the new head replaces it.
-            table.remove(ordinal);
-            fs.remove_file(&path).map_err(|e| WalError::io(&path, e))?;
-            sync_dir(fs, &config.dir)?;
-            last_seq = last_seq.max(first_seq.saturating_sub(1));
+            // An empty head from the previous run. It is kept: its name is
+            // the seqs' high-water mark, and removing it before the new head
+            // is durable (a full disk refuses the new head) left no segment,
+            // so seqs began again at 1 (sim seed 1846). The new head is named
+            // past it, and compaction removes it once sealed behind that head.
+            last_seq = last_seq.max(first_seq);
             continue;
         }
         report.segments += 1;
