@@ -1052,7 +1052,8 @@ impl Engine {
             .await
             .map_err(|_| EngineError::WriterGone)??;
         if let Some((entry, _)) = near.as_ref().and_then(|r| r.was.as_ref()) {
-            self.retire_far_copy(id, entry.deadline).await?;
+            self.retire_far_copy(id, entry.deadline, entry.data.pos)
+                .await?;
         }
         if near.is_some() || self.inner.far.is_none() {
             return Ok(near);
@@ -1093,23 +1094,39 @@ impl Engine {
     /// A message spilled, then armed again from the WAL because the spill's
     /// Done did not last (a crash, a full disk, a restart with spilling
     /// off), is in its bucket too, under the same id: a cancel there as
-    /// well, or that copy would load and fire.
-    async fn retire_far_copy(&self, id: u64, due: u64) -> Result<(), EngineError> {
+    /// well, or that copy would load and fire. The bucket is the one of its
+    /// stored due time: the wheel's deadline may be a retry's since (seed
+    /// 6063), and a spill never takes a message waiting for a retry.
+    async fn retire_far_copy(
+        &self,
+        id: u64,
+        deadline: u64,
+        pos: WalPos,
+    ) -> Result<(), EngineError> {
         let Some(tier) = self.inner.far.as_ref() else {
             return Ok(());
         };
-        {
-            let store = tier.store();
-            if !store.contains_bucket(store.bucket_of(due)) {
-                return Ok(());
-            }
+        if tier.store().bucket_count() == 0 {
+            return Ok(());
         }
         let _op = tier.exclusive().await;
         let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || tier::cancel_in_bucket(&inner, id, due))
-            .await
-            .map_err(|_| EngineError::WriterGone)?
-            .inspect_err(|e| self.inner.stop_if_fatal(e))
+        tokio::task::spawn_blocking(move || {
+            let stored = match inner.wal.read(pos)? {
+                Record::Schedule {
+                    id: found, due_ms, ..
+                } if found == id => Some(due_ms),
+                _ => None,
+            };
+            tier::cancel_in_bucket(&inner, id, deadline)?;
+            match stored {
+                Some(due) if due != deadline => tier::cancel_in_bucket(&inner, id, due),
+                _ => Ok(()),
+            }
+        })
+        .await
+        .map_err(|_| EngineError::WriterGone)?
+        .inspect_err(|e| self.inner.stop_if_fatal(e))
     }
 
     /// The stored record a listing or [`Engine::waiting`] pointed at: read

@@ -196,7 +196,10 @@ impl State {
             let Some(e) = self.wheel.get(id) else {
                 continue; // fired, cancelled, or spilled already
             };
-            if e.deadline < self.far_from {
+            // Waiting for a retry: its due time has passed, and in a bucket
+            // of the retry's time its copy would hide from a cancel that
+            // looks in the bucket of its stored due time.
+            if e.deadline < self.far_from || self.attempts.contains_key(&id) {
                 continue;
             }
             if let Some(e) = self.wheel.cancel(id) {

@@ -603,9 +603,11 @@ fn skip_copied(
     to: u64,
     after_id: u64,
 ) -> Result<(), EngineError> {
+    // Judged by each copy's stored due time (below): its deadline in the
+    // wheel may be a retry's.
     let mut armed = Vec::new();
     inner.state().scan_armed(0, usize::MAX, |e| {
-        if e.id > after_id && (from..to).contains(&e.deadline) {
+        if e.id > after_id {
             armed.push((e.id, e.data.pos));
         }
     });
@@ -622,7 +624,7 @@ fn skip_copied(
             ..
         } = inner.wal.read(pos)?
         {
-            if found == id {
+            if found == id && (from..to).contains(&due_ms) {
                 copied.insert((uid, due_ms));
             }
         }
@@ -732,9 +734,11 @@ pub(crate) fn cancel_copies(
         }
     }
     drop(store);
+    // Judged by the copy's stored due time: its deadline in the wheel may
+    // be a retry's.
     let mut armed = Vec::new();
     inner.state().scan_armed(0, usize::MAX, |e| {
-        if e.id > after_id && e.id != cancelled && (bucket..bucket + width).contains(&e.deadline) {
+        if e.id > after_id && e.id != cancelled {
             armed.push((e.id, e.data.pos));
         }
     });
@@ -743,10 +747,11 @@ pub(crate) fn cancel_copies(
         if let Record::Schedule {
             id: found,
             uid: copy_uid,
+            due_ms,
             ..
         } = inner.wal.read(pos)?
         {
-            if found == id && copy_uid == uid {
+            if found == id && copy_uid == uid && (bucket..bucket + width).contains(&due_ms) {
                 copies.push(id);
             }
         }

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::wal::fs::FileSystem;
 use crate::wal::WalError;
 
+use super::tombstones::KeyTombstone;
 use super::{sync_dir, FarError};
 
 const VERSION: u32 = 1;
@@ -24,6 +25,9 @@ pub struct Checkpoint {
     pub bucket_ms: u64,
     /// Bucket start -> what the checkpoint vouches for.
     pub buckets: BTreeMap<u64, BucketMeta>,
+    /// Key tombstones as checkpoints before `tombstones.log` kept them:
+    /// read, moved to the log, and no longer written here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tombstones: Vec<KeyTombstone>,
     /// A load that began and has not removed its bucket yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -74,16 +78,6 @@ impl BucketMeta {
             routes: BTreeMap::new(),
         }
     }
-}
-
-/// A cancel by key (a Kafka tombstone, or the admin API) that far
-/// messages stored before it must obey when their bucket is read.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct KeyTombstone {
-    pub route: String,
-    pub key: Vec<u8>,
-    /// Applies to ids below this: those stored before the cancel.
-    pub before_id: u64,
 }
 
 /// The checkpoint at `path`, or `None` if there is none yet.

@@ -21,8 +21,12 @@
 //!   do, as the WAL's scanner requires.
 //! - `checkpoint`: JSON. The frontier (buckets before it are loaded), the
 //!   next frame seq, every bucket's durable length, salt, smallest id and
-//!   count per route, and the key tombstones still to apply. Written to
-//!   `checkpoint.tmp`, synced, renamed, and the directory synced.
+//!   count per route. Written to `checkpoint.tmp`, synced, renamed, and the
+//!   directory synced.
+//! - `tombstones.log`: the cancels by key still to apply, a line each,
+//!   appended and synced; one entry per key in memory (`tombstones.rs`).
+//!   One is dropped once no bucket holds a message of its route with a
+//!   smaller id.
 //!
 //! # Crash rules
 //!
@@ -63,6 +67,7 @@ mod checkpoint;
 mod stream;
 #[cfg(test)]
 mod tests;
+mod tombstones;
 
 pub use stream::Entry;
 
@@ -74,7 +79,8 @@ use crate::wal::frame::{self, Salt, Schedule};
 use crate::wal::fs::{parent_dir, FileSystem, WalFile};
 use crate::wal::WalError;
 
-use self::checkpoint::{BucketMeta, Checkpoint, KeyTombstone, Loading};
+use self::checkpoint::{BucketMeta, Checkpoint, Loading};
+use self::tombstones::{KeyTombstone, Tombstones};
 
 /// Where the far tier lives and how wide a bucket is.
 #[derive(Debug, Clone)]
@@ -129,6 +135,7 @@ pub enum FarError {
 pub struct FarStore {
     config: FarConfig,
     cp: Checkpoint,
+    tombstones: Tombstones,
     /// Bad frames met inside checkpointed lengths since opening.
     corrupt_frames: std::sync::atomic::AtomicU64,
 }
@@ -158,13 +165,18 @@ impl FarStore {
                 sync_dir(fs, parent_dir(&d))?;
             }
         }
-        let cp = match checkpoint::read(fs, &dir.join(CHECKPOINT))? {
+        let mut cp = match checkpoint::read(fs, &dir.join(CHECKPOINT))? {
             Some(cp) => cp,
             None => Checkpoint::new(frontier, config.bucket_ms),
         };
+        // An older checkpoint's tombstones move to the log (synced there
+        // before the next checkpoint drops them).
+        let tombstones = Tombstones::open(config.fs.clone(), &dir, &cp.tombstones)?;
+        cp.tombstones.clear();
         let mut store = FarStore {
             config,
             cp,
+            tombstones,
             corrupt_frames: Default::default(),
         };
         store.trim()?;
@@ -506,30 +518,35 @@ impl FarStore {
 
     /// Remember durably that every message of `route` with lookup key `key`
     /// and an id below `before_id` is cancelled: applied as buckets are
-    /// read. A no-op when no bucket could hold such a message.
+    /// read. A no-op when no bucket could hold such a message. Costs one
+    /// append to the tombstone log, whatever the number kept.
     pub fn add_tombstone(
         &mut self,
         route: &str,
         key: &[u8],
         before_id: u64,
     ) -> Result<(), FarError> {
-        if !self.cp.buckets.values().any(|m| m.min_id < before_id) {
+        if !self.tombstone_needed(route, before_id) {
             return Ok(());
         }
-        self.cp.tombstones.push(KeyTombstone {
+        self.tombstones.add(KeyTombstone {
             route: route.to_owned(),
             key: key.to_vec(),
             before_id,
-        });
-        if let Err(e) = self.write_checkpoint() {
-            self.cp.tombstones.pop();
-            return Err(e);
-        }
-        Ok(())
+        })
+    }
+
+    /// Whether some bucket holds a message of `route` with an id below
+    /// `before_id`.
+    fn tombstone_needed(&self, route: &str, before_id: u64) -> bool {
+        self.cp
+            .buckets
+            .values()
+            .any(|m| m.min_id < before_id && m.routes.get(route).is_some_and(|&n| n > 0))
     }
 
     pub fn tombstones(&self) -> usize {
-        self.cp.tombstones.len()
+        self.tombstones.len()
     }
 
     /// Bucket `start`'s live records in (due, id) order: one per id,
@@ -605,13 +622,6 @@ impl FarStore {
         let loading = self.cp.loading.take_if(|l| l.bucket == start);
         let old_frontier = self.cp.frontier;
         self.cp.frontier = self.cp.frontier.max(frontier);
-        let min_id = self.cp.buckets.values().map(|m| m.min_id).min();
-        let tombstones = std::mem::take(&mut self.cp.tombstones);
-        self.cp.tombstones = tombstones
-            .iter()
-            .filter(|t| min_id.is_some_and(|m| m < t.before_id))
-            .cloned()
-            .collect();
         // The checkpoint goes first: a bucket it still named could not be
         // missing at the next open.
         if let Err(e) = self.write_checkpoint() {
@@ -619,10 +629,20 @@ impl FarStore {
                 self.cp.buckets.insert(start, meta);
             }
             self.cp.frontier = old_frontier;
-            self.cp.tombstones = tombstones;
             self.cp.loading = loading.or(self.cp.loading);
             return Err(e);
         }
+        // Tombstones nothing left can match go; keeping one longer is
+        // harmless (ids are never handed out again), so this comes after.
+        let mut min_id: BTreeMap<&str, u64> = BTreeMap::new();
+        for m in self.cp.buckets.values() {
+            for (route, _) in m.routes.iter().filter(|(_, &n)| n > 0) {
+                let low = min_id.entry(route.as_str()).or_insert(u64::MAX);
+                *low = (*low).min(m.min_id);
+            }
+        }
+        self.tombstones
+            .prune(|route, before_id| min_id.get(route).is_some_and(|&m| m < before_id))?;
         if meta.is_some() {
             let fs = &*self.config.fs;
             let path = self.bucket_path(start);
@@ -666,7 +686,7 @@ impl BucketReader<'_> {
     /// The bucket's live records, without their bytes, in (due, id) order
     /// (see [`stream::BucketIndex`]). Streams the file: a window in memory.
     pub fn index(&self, key_of: KeyOf) -> Result<stream::BucketIndex, FarError> {
-        let tombstones = &self.store.cp.tombstones;
+        let tombstones = &self.store.tombstones;
         let stream = stream::FrameStream::new(
             &*self.file,
             &self.path,
@@ -676,11 +696,7 @@ impl BucketReader<'_> {
         );
         stream::BucketIndex::build(
             stream,
-            |id, route, message| {
-                tombstones.iter().any(|t| {
-                    id < t.before_id && t.route == route && key_of(message) == Some(&t.key)
-                })
-            },
+            |id, route, message| tombstones.cancels(id, route, key_of(message)),
             |offset, reason| {
                 self.store
                     .corrupt_frames

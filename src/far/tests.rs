@@ -144,11 +144,129 @@ fn a_key_tombstone_cancels_only_messages_stored_before_it_and_survives_reopening
     let read = store.read_bucket(b, whole).unwrap();
     assert_eq!(ids(&read.live), [2, 4]);
     assert_eq!(ids(&read.tombstoned), [1]);
-    assert_eq!(store.tombstones(), 2);
+    assert_eq!(store.tombstones(), 1, "no bucket holds a payment");
     store.remove_bucket(b, b + HOUR).unwrap();
     assert_eq!(store.tombstones(), 0, "nothing left could match");
     assert_eq!(store.frontier(), b + HOUR);
     assert!(!dir.path().join("far").join(bucket_name(b)).exists());
+}
+
+/// A cancel by key costs one append whatever the number of tombstones
+/// kept: the checkpoint is not rewritten, a key cancelled again keeps one
+/// entry, and a bucket is read with one lookup a record.
+#[test]
+fn tombstones_cost_one_append_each_and_one_entry_per_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let (old, b) = (100 * HOUR, 20 * HOUR);
+    let mut store = FarStore::open(config(dir.path()), 10 * HOUR).unwrap();
+    // One message due far out keeps every tombstone below its id alive.
+    store.append(&[record(1, old, "far out")]).unwrap();
+    store
+        .append(&[record(2, b, "k0"), record(3, b, "k1")])
+        .unwrap();
+    let checkpoint = dir.path().join("far").join(CHECKPOINT);
+    let before = std::fs::read(&checkpoint).unwrap();
+    for n in 0..500u64 {
+        let key = format!("k{}", n % 250);
+        store
+            .add_tombstone("orders", key.as_bytes(), 10 + n)
+            .unwrap();
+    }
+    assert_eq!(
+        std::fs::read(&checkpoint).unwrap(),
+        before,
+        "a tombstone rewrote the checkpoint"
+    );
+    assert_eq!(store.tombstones(), 250, "one entry per key");
+    let read = store.read_bucket(b, whole).unwrap();
+    assert_eq!(ids(&read.tombstoned), [2, 3]);
+    drop(store);
+    let store = FarStore::open(config(dir.path()), 0).unwrap();
+    assert_eq!(store.tombstones(), 250, "the log survives reopening");
+    assert_eq!(
+        ids(&store.read_bucket(b, whole).unwrap().tombstoned),
+        [2, 3]
+    );
+}
+
+/// Tombstones go once no bucket of their route can match, the log is
+/// rewritten once most of it is dead, and a torn last line is cut.
+#[test]
+fn tombstones_are_pruned_and_a_torn_line_is_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, c) = (20 * HOUR, 30 * HOUR);
+    let log = dir.path().join("far").join("tombstones.log");
+    {
+        let mut store = FarStore::open(config(dir.path()), 10 * HOUR).unwrap();
+        store.append(&[record(1, b, "k")]).unwrap();
+        store.append(&[record(200, c, "k")]).unwrap();
+        for n in 0..100u64 {
+            store
+                .add_tombstone("orders", format!("k{n}").as_bytes(), 2)
+                .unwrap();
+        }
+        store.add_tombstone("orders", b"k", 300).unwrap();
+        assert_eq!(store.tombstones(), 101);
+        store.remove_bucket(b, b + HOUR).unwrap();
+        assert_eq!(
+            store.tombstones(),
+            1,
+            "only bucket c (ids from 200) is left"
+        );
+        let lines = std::fs::read(&log)
+            .unwrap()
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count();
+        assert_eq!(lines, 1, "the log was rewritten");
+    }
+    // A crash cut the last append short.
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&log)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"{\"route\":\"ord"))
+        .unwrap();
+    let mut store = FarStore::open(config(dir.path()), 0).unwrap();
+    assert_eq!(store.tombstones(), 1);
+    assert_eq!(ids(&store.read_bucket(c, whole).unwrap().tombstoned), [200]);
+    store.add_tombstone("orders", b"j", 301).unwrap();
+    drop(store);
+    let store = FarStore::open(config(dir.path()), 0).unwrap();
+    assert_eq!(
+        store.tombstones(),
+        2,
+        "the torn line was cut before the next append"
+    );
+}
+
+/// A checkpoint written before `tombstones.log` held its tombstones
+/// itself: they are moved to the log, and still cancel.
+#[test]
+fn tombstones_an_older_checkpoint_held_move_to_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = 20 * HOUR;
+    {
+        let mut store = FarStore::open(config(dir.path()), 10 * HOUR).unwrap();
+        store
+            .append(&[record(1, b, "k"), record(2, b, "j")])
+            .unwrap();
+    }
+    let far = dir.path().join("far");
+    let checkpoint = far.join(CHECKPOINT);
+    let mut cp: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&checkpoint).unwrap()).unwrap();
+    cp["tombstones"] = serde_json::json!([{"route": "orders", "key": [107], "before_id": 2}]);
+    std::fs::write(&checkpoint, serde_json::to_vec(&cp).unwrap()).unwrap();
+    std::fs::remove_file(far.join("tombstones.log")).unwrap();
+    let mut store = FarStore::open(config(dir.path()), 0).unwrap();
+    assert_eq!(store.tombstones(), 1);
+    store.append(&[record(3, b + 1, "x")]).unwrap(); // writes the checkpoint
+    drop(store);
+    let cp: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&checkpoint).unwrap()).unwrap();
+    assert!(cp.get("tombstones").is_none(), "{cp}");
+    let store = FarStore::open(config(dir.path()), 0).unwrap();
+    assert_eq!(ids(&store.read_bucket(b, whole).unwrap().tombstoned), [1]);
 }
 
 /// On a disk that fills up and frees again (`SimFs`).

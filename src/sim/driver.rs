@@ -582,7 +582,7 @@ impl Sim {
         match engine.cancel(id).await {
             Ok(true) => {
                 self.model.cancel_uid(uid);
-                self.note(("cancelled", uid));
+                self.note(("cancelled", uid, id));
             }
             // Nothing was in flight or fired in between: the lookup just
             // found it pending, so it must be cancellable.
@@ -685,10 +685,10 @@ impl Sim {
         let mut out = std::mem::take(&mut *self.sink.out.lock().expect("sink"));
         out.sort_by_key(|f| (f.uid.as_u128(), f.fired_ms));
         for f in &out {
+            self.note(("fired", f.uid.as_u128(), f.id, f.fired_ms));
             if let Err(what) = self.model.fired(f) {
                 return Err(self.fail(what));
             }
-            self.note(("fired", f.uid.as_u128(), f.fired_ms));
         }
         Ok(())
     }

@@ -517,3 +517,115 @@ fn seed_1846_an_empty_head_keeps_the_seq_high_water_mark() {
         panic!("{f}");
     }
 }
+
+/// Seed 6063 (the long run): a message spilled, then armed again from the
+/// WAL (the spill's Done failed on a full disk, then a crash), failed to
+/// publish and waited for a retry; a cancel looked for its far copy in the
+/// bucket of the retry's time, not of its due time, and the copy loaded and
+/// fired after the cancel was answered.
+#[test]
+fn seed_6063_a_cancel_finds_the_far_copy_of_a_message_waiting_for_a_retry() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 474,
+            delay_ms: 709,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 604,
+            delay_ms: 1703,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 975,
+            delay_ms: 81153,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 310,
+            delay_ms: 259388,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 512,
+            delay_ms: 169426,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::FarRound,
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 553,
+            delay_ms: 149680,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 182,
+            delay_ms: 49881,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Clock { ms: 132304 },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::PublishFails { n: 4 },
+        Op::Compact,
+        Op::Clock { ms: 16558 },
+        Op::Restart { horizon: 3 },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 140,
+            delay_ms: 1226,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::DiskFull { scope: Scope::Wal },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 905,
+            delay_ms: 13356,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::FarRound,
+        Op::Clock { ms: 11246 },
+        Op::CrashAfter { n: 10 },
+        Op::CancelKey { route: 0, key: 3 },
+        Op::Redeliver,
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 313,
+            delay_ms: 159,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::DiskSpace,
+        Op::Cancel { pick: 2856280664 },
+    ];
+    if let Err(f) = run(6063, &ops) {
+        panic!("{f}");
+    }
+}
