@@ -67,6 +67,10 @@ pub(crate) struct Tier {
     /// are durable in the WAL and before its bucket is removed.
     #[cfg(test)]
     pub(crate) crash_after_copies: std::sync::atomic::AtomicBool,
+    /// Tests only: the next purge page loads what is due between its
+    /// listing and its cancels, as a background round could.
+    #[cfg(test)]
+    pub(crate) load_during_purge: std::sync::atomic::AtomicBool,
 }
 
 impl Tier {
@@ -102,6 +106,8 @@ impl Tier {
             unretired: Mutex::new(Vec::new()),
             #[cfg(test)]
             crash_after_copies: Default::default(),
+            #[cfg(test)]
+            load_during_purge: Default::default(),
         }))
     }
 
@@ -694,6 +700,45 @@ pub(crate) fn cancel(inner: &Inner, id: u64) -> Result<Option<FarRecord>, Engine
         state.add_far(r, -1);
     }
     Ok(Some(record))
+}
+
+/// Cancel those of `ids` still live in bucket `start`, their Dones in one
+/// append: a purge's far messages, a bucket read once however many it
+/// cancels. Returns the records cancelled; an id missing was loaded (or
+/// cancelled) since it was listed. Call with the ops lock held, from a
+/// blocking task.
+pub(crate) fn cancel_listed(
+    inner: &Inner,
+    start: u64,
+    ids: &HashSet<u64>,
+) -> Result<Vec<FarRecord>, EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(Vec::new());
+    };
+    retire_spilled(inner)?;
+    let mut store = tier.store();
+    let found: Vec<FarRecord> = match store.reader(start)? {
+        Some(reader) => {
+            let index = reader.index(inner.config.key_of)?;
+            index
+                .live
+                .iter()
+                .filter(|e| ids.contains(&e.id))
+                .map(|e| reader.read(e))
+                .collect::<Result<_, _>>()?
+        }
+        None => Vec::new(),
+    };
+    let cancels: Vec<(u64, &str)> = found.iter().map(|r| (r.id, r.route.as_str())).collect();
+    store.cancel_many(start, &cancels)?;
+    drop(store);
+    let mut state = inner.state();
+    for r in &found {
+        if let Some(route) = state.route_id(&r.route) {
+            state.add_far(route, -1);
+        }
+    }
+    Ok(found)
 }
 
 /// The other copies of the message with identity `uid` (other than

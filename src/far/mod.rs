@@ -487,14 +487,25 @@ impl FarStore {
     /// Cancel message `id` of `route` in bucket `start`: a Done frame,
     /// synced and checkpointed.
     pub fn cancel(&mut self, start: u64, id: u64, route: &str) -> Result<(), FarError> {
+        self.cancel_many(start, &[(id, route)])
+    }
+
+    /// Cancel each `(id, route)` in bucket `start`: their Done frames in one
+    /// append, one fsync and one checkpoint.
+    pub fn cancel_many(&mut self, start: u64, cancels: &[(u64, &str)]) -> Result<(), FarError> {
         let Some(meta) = self.cp.buckets.get(&start).cloned() else {
             return Ok(());
         };
+        if cancels.is_empty() {
+            return Ok(());
+        }
         let path = self.bucket_path(start);
         let mut buf = Vec::new();
-        frame::put_done(&mut buf, Salt::new(meta.salt), self.cp.next_seq, id, 0);
-        // Never handed out again (see `append`).
-        self.cp.next_seq += 1;
+        for &(id, _) in cancels {
+            frame::put_done(&mut buf, Salt::new(meta.salt), self.cp.next_seq, id, 0);
+            // Never handed out again (see `append`).
+            self.cp.next_seq += 1;
+        }
         let write = || -> Result<u64, FarError> {
             let file = self.open_bucket(start, Some(&meta))?;
             append_synced(&*file, &buf, &path)
@@ -505,8 +516,10 @@ impl FarStore {
         };
         let mut updated = meta.clone();
         updated.bytes = bytes;
-        if let Some(n) = updated.routes.get_mut(route) {
-            *n = n.saturating_sub(1);
+        for &(_, route) in cancels {
+            if let Some(n) = updated.routes.get_mut(route) {
+                *n = n.saturating_sub(1);
+            }
         }
         self.cp.buckets.insert(start, updated);
         if let Err(e) = self.write_checkpoint() {
