@@ -1481,6 +1481,12 @@ impl Engine {
         tier::round(&self.inner).await
     }
 
+    /// Load the whole far tier into the wheel now (see [`tier::load_all`]).
+    /// Returns how many messages.
+    pub async fn load_all_far(&self) -> Result<usize, EngineError> {
+        tier::load_all(&self.inner).await
+    }
+
     /// Messages in the far tier.
     pub fn far_pending(&self) -> u64 {
         self.state().far_pending()

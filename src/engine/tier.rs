@@ -427,6 +427,25 @@ pub(crate) async fn load_due(inner: &Arc<Inner>) -> Result<usize, EngineError> {
     }
 }
 
+/// Load every bucket, whatever its due time: the switch to the
+/// broker-kept store, whose routes know messages by the ids they have now
+/// (a later load would arm them under new ones). Returns how many.
+pub(crate) async fn load_all(inner: &Arc<Inner>) -> Result<usize, EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(0);
+    };
+    let mut loaded = 0;
+    loop {
+        let Some(last) = tier.store().buckets_from(0).last().copied() else {
+            return Ok(loaded);
+        };
+        let _op = tier.exclusive().await;
+        let _gc = inner.compacting.lock().await;
+        let from = inner.state().far_from();
+        loaded += load_one(inner, tier, from, last).await?;
+    }
+}
+
 /// Load the bucket at the frontier `from` (or, if there is none, move the
 /// frontier over the empty stretch up to the next bucket or past `reach`).
 async fn load_one(

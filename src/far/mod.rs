@@ -173,6 +173,14 @@ impl FarStore {
         // before the next checkpoint drops them).
         let tombstones = Tombstones::open(config.fs.clone(), &dir, &cp.tombstones)?;
         cp.tombstones.clear();
+        if cp.buckets.is_empty() {
+            // Nothing is on disk, so no bucket lies before any frontier: one
+            // a whole load moved far out (the switch to the broker-kept
+            // store) comes back, or nothing would spill until then.
+            // A bucket's start, in the tier's width (the horizon that
+            // computed `frontier` may have changed since).
+            cp.frontier = cp.frontier.min(frontier.next_multiple_of(cp.bucket_ms));
+        }
         let mut store = FarStore {
             config,
             cp,

@@ -269,6 +269,38 @@ fn tombstones_an_older_checkpoint_held_move_to_the_log() {
     assert_eq!(ids(&store.read_bucket(b, whole).unwrap().tombstoned), [1]);
 }
 
+/// A tier with no bucket left takes the frontier it is opened with when
+/// that is earlier: a whole load (the switch to the broker-kept store)
+/// moved it to the last bucket, and spills would wait until then.
+#[test]
+fn an_empty_tier_takes_the_earlier_frontier() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = 1000 * HOUR;
+    {
+        let mut store = FarStore::open(config(dir.path()), 10 * HOUR).unwrap();
+        store.append(&[record(1, b, "k")]).unwrap();
+        store.remove_bucket(b, b + HOUR).unwrap();
+        assert_eq!(store.frontier(), b + HOUR);
+    }
+    assert_eq!(
+        FarStore::open(config(dir.path()), 20 * HOUR)
+            .unwrap()
+            .frontier(),
+        20 * HOUR
+    );
+    // With a bucket on disk the frontier stays.
+    {
+        let mut store = FarStore::open(config(dir.path()), 20 * HOUR).unwrap();
+        store.append(&[record(2, 30 * HOUR, "k")]).unwrap();
+    }
+    assert_eq!(
+        FarStore::open(config(dir.path()), 10 * HOUR)
+            .unwrap()
+            .frontier(),
+        20 * HOUR
+    );
+}
+
 /// On a disk that fills up and frees again (`SimFs`).
 mod full_disk {
     use super::*;

@@ -108,6 +108,19 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // Partitions a route had before and no longer has: removed if empty,
     // else the start is refused (guarantee 8), before anything consumes.
     crate::partition_leftovers::enforce_until(&config, &shutdown).await?;
+    if config.store.kind == crate::config::StoreKind::Broker && engine.far_pending() > 0 {
+        // The broker-kept routes know their messages by their ids here; a
+        // bucket loaded later would arm them under new ones, which no
+        // store knows (the switch from a local store with a far tier).
+        let loaded = engine
+            .load_all_far()
+            .await
+            .context("loading the far tier for the broker-kept store")?;
+        tracing::info!(
+            loaded,
+            "far tier loaded into memory: the broker-kept store does not spill"
+        );
+    }
     let stores = Arc::new(open_stores(&config, &brokers, &engine, &intake_stop).await?);
     if !stores.is_empty() {
         let stores = stores.clone();

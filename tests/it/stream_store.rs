@@ -502,6 +502,50 @@ async fn switching_to_the_broker_store_fires_what_the_wal_held_even_on_a_standby
     r.delete_streams().await;
 }
 
+/// As above, with the messages in A's far tier (`engine.horizon = "1s"`):
+/// a bucket that loads later arms its messages under new ids, so the
+/// switch loads the whole tier first, and A, a standby, still fires each
+/// message it kept. (Before, A kept the far ids as its own, the loaded
+/// copies were neither its own nor in any stream, and none fired.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_to_the_broker_store_carries_the_far_tier() {
+    const COUNT: usize = 60;
+    let mut r = StreamRoute::new("stream-switch-far").await;
+    r.opts.engine_extra = "horizon = \"1s\"".into();
+    let _cleanup = r.names.cleanup();
+    let mut a = Delayd::start_consuming(
+        |wal, http| config_toml(&r.names, wal, http, &r.opts),
+        &r.names.from_queue,
+    )
+    .await;
+    let sent = r.send("switch-far", COUNT, 14_000..18_000).await;
+    wait_for(
+        "every message spilled to the far tier",
+        DEADLINE,
+        || async { (a.metric("delayd_far_messages") == COUNT as f64).then_some(()) },
+    )
+    .await;
+    let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
+    let b = r.start_owner().await;
+    let config = std::fs::read_to_string(a.config_path()).expect("read config");
+    let switched = format!(
+        "{config}\n[store]\nkind = \"broker\"\ntopic_prefix = {}\n",
+        common::toml_string(&r.prefix)
+    );
+    std::fs::write(a.config_path(), switched).expect("write config");
+    a.restart().await;
+    wait_for("A to stand by", DEADLINE, || async {
+        (a.readyz()["routes"][&r.names.route] == "standby").then_some(())
+    })
+    .await;
+    assert_eq!(a.pending(), COUNT as u64, "A dropped its local messages");
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0);
+    assert_eq!(b.pending(), 0);
+    r.delete_streams().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_the_lock_queue_ends_the_owners_session_and_loses_nothing() {
     const COUNT: usize = 300;
