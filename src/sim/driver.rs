@@ -102,6 +102,10 @@ pub struct Sim {
     /// Every engine id a store answered: they are WAL seqs, never reused
     /// (a reused one collides with what the far tier or a tombstone holds).
     ids: HashSet<u64>,
+    /// The latest the clock has been: a message due by then may have been
+    /// handed out, failed, and wait for a retry at a time the model does
+    /// not know (and a listing shows, and a purge matches, that time).
+    clock_high: u64,
     full: Option<Scope>,
     sync_fault: bool,
     /// Failed syncs the last check saw (see `after_op`).
@@ -135,6 +139,7 @@ impl Sim {
             broker: VecDeque::new(),
             in_doubt: Vec::new(),
             ids: HashSet::new(),
+            clock_high: T0,
             full: None,
             sync_fault: false,
             failed_since_space: 0,
@@ -162,6 +167,14 @@ impl Sim {
             eprintln!("trace {} {event:?}", self.step);
         }
         event.hash(&mut self.trace);
+    }
+
+    /// Shown with `SIM_TRACE` but not hashed: engine ids (WAL seqs) depend
+    /// on when the dispatcher's Dones were appended, within one operation.
+    fn show(&self, event: impl std::fmt::Debug) {
+        if std::env::var_os("SIM_TRACE").is_some() {
+            eprintln!("trace {}   {event:?}", self.step);
+        }
     }
 
     fn faulty(&self) -> bool {
@@ -452,15 +465,20 @@ impl Sim {
                 let route = ROUTES[route as usize % ROUTES.len()];
                 let from = self.clock.now_ms() + from_ms;
                 let to = from + width_ms;
+                let high = self.clock_high;
                 match engine.purge(route, Some(from), Some(to), false).await {
                     Ok(count) => {
+                        self.model.cancel_where(|m| {
+                            m.route == route && (from..=to).contains(&m.due) && m.due > high
+                        });
+                        // Matched by a retry's time, or not.
                         self.model
-                            .cancel_where(|m| m.route == route && (from..=to).contains(&m.due));
+                            .maybe_cancel_where(|m| m.route == route && m.due <= high);
                         self.note(("purge", count.purged, count.in_flight));
                     }
                     Err(e) if self.faulty() => {
                         self.model.maybe_cancel_where(|m| {
-                            m.route == route && (from..=to).contains(&m.due)
+                            m.route == route && ((from..=to).contains(&m.due) || m.due <= high)
                         });
                         self.note(("purge failed", e.to_string()));
                     }
@@ -470,6 +488,7 @@ impl Sim {
             Op::Clock { ms } => {
                 let now = self.clock.now_ms();
                 self.clock.set(now.saturating_add_signed(ms));
+                self.clock_high = self.clock_high.max(self.clock.now_ms());
                 if let Some(engine) = self.engine() {
                     engine.wake();
                 }
@@ -582,7 +601,8 @@ impl Sim {
         match engine.cancel(id).await {
             Ok(true) => {
                 self.model.cancel_uid(uid);
-                self.note(("cancelled", uid, id));
+                self.note(("cancelled", uid));
+                self.show(("engine id", id));
             }
             // Nothing was in flight or fired in between: the lookup just
             // found it pending, so it must be cancellable.
@@ -685,7 +705,8 @@ impl Sim {
         let mut out = std::mem::take(&mut *self.sink.out.lock().expect("sink"));
         out.sort_by_key(|f| (f.uid.as_u128(), f.fired_ms));
         for f in &out {
-            self.note(("fired", f.uid.as_u128(), f.id, f.fired_ms));
+            self.note(("fired", f.uid.as_u128(), f.fired_ms));
+            self.show(("engine id", f.id));
             if let Err(what) = self.model.fired(f) {
                 return Err(self.fail(what));
             }

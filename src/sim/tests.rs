@@ -629,3 +629,39 @@ fn seed_6063_a_cancel_finds_the_far_copy_of_a_message_waiting_for_a_retry() {
         panic!("{f}");
     }
 }
+
+/// Seed 10398 (the long run), a fault of the model, not of the engine: a
+/// purge matches a message waiting for a retry by the retry's time (what a
+/// listing shows), and the model judged it by its due time.
+#[test]
+fn seed_10398_a_purge_matches_a_retry_by_its_time() {
+    use ops::Op;
+    let ops = [
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 327,
+            delay_ms: 936,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 607,
+            delay_ms: 13242,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::PublishFails { n: 3 },
+        Op::Clock { ms: 28184 },
+        Op::Purge {
+            route: 0,
+            from_ms: 73,
+            width_ms: 51069,
+        },
+    ];
+    if let Err(f) = run(10398, &ops) {
+        panic!("{f}");
+    }
+}
