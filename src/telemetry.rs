@@ -133,6 +133,12 @@ pub const METRICS: &[MetricDef] = &[
         "Broker-kept store (RabbitMQ): elections that found the route's two pointer streams disagreeing and wrote both again.",
     ),
     def(
+        "delayd_store_orphans_deleted_total",
+        Counter,
+        ROUTE,
+        "Broker-kept store (RabbitMQ): generation streams a crash had left below the current one, deleted by a restore.",
+    ),
+    def(
         "delayd_store_state_missing",
         Gauge,
         ROUTE,

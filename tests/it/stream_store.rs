@@ -272,6 +272,24 @@ async fn generations(r: &StreamRoute) -> Vec<u32> {
     out
 }
 
+/// The route's generation streams, as `rabbitmqctl` lists them: every
+/// number, and no passive declare (one once answered NOT_FOUND for a
+/// stream that existed, polled with many of missing ones).
+fn listed_generations(r: &StreamRoute) -> Vec<u32> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["list_queues", "-q", "name"])
+        .output()
+        .expect("rabbitmqctl list_queues");
+    assert!(out.status.success(), "rabbitmqctl list_queues failed");
+    let prefix = format!("{}.", r.pointer());
+    let mut out: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix(&prefix)?.parse().ok())
+        .collect();
+    out.sort_unstable();
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_killed_with_its_disk_loses_nothing() {
     const COUNT: usize = 2000;
@@ -718,6 +736,102 @@ async fn deleting_the_pointer_stream_loses_nothing() {
     assert_eq!(a.metric("delayd_store_pointer_repairs_total"), 1.0);
     let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
     assert_eq!(duplicates, 0, "nothing had fired before the kill");
+    r.delete_streams().await;
+}
+
+/// A kill between a restore's pointer move and its deletes leaves the two
+/// generations it read behind, named by no pointer: nothing deleted them,
+/// and they held broker disk for ever. The next restore finds and deletes
+/// them, and keeps the current generation and every message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_a_crash_orphaned_are_deleted_at_the_next_restore() {
+    use delayd_adapters::amqp::state::Record;
+    const COUNT: usize = 100;
+    let r = StreamRoute::new("stream-orphans").await;
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start_owner().await;
+    // Long enough to stay pending through both restores below.
+    let sent = r.send("orphan", COUNT, 35_000..40_000).await;
+    r.wait_stored(&a, COUNT).await;
+    // A restore takes the route past generations 0 and 1.
+    a.kill_9();
+    std::fs::remove_dir_all(a.wal_dir()).expect("delete the killed owner's WAL");
+    a.restart().await;
+    r.wait_owner(&a).await;
+    a.kill_9();
+    std::fs::remove_dir_all(a.wal_dir()).expect("delete the killed owner's WAL");
+    let current = *listed_generations(&r).first().expect("a generation stream");
+    assert!(current >= 2, "the restore left generation {current}");
+
+    // What a kill right after that restore's pointer move would have left:
+    // the generations it read, each with records in it.
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("stream".into()),
+    );
+    let orphans: Vec<u32> = (current - 2..current).collect();
+    for &n in &orphans {
+        let stream = format!("{}.{n}", r.pointer());
+        r.client
+            .channel
+            .queue_declare(
+                stream.as_str().into(),
+                QueueDeclareOptions::durable(),
+                args.clone(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("declare {stream}: {e}"));
+        let record = Record::Done {
+            id: u128::from(n) + 1,
+        }
+        .encode();
+        r.client
+            .publish("", &stream, &record, BasicProperties::default())
+            .await;
+    }
+
+    a.restart().await;
+    r.wait_owner(&a).await;
+    // The restore wrote current + 2; the writer prepares current + 3.
+    let (fresh, next) = (current + 2, current + 3);
+    let started = Instant::now();
+    let mut left = listed_generations(&r);
+    while left != [fresh, next] {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "generations {left:?} exist {DEADLINE:?} after the restore; the orphans {orphans:?} \
+             should be gone and {fresh} and {next} kept; log:\n{}",
+            a.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        left = listed_generations(&r);
+    }
+    eprintln!(
+        "orphans gone {:?} after the owner consumed",
+        started.elapsed()
+    );
+    assert_eq!(
+        a.metric("delayd_store_orphans_deleted_total"),
+        orphans.len() as f64
+    );
+    let log = a.log_tail(400);
+    for n in &orphans {
+        let stream = format!("{}.{n}", r.pointer());
+        assert!(
+            log.lines()
+                .any(|l| l.contains("orphaned generation stream deleted") && l.contains(&stream)),
+            "no log line names {stream}:\n{}",
+            a.log_tail(40)
+        );
+    }
+    assert_eq!(
+        a.metric("delayd_store_restored_total"),
+        COUNT as f64,
+        "the last restore did not bring every message back"
+    );
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0, "nothing had fired before the kills");
     r.delete_streams().await;
 }
 

@@ -61,7 +61,9 @@
 //! route without its messages) and `n + 1` (declared if missing: a
 //! checkpoint may have stopped before its pointer record):
 //! Schedules and Dones applied in order give the live set. Then write a
-//! checkpoint into `n + 2`, which ends the older generations. A former
+//! checkpoint into `n + 2`, which ends the older generations (the owner
+//! also deletes those below `n` that a crash left, see
+//! `delete_orphans` in delayd's `runtime::store::rabbitmq`). A former
 //! owner's records in a deleted generation were all confirmed before the
 //! lock changed hands, so they were read.
 //!

@@ -59,6 +59,15 @@ const MISSING_RETRY: Duration = Duration::from_secs(10);
 /// Restored records stored in the WAL per batch.
 const RESTORE_BATCH: usize = 4096;
 
+/// Missing generation numbers in a row that end a restore's search for
+/// orphaned generations (AMQP cannot list queues, so it probes names
+/// downward). A crash leaves them right below the pointer (the two a
+/// restore read, or the one a checkpoint copied from), and each restore
+/// deletes what the last one left, so they lie together: 4 leaves room for
+/// a gap while every restore probes only a handful of names. Orphans an
+/// older delayd left further down are not found (delete them by hand).
+const ORPHAN_GAP: u64 = 4;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Phase {
@@ -832,6 +841,9 @@ async fn recover(
         for n in [g, g + 1] {
             session.delete(&names.generation(n)).await?;
         }
+        // Only below g: fresh (g + 2) and the next one the writer
+        // prepares are above it.
+        delete_orphans(session, route, g).await;
     }
     tracing::debug!(
         generation = fresh,
@@ -840,6 +852,90 @@ async fn recover(
         "state streams recovered"
     );
     Ok((fresh, live))
+}
+
+/// A stream named like a generation below the recovered one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Below {
+    Missing,
+    /// A generation of this route that no pointer names any more.
+    Orphan,
+    /// Another route's pointer: `<prefix><route>.<n>` is also the pointer
+    /// of a route named `<route>.<n>` (partition n of a partitioned route
+    /// `<route>`, say).
+    Foreign,
+}
+
+/// The generations below `below` whose streams exist, lowest first, found
+/// by probing downward until [`ORPHAN_GAP`] numbers in a row are missing,
+/// generation 0 is passed, or a stream turns out to be another route's.
+async fn find_orphans<F, Fut>(below: u64, mut probe: F) -> Result<Vec<u64>, StateError>
+where
+    F: FnMut(u64) -> Fut,
+    Fut: std::future::Future<Output = Result<Below, StateError>>,
+{
+    let mut found = Vec::new();
+    let mut missing = 0;
+    for n in (0..below).rev() {
+        if missing == ORPHAN_GAP {
+            break;
+        }
+        match probe(n).await? {
+            Below::Missing => missing += 1,
+            Below::Orphan => {
+                missing = 0;
+                found.push(n);
+            }
+            Below::Foreign => break,
+        }
+    }
+    // Lowest first: a restore cut short leaves the highest, which the next
+    // one reaches first.
+    found.reverse();
+    Ok(found)
+}
+
+/// What generation `n`'s name holds.
+async fn probe_below(session: &StateSession, route: &str, n: u64) -> Result<Below, StateError> {
+    let stream = session.names().generation(n);
+    if !session.exists(&stream).await? {
+        return Ok(Below::Missing);
+    }
+    // A route's pointer has a lock queue and a pointer copy beside it; a
+    // generation never has either.
+    let other = StateNames::new(stream);
+    for companion in [other.lock(), other.pointer_copy()] {
+        if session.exists(&companion).await? {
+            tracing::warn!(route, stream = %other.pointer, %companion, "a stream named like an older generation of this route belongs to another route; it is left alone, and no older generation is looked for");
+            return Ok(Below::Foreign);
+        }
+    }
+    Ok(Below::Orphan)
+}
+
+/// Delete the route's generations below `below` (the one recovery read,
+/// deleted just before with the next one): a crash after a pointer move
+/// and before the deletes that follow it (here, or in a checkpoint) leaves
+/// streams that no pointer names and nothing else would ever delete. Best
+/// effort: a failure is logged, and the next restore looks again.
+async fn delete_orphans(session: &StateSession, route: &str, below: u64) {
+    let orphans = match find_orphans(below, |n| probe_below(session, route, n)).await {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::warn!(route, error = %e, "cannot look for orphaned generation streams; the next restore looks again");
+            return;
+        }
+    };
+    for n in orphans {
+        let stream = session.names().generation(n);
+        if let Err(e) = session.delete(&stream).await {
+            tracing::warn!(route, %stream, error = %e, "cannot delete an orphaned generation stream; the next restore tries again");
+            return;
+        }
+        tracing::info!(route, %stream, "orphaned generation stream deleted (a crash had left it after the pointer moved past it)");
+        metrics::counter!("delayd_store_orphans_deleted_total", "route" => route.to_owned())
+            .increment(1);
+    }
 }
 
 /// Write `live` into generation `n` (emptied first), then point at it.
@@ -1156,5 +1252,61 @@ impl Writer {
                 }
             }
         }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `find_orphans(below)` over these existing generation streams and
+    /// other routes' pointers: (what it found, the numbers it probed).
+    async fn search(below: u64, streams: &[u64], foreign: &[u64]) -> (Vec<u64>, Vec<u64>) {
+        let mut probed = Vec::new();
+        let found = find_orphans(below, |n| {
+            probed.push(n);
+            let answer = if foreign.contains(&n) {
+                Below::Foreign
+            } else if streams.contains(&n) {
+                Below::Orphan
+            } else {
+                Below::Missing
+            };
+            std::future::ready(Ok(answer))
+        })
+        .await
+        .expect("no probe fails");
+        (found, probed)
+    }
+
+    #[tokio::test]
+    async fn orphans_right_below_are_found_lowest_first() {
+        let (found, probed) = search(6, &[4, 5, 6, 7], &[]).await;
+        assert_eq!(found, [4, 5]);
+        assert_eq!(probed, [5, 4, 3, 2, 1, 0]);
+    }
+
+    #[tokio::test]
+    async fn nothing_at_or_above_the_recovered_generation_nor_below_0_is_probed() {
+        let (found, probed) = search(2, &[0, 1, 2, 3, 4], &[]).await;
+        assert_eq!(found, [0, 1]);
+        assert_eq!(probed, [1, 0]);
+        assert_eq!(search(0, &[0, 1], &[]).await, (vec![], vec![]));
+    }
+
+    #[tokio::test]
+    async fn the_search_ends_after_a_gap_of_missing_generations() {
+        let (found, probed) = search(20, &[19, 17, 12, 3], &[]).await;
+        assert_eq!(found, [17, 19]);
+        assert_eq!(probed, [19, 18, 17, 16, 15, 14, 13]);
+        // With none at all, a restore probes only ORPHAN_GAP names.
+        assert_eq!(search(1000, &[], &[]).await.1.len() as u64, ORPHAN_GAP);
+    }
+
+    #[tokio::test]
+    async fn another_routes_pointer_is_left_alone_and_ends_the_search() {
+        let (found, probed) = search(10, &[9, 8, 7, 6], &[8]).await;
+        assert_eq!(found, [9]);
+        assert_eq!(probed, [9, 8]);
     }
 }
