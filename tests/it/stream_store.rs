@@ -491,7 +491,7 @@ async fn switching_to_the_broker_store_fires_what_the_wal_held_even_on_a_standby
         &r.names.from_queue,
     )
     .await;
-    let sent = r.send("switch", COUNT, 8000..12_000).await;
+    let sent = r.send("switch", COUNT, 20_000..24_000).await;
     wait_for("every message stored locally", DEADLINE, || async {
         (a.pending() == COUNT as u64).then_some(())
     })
@@ -536,7 +536,7 @@ async fn switching_to_the_broker_store_carries_the_far_tier() {
         &r.names.from_queue,
     )
     .await;
-    let sent = r.send("switch-far", COUNT, 14_000..18_000).await;
+    let sent = r.send("switch-far", COUNT, 24_000..28_000).await;
     wait_for(
         "every message spilled to the far tier",
         DEADLINE,
