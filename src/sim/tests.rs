@@ -126,21 +126,32 @@ fn long_run() {
 #[ignore = "issue #37: a twin is taken for a redelivery"]
 fn twins_lose_nothing() {
     use ops::{Op, Scope};
-    let deliver = |delay_ms, ack_in_doubt| Op::Deliver {
-        route: 0,
-        key: 2,
-        body: 0,
-        delay_ms,
-        twin: None,
-        ack_in_doubt,
-    };
     let ops = [
-        deliver(26_316, true),
+        deliver(0, 2, 0, 26_316, None, true),
         Op::DiskFull { scope: Scope::Both },
-        deliver(6_520, false),
+        deliver(0, 2, 0, 6_520, None, false),
     ];
     if let Err(f) = run_strict(1, &ops) {
         panic!("{f}");
+    }
+}
+
+/// A delivery, as the regression tests below spell their operations.
+fn deliver(
+    route: u8,
+    key: u8,
+    body: u16,
+    delay_ms: u64,
+    twin: Option<u32>,
+    ack_in_doubt: bool,
+) -> ops::Op {
+    ops::Op::Deliver {
+        route,
+        key,
+        body,
+        delay_ms,
+        twin,
+        ack_in_doubt,
     }
 }
 
@@ -151,14 +162,7 @@ fn twins_lose_nothing() {
 fn seed_2_a_cancel_whose_done_fails_leaves_the_message_armed() {
     use ops::{Op, Scope};
     let ops = [
-        Op::Deliver {
-            route: 1,
-            key: 2,
-            body: 5,
-            delay_ms: 3_597,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(1, 2, 5, 3_597, None, false),
         Op::DiskFull { scope: Scope::Wal },
         Op::Cancel {
             pick: 2_284_173_303,
@@ -174,18 +178,10 @@ fn seed_2_a_cancel_whose_done_fails_leaves_the_message_armed() {
 #[test]
 fn seed_13_a_cancel_by_key_settles_every_match() {
     use ops::{Op, Scope};
-    let deliver = |key, body, delay_ms, twin| Op::Deliver {
-        route: 0,
-        key,
-        body,
-        delay_ms,
-        twin,
-        ack_in_doubt: false,
-    };
     let ops = [
-        deliver(1, 1, 163_734, None),
-        deliver(2, 2, 181_757, Some(1_422_703_214)),
-        deliver(1, 3, 27_359, None),
+        deliver(0, 1, 1, 163_734, None, false),
+        deliver(0, 2, 2, 181_757, Some(1_422_703_214), false),
+        deliver(0, 1, 3, 27_359, None, false),
         Op::DiskFull { scope: Scope::Wal },
         Op::CancelKey { route: 0, key: 1 },
     ];
@@ -204,14 +200,7 @@ fn seed_13_a_spill_whose_wal_done_fails_is_retired_before_a_cancel() {
     use ops::{Op, Scope};
     let ops = [
         Op::Restart { horizon: 1 },
-        Op::Deliver {
-            route: 0,
-            key: 1,
-            body: 3,
-            delay_ms: 27_359,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(0, 1, 3, 27_359, None, false),
         Op::DiskFull { scope: Scope::Wal },
         Op::FarRound,
         Op::CancelKey { route: 0, key: 1 },
@@ -227,14 +216,7 @@ fn seed_13_a_spill_whose_wal_done_fails_is_retired_before_a_cancel() {
 fn seed_2_a_failed_far_fsync_stops_the_log() {
     use ops::Op;
     let ops = [
-        Op::Deliver {
-            route: 0,
-            key: 2,
-            body: 724,
-            delay_ms: 219_513,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(0, 2, 724, 219_513, None, false),
         Op::SyncFails,
         Op::FarRound,
     ];
@@ -250,30 +232,22 @@ fn seed_2_a_failed_far_fsync_stops_the_log() {
 #[test]
 fn seed_119_a_cancel_reaches_the_bucket_copy_of_a_message_armed_again() {
     use ops::{Op, Scope};
-    let d = |route, key, body, delay_ms, twin, ack_in_doubt| Op::Deliver {
-        route,
-        key,
-        body,
-        delay_ms,
-        twin,
-        ack_in_doubt,
-    };
     let ops = [
-        d(0, 0, 417, 2231, None, false),
+        deliver(0, 0, 417, 2231, None, false),
         Op::SyncFails,
-        d(1, 2, 531, 1818, None, true),
-        d(0, 2, 912, 819, Some(2576102286), false),
-        d(1, 2, 254, 13734069, None, false),
-        d(1, 0, 560, 164831, None, false),
-        d(1, 1, 502, 2026, Some(523727770), true),
-        d(0, 0, 609, 35603, None, true),
+        deliver(1, 2, 531, 1818, None, true),
+        deliver(0, 2, 912, 819, Some(2576102286), false),
+        deliver(1, 2, 254, 13734069, None, false),
+        deliver(1, 0, 560, 164831, None, false),
+        deliver(1, 1, 502, 2026, Some(523727770), true),
+        deliver(0, 0, 609, 35603, None, true),
         Op::Redeliver,
         Op::DiskFull { scope: Scope::Wal },
         Op::FarRound,
         Op::Restart { horizon: 0 },
         Op::DiskSpace,
-        d(1, 0, 878, 24797, None, true),
-        d(1, 1, 648, 1700, None, false),
+        deliver(1, 0, 878, 24797, None, true),
+        deliver(1, 1, 648, 1700, None, false),
         Op::Cancel { pick: 4152590165 },
     ];
     if let Err(f) = run_strict(119, &ops) {
@@ -290,21 +264,13 @@ fn seed_119_a_cancel_reaches_the_bucket_copy_of_a_message_armed_again() {
 #[test]
 fn seed_1135_a_cancel_by_key_after_restarts_reaches_the_far_tier() {
     use ops::{Loss, Op, Scope};
-    let d = |route, key, body, delay_ms, twin, ack_in_doubt| Op::Deliver {
-        route,
-        key,
-        body,
-        delay_ms,
-        twin,
-        ack_in_doubt,
-    };
     let ops = [
         Op::DiskFull { scope: Scope::Wal },
-        d(0, 1, 29, 1975, None, false),
-        d(0, 2, 115, 0, None, true),
-        d(0, 2, 962, 0, Some(2156620499), false),
+        deliver(0, 1, 29, 1975, None, false),
+        deliver(0, 2, 115, 0, None, true),
+        deliver(0, 2, 962, 0, Some(2156620499), false),
         Op::DiskSpace,
-        d(1, 1, 295, 107475, None, true),
+        deliver(1, 1, 295, 107475, None, true),
         Op::FarRound,
         Op::CrashAfter { n: 4 },
         Op::Redeliver,
@@ -326,24 +292,16 @@ fn seed_1135_a_cancel_by_key_after_restarts_reaches_the_far_tier() {
 #[test]
 fn seed_1776_a_tombstone_never_covers_a_message_stored_after_it() {
     use ops::{Loss, Op, Scope};
-    let d = |route, key, body, delay_ms, twin, ack_in_doubt| Op::Deliver {
-        route,
-        key,
-        body,
-        delay_ms,
-        twin,
-        ack_in_doubt,
-    };
     let ops = [
-        d(1, 2, 329, 240958, None, true),
+        deliver(1, 2, 329, 240958, None, true),
         Op::FarRound,
         Op::DiskFull { scope: Scope::Wal },
-        d(1, 1, 944, 78069, None, false),
+        deliver(1, 1, 944, 78069, None, false),
         Op::CancelKey { route: 0, key: 2 },
         Op::Kill { loss: Loss::Torn },
         Op::DiskSpace,
         Op::Clock { ms: 168101 },
-        d(0, 2, 559, 767, None, false),
+        deliver(0, 2, 559, 767, None, false),
     ];
     if let Err(f) = run_strict(1776, &ops) {
         panic!("{f}");
@@ -363,36 +321,28 @@ fn seed_1776_a_tombstone_never_covers_a_message_stored_after_it() {
 #[test]
 fn seed_1887_a_torn_last_segment_keeps_the_seq_high_water_mark() {
     use ops::{Loss, Op, Scope};
-    let d = |route, key, body, delay_ms, ack_in_doubt| Op::Deliver {
-        route,
-        key,
-        body,
-        delay_ms,
-        twin: None,
-        ack_in_doubt,
-    };
     let ops = [
         Op::Clock { ms: -614 },
         Op::CancelKey { route: 0, key: 3 },
         Op::FarRound,
         Op::DiskSpace,
-        d(0, 2, 507, 279_163, true),
+        deliver(0, 2, 507, 279_163, None, true),
         Op::DiskFull { scope: Scope::Far },
-        d(1, 3, 715, 23_901, true),
+        deliver(1, 3, 715, 23_901, None, true),
         Op::Kill { loss: Loss::Torn },
         Op::PublishFails { n: 2 },
         Op::DiskFull { scope: Scope::Wal },
         Op::FarRound,
         Op::DiskFull { scope: Scope::Both },
         Op::Redeliver,
-        d(1, 3, 232, 5_246, true),
+        deliver(1, 3, 232, 5_246, None, true),
         Op::Compact,
         Op::CrashAfter { n: 2 },
         Op::Kill {
             loss: Loss::Process,
         },
         Op::FarRound,
-        d(0, 3, 587, 37_359, false),
+        deliver(0, 3, 587, 37_359, None, false),
         Op::FarRound,
     ];
     if let Err(f) = run_strict(1887, &ops) {
@@ -408,33 +358,12 @@ fn seed_1887_a_torn_last_segment_keeps_the_seq_high_water_mark() {
 fn seed_1846_an_empty_head_keeps_the_seq_high_water_mark() {
     use ops::{Loss, Op, Scope};
     let ops = [
-        Op::Deliver {
-            route: 0,
-            key: 1,
-            body: 316,
-            delay_ms: 24422,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(0, 1, 316, 24422, None, false),
         Op::Clock { ms: 16048 },
         Op::FarRound,
-        Op::Deliver {
-            route: 0,
-            key: 1,
-            body: 286,
-            delay_ms: 0,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(0, 1, 286, 0, None, false),
         Op::Clock { ms: 277 },
-        Op::Deliver {
-            route: 0,
-            key: 1,
-            body: 277,
-            delay_ms: 9835827,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(0, 1, 277, 9835827, None, false),
         Op::PublishFails { n: 3 },
         Op::Redeliver,
         Op::Clock { ms: 896 },
@@ -445,14 +374,7 @@ fn seed_1846_an_empty_head_keeps_the_seq_high_water_mark() {
         Op::CancelKey { route: 1, key: 3 },
         Op::DiskSpace,
         Op::DiskFull { scope: Scope::Far },
-        Op::Deliver {
-            route: 0,
-            key: 3,
-            body: 577,
-            delay_ms: 18292,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(0, 3, 577, 18292, None, false),
         Op::Clock { ms: 1506 },
         Op::Clock { ms: 851 },
         Op::Clock { ms: 12379 },
@@ -472,38 +394,10 @@ fn seed_1846_an_empty_head_keeps_the_seq_high_water_mark() {
         },
         Op::CancelKey { route: 1, key: 1 },
         Op::DiskFull { scope: Scope::Both },
-        Op::Deliver {
-            route: 0,
-            key: 3,
-            body: 903,
-            delay_ms: 37994,
-            twin: Some(3581975085),
-            ack_in_doubt: false,
-        },
-        Op::Deliver {
-            route: 1,
-            key: 2,
-            body: 212,
-            delay_ms: 0,
-            twin: None,
-            ack_in_doubt: false,
-        },
-        Op::Deliver {
-            route: 1,
-            key: 3,
-            body: 633,
-            delay_ms: 1714,
-            twin: None,
-            ack_in_doubt: false,
-        },
-        Op::Deliver {
-            route: 0,
-            key: 2,
-            body: 242,
-            delay_ms: 36958,
-            twin: None,
-            ack_in_doubt: true,
-        },
+        deliver(0, 3, 903, 37994, Some(3581975085), false),
+        deliver(1, 2, 212, 0, None, false),
+        deliver(1, 3, 633, 1714, None, false),
+        deliver(0, 2, 242, 36958, None, true),
         Op::FarRound,
         Op::Compact,
         Op::Kill {
@@ -527,63 +421,14 @@ fn seed_1846_an_empty_head_keeps_the_seq_high_water_mark() {
 fn seed_6063_a_cancel_finds_the_far_copy_of_a_message_waiting_for_a_retry() {
     use ops::{Loss, Op, Scope};
     let ops = [
-        Op::Deliver {
-            route: 0,
-            key: 3,
-            body: 474,
-            delay_ms: 709,
-            twin: None,
-            ack_in_doubt: true,
-        },
-        Op::Deliver {
-            route: 0,
-            key: 1,
-            body: 604,
-            delay_ms: 1703,
-            twin: None,
-            ack_in_doubt: false,
-        },
-        Op::Deliver {
-            route: 0,
-            key: 3,
-            body: 975,
-            delay_ms: 81153,
-            twin: None,
-            ack_in_doubt: false,
-        },
-        Op::Deliver {
-            route: 0,
-            key: 3,
-            body: 310,
-            delay_ms: 259388,
-            twin: None,
-            ack_in_doubt: false,
-        },
-        Op::Deliver {
-            route: 1,
-            key: 3,
-            body: 512,
-            delay_ms: 169426,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(0, 3, 474, 709, None, true),
+        deliver(0, 1, 604, 1703, None, false),
+        deliver(0, 3, 975, 81153, None, false),
+        deliver(0, 3, 310, 259388, None, false),
+        deliver(1, 3, 512, 169426, None, false),
         Op::FarRound,
-        Op::Deliver {
-            route: 0,
-            key: 2,
-            body: 553,
-            delay_ms: 149680,
-            twin: None,
-            ack_in_doubt: false,
-        },
-        Op::Deliver {
-            route: 0,
-            key: 1,
-            body: 182,
-            delay_ms: 49881,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(0, 2, 553, 149680, None, false),
+        deliver(0, 1, 182, 49881, None, false),
         Op::Clock { ms: 132304 },
         Op::Kill {
             loss: Loss::Unsynced,
@@ -592,36 +437,15 @@ fn seed_6063_a_cancel_finds_the_far_copy_of_a_message_waiting_for_a_retry() {
         Op::Compact,
         Op::Clock { ms: 16558 },
         Op::Restart { horizon: 3 },
-        Op::Deliver {
-            route: 0,
-            key: 2,
-            body: 140,
-            delay_ms: 1226,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(0, 2, 140, 1226, None, false),
         Op::DiskFull { scope: Scope::Wal },
-        Op::Deliver {
-            route: 1,
-            key: 2,
-            body: 905,
-            delay_ms: 13356,
-            twin: None,
-            ack_in_doubt: false,
-        },
+        deliver(1, 2, 905, 13356, None, false),
         Op::FarRound,
         Op::Clock { ms: 11246 },
         Op::CrashAfter { n: 10 },
         Op::CancelKey { route: 0, key: 3 },
         Op::Redeliver,
-        Op::Deliver {
-            route: 0,
-            key: 3,
-            body: 313,
-            delay_ms: 159,
-            twin: None,
-            ack_in_doubt: true,
-        },
+        deliver(0, 3, 313, 159, None, true),
         Op::DiskSpace,
         Op::Cancel { pick: 2856280664 },
     ];
@@ -637,22 +461,8 @@ fn seed_6063_a_cancel_finds_the_far_copy_of_a_message_waiting_for_a_retry() {
 fn seed_10398_a_purge_matches_a_retry_by_its_time() {
     use ops::Op;
     let ops = [
-        Op::Deliver {
-            route: 1,
-            key: 3,
-            body: 327,
-            delay_ms: 936,
-            twin: None,
-            ack_in_doubt: false,
-        },
-        Op::Deliver {
-            route: 0,
-            key: 1,
-            body: 607,
-            delay_ms: 13242,
-            twin: None,
-            ack_in_doubt: true,
-        },
+        deliver(1, 3, 327, 936, None, false),
+        deliver(0, 1, 607, 13242, None, true),
         Op::PublishFails { n: 3 },
         Op::Clock { ms: 28184 },
         Op::Purge {
