@@ -102,6 +102,8 @@ pub struct Sim {
     /// Every engine id a store answered: they are WAL seqs, never reused
     /// (a reused one collides with what the far tier or a tombstone holds).
     ids: HashSet<u64>,
+    /// `ROUTES[1]` never spills (`FarSettings::near_only`).
+    near_only: bool,
     /// The latest the clock has been: a message due by then may have been
     /// handed out, failed, and wait for a retry at a time the model does
     /// not know (and a listing shows, and a purge matches, that time).
@@ -127,9 +129,14 @@ impl Sim {
     pub fn new(seed: u64, strict_twins: bool) -> Self {
         let mut rng = Rng::new(seed.wrapping_mul(31).wrapping_add(7));
         let horizon = HORIZONS[rng.below(HORIZONS.len() as u64) as usize];
+        // Half the seeds keep one route out of the far tier: its records
+        // stay in their segments, so a segment a spill retired from can
+        // outlive the spill's Done, which compaction then copies.
+        let near_only = rng.chance(50);
         Sim {
             seed,
             rng,
+            near_only,
             fs: SimFs::with_dir(DIR),
             clock: Arc::new(ManualClock::new(T0)),
             horizon,
@@ -181,10 +188,21 @@ impl Sim {
         self.full.is_some() || self.sync_fault || self.fs.is_frozen()
     }
 
+    fn near_only_routes(&self) -> HashSet<String> {
+        match self.near_only {
+            true => HashSet::from([ROUTES[1].to_owned()]),
+            false => HashSet::new(),
+        }
+    }
+
     fn config(&self) -> EngineConfig {
         let mut wal = WalConfig::new(DIR);
         wal.fs = Arc::new(self.fs.clone());
-        wal.segment_bytes = 4096;
+        // Small segments, compacted eagerly: many rotations and copies
+        // (a Done moved past a record is how a load that kept an old id
+        // loses a message).
+        wal.segment_bytes = 1024;
+        wal.compact_below = 0.8;
         wal.lazy_done_wait = Duration::ZERO;
         // One record per batch: which records share a group commit depends
         // on threads' timing, and the frames it adds (a Commit per batch)
@@ -192,7 +210,7 @@ impl Sim {
         wal.max_batch_bytes = 1;
         let far = (self.horizon > 0).then(|| FarSettings {
             horizon: Duration::from_millis(self.horizon),
-            near_only: HashSet::new(),
+            near_only: self.near_only_routes(),
             spill: true,
             load_chunk_bytes: LOAD_CHUNK,
         });
