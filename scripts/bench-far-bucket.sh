@@ -21,7 +21,7 @@ after_ms="${AFTER_MS:-30000}"
 
 bash scripts/rabbitmq.sh >/dev/null
 bash scripts/build-deps.sh
-cargo build --release --quiet
+[ -n "${NO_BUILD:-}" ] || cargo build --release --quiet
 delayd="$PWD/target/release/delayd"
 work="$(mktemp -d /var/tmp/delayd-bench-far.XXXXXX)"
 config="$work/delayd.toml"

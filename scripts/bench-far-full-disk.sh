@@ -17,7 +17,7 @@ fill_mib="${FILL_MIB:-72}"
 
 bash scripts/rabbitmq.sh >/dev/null
 bash scripts/build-deps.sh
-cargo build --release --quiet
+[ -n "${NO_BUILD:-}" ] || cargo build --release --quiet
 delayd="$PWD/target/release/delayd"
 work="$(mktemp -d /var/tmp/delayd-bench-full.XXXXXX)"
 mkdir "$work/wal"
