@@ -9,6 +9,7 @@
 #
 #   bash scripts/bench-far-full-disk.sh
 #   COUNT=10000 FILL_MIB=80 bash scripts/bench-far-full-disk.sh
+#   SEGMENT_BYTES=8388608 bash scripts/bench-far-full-disk.sh   # wal.segment_bytes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 count="${COUNT:-30000}"
@@ -39,6 +40,7 @@ metric() {
     curl -sf http://127.0.0.1:9464/metrics | awk -v m="$1" '$1 == m {s += $2} END {print s + 0}'
 }
 
+[ -n "${SEGMENT_BYTES:-}" ] && export DELAYD_WAL__SEGMENT_BYTES="$SEGMENT_BYTES"
 (cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \
     exec "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
 pid=$!
