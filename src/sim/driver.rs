@@ -184,6 +184,14 @@ impl Sim {
         }
     }
 
+    /// A failure under a fault, hashed without its text: which of two
+    /// errors a crash surfaces first (the I/O error, or "the WAL is
+    /// stopped") depends on the writer thread's timing.
+    fn note_error(&mut self, what: &'static str, e: &dyn std::fmt::Display) {
+        self.note(what);
+        self.show(e.to_string());
+    }
+
     fn faulty(&self) -> bool {
         self.full.is_some() || self.sync_fault || self.fs.is_frozen()
     }
@@ -284,7 +292,7 @@ impl Sim {
             Err(e) if self.faulty() => {
                 // A start that failed is a process that exited.
                 self.failed_syncs = self.fs.failed_syncs();
-                self.note(("start refused under a fault", e.to_string()));
+                self.note_error("start refused under a fault", &e);
                 Ok(false)
             }
             Err(e) => Err(self.fail(format!("cannot start: {e}"))),
@@ -465,7 +473,7 @@ impl Sim {
                     Err(e) if self.faulty() => {
                         self.model
                             .maybe_cancel_where(|m| m.route == route && m.key == Some(key));
-                        self.note(("cancel key failed", e.to_string()));
+                        self.note_error("cancel key failed", &e);
                     }
                     Err(e) => {
                         return Err(self.fail(format!("cancel by key failed with no fault: {e}")))
@@ -498,7 +506,7 @@ impl Sim {
                         self.model.maybe_cancel_where(|m| {
                             m.route == route && ((from..=to).contains(&m.due) || m.due <= high)
                         });
-                        self.note(("purge failed", e.to_string()));
+                        self.note_error("purge failed", &e);
                     }
                     Err(e) => return Err(self.fail(format!("purge failed with no fault: {e}"))),
                 }
@@ -575,7 +583,10 @@ impl Sim {
                 self.failed_since_space = 0;
                 self.note((what, "ok"));
             }
-            Err(e) if self.faulty() => self.note((what, "failed under a fault", e)),
+            Err(e) if self.faulty() => {
+                self.note((what, "failed under a fault"));
+                self.show(e);
+            }
             Err(e) => {
                 self.failed_since_space += 1;
                 if self.failed_since_space > RECOVERY_ROUNDS {
@@ -584,7 +595,8 @@ impl Sim {
                         self.failed_since_space
                     )));
                 }
-                self.note((what, "failed after a fault", e));
+                self.note((what, "failed after a fault"));
+                self.show(e);
             }
         }
         Ok(())
@@ -607,7 +619,7 @@ impl Sim {
         let found = match engine.find_by_uid(MessageId::from_u128(uid)) {
             Ok(found) => found,
             Err(e) if self.faulty() => {
-                self.note(("lookup failed", e.to_string()));
+                self.note_error("lookup failed", &e);
                 return Ok(());
             }
             Err(e) => return Err(self.fail(format!("lookup by id failed with no fault: {e}"))),
@@ -631,7 +643,7 @@ impl Sim {
             }
             Err(e) if self.faulty() => {
                 self.model.maybe_cancel_uid(uid);
-                self.note(("cancel failed", e.to_string()));
+                self.note_error("cancel failed", &e);
             }
             Err(e) => return Err(self.fail(format!("cancel failed with no fault: {e}"))),
         }
