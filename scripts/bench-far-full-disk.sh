@@ -68,9 +68,9 @@ corrupt=$(metric delayd_far_corrupt_frames_total)
 kill -TERM "$pid" 2>/dev/null || true
 wait "$pid" 2>/dev/null || true
 pid=""
-echo "$report" | jq -r --arg full "$errors_full" --arg back "$errors_back" --arg end "$errors_end" \
+echo "$report" | jq -r --arg full "$errors_full" --arg back "$errors_back" --arg last "$errors_end" \
     --arg corrupt "$corrupt" '
     "\(.published) messages of 4 KiB in at \(.publish_rate | round) msg/s "
     + "| lost \(.lost) early \(.early) dup \(.duplicates) "
-    + "| far errors: \($full) while full, \($back) 10 s after space came back, \($end) at the end "
+    + "| far errors: \($full) while full, \($back) 10 s after space came back, \($last) at the end "
     + "| corrupt frames \($corrupt)"'

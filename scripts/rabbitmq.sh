@@ -341,7 +341,7 @@ node_pids() {
     local want="DELAYD_RABBITMQ_NODE=$(node_name "$1")" p
     for p in $(root_pids); do
         [ "$(cat "/proc/$p/comm" 2>/dev/null)" = epmd ] && continue
-        tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "$want" && echo "$p"
+        tr '\0' '\n' 2>/dev/null <"/proc/$p/environ" | grep -qx "$want" && echo "$p"
     done
     return 0
 }

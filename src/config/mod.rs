@@ -56,6 +56,11 @@ pub struct WalSection {
     pub compact_below: f64,
     /// `skip` (report and carry on) or `refuse` (do not start) on corruption.
     pub on_corruption: OnCorruption,
+    /// Bytes of the WAL's volume kept free, in a ballast file
+    /// (`<dir>/reserve`), for the writes that free space: on a full disk it
+    /// is released to fired messages' Dones, a new segment, the far tier's
+    /// checkpoint and loads, never to new messages. 0 keeps none.
+    pub reserve_bytes: u64,
     /// How long a group commit waits for more records before its
     /// fdatasync. Fewer fdatasyncs, acks that much later; due times count
     /// from arrival, so deliveries are not delayed by it. Default 5 ms.
@@ -78,6 +83,7 @@ impl Default for WalSection {
             max_message_bytes: 16 << 20,
             compact_below: 0.5,
             on_corruption: OnCorruption::Skip,
+            reserve_bytes: 16 << 20,
             commit_delay: Duration::from_millis(5),
             done_wait: Duration::from_millis(2),
         }

@@ -167,6 +167,12 @@ impl Config {
                 "must be between 4096 and 2 GiB".into(),
             ));
         }
+        if self.wal.reserve_bytes > (1 << 30) {
+            return Err(err(
+                "wal.reserve_bytes".into(),
+                "must be at most 1 GiB (0 keeps no reserve)".into(),
+            ));
+        }
         if !(0.0..=1.0).contains(&self.wal.compact_below) {
             return Err(err(
                 "wal.compact_below".into(),

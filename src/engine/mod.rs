@@ -150,12 +150,21 @@ pub enum EngineError {
 
 impl EngineError {
     /// A failed fsync, or the log already stopped for one: the process
-    /// must stop (see [`Inner::stop_if_fatal`]).
+    /// must stop (see [`Inner::on_failure`]).
     pub fn is_fatal(&self) -> bool {
         match self {
             EngineError::Wal(e) | EngineError::Far(FarError::Io(e)) => e.is_fatal(),
             _ => false,
         }
+    }
+
+    /// A write failed with ENOSPC.
+    pub fn is_disk_full(&self) -> bool {
+        matches!(
+            self,
+            EngineError::Wal(WalError::DiskFull(_))
+                | EngineError::Far(FarError::Io(WalError::DiskFull(_)))
+        )
     }
 }
 
@@ -949,7 +958,7 @@ impl Engine {
             tokio::task::spawn_blocking(move || tier::cancel_copies(&engine.inner, cancelled, uid))
                 .await
                 .map_err(|_| EngineError::WriterGone)?
-                .inspect_err(|e| self.inner.stop_if_fatal(e))?;
+                .inspect_err(|e| self.inner.on_failure(e))?;
         for id in near {
             if let Some(retired) = self.retire_queued(id, "cancelled")? {
                 retired
@@ -1086,7 +1095,7 @@ impl Engine {
         .await
         .map_err(|_| EngineError::WriterGone)?;
         if let Err(e) = &retired {
-            inner.stop_if_fatal(e);
+            inner.on_failure(e);
         }
         retired
     }
@@ -1126,7 +1135,7 @@ impl Engine {
         })
         .await
         .map_err(|_| EngineError::WriterGone)?
-        .inspect_err(|e| self.inner.stop_if_fatal(e))
+        .inspect_err(|e| self.inner.on_failure(e))
     }
 
     /// The stored record a listing or [`Engine::waiting`] pointed at: read
@@ -1243,7 +1252,7 @@ impl Engine {
         })
         .await
         .map_err(|_| EngineError::WriterGone)?
-        .inspect_err(|e| self.inner.stop_if_fatal(e))?;
+        .inspect_err(|e| self.inner.on_failure(e))?;
         // Each settled, even after one failed: a failed Done puts its
         // message back (see `Retired::settle`).
         let mut cancelled = Vec::with_capacity(queued.len());
@@ -1521,8 +1530,13 @@ impl Inner {
 
     /// A failed fsync anywhere (the far tier's included) stops the log, as
     /// the WAL's own does: the runtime exits, and nothing retries an fsync
-    /// whose pages the kernel may have dropped.
-    fn stop_if_fatal(&self, e: &EngineError) {
+    /// whose pages the kernel may have dropped. A full disk (the far
+    /// tier's: the WAL's writer sees its own) releases the disk reserve to
+    /// the writes that free space.
+    fn on_failure(&self, e: &EngineError) {
+        if e.is_disk_full() {
+            self.wal.release_reserve();
+        }
         if e.is_fatal() && !self.wal.is_stopped() {
             tracing::error!(error = %e, "stopping the log");
             self.wal.halt().stop(e);

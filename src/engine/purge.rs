@@ -164,7 +164,7 @@ impl Engine {
             tokio::task::spawn_blocking(move || super::tier::cancel_listed(&inner, bucket, &ids))
                 .await
                 .map_err(|_| EngineError::WriterGone)?
-                .inspect_err(|e| self.inner.stop_if_fatal(e))?
+                .inspect_err(|e| self.inner.on_failure(e))?
         };
         let n = found.len() as u64;
         for r in found {

@@ -248,7 +248,7 @@ pub(crate) async fn round(inner: &Arc<Inner>) -> Result<(), EngineError> {
     }
     .await;
     if let Err(e) = &done {
-        inner.stop_if_fatal(e);
+        inner.on_failure(e);
     }
     publish_gauges(inner);
     done
@@ -282,6 +282,11 @@ pub(crate) async fn spill(inner: &Arc<Inner>) -> Result<usize, EngineError> {
     let worker = inner.clone();
     let (spilled, failed) = tokio::task::spawn_blocking(move || {
         retire_spilled(&worker)?;
+        // A spill frees WAL space only once whole segments are dead: on a
+        // full disk it waits for the reserve, as the intake does.
+        if !worker.wal.has_room()? {
+            return Ok((Vec::new(), None));
+        }
         Ok::<_, EngineError>(write_spill(&worker))
     })
     .await

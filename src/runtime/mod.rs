@@ -45,6 +45,7 @@ pub fn engine_config(config: &Config) -> EngineConfig {
     wal.compact_below = config.wal.compact_below;
     wal.on_corruption = config.wal.on_corruption;
     wal.create_dir = config.wal.create_dir;
+    wal.reserve_bytes = config.wal.reserve_bytes;
     wal.commit_delay = config.wal.commit_delay;
     wal.lazy_done_wait = config.wal.done_wait;
     EngineConfig {

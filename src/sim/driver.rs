@@ -33,6 +33,8 @@ const LOAD_CHUNK: usize = 64;
 /// Longest message the simulator stores (a key and a body).
 const MAX_MESSAGE: usize = 16;
 /// Longest a settle may take in real time before the engine is said stuck.
+/// The disk reserve (`wal.reserve_bytes`): a few segments' worth.
+const RESERVE: usize = 2048;
 const SETTLE_LIMIT: Duration = Duration::from_secs(20);
 
 /// What a run did (it broke nothing).
@@ -104,6 +106,13 @@ pub struct Sim {
     ids: HashSet<u64>,
     /// `ROUTES[1]` never spills (`FarSettings::near_only`).
     near_only: bool,
+    /// A full disk of scope `Both` is one that filled up: as large as what
+    /// is on it, the reserve and a little slack ([`SimFs::set_capacity`]),
+    /// and it stays that large to the end, which must still empty it.
+    /// Otherwise it refuses every write ([`SimFs::set_full`]).
+    fills_up: bool,
+    /// The disk filled up (see `fills_up`) and has not had room since.
+    filled_up: bool,
     /// The latest the clock has been: a message due by then may have been
     /// handed out, failed, and wait for a retry at a time the model does
     /// not know (and a listing shows, and a purge matches, that time).
@@ -133,10 +142,15 @@ impl Sim {
         // stay in their segments, so a segment a spill retired from can
         // outlive the spill's Done, which compaction then copies.
         let near_only = rng.chance(50);
+        // From the seed, not the draw: the seeds that do not fill up run
+        // as they did before the capacity model.
+        let fills_up = Rng::new(seed ^ 0x5eed_f111).chance(50);
         Sim {
             seed,
             rng,
             near_only,
+            fills_up,
+            filled_up: false,
             fs: SimFs::with_dir(DIR),
             clock: Arc::new(ManualClock::new(T0)),
             horizon,
@@ -193,7 +207,7 @@ impl Sim {
     }
 
     fn faulty(&self) -> bool {
-        self.full.is_some() || self.sync_fault || self.fs.is_frozen()
+        self.full.is_some() || self.filled_up || self.sync_fault || self.fs.is_frozen()
     }
 
     fn near_only_routes(&self) -> HashSet<String> {
@@ -212,6 +226,7 @@ impl Sim {
         wal.segment_bytes = 1024;
         wal.compact_below = 0.8;
         wal.lazy_done_wait = Duration::ZERO;
+        wal.reserve_bytes = RESERVE as u64;
         // One record per batch: which records share a group commit depends
         // on threads' timing, and the frames it adds (a Commit per batch)
         // would move every later seq, segment and compaction.
@@ -548,6 +563,17 @@ impl Sim {
                 self.fs.crash_after(u64::from(n));
                 self.report.faults += 1;
             }
+            Op::DiskFull { scope: Scope::Both } if self.fills_up => {
+                // Sized as if the reserve were on it, whether or not it is
+                // now: else the filler would have taken the reserve's room.
+                let reserve = self.fs.file_len(&Path::new(DIR).join("reserve"));
+                let slack = self.rng.below(3 * RESERVE as u64) as usize;
+                let size = self.fs.used_bytes() - reserve + RESERVE + slack;
+                self.fs.set_capacity(Some(size));
+                self.filled_up = true;
+                self.report.faults += 1;
+                self.note(("fills up", slack));
+            }
             Op::DiskFull { scope } => {
                 let dirs = match scope {
                     Scope::Wal => vec![wal_files()],
@@ -560,8 +586,10 @@ impl Sim {
                 self.note(("full", format!("{scope:?}")));
             }
             Op::DiskSpace => {
-                if self.full.take().is_some() {
+                let filled_up = std::mem::take(&mut self.filled_up);
+                if self.full.take().is_some() || filled_up {
                     self.fs.set_full(Vec::new());
+                    self.fs.set_capacity(None);
                     self.failed_since_space = 0;
                     self.note("space");
                 }
@@ -750,20 +778,44 @@ impl Sim {
     async fn finish(&mut self) -> Result<(), Failure> {
         self.fs.set_full(Vec::new());
         self.fs.cancel_crash();
-        self.full = None;
-        self.failed_since_space = 0;
         if self.fs.is_frozen() || self.sync_fault {
             self.kill(Loss::Unsynced).await;
         }
+        self.full = None;
+        if std::mem::take(&mut self.filled_up) {
+            // The disk stays as small as it became: what was taken in must
+            // still all leave, with no more room than the reserve's.
+            self.failed_since_space = 0;
+            self.ensure_started().await?;
+            self.drain("on a disk full of its own files").await?;
+            self.fs.set_capacity(None);
+        }
+        self.full = None;
+        self.failed_since_space = 0;
         self.ensure_started().await?;
         while let Some((msg, redelivered)) = self.broker.pop_front() {
             self.deliver(msg, redelivered, false).await?;
             self.after_op().await?;
         }
+        self.drain("after every due time passed").await?;
+        self.report.twin_losses = self.model.check_complete().map_err(|w| self.fail(w))?;
+        // A clean restart brings nothing back.
+        self.stop_cleanly().await;
+        self.ensure_started().await?;
+        self.settle().await?;
+        self.check_fired()?;
+        let back = self.engine().map_or(0, |e| e.pending());
+        if back > 0 {
+            return Err(self.fail(format!("{back} messages came back after a clean restart")));
+        }
+        self.stop_cleanly().await;
+        Ok(())
+    }
+
+    /// Past every due time at once (a load takes every bucket the horizon
+    /// reached), then on by the longest back-off until nothing is left.
+    async fn drain(&mut self, when: &str) -> Result<(), Failure> {
         let last_due = self.model.msgs.iter().map(|m| m.due).max().unwrap_or(0);
-        // Past every due time at once (a load takes every bucket the
-        // horizon reached), then on by the longest back-off until nothing
-        // is left.
         for _ in 0..50 {
             let engine = self.engine().ok_or_else(|| self.fail("down at the end"))?;
             let now = self.clock.now_ms();
@@ -777,27 +829,11 @@ impl Sim {
             self.round_outcome("compaction", outcome)?;
             self.after_op().await?;
             if engine.pending() == 0 {
-                break;
+                return Ok(());
             }
         }
         let left = self.engine().map_or(0, |e| e.pending());
-        if left > 0 {
-            return Err(self.fail(format!(
-                "{left} messages still pending after every due time passed"
-            )));
-        }
-        self.report.twin_losses = self.model.check_complete().map_err(|w| self.fail(w))?;
-        // A clean restart brings nothing back.
-        self.stop_cleanly().await;
-        self.ensure_started().await?;
-        self.settle().await?;
-        self.check_fired()?;
-        let back = self.engine().map_or(0, |e| e.pending());
-        if back > 0 {
-            return Err(self.fail(format!("{back} messages came back after a clean restart")));
-        }
-        self.stop_cleanly().await;
-        Ok(())
+        Err(self.fail(format!("{left} messages still pending {when}")))
     }
 }
 

@@ -53,6 +53,8 @@ pub trait DirGuard: Send + Sync + Debug {}
 /// The directory operations of the log. Paths are full paths.
 pub trait FileSystem: Send + Sync + Debug {
     fn is_dir(&self, path: &Path) -> bool;
+    /// Bytes an unprivileged writer may still write on `dir`'s volume.
+    fn available(&self, dir: &Path) -> io::Result<u64>;
     /// Create `dir` and any missing parent; returns the directories created,
     /// outermost first (each needs its parent synced to be durable).
     fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>>;
@@ -125,6 +127,11 @@ impl DirGuard for super::lock::DirLock {}
 impl FileSystem for StdFs {
     fn is_dir(&self, path: &Path) -> bool {
         path.is_dir()
+    }
+
+    fn available(&self, dir: &Path) -> io::Result<u64> {
+        let stat = rustix::fs::statvfs(dir)?;
+        Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
     }
 
     fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {

@@ -117,6 +117,7 @@ mod halt;
 mod lock;
 pub(crate) mod reader;
 mod recovery;
+pub(crate) mod reserve;
 mod segments;
 #[cfg(test)]
 pub(crate) mod sim;
@@ -137,6 +138,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
+use self::reserve::Reserve;
 use self::segments::SegmentTable;
 use self::writer::{AppendRequest, Writer};
 
@@ -183,6 +185,9 @@ pub struct WalConfig {
     /// may be a volume that is not mounted, and starting empty there would
     /// silently drop every pending message.
     pub create_dir: bool,
+    /// Bytes of the volume a ballast file keeps for the writes that free
+    /// space (see [`reserve`]); 0 keeps none.
+    pub reserve_bytes: u64,
     /// The file layer every file operation of the log goes through:
     /// [`StdFs`] but in tests (see [`fs`]).
     pub fs: Arc<dyn FileSystem>,
@@ -208,6 +213,7 @@ impl WalConfig {
             lazy_done_wait: std::time::Duration::from_millis(2),
             commit_delay: std::time::Duration::ZERO,
             create_dir: false,
+            reserve_bytes: 0,
             fs: Arc::new(StdFs),
         }
     }
@@ -290,6 +296,7 @@ struct Shared {
     segments: Arc<Mutex<SegmentTable>>,
     writer: Writer,
     claims: Arc<Claims>,
+    reserve: Arc<Reserve>,
     /// Held for as long as any handle to the log exists.
     _lock: Box<dyn fs::DirGuard>,
 }
@@ -318,6 +325,12 @@ impl Wal {
         }
         // Before recovery: it truncates, deletes and rewrites files.
         let lock = files.lock_dir(&config.dir)?;
+        // Its room is recovery's and the new head's.
+        let reserve = Arc::new(Reserve::open(
+            files.clone(),
+            &config.dir,
+            config.reserve_bytes,
+        )?);
         let (table, report) = recovery::recover(&config, visit)?;
         let segments = Arc::new(Mutex::new(table));
         let claims = Arc::new(Claims::default());
@@ -325,6 +338,7 @@ impl Wal {
             config.clone(),
             segments.clone(),
             claims.clone(),
+            reserve.clone(),
             report.next_seq,
         )?;
         Ok((
@@ -334,6 +348,7 @@ impl Wal {
                     segments,
                     writer,
                     claims,
+                    reserve,
                     _lock: lock,
                 }),
             },
@@ -350,6 +365,7 @@ impl Wal {
         message: Vec<u8>,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
         self.check_size(route, &message)?;
+        self.admit()?;
         self.append_returning(due_ms, uid, route, message)
     }
 
@@ -364,9 +380,33 @@ impl Wal {
         message: Vec<u8>,
     ) -> Result<oneshot::Receiver<Result<Claimed, WalError>>, WalError> {
         self.check_size(route, &message)?;
+        self.admit()?;
         self.shared
             .writer
             .send_claimed(AppendRequest::schedule(None, due_ms, uid, route, message))
+    }
+
+    /// A new message is taken in only while the disk reserve is held:
+    /// otherwise the disk is full, and its room belongs to the writes that
+    /// free space (see [`reserve`]).
+    fn admit(&self) -> Result<(), WalError> {
+        if self.has_room()? {
+            Ok(())
+        } else {
+            Err(WalError::DiskFull(self.shared.config.dir.clone()))
+        }
+    }
+
+    /// Whether writes that take space (new messages, spills) may go on:
+    /// the disk reserve is held, or is made again now that there is room.
+    pub fn has_room(&self) -> Result<bool, WalError> {
+        self.shared.reserve.restore()
+    }
+
+    /// A write failed with ENOSPC: give the reserve's room to the writes
+    /// that free space. True if there was a reserve to give.
+    pub fn release_reserve(&self) -> bool {
+        self.shared.reserve.release()
     }
 
     /// The earliest (due, id) of a durable Schedule whose appender has not

@@ -97,6 +97,8 @@ struct State {
     syncs: u64,
     /// See [`SimFs::set_full`]: writes under these fail with `ENOSPC`.
     full: Vec<PathBuf>,
+    /// See [`SimFs::set_capacity`]: the disk's size in bytes.
+    capacity: Option<usize>,
     /// See [`SimFs::fail_next_sync`].
     fail_sync: bool,
     /// Syncs that failed so far.
@@ -154,6 +156,24 @@ impl State {
         self.full
             .iter()
             .any(|d| path.starts_with(&*d.to_string_lossy()))
+    }
+
+    /// Bytes the named files hold (what a disk of [`SimFs::set_capacity`]
+    /// counts; a file removed while open is not counted).
+    fn used(&self) -> usize {
+        self.names
+            .values()
+            .filter_map(|e| match e {
+                Entry::File(ino) => Some(self.inodes[*ino].data.len()),
+                Entry::Dir => None,
+            })
+            .sum()
+    }
+
+    /// Bytes an append may still write under the capacity.
+    fn room(&self) -> usize {
+        self.capacity
+            .map_or(usize::MAX, |c| c.saturating_sub(self.used()))
     }
 
     fn is_dir(&self, path: &Path) -> bool {
@@ -372,6 +392,26 @@ impl SimFs {
         self.state.lock().expect("sim fs poisoned").full = dirs;
     }
 
+    /// Make the disk `bytes` large (none: unbounded): an append past it
+    /// writes what fits, then fails with `ENOSPC`, as on a real disk that
+    /// fills up. Survives a power loss.
+    pub fn set_capacity(&self, bytes: Option<usize>) {
+        self.state.lock().expect("sim fs poisoned").capacity = bytes;
+    }
+
+    /// The size of `path` as the running process sees it (0 if absent).
+    pub fn file_len(&self, path: &Path) -> usize {
+        let state = self.state.lock().expect("sim fs poisoned");
+        state
+            .file(path)
+            .map_or(0, |ino| state.inodes[ino].data.len())
+    }
+
+    /// Bytes the named files hold now.
+    pub fn used_bytes(&self) -> usize {
+        self.state.lock().expect("sim fs poisoned").used()
+    }
+
     /// Make the next file sync fail with `EIO` (the kernel may have
     /// dropped the dirty pages it could not write).
     pub fn fail_next_sync(&self) {
@@ -493,6 +533,15 @@ impl WalFile for SimFile {
             inode.ends.push(end);
             return Err(enospc());
         }
+        let room = state.room();
+        if buf.len() > room {
+            // What fits, then ENOSPC.
+            let inode = &mut state.inodes[self.ino];
+            inode.data.extend_from_slice(&buf[..room]);
+            let end = inode.data.len();
+            inode.ends.push(end);
+            return Err(enospc());
+        }
         let fail = state.fail_append.take();
         let inode = &mut state.inodes[self.ino];
         if let Some(written) = fail {
@@ -566,6 +615,14 @@ impl Drop for SimLock {
 impl FileSystem for SimFs {
     fn is_dir(&self, path: &Path) -> bool {
         self.live().is_ok_and(|s| s.is_dir(path))
+    }
+
+    fn available(&self, dir: &Path) -> io::Result<u64> {
+        let state = self.live()?;
+        if state.is_full(dir) {
+            return Ok(0);
+        }
+        Ok(u64::try_from(state.room()).unwrap_or(u64::MAX))
     }
 
     fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {

@@ -13,6 +13,7 @@ use super::claims::{Claim, Claims};
 use super::frame::{self, Salt};
 use super::fs::WalFile;
 use super::halt::Halt;
+use super::reserve::Reserve;
 use super::segments::{segment_name, sync_dir, SegmentTable};
 use super::{Appended, WalConfig, WalError, WalPos};
 
@@ -133,6 +134,7 @@ impl Writer {
         config: WalConfig,
         segments: Arc<Mutex<SegmentTable>>,
         claims: Arc<Claims>,
+        reserve: Arc<Reserve>,
         next_seq: u64,
     ) -> Result<Self, WalError> {
         let halt = Halt::default();
@@ -146,6 +148,8 @@ impl Writer {
             config,
             segments,
             claims,
+            reserve,
+            sealed_at_release: 0,
             file: None,
             head: 0,
             head_bytes: 0,
@@ -253,6 +257,10 @@ struct WriterState {
     config: WalConfig,
     segments: Arc<Mutex<SegmentTable>>,
     claims: Arc<Claims>,
+    /// Released at the first ENOSPC, for the write to try once more.
+    reserve: Arc<Reserve>,
+    /// [`Reserve::releases`] when the head was last sealed early.
+    sealed_at_release: u64,
     file: Option<(Box<dyn WalFile>, PathBuf)>,
     head: u32,
     head_bytes: u64,
@@ -384,8 +392,19 @@ impl WriterState {
             }
             return;
         }
-        if self.head_bytes >= self.config.segment_bytes {
-            if let Err(e) = self.rotate() {
+        // After the disk reserve was released, the head is sealed early:
+        // a full disk would never let it fill, and a sealed segment whose
+        // records all left is deleted, which is how the disk empties.
+        let releases = self.reserve.releases();
+        let seal_early =
+            releases > self.sealed_at_release && self.head_bytes > frame::SEGMENT_HEADER_BYTES;
+        if self.head_bytes >= self.config.segment_bytes || seal_early {
+            self.sealed_at_release = releases;
+            let mut rotated = self.rotate();
+            if matches!(rotated, Err(WalError::DiskFull(_))) && self.reserve.release() {
+                rotated = self.rotate();
+            }
+            if let Err(e) = rotated {
                 // A full disk passes; anything else (the directory gone, a
                 // failed directory fsync) leaves no safe place to write.
                 let e = match e {
@@ -494,8 +513,18 @@ impl WriterState {
     }
 
     /// Write the buffer and fdatasync. A write error cuts the file back to the
-    /// start of the batch; an fsync error stops the log for good.
+    /// start of the batch (and an ENOSPC releases the disk reserve and tries
+    /// once more); an fsync error stops the log for good.
     fn flush(&mut self) -> Result<(), WalError> {
+        match self.write_buf() {
+            Err(WalError::DiskFull(_)) if self.reserve.release() => self.write_buf(),
+            written => written,
+        }?;
+        self.sync_head()
+    }
+
+    /// Append the buffer; on failure, cut the head back to where it began.
+    fn write_buf(&mut self) -> Result<(), WalError> {
         let (file, path) = self.file.as_mut().ok_or(WalError::Stopped)?;
         if let Err(e) = file.append(&self.buf) {
             let err = WalError::io(path, e);
@@ -516,6 +545,11 @@ impl WriterState {
             }
             return Err(err);
         }
+        Ok(())
+    }
+
+    fn sync_head(&mut self) -> Result<(), WalError> {
+        let (file, path) = self.file.as_mut().ok_or(WalError::Stopped)?;
         let started = Instant::now();
         if let Err(source) = file.sync_data() {
             let err = WalError::Fatal {
