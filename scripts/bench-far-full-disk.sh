@@ -4,8 +4,9 @@
 # COUNT messages of 4 KiB with x-delay 40-70 s, and a filler file taking
 # FILL_MIB of the tmpfs, removed after 15 s. Reports what `delayd bench`
 # reports (lost, early, duplicates), the far tier's error counter when the
-# space came back (+10 s) and at the end (it must not move once space is
-# back), and its corrupt frames (must be 0). Needs root (mount).
+# space came back (+10 s) and at the end (it steps once or twice each time
+# delayd's own messages fill the disk again, and must not climb), and its
+# corrupt frames (must be 0). Needs root (mount).
 #
 #   bash scripts/bench-far-full-disk.sh
 #   COUNT=10000 FILL_MIB=80 bash scripts/bench-far-full-disk.sh
