@@ -59,7 +59,8 @@ pub struct WalSection {
     /// Bytes of the WAL's volume kept free, in a ballast file
     /// (`<dir>/reserve`), for the writes that free space: on a full disk it
     /// is released to fired messages' Dones, a new segment, the far tier's
-    /// checkpoint and loads, never to new messages. 0 keeps none.
+    /// checkpoint and loads, never to new messages. At most an eighth of
+    /// the volume is taken. 0 keeps none.
     pub reserve_bytes: u64,
     /// How long a group commit waits for more records before its
     /// fdatasync. Fewer fdatasyncs, acks that much later; due times count

@@ -47,14 +47,22 @@ pub trait WalFile: Send + Sync + Debug {
     fn sync_all(&self) -> io::Result<()>;
 }
 
+/// A volume's size and free room, in bytes (see [`FileSystem::space`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VolumeSpace {
+    pub total: u64,
+    pub available: u64,
+}
+
 /// Held for as long as a WAL directory is in use (see [`FileSystem::lock_dir`]).
 pub trait DirGuard: Send + Sync + Debug {}
 
 /// The directory operations of the log. Paths are full paths.
 pub trait FileSystem: Send + Sync + Debug {
     fn is_dir(&self, path: &Path) -> bool;
-    /// Bytes an unprivileged writer may still write on `dir`'s volume.
-    fn available(&self, dir: &Path) -> io::Result<u64>;
+    /// The size of `dir`'s volume, and what an unprivileged writer may
+    /// still write on it.
+    fn space(&self, dir: &Path) -> io::Result<VolumeSpace>;
     /// Create `dir` and any missing parent; returns the directories created,
     /// outermost first (each needs its parent synced to be durable).
     fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>>;
@@ -129,9 +137,12 @@ impl FileSystem for StdFs {
         path.is_dir()
     }
 
-    fn available(&self, dir: &Path) -> io::Result<u64> {
+    fn space(&self, dir: &Path) -> io::Result<VolumeSpace> {
         let stat = rustix::fs::statvfs(dir)?;
-        Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
+        Ok(VolumeSpace {
+            total: stat.f_blocks.saturating_mul(stat.f_frsize),
+            available: stat.f_bavail.saturating_mul(stat.f_frsize),
+        })
     }
 
     fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {

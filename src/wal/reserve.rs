@@ -8,6 +8,8 @@
 //!
 //! - The first ENOSPC of any write removes it ([`Reserve::release`]); the
 //!   writes that retire messages then use the room it leaves.
+//! - It takes at most an eighth of the volume, so that a small volume (a
+//!   test's tmpfs) is not all reserve.
 //! - New messages ([`super::Wal::append_schedule`]) and spills, which free
 //!   space only once whole segments are dead, wait until the ballast is
 //!   back ([`Reserve::restore`]). Making it again needs twice its size
@@ -35,6 +37,8 @@ use super::WalError;
 /// The ballast's name in the WAL directory.
 pub const RESERVE_FILE: &str = "reserve";
 const RESERVE_TMP: &str = "reserve.tmp";
+/// The reserve takes at most 1/this of its volume.
+const VOLUME_SHARE: u64 = 8;
 /// Bytes written per call while making the ballast.
 const CHUNK: usize = 64 << 10;
 
@@ -120,7 +124,6 @@ impl Reserve {
         metrics::counter!("delayd_disk_reserve_released_total").increment(1);
         self.publish();
         tracing::warn!(
-            bytes = self.bytes,
             "DISK FULL: the disk reserve ({}) is released to the writes that free space; \
              no new message is taken in until twice its size is free again",
             path.display()
@@ -138,15 +141,16 @@ impl Reserve {
         if self.is_held() {
             return Ok(true);
         }
-        let free = self
+        let space = self
             .fs
-            .available(&self.dir)
+            .space(&self.dir)
             .map_err(|e| WalError::io(&self.dir, e))?;
-        if free < self.bytes.saturating_mul(2) {
+        let bytes = self.bytes.min(space.total / VOLUME_SHARE);
+        if space.available < bytes.saturating_mul(2) {
             return Ok(false);
         }
         let tmp = self.dir.join(RESERVE_TMP);
-        match self.write_ballast(&tmp) {
+        match self.write_ballast(&tmp, bytes) {
             Ok(()) => {}
             Err(e) => {
                 let _ = self.fs.remove_file(&tmp);
@@ -164,21 +168,21 @@ impl Reserve {
         self.held.store(true, Ordering::Release);
         self.publish();
         tracing::info!(
-            bytes = self.bytes,
+            bytes,
             "the disk reserve is back; new messages are taken in again"
         );
         Ok(true)
     }
 
-    fn write_ballast(&self, tmp: &Path) -> io::Result<()> {
+    fn write_ballast(&self, tmp: &Path, bytes: u64) -> io::Result<()> {
         match self.fs.remove_file(tmp) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
             _ => {}
         }
         let file = self.fs.create_new(tmp)?;
         let mut chunk = vec![0u8; CHUNK];
-        let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ self.bytes;
-        let mut left = self.bytes;
+        let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ bytes;
+        let mut left = bytes;
         while left > 0 {
             let n = left.min(CHUNK as u64) as usize;
             for word in chunk[..n].chunks_mut(8) {
@@ -219,12 +223,27 @@ mod tests {
         assert!(reserve.release());
         assert!(!reserve.release(), "released once");
         assert!(fs.list(&dir).unwrap().is_empty());
-        // 6 KiB free: less than twice the ballast.
-        fs.set_capacity(Some(6 << 10));
+        // A 64 KiB volume (an eighth is twice the ballast): 7 KiB free is
+        // less than twice the ballast, 8 KiB is not.
+        fs.set_capacity(Some(64 << 10));
+        let filler = dir.join("filler");
+        fs.create_new(&filler)
+            .unwrap()
+            .append(&[0; 57 << 10])
+            .unwrap();
         assert!(!reserve.restore().unwrap());
-        fs.set_capacity(Some(8 << 10));
+        fs.open_write(&filler).unwrap().set_len(56 << 10).unwrap();
         assert!(reserve.restore().unwrap());
-        assert_eq!(fs.list(&dir).unwrap(), vec![dir.join(RESERVE_FILE)]);
+        assert_eq!(fs.read(&dir.join(RESERVE_FILE)).len(), 4096);
+    }
+
+    #[test]
+    fn the_ballast_takes_at_most_an_eighth_of_the_volume() {
+        let (fs, dir) = sim();
+        fs.set_capacity(Some(16 << 10));
+        let reserve = Reserve::open(Arc::new(fs.clone()), &dir, 1 << 20).unwrap();
+        assert!(reserve.restore().unwrap());
+        assert_eq!(fs.read(&dir.join(RESERVE_FILE)).len(), 2 << 10);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::fs::{parent_dir, DirGuard, FileSystem, WalFile};
+use super::fs::{parent_dir, DirGuard, FileSystem, VolumeSpace, WalFile};
 use super::WalError;
 
 /// How much of what was not synced a power loss leaves on disk.
@@ -617,12 +617,17 @@ impl FileSystem for SimFs {
         self.live().is_ok_and(|s| s.is_dir(path))
     }
 
-    fn available(&self, dir: &Path) -> io::Result<u64> {
+    fn space(&self, dir: &Path) -> io::Result<VolumeSpace> {
         let state = self.live()?;
-        if state.is_full(dir) {
-            return Ok(0);
-        }
-        Ok(u64::try_from(state.room()).unwrap_or(u64::MAX))
+        let bytes = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        Ok(VolumeSpace {
+            total: state.capacity.map_or(u64::MAX, bytes),
+            available: if state.is_full(dir) {
+                0
+            } else {
+                bytes(state.room())
+            },
+        })
     }
 
     fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {

@@ -516,10 +516,14 @@ impl WriterState {
     /// start of the batch (and an ENOSPC releases the disk reserve and tries
     /// once more); an fsync error stops the log for good.
     fn flush(&mut self) -> Result<(), WalError> {
-        match self.write_buf() {
+        let written = match self.write_buf() {
             Err(WalError::DiskFull(_)) if self.reserve.release() => self.write_buf(),
             written => written,
-        }?;
+        };
+        if let Err(e) = &written {
+            tracing::error!(error = %e, "WAL write failed; batch rejected");
+        }
+        written?;
         self.sync_head()
     }
 
@@ -528,7 +532,6 @@ impl WriterState {
         let (file, path) = self.file.as_mut().ok_or(WalError::Stopped)?;
         if let Err(e) = file.append(&self.buf) {
             let err = WalError::io(path, e);
-            tracing::error!(error = %err, "WAL write failed; batch rejected");
             // The cut is made durable at once: the segment may be sealed
             // next, and a sealed segment must not end in half a batch.
             // (Appends go to the end, so the next batch starts at the cut.)
