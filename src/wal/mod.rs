@@ -366,7 +366,9 @@ impl Wal {
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
         self.check_size(route, &message)?;
         self.admit()?;
-        self.append_returning(due_ms, uid, route, message)
+        self.shared
+            .writer
+            .send(AppendRequest::new_message(due_ms, uid, route, message))
     }
 
     /// [`Wal::append_schedule`] for an appender that arms the message: it
@@ -383,7 +385,7 @@ impl Wal {
         self.admit()?;
         self.shared
             .writer
-            .send_claimed(AppendRequest::schedule(None, due_ms, uid, route, message))
+            .send_claimed(AppendRequest::new_message(due_ms, uid, route, message))
     }
 
     /// A new message is taken in only while the disk reserve is held:

@@ -454,3 +454,54 @@ fn a_failed_write_is_cut_back_for_good() {
     let after = open(cfg(&fs)).unwrap_or_else(|e| panic!("half a batch came back: {e}"));
     check_acked(&after.live, &acked, "power loss");
 }
+
+/// The disk reserve on a disk that fills up: the first ENOSPC releases it;
+/// a batch of new messages is not tried again on its room (the intake
+/// waits), a Done is, and succeeds; new messages are taken again only once
+/// twice the reserve is free. Without the `new` check the failed message
+/// was stored on the reserve's room.
+#[test]
+fn a_full_disk_gives_the_reserve_to_dones_never_to_new_messages() {
+    let fs = SimFs::with_dir(DIR);
+    // A 128 KiB volume: an eighth of it holds the 8 KiB reserve.
+    fs.set_capacity(Some(128 << 10));
+    let cfg = WalConfig {
+        segment_bytes: 1 << 20,
+        reserve_bytes: 8 << 10,
+        ..config(&fs)
+    };
+    let wal = open(cfg).unwrap().wal;
+    let first = append(&wal, &message(0)).unwrap();
+    append(&wal, &message(1)).unwrap();
+    let reserve = Path::new(DIR).join("reserve");
+    assert_eq!(fs.file_len(&reserve), 8 << 10);
+    // Another process fills the volume to the last byte.
+    let filler = Path::new(DIR).join("filler");
+    let room = 128 * 1024 - fs.used_bytes();
+    fs.create_new(&filler)
+        .unwrap()
+        .append(&vec![0; room])
+        .unwrap();
+    let full = append(&wal, &message(3)).unwrap_err();
+    assert!(matches!(full, WalError::DiskFull(_)), "{full}");
+    assert_eq!(fs.file_len(&reserve), 0, "released");
+    // The intake waits: nothing more is written for new messages.
+    let used = fs.used_bytes();
+    let refused = append(&wal, &message(4)).unwrap_err();
+    assert!(matches!(refused, WalError::DiskFull(_)), "{refused}");
+    assert_eq!(
+        fs.used_bytes(),
+        used,
+        "a new message took the reserve's room"
+    );
+    // A Done still fits.
+    wal.append_done(first.id, first.pos)
+        .unwrap()
+        .blocking_recv()
+        .unwrap()
+        .unwrap();
+    // Twice the reserve free again: the intake resumes.
+    fs.open_write(&filler).unwrap().set_len(0).unwrap();
+    append(&wal, &message(5)).unwrap();
+    assert_eq!(fs.file_len(&reserve), 8 << 10);
+}

@@ -50,6 +50,9 @@ pub enum AppendRequest {
         uid: u128,
         route: String,
         message: Vec<u8>,
+        /// A new message from an intake: a failed batch holding one is
+        /// not tried again on the disk reserve's room (see [`Reserve`]).
+        new: bool,
     },
     Done {
         id: u64,
@@ -76,6 +79,19 @@ impl AppendRequest {
             uid,
             route: route.to_owned(),
             message,
+            new: false,
+        }
+    }
+
+    /// A new message's Schedule, from an intake.
+    pub fn new_message(due_ms: u64, uid: u128, route: &str, message: Vec<u8>) -> Self {
+        AppendRequest::Schedule {
+            id: None,
+            due_ms,
+            uid,
+            route: route.to_owned(),
+            message,
+            new: true,
         }
     }
 
@@ -428,6 +444,7 @@ impl WriterState {
         let salt = self.salt;
         let batch_first_seq = self.next_seq;
         let mut pending = Vec::with_capacity(batch.len());
+        let mut has_new = false;
         for (req, reply) in batch.drain(..) {
             let seq = self.next_seq;
             self.next_seq += 1;
@@ -443,7 +460,9 @@ impl WriterState {
                     uid,
                     route,
                     message,
+                    new,
                 } => {
+                    has_new |= new;
                     let id = id.unwrap_or(seq);
                     let schedule = frame::Schedule {
                         id,
@@ -471,7 +490,7 @@ impl WriterState {
         // with its later pages on disk and earlier ones not is recognised.
         frame::put_commit(&mut self.buf, salt, self.next_seq, batch_first_seq);
         self.next_seq += 1;
-        match self.flush() {
+        match self.flush(has_new) {
             Ok(()) => {
                 // Durable: ids of a batch that failed may be handed out
                 // again after a restart, these never.
@@ -513,11 +532,12 @@ impl WriterState {
     }
 
     /// Write the buffer and fdatasync. A write error cuts the file back to the
-    /// start of the batch (and an ENOSPC releases the disk reserve and tries
-    /// once more); an fsync error stops the log for good.
-    fn flush(&mut self) -> Result<(), WalError> {
+    /// start of the batch; an ENOSPC releases the disk reserve, and a batch
+    /// without new messages (the reserve's room is never theirs) tries once
+    /// more. An fsync error stops the log for good.
+    fn flush(&mut self, has_new: bool) -> Result<(), WalError> {
         let written = match self.write_buf() {
-            Err(WalError::DiskFull(_)) if self.reserve.release() => self.write_buf(),
+            Err(WalError::DiskFull(_)) if self.reserve.release() && !has_new => self.write_buf(),
             written => written,
         };
         if let Err(e) = &written {
@@ -581,7 +601,13 @@ impl WriterState {
         let header = frame::segment_header(salt.value());
         let written = file.append(&header).and_then(|_| file.sync_all());
         if let Err(e) = written {
+            // The removal is made durable before anything else is written:
+            // else a power loss could keep the name, and this empty segment
+            // would stand after the head, whose torn last batch (a later
+            // write cut short) would then be read as corruption (sim seed
+            // 1791).
             let _ = fs.remove_file(&path);
+            sync_dir(fs, &self.config.dir)?;
             return Err(WalError::io(&path, e));
         }
         sync_dir(fs, &self.config.dir)?;

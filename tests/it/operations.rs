@@ -636,8 +636,9 @@ async fn a_full_disk_pauses_consuming_and_loses_nothing_once_space_is_freed() {
 }
 
 /// Stored messages still go out while the disk is full. Their Done records
-/// do not fit (the writer logs "WAL write failed", which the test requires):
-/// the messages have left, so delayd only logs it and keeps running.
+/// hit ENOSPC, and the disk reserve (`wal.reserve_bytes`) is released to
+/// them: they fit, so the messages are not sent again after a restart, and
+/// delayd keeps running (the test requires the release in the log).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_messages_are_delivered_while_the_disk_is_full() {
     // Enough Done records (33 bytes each) to exceed one tmpfs page: the
@@ -671,14 +672,14 @@ async fn stored_messages_are_delivered_while_the_disk_is_full() {
     let mut receiver = client.consume(&s.target_queue).await;
     receive_each_once(&mut receiver, &sent, 5000, 0, LATE_MS).await;
     wait_pending(&delayd, 0).await;
-    // The disk really was full: their Done records did not fit.
+    // The disk really was full: their Done records took the reserve.
     wait_for(
         "the full disk to show in delayd's log",
         DEADLINE,
         || async {
             delayd
                 .log_tail(200)
-                .contains("WAL write failed")
+                .contains("the disk reserve")
                 .then_some(())
         },
     )
