@@ -201,6 +201,28 @@ impl Sim {
     /// A failure under a fault, hashed without its text: which of two
     /// errors a crash surfaces first (the I/O error, or "the WAL is
     /// stopped") depends on the writer thread's timing.
+    /// With `SIM_TRACE`: the files on the simulated disk before each step.
+    fn trace_disk(&self, op: &Op) {
+        if std::env::var_os("SIM_TRACE").is_none() {
+            return;
+        }
+        use crate::wal::fs::FileSystem;
+        let dir = Path::new(DIR);
+        let files: Vec<_> = [dir.to_path_buf(), dir.join("far")]
+            .iter()
+            .flat_map(|d| self.fs.list(d).unwrap_or_default())
+            .map(|p| {
+                let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+                (name.unwrap_or_default(), self.fs.file_len(&p))
+            })
+            .collect();
+        eprintln!(
+            "trace {} {op:?} on {} bytes: {files:?}",
+            self.step,
+            self.fs.used_bytes()
+        );
+    }
+
     fn note_error(&mut self, what: &'static str, e: &dyn std::fmt::Display) {
         self.note(what);
         self.show(e.to_string());
@@ -410,6 +432,7 @@ impl Sim {
         self.ensure_started().await?;
         for (step, op) in ops.iter().enumerate() {
             self.step = step;
+            self.trace_disk(op);
             self.apply(op).await?;
             self.after_op().await?;
         }
@@ -718,14 +741,27 @@ impl Sim {
     /// `Ok(false)` if the process had to die (its disk froze, its log
     /// stopped) and was restarted.
     async fn check_alive(&mut self) -> Result<bool, Failure> {
-        let halted = self
-            .node
-            .as_ref()
-            .is_some_and(|n| n.engine.wal().is_stopped());
+        let stopped =
+            |node: &Option<Node>| node.as_ref().is_some_and(|n| n.engine.wal().is_stopped());
+        let mut halted = stopped(&self.node);
         // An fsync failed: its pages may be gone while reads still see
         // them, so the process must stop (it never retries an fsync).
         if self.fs.failed_syncs() > self.failed_syncs && self.node.is_some() && !halted {
-            return Err(self.fail("an fsync failed and the engine carried on"));
+            // The WAL's writer thread stops the log just after its fsync
+            // failed, and may not have yet: it has once it answered every
+            // record sent to it (seed 1230 read the latch in between).
+            let started = Instant::now();
+            while !halted && started.elapsed() < SETTLE_LIMIT {
+                let idle = self.engine().is_none_or(|e| e.wal().is_idle());
+                halted = stopped(&self.node);
+                if idle {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+            if !halted {
+                return Err(self.fail("an fsync failed and the engine carried on"));
+            }
         }
         if self.fs.is_frozen() || halted {
             let loss = if self.rng.chance(50) {

@@ -534,14 +534,12 @@ fn seed_1791_a_failed_segment_creation_leaves_no_segment_after_the_head() {
     }
 }
 
-/// Seed 2658 (long run, open): a disk that filled up with delayd's own
-/// files, the reserve already released and its room spent (Dones, loads,
-/// a new head at each start), and then a start: it needs room for a new
-/// head segment and has none, so delayd cannot start until space is freed
-/// from outside. Reusing the recovered last segment as the head would need
-/// no new room.
+/// Seed 2658 (long run): a disk that filled up with delayd's own files,
+/// the reserve already released and its room spent (Dones, a spill after
+/// a shorter horizon), and then a start: it needed room for a new head
+/// segment and had none, so delayd could not start until space was freed
+/// from outside. A start now goes on writing the recovered last segment.
 #[test]
-#[ignore = "open: a start on a disk full of delayd's own files needs room for a new head"]
 fn seed_2658_a_start_on_a_disk_full_of_its_own_files() {
     use ops::{Loss, Op, Scope};
     let ops = [

@@ -304,7 +304,7 @@ struct Shared {
 impl Wal {
     /// Open the log (creating its directory only if `create_dir`), lock its
     /// directory, replay every frame through `visit` in log order, then start
-    /// the writer on a fresh head segment.
+    /// the writer on the last segment (or a fresh one, if it cannot go on).
     pub fn open(
         config: WalConfig,
         visit: impl FnMut(RecordRef<'_>, WalPos),
@@ -331,7 +331,11 @@ impl Wal {
             &config.dir,
             config.reserve_bytes,
         )?);
-        let (table, report) = recovery::recover(&config, visit)?;
+        let recovery::Recovered {
+            table,
+            report,
+            last,
+        } = recovery::recover(&config, visit)?;
         let segments = Arc::new(Mutex::new(table));
         let claims = Arc::new(Claims::default());
         let writer = Writer::start(
@@ -340,6 +344,7 @@ impl Wal {
             claims.clone(),
             reserve.clone(),
             report.next_seq,
+            last,
         )?;
         Ok((
             Wal {

@@ -505,3 +505,34 @@ fn a_full_disk_gives_the_reserve_to_dones_never_to_new_messages() {
     append(&wal, &message(5)).unwrap();
     assert_eq!(fs.file_len(&reserve), 8 << 10);
 }
+
+/// A start needs no room of its own: on a disk full to the last byte (the
+/// reserve spent), the log opens and goes on in its last segment, and what
+/// it appends there once there is room survives a power loss. Fails
+/// without the resumed head (sim seed 2658: the new head segment's
+/// creation failed, and delayd could not start).
+#[test]
+fn a_start_on_a_full_disk_goes_on_in_the_last_segment() {
+    let fs = SimFs::with_dir(DIR);
+    let cfg = |fs: &SimFs| WalConfig {
+        segment_bytes: 1 << 20,
+        reserve_bytes: 0,
+        ..config(fs)
+    };
+    let wal = open(cfg(&fs)).unwrap().wal;
+    let mut acked = BTreeMap::new();
+    append_all(&wal, 0, 3, &mut acked);
+    drop(wal);
+    let segments = segment_files(&fs);
+    fs.set_capacity(Some(fs.used_bytes()));
+    let reopened = open(cfg(&fs)).unwrap_or_else(|e| panic!("a full disk refused the start: {e}"));
+    check_acked(&reopened.live, &acked, "full disk");
+    assert_eq!(segment_files(&fs), segments, "a start made a new segment");
+    fs.set_capacity(None);
+    append_all(&reopened.wal, 3, 6, &mut acked);
+    assert_eq!(segment_files(&fs), segments);
+    let fs = fs.power_loss(PowerLoss::DropUnsynced);
+    drop(reopened);
+    let after = open(cfg(&fs)).unwrap();
+    check_acked(&after.live, &acked, "after the power loss");
+}

@@ -34,16 +34,28 @@ pub struct RecoveryReport {
     pub elapsed: Duration,
 }
 
+/// What recovery hands the writer.
+pub struct Recovered {
+    pub table: SegmentTable,
+    pub report: RecoveryReport,
+    /// The last segment, whole and in the current format: the writer goes
+    /// on appending to it rather than creating a new head, so a start needs
+    /// no room of its own (sim seed 2658: a disk full of delayd's own files
+    /// could not start). Sealed in the table until the writer takes it.
+    pub last: Option<u32>,
+}
+
 pub fn recover(
     config: &WalConfig,
     mut visit: impl FnMut(RecordRef<'_>, WalPos),
-) -> Result<(SegmentTable, RecoveryReport), WalError> {
+) -> Result<Recovered, WalError> {
     let started = Instant::now();
     let mut report = RecoveryReport::default();
     let mut table = SegmentTable::default();
     let fs = &*config.fs;
     let files = list_segments(config)?;
     let mut last_seq = 0u64;
+    let mut last = None;
     let count = files.len();
     for (index, (first_seq, path)) in files.into_iter().enumerate() {
         let is_last = index + 1 == count;
@@ -101,6 +113,7 @@ pub fn recover(
             buf.len() as u64,
             salt,
         );
+        let corrupt_before = report.corruptions.len();
         let mut frames = 0u64;
         let mut cut_at = None;
         let scan = || Scanner::new(&buf, config.max_frame_len()).with_last_seq(last_seq);
@@ -169,12 +182,17 @@ pub fn recover(
             report.truncated_bytes += buf.len() as u64 - cut;
             table.set_bytes(ordinal, cut);
         }
+        // Not after a corrupt frame: new batches would follow garbage.
+        if is_last && salt.is_salted() && report.corruptions.len() == corrupt_before {
+            last = Some(ordinal);
+        }
         if is_last && frames == 0 {
             // An empty head from the previous run. It is kept: its name is
             // the seqs' high-water mark, and removing it before the new head
             // is durable (a full disk refuses the new head) left no segment,
-            // so seqs began again at 1 (sim seed 1846). The new head is named
-            // past it, and compaction removes it once sealed behind that head.
+            // so seqs began again at 1 (sim seed 1846). The writer usually
+            // goes on in it; a new head is named past it, and it is removed
+            // once sealed behind that head.
             last_seq = last_seq.max(first_seq);
             continue;
         }
@@ -184,7 +202,11 @@ pub fn recover(
     table.seal_all();
     report.next_seq = last_seq + 1;
     report.elapsed = started.elapsed();
-    Ok((table, report))
+    Ok(Recovered {
+        table,
+        report,
+        last,
+    })
 }
 
 fn handle_corruption(

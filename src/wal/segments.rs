@@ -94,6 +94,18 @@ impl SegmentTable {
         }
     }
 
+    /// The writer took a sealed segment back as its head (at a start).
+    pub fn unseal(&mut self, ordinal: u32) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            s.sealed = false;
+        }
+    }
+
+    /// A segment's size as far as the log has written it.
+    pub fn bytes(&self, ordinal: u32) -> Option<u64> {
+        self.segments.get(&ordinal).map(|s| s.bytes)
+    }
+
     pub fn seal_all(&mut self) {
         for s in self.segments.values_mut() {
             s.sealed = true;

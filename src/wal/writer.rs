@@ -152,6 +152,7 @@ impl Writer {
         claims: Arc<Claims>,
         reserve: Arc<Reserve>,
         next_seq: u64,
+        last: Option<u32>,
     ) -> Result<Self, WalError> {
         let halt = Halt::default();
         let fsyncs = Arc::new(AtomicU64::new(0));
@@ -174,7 +175,9 @@ impl Writer {
             buf: Vec::with_capacity(1 << 20),
             halt: halt.clone(),
         };
-        state.rotate()?;
+        if !last.is_some_and(|ordinal| state.resume(ordinal)) {
+            state.rotate()?;
+        }
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("delayd-wal-writer".into())
@@ -590,6 +593,34 @@ impl WriterState {
         metrics::counter!("delayd_wal_written_bytes_total").increment(self.buf.len() as u64);
         self.head_bytes += self.buf.len() as u64;
         Ok(())
+    }
+
+    /// Take recovery's last segment as the head: appends go on after its
+    /// last whole batch (recovery cut any torn tail, durably). A head that
+    /// is already full is sealed at the first batch, as any full head is.
+    /// False if it cannot be opened (a new head is made instead).
+    fn resume(&mut self, ordinal: u32) -> bool {
+        let mut table = self.segments.lock().expect("segment table poisoned");
+        let Some((_, path, salt)) = table.file(ordinal) else {
+            return false;
+        };
+        let Some(bytes) = table.bytes(ordinal) else {
+            return false;
+        };
+        match self.config.fs.open_append(&path) {
+            Ok(file) => {
+                table.unseal(ordinal);
+                self.head = ordinal;
+                self.head_bytes = bytes;
+                self.salt = salt;
+                self.file = Some((file, path));
+                true
+            }
+            Err(e) => {
+                tracing::warn!(segment = %path.display(), error = %e, "cannot go on writing the last WAL segment; starting a new one");
+                false
+            }
+        }
     }
 
     /// Seal the head and start a new segment named after the next seq.
