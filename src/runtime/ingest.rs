@@ -400,7 +400,9 @@ impl Intake {
                     return;
                 }
                 Err(EngineError::Wal(WalError::DiskFull(dir))) => {
-                    tracing::error!(route, dir = %dir.display(), "DISK FULL: cannot store message; holding it until there is space");
+                    // Said once for all by `disk_full`: one line per held
+                    // delivery per probe was thousands a minute.
+                    tracing::debug!(route, dir = %dir.display(), "disk full: holding the delivery until there is space");
                     metrics::counter!("delayd_store_failures_total", "route" => route.to_owned())
                         .increment(1);
                     self.pressure.disk_full();

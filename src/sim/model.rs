@@ -65,12 +65,20 @@ impl Model {
         self.msgs[msg].uids.push(uid);
     }
 
-    /// A cancel of `uid` was answered "cancelled".
+    /// A cancel of `uid` was answered "cancelled". For a message that fired
+    /// already it found a leftover copy (a spill whose WAL Done failed); the
+    /// copy that fired may come back after a crash (its Done lost), which
+    /// at-least-once allows, so that message is only owed no more fires
+    /// (seed 2983), as [`Model::cancel_where`] has it.
     pub fn cancel_uid(&mut self, uid: u128) {
-        self.cancelled.insert(uid);
-        if let Some(&m) = self.owner.get(&uid) {
-            self.msgs[m].cancelled = true;
+        let Some(&m) = self.owner.get(&uid) else {
+            self.cancelled.insert(uid);
+            return;
+        };
+        if self.msgs[m].fired.is_empty() {
+            self.cancelled.insert(uid);
         }
+        self.msgs[m].cancelled = true;
     }
 
     /// A cancel of `uid` failed: it may have taken effect, or not.

@@ -583,3 +583,36 @@ fn seed_2658_a_start_on_a_disk_full_of_its_own_files() {
         panic!("{f}");
     }
 }
+
+/// Seed 2983 (long run, found with the resumed head): a message spilled
+/// (its WAL Done failed: the WAL's disk was full), then fired from the WAL
+/// (its Done failed too); a cancel found the far copy and answered
+/// "cancelled"; after a kill the WAL copy fired again, under its one id.
+/// At-least-once allows that second send of a message that had fired: the
+/// model owed it no more fires only where it had not fired yet.
+#[test]
+fn seed_2983_a_cancel_after_the_fire_finds_a_leftover_copy() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(1, 1, 451, 24920, None, false),
+        Op::DiskFull { scope: Scope::Wal },
+        deliver(0, 0, 215, 1784, None, false),
+        deliver(1, 1, 807, 0, None, true),
+        deliver(0, 3, 232, 2560, None, true),
+        Op::FarRound,
+        Op::Clock { ms: 18548 },
+        deliver(1, 1, 726, 4399, None, false),
+        deliver(0, 0, 63, 25831, None, false),
+        Op::Kill { loss: Loss::Torn },
+        Op::Redeliver,
+        Op::Clock { ms: 8580 },
+        Op::Redeliver,
+        Op::Cancel { pick: 246043296 },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+    ];
+    if let Err(f) = run(2983, &ops) {
+        panic!("{f}");
+    }
+}
