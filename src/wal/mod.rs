@@ -51,7 +51,10 @@
 //! fdatasync of its own; losing it to a crash sends the message again after
 //! the restart (at-least-once), never loses one. A segment is sealed when it
 //! passes `segment_bytes`; the new file and the directory are fsynced before
-//! any record in it is acknowledged.
+//! any record in it is acknowledged. A start goes on writing the last
+//! segment after recovery cut its torn tail (durably), so it needs no disk
+//! room of its own; only a last segment with corruption in it, or in the
+//! unsalted v1 format, gets a new head.
 //!
 //! # Crash rules
 //!
