@@ -29,9 +29,8 @@
 #   KEEP=1 LOG=info ...    # keep delayd's logs (at that level) and the reports
 #
 # Pass: 0 lost and 0 early in every scenario, 0 duplicates under another
-# x-delayd-id than the first copy's in kill9, sigterm, handoff, store and
-# store-amqp (a copy there can only be the same stored message sent again),
-# duplicates at most 0.1 % of the messages received (1 % in the short run, whose few thousand messages
+# x-delayd-id than the first copy's in every scenario (a copy can only be
+# the same stored message sent again), duplicates at most 0.1 % of the messages received (1 % in the short run, whose few thousand messages
 # make a handful of duplicates a large share). Lost counts only publishes the broker confirmed; early is
 # judged against the bench's own clock at publish, before delayd saw the
 # message, so it can only under-count lateness, never invent an early one.
@@ -297,12 +296,9 @@ run_scenario() { # scenario, cycles
             return 1
         fi
     fi
-    local identity=()
-    # One identity per message: where a copy can only be the same stored
-    # message sent again, a copy under another x-delayd-id means a message
-    # stored twice.
-    case "$s" in kill9 | sigterm | handoff | store | store-amqp) identity=(--one-identity) ;; esac
-    python3 scripts/faults/report.py "$s" "$n" "$took" "$dup_permille" "$work/$s.json" "${identity[@]}"
+    # One identity per message in every scenario: a copy under another
+    # x-delayd-id means a message stored twice, and fails.
+    python3 scripts/faults/report.py "$s" "$n" "$took" "$dup_permille" "$work/$s.json"
 }
 
 for s in $scenarios; do

@@ -486,7 +486,7 @@ async fn switching_to_the_broker_store_fires_what_the_wal_held_even_on_a_standby
     let r = StreamRoute::new("stream-switch").await;
     let _cleanup = r.names.cleanup();
     // A keeps its state locally, and holds the messages.
-    let mut a = Delayd::start_consuming(
+    let a = Delayd::start_consuming(
         |wal, http| config_toml(&r.names, wal, http, &r.opts),
         &r.names.from_queue,
     )
@@ -496,28 +496,7 @@ async fn switching_to_the_broker_store_fires_what_the_wal_held_even_on_a_standby
         (a.pending() == COUNT as u64).then_some(())
     })
     .await;
-    let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
-    assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
-    // B takes the route on the broker store; A comes back on it too, as a
-    // standby, with its WAL: those messages are in no stream, so A fires
-    // them itself.
-    let b = r.start_owner().await;
-    let config = std::fs::read_to_string(a.config_path()).expect("read config");
-    let switched = format!(
-        "{config}\n[store]\nkind = \"broker\"\ntopic_prefix = {}\n",
-        common::toml_string(&r.prefix)
-    );
-    std::fs::write(a.config_path(), switched).expect("write config");
-    a.restart().await;
-    wait_for("A to stand by", DEADLINE, || async {
-        (a.readyz()["routes"][&r.names.route] == "standby").then_some(())
-    })
-    .await;
-    assert_eq!(a.pending(), COUNT as u64, "A dropped its local messages");
-    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
-    assert_eq!(duplicates, 0);
-    assert_eq!(b.pending(), 0);
-    r.delete_streams().await;
+    switch_to_the_broker_store_as_a_standby(&r, a, &sent, COUNT).await;
 }
 
 /// As above, with the messages in A's far tier (`engine.horizon = "1s"`):
@@ -531,7 +510,7 @@ async fn switching_to_the_broker_store_carries_the_far_tier() {
     let mut r = StreamRoute::new("stream-switch-far").await;
     r.opts.engine_extra = "horizon = \"1s\"".into();
     let _cleanup = r.names.cleanup();
-    let mut a = Delayd::start_consuming(
+    let a = Delayd::start_consuming(
         |wal, http| config_toml(&r.names, wal, http, &r.opts),
         &r.names.from_queue,
     )
@@ -543,6 +522,18 @@ async fn switching_to_the_broker_store_carries_the_far_tier() {
         || async { (a.metric("delayd_far_messages") == COUNT as f64).then_some(()) },
     )
     .await;
+    switch_to_the_broker_store_as_a_standby(&r, a, &sent, COUNT).await;
+}
+
+/// A, stopped with `count` messages of `sent` stored locally, comes back on
+/// the broker store as a standby while B owns the route: those messages are
+/// in no stream, so A fires each of them itself, once.
+async fn switch_to_the_broker_store_as_a_standby(
+    r: &StreamRoute,
+    mut a: Delayd,
+    sent: &BTreeMap<String, (u64, u64, usize)>,
+    count: usize,
+) {
     let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
     assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
     let b = r.start_owner().await;
@@ -557,8 +548,8 @@ async fn switching_to_the_broker_store_carries_the_far_tier() {
         (a.readyz()["routes"][&r.names.route] == "standby").then_some(())
     })
     .await;
-    assert_eq!(a.pending(), COUNT as u64, "A dropped its local messages");
-    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(a.pending(), count as u64, "A dropped its local messages");
+    let duplicates = r.receive_all(sent, Duration::from_secs(60)).await;
     assert_eq!(duplicates, 0);
     assert_eq!(b.pending(), 0);
     r.delete_streams().await;

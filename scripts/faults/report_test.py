@@ -1,0 +1,56 @@
+"""report.py must fail a run with a copy under another x-delayd-id unless
+the scenario names the README's case, and must say so loudly either way.
+
+    python3 scripts/faults/report_test.py
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+REPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.py")
+
+
+def bench(other_id=0):
+    return {
+        "published": 1000, "publish_failures": 0, "received": 1000 + other_id,
+        "lost": 0, "early": 0, "duplicates": other_id,
+        "duplicates_same_id": 0, "duplicates_different_id": other_id,
+        "redelivered_to_bench": 0, "lateness_p99_ms": 10, "lateness_max_ms": 20,
+        "different_id_examples": [[7, "a" * 32, "b" * 32]] if other_id else [],
+    }
+
+
+def run(report, *args):
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(report, f)
+    try:
+        return subprocess.run([sys.executable, REPORT, "s", "1", "60", "20", f.name, *args],
+                              capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+
+
+class Verdict(unittest.TestCase):
+    def test_a_clean_run_passes(self):
+        self.assertEqual(run(bench()).returncode, 0)
+
+    def test_a_copy_under_another_id_fails_by_default(self):
+        out = run(bench(other_id=1))
+        self.assertEqual(out.returncode, 1, out.stdout)
+        self.assertIn("FAIL: no case the README names", out.stdout)
+
+    def test_a_named_case_passes_loudly(self):
+        out = run(bench(other_id=1), "--other-id-named", "a node crashed")
+        self.assertEqual(out.returncode, 0, out.stdout)
+        self.assertIn("WARNING 1 copies under another x-delayd-id", out.stdout)
+
+    def test_a_named_case_still_counts_as_duplicates(self):
+        report = bench(other_id=50)  # 50 of 1050: over 20 per mille
+        self.assertEqual(run(report, "--other-id-named", "a node crashed").returncode, 1)
+
+
+if __name__ == "__main__":
+    unittest.main()
