@@ -49,6 +49,11 @@ pub struct Delivery {
     pub message: Message,
     /// The broker says it may have delivered this message before.
     pub redelivered: bool,
+    /// The source's channel session it came on (AMQP: one per channel set
+    /// up, counting from 1; Kafka: 0). A broker redelivers only what an
+    /// earlier session left unsettled, so a redelivery can repeat only a
+    /// delivery of an earlier session.
+    pub session: u64,
     pub ack: Box<dyn AckHandle>,
 }
 
@@ -57,6 +62,7 @@ impl std::fmt::Debug for Delivery {
         f.debug_struct("Delivery")
             .field("message", &self.message)
             .field("redelivered", &self.redelivered)
+            .field("session", &self.session)
             .finish_non_exhaustive()
     }
 }

@@ -12,9 +12,15 @@
 //! copy's broker record may have been written even though its confirm was
 //! lost, and a later restore brings it back under the first identity.
 //!
-//! So a redelivery whose bytes equal a delivery in hand takes that
-//! delivery's identity, and the held copy is superseded: it is not stored
-//! again (its channel is gone; the redelivery is the copy that counts).
+//! So a redelivery whose bytes equal a delivery in hand from an earlier
+//! channel session takes that delivery's identity, and the held copy is
+//! superseded: it is not stored again (its channel is gone; the redelivery
+//! is the copy that counts). Only an earlier session's: a broker redelivers
+//! what a closed channel left unsettled, so a delivery of the same session
+//! with equal bytes is another message (the same bytes published twice).
+//! Matching those too chained twins onto one identity: twin 1's
+//! redelivery took twin 1's id, twin 1's own first copy left, and twin 2's
+//! redelivery then matched twin 1's redelivery (issue #37).
 //! The engine's redelivery detection then merges the two where both reach
 //! the store, and a copy that slips through is a same-id duplicate.
 //!
@@ -37,6 +43,8 @@ pub struct InHand {
 
 struct Entry {
     token: u64,
+    /// The channel session it came on (see `Delivery::session`).
+    session: u64,
     bytes: Arc<[u8]>,
     uid: MessageId,
     superseded: Arc<AtomicBool>,
@@ -56,13 +64,15 @@ impl InHand {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Register a delivery with these encoded `bytes`. A `redelivered` one
-    /// equal to a delivery in hand takes its identity and supersedes it;
-    /// any other gets `fresh()`. Returns the identity and the ticket.
+    /// Register a delivery with these encoded `bytes`, taken in on channel
+    /// `session`. A `redelivered` one equal to a delivery in hand from an
+    /// earlier session takes its identity and supersedes it; any other gets
+    /// `fresh()`. Returns the identity and the ticket.
     pub fn take_in(
         self: &Arc<Self>,
         bytes: Arc<[u8]>,
         redelivered: bool,
+        session: u64,
         fresh: impl FnOnce() -> MessageId,
     ) -> (MessageId, Ticket) {
         let fp = fingerprint(&bytes);
@@ -72,8 +82,11 @@ impl InHand {
         let same = entries.entry(fp).or_default();
         let earlier = redelivered
             .then(|| {
-                same.iter()
-                    .find(|e| !e.superseded.load(Ordering::Acquire) && *e.bytes == *bytes)
+                same.iter().find(|e| {
+                    e.session < session
+                        && !e.superseded.load(Ordering::Acquire)
+                        && *e.bytes == *bytes
+                })
             })
             .flatten();
         let uid = match earlier {
@@ -85,6 +98,7 @@ impl InHand {
         };
         same.push(Entry {
             token,
+            session,
             bytes,
             uid,
             superseded: superseded.clone(),
@@ -141,13 +155,14 @@ mod tests {
     #[test]
     fn a_redelivery_of_a_delivery_in_hand_takes_its_identity_and_supersedes_it() {
         let in_hand = Arc::new(InHand::default());
-        let (first, held) = in_hand.take_in(bytes("order 7"), false, MessageId::mint);
-        let (again, copy) = in_hand.take_in(bytes("order 7"), true, MessageId::mint);
+        let (first, held) = in_hand.take_in(bytes("order 7"), false, 1, MessageId::mint);
+        let (again, copy) = in_hand.take_in(bytes("order 7"), true, 2, MessageId::mint);
         assert_eq!(again, first, "one message, one identity");
         assert!(held.superseded(), "the held copy must not be stored again");
         assert!(!copy.superseded());
-        // A third copy takes the identity from the one now in hand.
-        let (third, _) = in_hand.take_in(bytes("order 7"), true, MessageId::mint);
+        // A third copy, once that channel closed too, takes the identity
+        // from the one now in hand.
+        let (third, _) = in_hand.take_in(bytes("order 7"), true, 3, MessageId::mint);
         assert_eq!(third, first);
         assert!(copy.superseded());
     }
@@ -155,11 +170,11 @@ mod tests {
     #[test]
     fn only_a_redelivery_of_equal_bytes_shares_an_identity() {
         let in_hand = Arc::new(InHand::default());
-        let (first, held) = in_hand.take_in(bytes("order 7"), false, MessageId::mint);
+        let (first, held) = in_hand.take_in(bytes("order 7"), false, 1, MessageId::mint);
         // Published twice on purpose: a new message.
-        let (twin, _t) = in_hand.take_in(bytes("order 7"), false, MessageId::mint);
+        let (twin, _t) = in_hand.take_in(bytes("order 7"), false, 1, MessageId::mint);
         assert_ne!(twin, first);
-        let (other, _o) = in_hand.take_in(bytes("order 8"), true, MessageId::mint);
+        let (other, _o) = in_hand.take_in(bytes("order 8"), true, 2, MessageId::mint);
         assert_ne!(other, first);
         assert!(!held.superseded());
     }
@@ -167,11 +182,11 @@ mod tests {
     #[test]
     fn equal_fingerprints_with_different_bytes_are_different_messages() {
         let in_hand = Arc::new(InHand::default());
-        let (first, held) = in_hand.take_in(bytes("a"), false, MessageId::mint);
+        let (first, held) = in_hand.take_in(bytes("a"), false, 1, MessageId::mint);
         // Forge a colliding entry: same fingerprint, other bytes.
         let fp = fingerprint(b"a");
         in_hand.entries().get_mut(&fp).unwrap()[0].bytes = bytes("b");
-        let (copy, _c) = in_hand.take_in(bytes("a"), true, MessageId::mint);
+        let (copy, _c) = in_hand.take_in(bytes("a"), true, 2, MessageId::mint);
         assert_ne!(copy, first);
         assert!(!held.superseded());
     }
@@ -179,11 +194,32 @@ mod tests {
     #[test]
     fn a_settled_delivery_leaves_and_its_redelivery_is_new() {
         let in_hand = Arc::new(InHand::default());
-        let (first, held) = in_hand.take_in(bytes("order 7"), false, MessageId::mint);
+        let (first, held) = in_hand.take_in(bytes("order 7"), false, 1, MessageId::mint);
         drop(held);
         assert_eq!(in_hand.len(), 0);
-        let (again, _t) = in_hand.take_in(bytes("order 7"), true, MessageId::mint);
+        let (again, _t) = in_hand.take_in(bytes("order 7"), true, 2, MessageId::mint);
         assert_ne!(again, first);
         assert_eq!(in_hand.len(), 1);
+    }
+
+    /// Two messages with equal bytes (published twice on purpose), both in
+    /// hand when their channel closed. Twin 1's redelivery takes twin 1's
+    /// identity; twin 1's first copy leaves (settled), and so does twin
+    /// 2's; twin 2's redelivery must not take the identity of twin 1's
+    /// redelivery, which came on its own channel session. Fails without
+    /// the session check: two messages, one identity (issue #37).
+    #[test]
+    fn twins_redelivered_together_keep_two_identities() {
+        let in_hand = Arc::new(InHand::default());
+        let (one, one_held) = in_hand.take_in(bytes("recompute 42"), false, 1, MessageId::mint);
+        let (two, two_held) = in_hand.take_in(bytes("recompute 42"), false, 1, MessageId::mint);
+        assert_ne!(one, two);
+        let (one_again, _a) = in_hand.take_in(bytes("recompute 42"), true, 2, MessageId::mint);
+        assert!(one_held.superseded());
+        drop(one_held);
+        drop(two_held);
+        let (two_again, _b) = in_hand.take_in(bytes("recompute 42"), true, 2, MessageId::mint);
+        assert_eq!(one_again, one);
+        assert_ne!(two_again, one, "twin 2 took twin 1's identity");
     }
 }

@@ -266,6 +266,7 @@ impl Intake {
         let Delivery {
             mut message,
             redelivered,
+            session,
             ack,
         } = delivery;
         let now = self.engine.now_ms();
@@ -281,7 +282,7 @@ impl Intake {
                 let encoded: Arc<[u8]> = delayd_adapters::encode(&message).into();
                 let (uid, ticket) = match handed_uid {
                     Some(uid) => (uid, None),
-                    None => self.identify(&message, &encoded, redelivered),
+                    None => self.identify(&message, &encoded, redelivered, session),
                 };
                 let held = Held {
                     message,
@@ -312,13 +313,14 @@ impl Intake {
         message: &delayd_adapters::Message,
         encoded: &Arc<[u8]>,
         redelivered: bool,
+        session: u64,
     ) -> (MessageId, Option<Ticket>) {
         if let Some(uid) = kafka_identity(message) {
             return (uid, None);
         }
-        let (uid, ticket) = self
-            .in_hand
-            .take_in(encoded.clone(), redelivered, MessageId::mint);
+        let (uid, ticket) =
+            self.in_hand
+                .take_in(encoded.clone(), redelivered, session, MessageId::mint);
         (uid, Some(ticket))
     }
 
@@ -649,6 +651,8 @@ to = { broker = "rabbit", exchange = "out" }
         let deliver = |name, redelivered| Delivery {
             message: message.clone(),
             redelivered,
+            // The redelivery comes on the next channel session.
+            session: if redelivered { 2 } else { 1 },
             ack: Box::new(Ack {
                 name,
                 settled: settled.clone(),

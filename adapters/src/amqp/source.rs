@@ -175,6 +175,7 @@ impl AmqpSource {
             paused: false,
             backoff: Backoff::default(),
             consumers_started: 0,
+            sessions: 0,
             acks: Arc::default(),
         };
         let task = tokio::spawn(worker.run());
@@ -449,6 +450,8 @@ struct Worker {
     /// Back-off between failed session set-ups (declaration refused, ...).
     backoff: Backoff,
     consumers_started: u64,
+    /// Channel sessions set up so far: the current one's number.
+    sessions: u64,
     /// Ack coalescing for the current channel session.
     acks: Arc<Mutex<AckCoalescer>>,
 }
@@ -492,6 +495,7 @@ impl Worker {
                     session = attempt => break session,
                 }
             };
+            self.sessions += 1;
             // New channel, new delivery tags. Acks still waiting on the old
             // channel fail (the broker redelivers those messages).
             let old = std::mem::take(&mut self.acks);
@@ -520,6 +524,7 @@ impl Worker {
         let delivery = Delivery {
             message,
             redelivered: delivery.redelivered,
+            session: self.sessions,
             ack: Box::new(AmqpAck {
                 acker: delivery.acker,
                 tag: delivery.delivery_tag,

@@ -623,6 +623,7 @@ fn take(shared: &Arc<Shared>, record: &rdkafka::message::BorrowedMessage<'_>) {
     let delivery = Delivery {
         message,
         redelivered: true,
+        session: 0,
         ack: Box::new(ack),
     };
     shared.backlog().push_back(Polled {
