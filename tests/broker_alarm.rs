@@ -28,6 +28,12 @@ fn rabbitmqctl(args: &[&str]) {
     assert!(status.success(), "rabbitmqctl {args:?}: {status}");
 }
 
+/// Held by each test for its whole run: the tests of this binary run two
+/// at a time, and one's alarm blocked the other's election (its lock
+/// queue's publishes), whose failure then cleared the first one's alarm
+/// before delayd saw it (both failed in a fresh clone's CI run under load).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A memory alarm for as long as it lives (cleared on drop, also when the
 /// test fails, so the broker is left usable).
 struct MemoryAlarm;
@@ -49,6 +55,7 @@ impl Drop for MemoryAlarm {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blocked_publishing_connection_holds_messages_and_still_shuts_down() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     const COUNT: usize = 20;
     const DELAY_MS: u64 = 1500;
     let names = Names::new("alarm");
@@ -62,6 +69,11 @@ async fn a_blocked_publishing_connection_holds_messages_and_still_shuts_down() {
         ..DelaydOptions::default()
     };
     let mut delayd = Delayd::start(&names, opts).await;
+    // Stopped, so that the alarm is in effect before delayd takes the
+    // messages in, however long raising it takes (seconds, on a loaded
+    // machine: the messages fell due first, and the test saw no block).
+    let status = delayd.sigterm_and_wait(Duration::from_secs(15)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", delayd.log_tail(60));
     // When each publish was sent and when the broker confirmed it: the
     // broker's own stamp, which the delay counts from, lies between.
     let mut sent = BTreeMap::new();
@@ -81,12 +93,14 @@ async fn a_blocked_publishing_connection_holds_messages_and_still_shuts_down() {
             .await;
         sent.insert(id, (before, now_ms()));
     }
+    let alarm = MemoryAlarm::raise();
+    wait_alarm_in_effect().await;
+    delayd.restart().await;
     wait_for("all stored", DEADLINE, || async {
         (delayd.pending() == COUNT as u64).then_some(())
     })
     .await;
 
-    let alarm = MemoryAlarm::raise();
     // They fall due while the broker refuses to read from publishers.
     wait_for(
         "/readyz to report the blocked connection",
@@ -185,6 +199,7 @@ async fn wait_alarm_in_effect() {
 /// (restoring, or holding deliveries unacked).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_write_the_broker_blocks_times_out() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     use delayd_adapters::amqp::state::{StateError, StateNames};
     const TIMEOUT: Duration = Duration::from_secs(2);
     let pointer = format!("delayd-it.state.{}.alarm", common::unique_suffix());
@@ -210,14 +225,17 @@ async fn a_state_write_the_broker_blocks_times_out() {
     .await
     .expect("the write never returned");
     let took = started.elapsed();
-    assert!(
-        matches!(written, Err(StateError::TimedOut { .. })),
-        "{written:?}"
-    );
-    assert!(
-        took >= TIMEOUT && took < TIMEOUT + Duration::from_secs(2),
-        "returned after {took:?}"
-    );
+    // Either way the owner gives the route up. On a loaded machine the
+    // write can slip through before the broker blocks its connection, and
+    // by its confirm the lease (renewed by pings the alarm blocks) is gone.
+    match written {
+        Err(StateError::TimedOut { .. }) => assert!(
+            took >= TIMEOUT && took < TIMEOUT + Duration::from_secs(2),
+            "timed out after {took:?}"
+        ),
+        Err(StateError::LockLost { .. }) => {}
+        other => panic!("a write the broker blocks returned {other:?} after {took:?}"),
+    }
     drop(alarm);
     session.close().await;
     let client = Client::connect("delayd-it-alarm-state-cleanup").await;
