@@ -15,10 +15,12 @@
 //!   back ([`Reserve::restore`]). Making it again needs twice its size
 //!   free, so the intake does not take back at once what the retiring
 //!   writes have just freed.
-//! - The WAL's writer then seals its head segment early, so that a head
+//! - While it is not held (released, or not made again since a start),
+//!   the WAL's writer seals its head segment early, once, so that a head
 //!   whose records all left (spilled, fired) can be deleted: a head is
 //!   otherwise sealed only once it is full, which a full disk never lets
-//!   it be.
+//!   it be. A start goes on in its last segment, so this covers that one
+//!   too.
 //! - A start removes the ballast a previous run left: its room is the
 //!   start's (recovery's cut-backs, a new head segment).
 //!
@@ -28,7 +30,7 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::fs::FileSystem;
@@ -48,9 +50,6 @@ pub struct Reserve {
     fs: Arc<dyn FileSystem>,
     /// The ballast is on disk (always, when `bytes` is 0: no reserve).
     held: AtomicBool,
-    /// Times it was released: the WAL's writer seals its head once after
-    /// each, so that a head of dead records can be deleted.
-    releases: AtomicU64,
     /// Serialises releasing and making it.
     change: Mutex<()>,
 }
@@ -86,7 +85,6 @@ impl Reserve {
             bytes,
             fs,
             held: AtomicBool::new(bytes == 0),
-            releases: AtomicU64::new(0),
             change: Mutex::new(()),
         };
         reserve.publish();
@@ -95,11 +93,6 @@ impl Reserve {
 
     pub fn is_held(&self) -> bool {
         self.held.load(Ordering::Acquire)
-    }
-
-    /// Times the reserve was released so far.
-    pub fn releases(&self) -> u64 {
-        self.releases.load(Ordering::Acquire)
     }
 
     /// A write failed with ENOSPC: remove the ballast, if it is there, to
@@ -120,7 +113,6 @@ impl Reserve {
             }
         }
         self.held.store(false, Ordering::Release);
-        self.releases.fetch_add(1, Ordering::AcqRel);
         metrics::counter!("delayd_disk_reserve_released_total").increment(1);
         self.publish();
         tracing::warn!(

@@ -166,7 +166,7 @@ impl Writer {
             segments,
             claims,
             reserve,
-            sealed_at_release: 0,
+            sealed_while_unheld: false,
             file: None,
             head: 0,
             head_bytes: 0,
@@ -278,8 +278,8 @@ struct WriterState {
     claims: Arc<Claims>,
     /// Released at the first ENOSPC, for the write to try once more.
     reserve: Arc<Reserve>,
-    /// [`Reserve::releases`] when the head was last sealed early.
-    sealed_at_release: u64,
+    /// The head was sealed early since the reserve was last held.
+    sealed_while_unheld: bool,
     file: Option<(Box<dyn WalFile>, PathBuf)>,
     head: u32,
     head_bytes: u64,
@@ -411,36 +411,49 @@ impl WriterState {
             }
             return;
         }
-        // After the disk reserve was released, the head is sealed early:
-        // a full disk would never let it fill, and a sealed segment whose
-        // records all left is deleted, which is how the disk empties.
-        let releases = self.reserve.releases();
-        let seal_early =
-            releases > self.sealed_at_release && self.head_bytes > frame::SEGMENT_HEADER_BYTES;
-        if self.head_bytes >= self.config.segment_bytes || seal_early {
-            self.sealed_at_release = releases;
+        // While the disk reserve is not held (released at an ENOSPC, or not
+        // yet made again since a start on a full disk), the head is sealed
+        // early, once: a full disk would never let it fill, and a sealed
+        // segment whose records all left is deleted, which is how the disk
+        // empties. A start goes on in its last segment, so it too must be
+        // sealed this way (sim seed 2934: a resumed head of dead records
+        // held the disk full for good).
+        if self.reserve.is_held() {
+            self.sealed_while_unheld = false;
+        }
+        let full = self.head_bytes >= self.config.segment_bytes;
+        let seal_early = !self.sealed_while_unheld
+            && !self.reserve.is_held()
+            && self.head_bytes > frame::SEGMENT_HEADER_BYTES;
+        if full || seal_early {
             let mut rotated = self.rotate();
             if matches!(rotated, Err(WalError::DiskFull(_))) && self.reserve.release() {
                 rotated = self.rotate();
             }
-            if let Err(e) = rotated {
-                // A full disk passes; anything else (the directory gone, a
-                // failed directory fsync) leaves no safe place to write.
-                let e = match e {
-                    WalError::DiskFull(_) => e,
-                    WalError::Io { path, source } => WalError::Fatal {
-                        op: "segment create",
-                        path,
-                        source,
-                    },
-                    other => other,
-                };
-                tracing::error!(error = %e, "cannot start a new WAL segment");
-                if e.is_fatal() {
-                    self.halt.stop(&e);
+            match rotated {
+                Ok(()) => self.sealed_while_unheld |= seal_early,
+                // Not full yet: the batch goes into the head, and a later
+                // batch tries the seal again.
+                Err(WalError::DiskFull(_)) if !full => {}
+                Err(e) => {
+                    // A full disk passes; anything else (the directory gone, a
+                    // failed directory fsync) leaves no safe place to write.
+                    let e = match e {
+                        WalError::DiskFull(_) => e,
+                        WalError::Io { path, source } => WalError::Fatal {
+                            op: "segment create",
+                            path,
+                            source,
+                        },
+                        other => other,
+                    };
+                    tracing::error!(error = %e, "cannot start a new WAL segment");
+                    if e.is_fatal() {
+                        self.halt.stop(&e);
+                    }
+                    fail_all(batch.drain(..).map(|(_, r)| r), &e);
+                    return;
                 }
-                fail_all(batch.drain(..).map(|(_, r)| r), &e);
-                return;
             }
         }
         self.buf.clear();
