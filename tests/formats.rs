@@ -339,6 +339,10 @@ enum Replayed {
         id: u64,
         segment: u64,
     },
+    Acked {
+        seq: u64,
+        id: u64,
+    },
 }
 
 /// Recover a WAL whose only segment is the fixture `name` (its first seq
@@ -369,6 +373,7 @@ fn replay(name: &str) -> Vec<Replayed> {
                 message: message.to_vec(),
             },
             RecordRef::Done { seq, id, segment } => Replayed::Done { seq, id, segment },
+            RecordRef::Acked { seq, id } => Replayed::Acked { seq, id },
         })
     })
     .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -464,6 +469,27 @@ fn wal_segment_version_2_fixture_replays() {
     );
 }
 
+#[test]
+fn wal_segment_version_3_fixture_replays() {
+    let bytes = fixture("wal/v3.log");
+    assert_eq!(&bytes[..12], b"DELAYDWL\x03\x00\x00\x00");
+    assert_eq!(
+        replay("wal/v3.log"),
+        vec![
+            first(1, 1, UID),
+            second(3, 3, UID + 1),
+            // The first message's ack was confirmed: the lazy mark waited
+            // for the Done's batch (seq 7 is its Commit).
+            Replayed::Acked { seq: 5, id: 1 },
+            Replayed::Done {
+                seq: 6,
+                id: 1,
+                segment: 1
+            },
+        ]
+    );
+}
+
 // --------------------------------------------------------- the generator
 
 /// Writes the fixture files that are missing; never overwrites one.
@@ -531,7 +557,10 @@ fn write_fixtures() {
     put_frame(&mut seg, Some(salt), 3, 5, &4u64.to_le_bytes()); // Commit of 4
     write("wal/v2-type1.log", seg);
 
-    // WAL version 2 today: what the writer writes.
+    // WAL version 2 (wal/v2.log) was what the writer wrote until version
+    // 3 (Acked frames): the same as version 3 below without the Acked.
+
+    // WAL version 3 today: what the writer writes.
     let dir = tempfile::tempdir().unwrap();
     let (wal, _) = Wal::open(WalConfig::new(dir.path()), |_, _| {}).unwrap();
     let append = |due, uid, route: &str, message: &[u8]| {
@@ -543,6 +572,7 @@ fn write_fixtures() {
     };
     let first = append(DUE_MS, UID, "orders", FIRST);
     append(DUE_MS + 1, UID + 1, "r2", SECOND);
+    wal.append_acked(first.id).unwrap();
     wal.append_done(first.id, first.pos)
         .unwrap()
         .blocking_recv()
@@ -550,7 +580,7 @@ fn write_fixtures() {
         .unwrap();
     wal.close().unwrap();
     write(
-        "wal/v2.log",
+        "wal/v3.log",
         std::fs::read(dir.path().join(SEGMENT)).unwrap(),
     );
 }

@@ -3,8 +3,16 @@
 //! A broker redelivers a message whose ack it never saw, with its
 //! `redelivered` flag set (Kafka: every record past the last commit). delayd
 //! remembers the messages whose ack is not known to have reached the broker:
-//! added on store, removed once the ack succeeds. After a restart it seeds
-//! the set with the newest records of the log, since their acks are unknown.
+//! added on store, removed once the ack succeeds (the broker answered a
+//! round trip after it). That ack is marked in the WAL (an Acked frame,
+//! lazily, like a fired message's Done). After a restart it seeds the set
+//! with the newest records of the log ([`Recent`]) less the marked ones:
+//! before the marks, every one of the newest was a candidate, and a twin
+//! (the same bytes published twice on purpose) redelivered after the
+//! restart was taken for its acknowledged sibling and lost (issue #37).
+//! What remains is a record whose ack was sent but not yet answered, or
+//! answered with the mark not yet durable (the last few milliseconds before
+//! a crash): a twin of one of those is still taken for it.
 //!
 //! A redelivery is a duplicate only if its bytes equal a remembered stored
 //! record's, compared in full: the fingerprint below only finds candidates.
@@ -160,6 +168,68 @@ impl Unconfirmed {
     #[cfg(test)]
     pub fn len(&self) -> usize {
         self.fingerprints.len()
+    }
+}
+
+/// The newest Schedules a restart reads, to seed [`Unconfirmed`] with: the
+/// last `capacity` in log order, less those an Acked mark says were
+/// acknowledged to their source (a redelivery can no longer be one of them;
+/// taking a twin published on purpose for it would lose the twin).
+#[derive(Debug)]
+pub struct Recent {
+    capacity: usize,
+    /// (id, fingerprint, position, acked), oldest first.
+    entries: VecDeque<(u64, u64, WalPos, bool)>,
+    /// The running number of `entries[0]`.
+    first: u64,
+    /// Id -> the running number of its newest entry.
+    index: HashMap<u64, u64>,
+}
+
+impl Recent {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            entries: VecDeque::with_capacity(capacity.min(1 << 16)),
+            first: 0,
+            index: HashMap::new(),
+        }
+    }
+
+    /// A Schedule, read in log order.
+    pub fn push(&mut self, id: u64, fp: u64, pos: WalPos) {
+        if self.capacity == 0 {
+            return;
+        }
+        if self.entries.len() == self.capacity {
+            if let Some((old, ..)) = self.entries.pop_front() {
+                if self.index.get(&old) == Some(&self.first) {
+                    self.index.remove(&old);
+                }
+            }
+            self.first += 1;
+        }
+        self.index
+            .insert(id, self.first + self.entries.len() as u64);
+        self.entries.push_back((id, fp, pos, false));
+    }
+
+    /// An Acked mark, read in log order (after its Schedule). A mark whose
+    /// Schedule is no longer among the newest does not matter.
+    pub fn acked(&mut self, id: u64) {
+        if let Some(&n) = self.index.get(&id) {
+            if let Some(entry) = self.entries.get_mut((n - self.first) as usize) {
+                entry.3 = true;
+            }
+        }
+    }
+
+    /// The newest Schedules whose ack is not known: (id, fingerprint, position).
+    pub fn unacked(self) -> impl Iterator<Item = (u64, u64, WalPos)> {
+        self.entries
+            .into_iter()
+            .filter(|e| !e.3)
+            .map(|(id, fp, pos, _)| (id, fp, pos))
     }
 }
 

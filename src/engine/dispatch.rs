@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::finisher::Finisher;
 use crate::id::MessageId;
-use crate::wal::{Record, WalPos};
+use crate::wal::{Record, WalError, WalPos};
 use crate::wheel::Expired;
 
 use super::state::Slot;
@@ -331,9 +331,10 @@ impl Dispatcher {
                     attempt,
                 })
             }
-            Ok(Record::Done { .. }) => {
-                failed(format!("WAL position {:?} holds a Done", entry.data.pos))
-            }
+            Ok(Record::Done { .. } | Record::Acked { .. }) => failed(format!(
+                "WAL position {:?} holds no Schedule",
+                entry.data.pos
+            )),
             Err(e) => failed(format!("cannot read message from the WAL: {e}")),
         };
         let settle = Settle {
@@ -429,9 +430,12 @@ async fn complete(
                 state.unindex_key(hash, id);
             }
             // Compaction may have moved the record: `flight.slot.pos` is current.
-            if let Err(e) = inner.wal.append_fired(id, flight.slot.pos) {
+            match inner.wal.append_fired(id, flight.slot.pos) {
+                Ok(()) => {}
+                // The stop's reason was logged once; one line per message adds nothing.
+                Err(WalError::Stopped) => tracing::debug!(id, "no Done record: the WAL is stopped"),
                 // The message went out; without its Done it is sent again after a restart.
-                tracing::error!(id, error = %e, "cannot write Done record");
+                Err(e) => tracing::error!(id, error = %e, "cannot write Done record"),
             }
         }
         Outcome::Unavailable(reason) => {

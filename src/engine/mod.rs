@@ -589,8 +589,7 @@ impl Engine {
     ) -> Result<(Engine, RecoveryReport), EngineError> {
         let now = clock.now_ms();
         let mut state = State::new(now, config.dedup_window);
-        let mut recent =
-            std::collections::VecDeque::with_capacity(config.dedup_window.min(1 << 16));
+        let mut recent = dedup::Recent::new(config.dedup_window);
         let mut too_many_routes = false;
         let mut superseded = Vec::new();
         // Messages whose live Schedule is a compaction copy with the
@@ -628,10 +627,7 @@ impl Engine {
                     state.index_key(key_hash(route_id, key), id);
                 }
                 if config.dedup_window > 0 {
-                    if recent.len() == config.dedup_window {
-                        recent.pop_front();
-                    }
-                    recent.push_back((id, fingerprint(route, message), pos));
+                    recent.push(id, fingerprint(route, message), pos);
                 }
             }
             RecordRef::Done { id, segment, .. } => {
@@ -640,11 +636,12 @@ impl Engine {
                     retired_copies.push((id, copy, segment));
                 }
             }
+            RecordRef::Acked { id, .. } => recent.acked(id),
         })?;
         if too_many_routes {
             return Err(EngineError::TooManyRoutes);
         }
-        for (id, fp, pos) in recent {
+        for (id, fp, pos) in recent.unacked() {
             state.unconfirmed.add(id, fp, pos);
         }
         for (copy, original) in superseded {
@@ -915,9 +912,16 @@ impl Engine {
         self.state().is_pending(id)
     }
 
-    /// The source ack of stored message `id` reached the broker.
+    /// The source ack of stored message `id` reached the broker: it is
+    /// forgotten here, and marked in the WAL so that a restart forgets it
+    /// too (else a twin published on purpose and redelivered after the
+    /// restart was taken for it, and lost; issue #37).
     pub fn confirm_ack(&self, id: u64) {
-        self.state().unconfirmed.remove(id);
+        if self.state().unconfirmed.remove(id) {
+            if let Err(e) = self.inner.wal.append_acked(id) {
+                tracing::debug!(id, error = %e, "cannot mark the ack in the WAL");
+            }
+        }
     }
 
     /// Cancel a pending message: it never fires. `Ok(false)` if unknown.

@@ -542,6 +542,56 @@ async fn redelivery_of_an_unacked_message_is_not_stored_twice() {
     assert_eq!(engine.pending(), 3);
 }
 
+/// After a restart only the records whose ack is not known are compared
+/// with redeliveries. One whose ack was confirmed (an Acked mark in the
+/// WAL) is not: a twin published on purpose and redelivered after the
+/// restart is stored, not taken for it and lost (issue #37). Fails without
+/// the mark. A record whose ack was never confirmed still absorbs its
+/// redelivery.
+#[tokio::test]
+async fn after_a_restart_a_twin_is_not_taken_for_a_record_whose_ack_was_confirmed() {
+    let dir = tempfile::tempdir().unwrap();
+    let due = now() + 1_000_000;
+    let twin = b"recompute order 42".to_vec();
+    let unacked = b"close order 7".to_vec();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let Stored::New(first) = engine
+        .store("r", due, MessageId::mint(), twin.clone(), false)
+        .await
+        .unwrap()
+    else {
+        panic!("the first twin is new");
+    };
+    engine.confirm_ack(first);
+    engine
+        .store("r", due, MessageId::mint(), unacked.clone(), false)
+        .await
+        .unwrap();
+    engine.close().await.unwrap();
+    drop(engine);
+
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    // The second twin was in delayd's hands, unacked, when it stopped.
+    assert!(
+        matches!(
+            engine
+                .store("r", due, MessageId::mint(), twin, true)
+                .await
+                .unwrap(),
+            Stored::New(_)
+        ),
+        "the twin was taken for the acknowledged record"
+    );
+    assert_eq!(
+        engine
+            .store("r", due, MessageId::mint(), unacked, true)
+            .await
+            .unwrap(),
+        Stored::Duplicate
+    );
+    assert_eq!(engine.pending(), 3);
+}
+
 /// The connection an original came on can die while its record is still
 /// being written; the broker's copy then arrives before the original is
 /// remembered (that happens once it is durable). The copy must wait for the

@@ -559,16 +559,21 @@ async fn load_one(
                 .map_err(|_| EngineError::WriterGone)
                 .and_then(|r| Ok(r?))
             {
-                Ok(appended) => placed.push(Rearm {
-                    due,
-                    arrival,
-                    id: appended.id,
-                    slot: Slot {
-                        pos: appended.pos,
-                        route,
-                    },
-                    key,
-                }),
+                Ok(appended) => {
+                    // Its source's ack was settled long ago: no redelivery
+                    // after a restart is this copy.
+                    let _ = inner.wal.append_acked(appended.id);
+                    placed.push(Rearm {
+                        due,
+                        arrival,
+                        id: appended.id,
+                        slot: Slot {
+                            pos: appended.pos,
+                            route,
+                        },
+                        key,
+                    });
+                }
                 Err(e) => failed = Some(e),
             }
         }

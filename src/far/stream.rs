@@ -213,6 +213,11 @@ impl BucketIndex {
                 } => {
                     cancelled.insert(id);
                 }
+                // Never written in a bucket.
+                Item::Frame {
+                    record: RecordRef::Acked { .. },
+                    ..
+                } => {}
                 Item::Bad { offset, reason } => bad(offset, &reason),
             }
             Ok(())

@@ -11,9 +11,10 @@ pub const SCHEDULE_OVERHEAD: usize = 8 + 8 + 16 + 2;
 const SCHEDULE_V1_OVERHEAD: usize = 8 + 8 + 2;
 
 pub const SEGMENT_MAGIC: &[u8; 8] = b"DELAYDWL";
-/// Version 2 salts every frame's CRC and ends each batch with a Commit frame.
-/// Version 1 segments (no salt, no Commit) are still read.
-pub const SEGMENT_VERSION: u32 = 2;
+/// Version 2 salts every frame's CRC and ends each batch with a Commit frame;
+/// version 3 adds Acked frames (the same layout otherwise). Versions 1 (no
+/// salt, no Commit) and 2 are still read.
+pub const SEGMENT_VERSION: u32 = 3;
 pub const SEGMENT_HEADER_BYTES: u64 = 16;
 
 /// A Schedule without a uid (written before identities existed; read only).
@@ -22,6 +23,8 @@ const TYPE_DONE: u8 = 2;
 const TYPE_COMMIT: u8 = 3;
 /// A Schedule with the message's uid (what is written now).
 const TYPE_SCHEDULE: u8 = 4;
+/// The source's ack of a stored message was confirmed (version 3).
+const TYPE_ACKED: u8 = 5;
 
 /// The segment's CRC salt: a random `u32` from the header of a version 2
 /// segment, mixed into every frame's CRC so that bytes a producer wrote into
@@ -83,6 +86,10 @@ pub enum Record {
         id: u64,
         segment: u64,
     },
+    Acked {
+        seq: u64,
+        id: u64,
+    },
 }
 
 /// A record borrowed from a read buffer (recovery avoids copying payloads).
@@ -101,12 +108,20 @@ pub enum RecordRef<'a> {
         id: u64,
         segment: u64,
     },
+    /// The source's ack of stored message `id` was confirmed: a broker
+    /// redelivery can no longer be that message (see `engine::dedup`).
+    Acked {
+        seq: u64,
+        id: u64,
+    },
 }
 
 impl RecordRef<'_> {
     pub fn seq(&self) -> u64 {
         match self {
-            RecordRef::Schedule { seq, .. } | RecordRef::Done { seq, .. } => *seq,
+            RecordRef::Schedule { seq, .. }
+            | RecordRef::Done { seq, .. }
+            | RecordRef::Acked { seq, .. } => *seq,
         }
     }
 
@@ -128,6 +143,7 @@ impl RecordRef<'_> {
                 message: message.to_vec(),
             },
             RecordRef::Done { seq, id, segment } => Record::Done { seq, id, segment },
+            RecordRef::Acked { seq, id } => Record::Acked { seq, id },
         }
     }
 }
@@ -167,6 +183,13 @@ pub fn put_done(out: &mut Vec<u8>, salt: Salt, seq: u64, id: u64, segment: u64) 
     let start = begin(out, MIN_LEN as usize + 16, TYPE_DONE, seq);
     out.extend_from_slice(&id.to_le_bytes());
     out.extend_from_slice(&segment.to_le_bytes());
+    finish(out, start, salt);
+}
+
+/// Append an Acked frame to `out`.
+pub fn put_acked(out: &mut Vec<u8>, salt: Salt, seq: u64, id: u64) {
+    let start = begin(out, MIN_LEN as usize + 8, TYPE_ACKED, seq);
+    out.extend_from_slice(&id.to_le_bytes());
     finish(out, start, salt);
 }
 
@@ -278,6 +301,15 @@ pub fn parse(buf: &[u8], max_len: u32, salt: Salt) -> Result<(Parsed<'_>, usize)
                 segment: u64::from_le_bytes(payload[8..16].try_into().expect("8 bytes")),
             })
         }
+        TYPE_ACKED if salt.is_salted() => {
+            if payload.len() != 8 {
+                return Err(FrameError::BadPayload("Acked payload is not 8 bytes"));
+            }
+            Parsed::Record(RecordRef::Acked {
+                seq,
+                id: u64::from_le_bytes(payload.try_into().expect("8 bytes")),
+            })
+        }
         TYPE_COMMIT if salt.is_salted() => {
             if payload.len() != 8 {
                 return Err(FrameError::BadPayload("Commit payload is not 8 bytes"));
@@ -344,9 +376,17 @@ pub fn header_salt(buf: &[u8]) -> Option<Salt> {
     let word = |at: usize| u32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
     match word(8) {
         1 => Some(Salt::UNSALTED),
-        2 => Some(Salt::new(word(12))),
+        2 | 3 => Some(Salt::new(word(12))),
         _ => None,
     }
+}
+
+/// The format version a segment header declares (0 if it is no header).
+pub fn header_version(buf: &[u8]) -> u32 {
+    if buf.len() < SEGMENT_HEADER_BYTES as usize || &buf[..8] != SEGMENT_MAGIC {
+        return 0;
+    }
+    u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes"))
 }
 
 #[cfg(test)]

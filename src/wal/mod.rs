@@ -34,9 +34,16 @@
 //!   that held its Schedule frame when it was written.
 //! - `3 Commit`: `batch_first_seq u64`: ends every batch the writer writes
 //!   (see below), naming the seq of the batch's first frame.
+//! - `5 Acked` (version 3): `id u64`: the source's ack of message `id` was
+//!   confirmed, so a broker redelivery after a restart cannot be that
+//!   message (see `engine::dedup`). Written lazily; not copied by
+//!   compaction.
 //!
 //! Version 1 segments (no salt: the CRC starts at `len`; no Commit frames)
-//! are still read.
+//! and version 2 segments (no Acked frames) are still read; a start goes on
+//! writing only a segment of the current version. A delayd older than
+//! version 3 cannot read a version 3 segment: to go back to one, drain the
+//! WAL first (or hand the messages off, `engine.handoff`).
 //!
 //! # Writing
 //!
@@ -53,8 +60,8 @@
 //! passes `segment_bytes`; the new file and the directory are fsynced before
 //! any record in it is acknowledged. A start goes on writing the last
 //! segment after recovery cut its torn tail (durably), so it needs no disk
-//! room of its own; only a last segment with corruption in it, or in the
-//! unsalted v1 format, gets a new head.
+//! room of its own; only a last segment with corruption in it, or in an
+//! older format version, gets a new head.
 //!
 //! # Crash rules
 //!
@@ -497,6 +504,17 @@ impl Wal {
         self.shared
             .writer
             .send(AppendRequest::lazy_done(id, first_seq))
+            .map(drop)
+    }
+
+    /// Mark stored message `id` as acknowledged to its source (the ack was
+    /// confirmed): a restart then no longer takes a redelivery with its
+    /// bytes for it. Lazy, like [`Wal::append_fired`]'s Done: a crash that
+    /// loses the mark leaves the message among those a restart compares.
+    pub fn append_acked(&self, id: u64) -> Result<(), WalError> {
+        self.shared
+            .writer
+            .send(AppendRequest::Acked { id })
             .map(drop)
     }
 

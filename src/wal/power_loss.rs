@@ -71,6 +71,7 @@ fn open(cfg: WalConfig) -> Result<Opened, WalError> {
         RecordRef::Done { id, .. } => {
             live.remove(&id);
         }
+        RecordRef::Acked { .. } => {}
     })?;
     Ok(Opened { wal, live, report })
 }

@@ -378,6 +378,9 @@ pub fn inspect_segment(path: &Path, max_len: u32, is_last: bool) -> Result<Segme
             ScanItem::Frame { offset, record } => {
                 let next = scan_end(&buf, offset as usize, max_len, salt);
                 let size = (next - offset as usize) as u32;
+                if matches!(record, RecordRef::Acked { .. }) {
+                    continue;
+                }
                 scan.frames.push(match record {
                     RecordRef::Schedule {
                         id, due_ms, route, ..
@@ -395,6 +398,7 @@ pub fn inspect_segment(path: &Path, max_len: u32, is_last: bool) -> Result<Segme
                         route: String::new(),
                         done: Some(segment),
                     },
+                    RecordRef::Acked { .. } => unreachable!("skipped above"),
                 });
             }
             ScanItem::Commit { .. } => {}

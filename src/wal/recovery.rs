@@ -156,6 +156,7 @@ pub fn recover(
                             report.dones += 1;
                             table.record_done(ordinal, segment);
                         }
+                        RecordRef::Acked { .. } => {}
                     }
                     visit(record, pos);
                 }
@@ -182,8 +183,10 @@ pub fn recover(
             report.truncated_bytes += buf.len() as u64 - cut;
             table.set_bytes(ordinal, cut);
         }
-        // Not after a corrupt frame: new batches would follow garbage.
-        if is_last && salt.is_salted() && report.corruptions.len() == corrupt_before {
+        // Not after a corrupt frame (new batches would follow garbage), nor
+        // in an older format (whose readers know fewer frame types).
+        let current = frame::header_version(&buf) == frame::SEGMENT_VERSION;
+        if is_last && current && report.corruptions.len() == corrupt_before {
             last = Some(ordinal);
         }
         if is_last && frames == 0 {

@@ -35,6 +35,7 @@ fn open_live(cfg: WalConfig) -> Result<(Wal, Live, RecoveryReport), WalError> {
         RecordRef::Done { id, .. } => {
             live.remove(&id);
         }
+        RecordRef::Acked { .. } => {}
     })?;
     Ok((wal, live, report))
 }
@@ -499,6 +500,7 @@ fn compact(wal: &Wal, model: &mut Model) -> bool {
                     done_copies.push(wal.append_done_copy(id, target).unwrap());
                 }
             }
+            Record::Acked { .. } => {}
         }
     }
     for (id, old, copy) in copies {
@@ -537,6 +539,7 @@ fn reopen_and_compare(
         RecordRef::Done { id, .. } => {
             positions.remove(&id);
         }
+        RecordRef::Acked { .. } => {}
     })
     .unwrap();
     prop_assert!(report.corruptions.is_empty());

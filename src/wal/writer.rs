@@ -63,6 +63,10 @@ pub enum AppendRequest {
         /// sends the message again after the restart.
         lazy: bool,
     },
+    /// The source's ack of stored message `id` was confirmed. Always lazy:
+    /// losing it to a crash only leaves the message among those a restart
+    /// compares redeliveries with.
+    Acked { id: u64 },
 }
 
 impl AppendRequest {
@@ -113,13 +117,17 @@ impl AppendRequest {
     }
 
     fn is_lazy(&self) -> bool {
-        matches!(self, AppendRequest::Done { lazy: true, .. })
+        matches!(
+            self,
+            AppendRequest::Done { lazy: true, .. } | AppendRequest::Acked { .. }
+        )
     }
 
     fn size(&self) -> usize {
         match self {
             AppendRequest::Schedule { route, message, .. } => 64 + route.len() + message.len(),
             AppendRequest::Done { .. } => 40,
+            AppendRequest::Acked { .. } => 32,
         }
     }
 }
@@ -294,9 +302,18 @@ struct WriterState {
 struct Pending {
     reply: Reply,
     appended: Appended,
-    done_target: Option<u64>,
+    kind: Kind,
     /// A Schedule's due time (what its claim is ordered by).
     due_ms: u64,
+}
+
+/// What a written record counts as in the segment table.
+enum Kind {
+    Schedule,
+    /// A Done retiring a Schedule of the segment with this first seq.
+    Done(u64),
+    /// Counts for nothing (an Acked mark).
+    Mark,
 }
 
 impl WriterState {
@@ -469,7 +486,7 @@ impl WriterState {
                 segment: self.head,
                 offset,
             };
-            let (id, done_target, due_ms) = match req {
+            let (id, kind, due_ms) = match req {
                 AppendRequest::Schedule {
                     id,
                     due_ms,
@@ -488,17 +505,21 @@ impl WriterState {
                         message: &message,
                     };
                     frame::put_schedule(&mut self.buf, salt, seq, &schedule);
-                    (id, None, due_ms)
+                    (id, Kind::Schedule, due_ms)
                 }
                 AppendRequest::Done { id, segment, .. } => {
                     frame::put_done(&mut self.buf, salt, seq, id, segment);
-                    (id, Some(segment), 0)
+                    (id, Kind::Done(segment), 0)
+                }
+                AppendRequest::Acked { id } => {
+                    frame::put_acked(&mut self.buf, salt, seq, id);
+                    (id, Kind::Mark, 0)
                 }
             };
             pending.push(Pending {
                 reply,
                 appended: Appended { id, pos },
-                done_target,
+                kind,
                 due_ms,
             });
         }
@@ -516,9 +537,10 @@ impl WriterState {
                     let mut table = self.segments.lock().expect("segment table poisoned");
                     table.set_bytes(self.head, self.head_bytes);
                     for p in &pending {
-                        match p.done_target {
-                            None => table.record_schedule(self.head),
-                            Some(target) => table.record_done(self.head, target),
+                        match p.kind {
+                            Kind::Schedule => table.record_schedule(self.head),
+                            Kind::Done(target) => table.record_done(self.head, target),
+                            Kind::Mark => {}
                         }
                     }
                 }

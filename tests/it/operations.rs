@@ -803,18 +803,21 @@ async fn big_messages_pass_a_small_byte_budget_intact() {
 }
 
 /// A fatal WAL error stops delayd even when nothing is consumed. The WAL
-/// volume goes away while messages wait; when they fire, their Done records
-/// need a new segment, which cannot be created. delayd must exit non-zero
-/// (it used to log the error and run on, `/healthz` saying ok).
+/// volume goes away while messages wait; the Done records of the fired
+/// messages soon need a new segment, which cannot be created. delayd must exit non-zero (it used to log the error and run on,
+/// `/healthz` saying ok), and lose nothing: with the volume back, whatever
+/// did not go out, or went out without its Done, goes out after the
+/// restart, each copy under its message's one id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wal_failure_without_intake_traffic_stops_delayd() {
-    const COUNT: usize = 3;
+    // Their Done records alone fill more than a 4 KiB segment.
+    const COUNT: usize = 200;
+    const DELAY_MS: u64 = 1500;
     let s = Names::new("wal-fatal");
     let _cleanup = s.cleanup();
     let client = Client::connect("delayd-it-wal-fatal").await;
     client.declare_target(&s.to_exchange, &s.target_queue).await;
     let opts = DelaydOptions::default();
-    // Each message fills a 4 KiB segment, so the next append starts a new one.
     let mut delayd = Delayd::start_consuming(
         |wal, http| {
             config_toml(&s, wal, http, &opts).replace("[wal]\n", "[wal]\nsegment_bytes = 4096\n")
@@ -822,29 +825,61 @@ async fn a_wal_failure_without_intake_traffic_stops_delayd() {
         &s.from_queue,
     )
     .await;
-    let body = vec![b'x'; 5000];
     let mut sent = BTreeMap::new();
     for i in 0..COUNT {
         let id = format!("fatal-{i}");
         sent.insert(id.clone(), now_ms());
         client
-            .publish(&s.from_exchange, "k", &body, delayed(&id, 1500))
+            .publish(
+                &s.from_exchange,
+                "k",
+                b"fatal",
+                delayed(&id, DELAY_MS as i32),
+            )
             .await;
     }
     wait_pending(&delayd, COUNT as u64).await;
     let wal_dir = delayd.wal_dir();
-    std::fs::rename(&wal_dir, wal_dir.with_extension("gone")).expect("move the WAL away");
+    let moved = wal_dir.with_extension("gone");
+    std::fs::rename(&wal_dir, &moved).expect("move the WAL away");
 
-    // The messages still go out (they were stored); then delayd stops.
     let mut receiver = client.consume(&s.target_queue).await;
-    receive_each_once(&mut receiver, &sent, 1500, 0, LATE_MS).await;
     let status = delayd.wait_exit("of the WAL failure", DEADLINE).await;
     assert!(
         !status.success(),
         "delayd exited with {status} after a fatal WAL error"
     );
-    let log = delayd.log_tail(40);
+    let log = delayd.log_tail(usize::MAX);
     assert!(log.contains("the WAL stopped"), "no reason logged:\n{log}");
+
+    std::fs::rename(&moved, &wal_dir).expect("bring the WAL back");
+    let restarted = now_ms();
+    delayd.restart().await;
+    // Every message at least once, none early, none later than LATE_MS
+    // past its due time or the restart; copies share one x-delayd-id.
+    let mut ids: BTreeMap<String, String> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ids.len() < COUNT {
+        let received = receiver
+            .next(deadline)
+            .await
+            .unwrap_or_else(|| panic!("only {} of {COUNT} arrived: {ids:?}", ids.len()));
+        let id = received.message_id().unwrap_or_default().to_owned();
+        let sent_at = sent[&id];
+        assert!(received.at_ms >= sent_at + DELAY_MS, "{id} arrived early");
+        let bound = (sent_at + DELAY_MS).max(restarted) + LATE_MS;
+        assert!(
+            received.at_ms <= bound,
+            "{id} arrived {} ms late",
+            received.at_ms - bound + LATE_MS
+        );
+        let uid = received
+            .header_text("x-delayd-id")
+            .unwrap_or_else(|| panic!("{id} has no x-delayd-id"));
+        let first = ids.entry(id.clone()).or_insert_with(|| uid.clone());
+        assert_eq!(*first, uid, "{id} came under two ids");
+    }
+    wait_pending(&delayd, 0).await;
     receiver.close().await;
     client.close().await;
 }
