@@ -34,6 +34,10 @@
 # make a handful of duplicates a large share). Lost counts only publishes the broker confirmed; early is
 # judged against the bench's own clock at publish, before delayd saw the
 # message, so it can only under-count lateness, never invent an early one.
+# Twins (one message in ten published twice as the same bytes) must each
+# arrive under an id of their own; a twin copy that does not (taken for its
+# sibling's redelivery, issue #37) is listed loudly and counted, not yet
+# failed.
 # Needs root for the tmpfs of the disk scenario. It restarts the local
 # brokers, so run it alone, not beside the integration tests.
 set -euo pipefail
@@ -249,8 +253,10 @@ run_scenario() { # scenario, cycles
     # duplicates per fault (publishes whose confirm a fault cut off) stays
     # well under 0.1 % of the messages.
     local count=$((rate * (6 * n + 12)))
+    # One message in ten is published twice as the same bytes (twins, a
+    # producer sending one event twice on purpose): both must arrive.
     local bench=(--quiet --json --count "$count" --rate "$rate" --delay-min 1000
-        --delay-max 5000 --drain-timeout 90s --body-bytes 512)
+        --delay-max 5000 --drain-timeout 90s --body-bytes 512 --twins 10)
     if is_kafka "$s"; then
         bench+=(--kafka 127.0.0.1:9092 --topic "$(kafka_topic "$s" delay)"
             --target-topic "$(kafka_topic "$s" out)" --create-topics 4)

@@ -47,6 +47,12 @@ class Verdict(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stdout)
         self.assertIn("WARNING 1 copies under another x-delayd-id", out.stdout)
 
+    def test_a_lost_twin_copy_is_listed_loudly(self):
+        report = dict(bench(), twins=100, twin_copies_lost=2)
+        out = run(report)
+        self.assertIn("twins 100, copies lost 2", out.stdout)
+        self.assertIn("WARNING 2 twin copies lost", out.stdout)
+
     def test_a_named_case_still_counts_as_duplicates(self):
         report = bench(other_id=50)  # 50 of 1050: over 20 per mille
         self.assertEqual(run(report, "--other-id-named", "a node crashed").returncode, 1)

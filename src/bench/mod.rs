@@ -98,6 +98,12 @@ pub struct BenchArgs {
     /// Body size, bytes.
     #[arg(long, default_value_t = 256)]
     pub body_bytes: usize,
+    /// Twins: every N-th sequence number is published twice, back to back,
+    /// as the same bytes (a producer sending one event twice on purpose).
+    /// Each copy is its own message: both must arrive, under two
+    /// `x-delayd-id`s. 0 publishes no twins.
+    #[arg(long, default_value_t = 0, conflicts_with = "burst")]
+    pub twins: u64,
     /// Publishes awaiting a confirm at once.
     #[arg(long, default_value_t = 256)]
     pub in_flight: usize,
@@ -169,6 +175,16 @@ pub struct BenchReport {
     pub same_id_examples: Vec<(u64, String)>,
     /// Copies the broker redelivered to the bench after its ack was lost.
     pub redelivered_to_bench: u64,
+    /// `--twins`: sequence numbers published twice as the same bytes.
+    pub twins: u64,
+    /// Of the twins' confirmed copies, those that never arrived under an
+    /// id of their own (one twin taken for the other's redelivery, issue
+    /// #37). Not in `lost`.
+    pub twin_copies_lost: u64,
+    /// The first few twins that lost a copy: sequence number (its
+    /// `message_id` is `bench-<seq>` in delayd's debug logs).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub twin_lost_examples: Vec<u64>,
     /// `--burst`: first copies that arrived after a later-published one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub out_of_order: Option<u64>,
@@ -196,6 +212,11 @@ struct Tally {
     seen: Vec<u64>, // bitset of sequence numbers
     /// The `x-delayd-id` each sequence number first arrived with.
     first_ids: Vec<Option<Box<str>>>,
+    /// `--twins`: every this many sequence numbers one is a twin (0: none).
+    twin_every: u64,
+    /// A twin's second id, once a copy arrived under another id than its
+    /// first.
+    second_ids: std::collections::HashMap<u64, Box<str>>,
     /// Highest sequence number received so far, and first copies that
     /// arrived after a higher one.
     highest_seq: Option<u64>,
@@ -212,6 +233,40 @@ struct Tally {
     lateness: Histogram<u64>,
     first: Option<Instant>,
     last: Option<Instant>,
+}
+
+impl Tally {
+    fn is_twin(&self, seq: u64) -> bool {
+        is_twin(seq, self.twin_every)
+    }
+
+    /// A copy of a message not received before (`now` and `due` in epoch ms).
+    fn arrived(&mut self, now: u64, due: i64) {
+        self.received += 1;
+        let at = Instant::now();
+        self.first.get_or_insert(at);
+        self.last = Some(at);
+        if (now as i64) < due {
+            self.early += 1;
+        } else {
+            let late = (now as i64 - due) as u64;
+            let _ = self.lateness.record(late);
+        }
+    }
+}
+
+/// `--twins N`: sequence numbers 0, N, 2N, ... are published twice.
+fn is_twin(seq: u64, every: u64) -> bool {
+    every > 0 && seq % every == 0
+}
+
+/// How many of `count` sequence numbers are twins.
+fn twin_count(count: u64, every: u64) -> u64 {
+    if every == 0 {
+        0
+    } else {
+        count.div_ceil(every)
+    }
 }
 
 /// Where one run publishes and what it consumes, whatever the broker.
@@ -265,6 +320,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let tally = Arc::new(Mutex::new(Tally {
         seen: vec![0; args.count.div_ceil(64) as usize],
         first_ids: vec![None; args.count as usize],
+        twin_every: args.twins,
+        second_ids: std::collections::HashMap::new(),
         highest_seq: None,
         out_of_order: 0,
         received: 0,
@@ -285,13 +342,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let style = ProgressStyle::with_template("{prefix:>9} {bar:40} {pos}/{len} {per_sec}")
         .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let publishes = args.count + twin_count(args.count, args.twins);
     let pub_bar = bars.add(
-        ProgressBar::new(args.count)
+        ProgressBar::new(publishes)
             .with_style(style.clone())
             .with_prefix("published"),
     );
     let recv_bar = bars.add(
-        ProgressBar::new(args.count)
+        ProgressBar::new(publishes)
             .with_style(style)
             .with_prefix("received"),
     );
@@ -300,7 +358,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let tally = tally.clone();
         let run_id = run_id.clone();
         let recv_bar = recv_bar.clone();
-        let count = args.count;
+        let count = args.count + twin_count(args.count, args.twins);
         // AMQP flags a broker redelivery (the bench's own ack was lost), which
         // is not a second copy published by delayd. Kafka flags every record.
         let amqp = args.kafka.is_none();
@@ -337,6 +395,24 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     // stamp cannot tell: the broker stamps delayd's publish
                     // to the target anew.
                     let first = t.first_ids.get(seq as usize).cloned().flatten();
+                    let seq = seq as u64;
+                    if t.is_twin(seq) && first != id && !t.second_ids.contains_key(&seq) {
+                        // The other twin, under an id of its own.
+                        if let Some(id) = id {
+                            t.second_ids.insert(seq, id);
+                        }
+                        t.arrived(now, due);
+                        recv_bar.inc(1);
+                        if t.received == count {
+                            break;
+                        }
+                        continue;
+                    }
+                    if t.is_twin(seq) && id.is_some() && t.second_ids.get(&seq) == id.as_ref() {
+                        t.duplicates += 1;
+                        continue;
+                    }
+                    let seq = seq as i64;
                     t.duplicates += 1;
                     if first != id {
                         t.duplicates_different_id += 1;
@@ -360,16 +436,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 if let Some(first) = t.first_ids.get_mut(seq as usize) {
                     *first = id;
                 }
-                t.received += 1;
-                let at = Instant::now();
-                t.first.get_or_insert(at);
-                t.last = Some(at);
-                if (now as i64) < due {
-                    t.early += 1;
-                } else {
-                    let late = (now as i64 - due) as u64;
-                    let _ = t.lateness.record(late);
-                }
+                t.arrived(now, due);
                 recv_bar.inc(1);
                 if t.received == count {
                     break;
@@ -383,12 +450,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     // Which sequence numbers the broker confirmed: only those can be lost.
     // A publish that failed may still have landed (its confirm was lost in
     // a broker restart); it counts as received if it arrives, never as lost.
-    let confirmed: Arc<Vec<AtomicU64>> = Arc::new(
-        (0..args.count.div_ceil(64))
-            .map(|_| AtomicU64::new(0))
-            .collect(),
-    );
-    let permits = Arc::new(tokio::sync::Semaphore::new(args.in_flight.max(1)));
+    let bitset = || -> Arc<Vec<AtomicU64>> {
+        Arc::new(
+            (0..args.count.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+        )
+    };
+    let confirmed = bitset();
+    // A twin's second publish.
+    let confirmed_twin = bitset();
+    // A twin takes two permits at once.
+    let in_flight = args.in_flight.max(if args.twins > 0 { 2 } else { 1 });
+    let permits = Arc::new(tokio::sync::Semaphore::new(in_flight));
     let started = Instant::now();
     let spread = args.delay_max - args.delay_min;
     let mut last_due = 0u64;
@@ -399,6 +473,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let at = started + Duration::from_secs_f64(seq as f64 / args.rate as f64);
         tokio::time::sleep_until(at.into()).await;
         let permit = permits.clone().acquire_owned().await?;
+        let twin_permit = match is_twin(seq, args.twins) {
+            true => Some(permits.clone().acquire_owned().await?),
+            false => None,
+        };
         // Spread delays evenly but interleaved (a cheap deterministic shuffle).
         let delay = args.delay_min
             + if spread == 0 {
@@ -424,31 +502,42 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         } else {
             target.clone()
         };
+        // A twin's two publishes go out back to back, with no confirm
+        // awaited between them (so a broker's millisecond stamp is equal too).
+        let twin = twin_permit.map(|p| (sink.publish(message.clone(), target.clone()), p));
         let publish = sink.publish(message, target);
-        let (failures, bar, confirmed) = (failures.clone(), pub_bar.clone(), confirmed.clone());
-        let delaying_exchange = args.delaying_exchange;
-        tokio::spawn(async move {
-            let published = match publish.await {
-                Ok(PublishOutcome::Delivered) => true,
-                Ok(PublishOutcome::Unroutable) => delaying_exchange,
-                Err(_) => false,
+        for (publish, confirmed) in [
+            (Some((publish, permit)), confirmed.clone()),
+            (twin, confirmed_twin.clone()),
+        ] {
+            let Some((publish, permit)) = publish else {
+                continue;
             };
-            if published {
-                confirmed[(seq / 64) as usize].fetch_or(1 << (seq % 64), Ordering::Relaxed);
-                bar.inc(1);
-            } else {
-                failures.fetch_add(1, Ordering::Relaxed);
-            }
-            drop(permit);
-        });
+            let (failures, bar) = (failures.clone(), pub_bar.clone());
+            let delaying_exchange = args.delaying_exchange;
+            tokio::spawn(async move {
+                let published = match publish.await {
+                    Ok(PublishOutcome::Delivered) => true,
+                    Ok(PublishOutcome::Unroutable) => delaying_exchange,
+                    Err(_) => false,
+                };
+                if published {
+                    confirmed[(seq / 64) as usize].fetch_or(1 << (seq % 64), Ordering::Relaxed);
+                    bar.inc(1);
+                } else {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                }
+                drop(permit);
+            });
+        }
     }
-    let _ = permits.acquire_many(args.in_flight.max(1) as u32).await?;
+    let _ = permits.acquire_many(in_flight as u32).await?;
     let publish_secs = started.elapsed().as_secs_f64();
     pub_bar.finish();
 
     if args.publish_only {
         consumer.abort();
-        let published = args.count - failures.load(Ordering::Relaxed);
+        let published = publishes - failures.load(Ordering::Relaxed);
         println!(
             "published {published} ({:.0} msg/s)",
             published as f64 / publish_secs.max(1e-9)
@@ -461,10 +550,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let wait_until = last_due + args.drain_timeout.as_millis() as u64;
     let all_confirmed_seen = || {
         let t = tally.lock().expect("tally");
-        confirmed
-            .iter()
-            .zip(&t.seen)
-            .all(|(c, seen)| c.load(Ordering::Relaxed) & !seen == 0)
+        let twins_seen = (0..args.count)
+            .step_by(args.twins.max(1) as usize)
+            .filter(|_| args.twins > 0)
+            .all(|seq| !bit(&confirmed_twin, seq) || t.second_ids.contains_key(&seq));
+        twins_seen
+            && confirmed
+                .iter()
+                .zip(&t.seen)
+                .all(|(c, seen)| c.load(Ordering::Relaxed) & !seen == 0)
     };
     let mut consumer = consumer;
     loop {
@@ -480,10 +574,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     recv_bar.finish();
 
-    let published = args.count - failures.load(Ordering::Relaxed);
+    let published = publishes - failures.load(Ordering::Relaxed);
     let mut report = summarise(
         &tally.lock().expect("tally"),
         &confirmed,
+        &confirmed_twin,
         published,
         failures.load(Ordering::Relaxed),
         publish_secs,
@@ -568,18 +663,37 @@ fn number(value: Option<&Value>) -> Option<i64> {
     }
 }
 
+/// Whether bit `n` of a bitset of sequence numbers is set.
+fn bit(set: &[AtomicU64], n: u64) -> bool {
+    set[(n / 64) as usize].load(Ordering::Relaxed) & (1 << (n % 64)) != 0
+}
+
 fn summarise(
     t: &Tally,
     confirmed: &[AtomicU64],
+    confirmed_twin: &[AtomicU64],
     published: u64,
     failures: u64,
     publish_secs: f64,
 ) -> BenchReport {
-    let lost = confirmed
-        .iter()
-        .zip(&t.seen)
-        .map(|(c, seen)| (c.load(Ordering::Relaxed) & !seen).count_ones() as u64)
-        .sum();
+    let mut lost = 0;
+    let (mut twins, mut twin_copies_lost) = (0, 0);
+    let mut twin_lost_examples = Vec::new();
+    for seq in 0..t.first_ids.len() as u64 {
+        let seen = t.seen[(seq / 64) as usize] & (1 << (seq % 64)) != 0;
+        if t.is_twin(seq) {
+            twins += 1;
+            // Each confirmed copy needs an id of its own.
+            let copies = u64::from(bit(confirmed, seq)) + u64::from(bit(confirmed_twin, seq));
+            let ids = u64::from(seen) + u64::from(t.second_ids.contains_key(&seq));
+            twin_copies_lost += copies.saturating_sub(ids);
+            if copies > ids && twin_lost_examples.len() < 20 {
+                twin_lost_examples.push(seq);
+            }
+        } else if bit(confirmed, seq) && !seen {
+            lost += 1;
+        }
+    }
     let span = match (t.first, t.last) {
         (Some(a), Some(b)) if b > a => b.duration_since(a).as_secs_f64(),
         _ => 0.0,
@@ -602,6 +716,9 @@ fn summarise(
         different_id_examples: t.different_id_examples.clone(),
         same_id_examples: t.same_id_examples.clone(),
         redelivered_to_bench: t.redelivered_to_bench,
+        twins,
+        twin_copies_lost,
+        twin_lost_examples,
         out_of_order: None,
         lateness_p50_ms: t.lateness.value_at_quantile(0.5),
         lateness_p99_ms: t.lateness.value_at_quantile(0.99),

@@ -76,8 +76,10 @@ pub struct Unconfirmed {
     /// Ids in the order they were added; may hold ids removed since (skipped
     /// on eviction, dropped when it grows past twice the live count).
     order: VecDeque<u64>,
-    /// Id → (fingerprint, what its bytes are compared with).
-    fingerprints: HashMap<u64, (u64, Evidence)>,
+    /// Id → (fingerprint, what its bytes are compared with, the source
+    /// session its delivery came on: 0 when not bound to one, see
+    /// [`Arrival`]).
+    fingerprints: HashMap<u64, (u64, Evidence, u64)>,
     /// Fingerprint → ids with it (almost always one).
     ids: HashMap<u64, Vec<u64>>,
     capacity: usize,
@@ -94,8 +96,9 @@ impl Unconfirmed {
     }
 
     /// Message `id`, with this fingerprint, is stored at `pos` and its ack
-    /// unconfirmed.
-    pub fn add(&mut self, id: u64, fp: u64, pos: WalPos) {
+    /// unconfirmed; its delivery came on source session `session` (0: not
+    /// bound to one, or read back at a start).
+    pub fn add(&mut self, id: u64, fp: u64, pos: WalPos, session: u64) {
         if self.capacity == 0 {
             return;
         }
@@ -109,7 +112,7 @@ impl Unconfirmed {
         }
         if self
             .fingerprints
-            .insert(id, (fp, Evidence::At(pos)))
+            .insert(id, (fp, Evidence::At(pos), session))
             .is_none()
         {
             self.ids.entry(fp).or_default().push(id);
@@ -123,7 +126,7 @@ impl Unconfirmed {
 
     /// The ack of `id` reached the broker (or it was matched): forget it.
     pub fn remove(&mut self, id: u64) -> bool {
-        let Some((fp, _)) = self.fingerprints.remove(&id) else {
+        let Some((fp, ..)) = self.fingerprints.remove(&id) else {
             return false;
         };
         if let Some(ids) = self.ids.get_mut(&fp) {
@@ -140,7 +143,7 @@ impl Unconfirmed {
     pub fn written_in(&self, segments: &[u32]) -> Vec<(u64, WalPos)> {
         self.fingerprints
             .iter()
-            .filter_map(|(&id, &(_, evidence))| match evidence {
+            .filter_map(|(&id, &(_, evidence, _))| match evidence {
                 Evidence::At(pos) if segments.contains(&pos.segment) => Some((id, pos)),
                 _ => None,
             })
@@ -149,25 +152,52 @@ impl Unconfirmed {
 
     /// Compare `id` by this digest from now on (its segment is going).
     pub fn set_digest(&mut self, id: u64, digest: [u8; 32]) {
-        if let Some((_, evidence)) = self.fingerprints.get_mut(&id) {
+        if let Some((_, evidence, _)) = self.fingerprints.get_mut(&id) {
             *evidence = Evidence::Digest(digest);
         }
     }
 
-    /// Remembered (id, evidence) whose fingerprint is `fp`: candidates to
-    /// compare.
-    pub fn candidates(&self, fp: u64) -> Vec<(u64, Evidence)> {
+    /// Remembered (id, evidence) whose fingerprint is `fp` and that a
+    /// redelivery on source session `session` can repeat: candidates to
+    /// compare. A broker redelivers only what an earlier session left
+    /// unsettled, so a record whose delivery came on that same session (or
+    /// a later one) is none.
+    pub fn candidates(&self, fp: u64, session: u64) -> Vec<(u64, Evidence)> {
         let Some(ids) = self.ids.get(&fp) else {
             return Vec::new();
         };
         ids.iter()
-            .filter_map(|id| Some((*id, self.fingerprints.get(id)?.1)))
+            .filter_map(|id| {
+                let &(_, evidence, stored_on) = self.fingerprints.get(id)?;
+                (session == 0 || stored_on < session).then_some((*id, evidence))
+            })
             .collect()
     }
 
     #[cfg(test)]
     pub fn len(&self) -> usize {
         self.fingerprints.len()
+    }
+}
+
+/// How a delivery came in, as far as redelivery detection cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Arrival {
+    /// The broker says it may have delivered it before.
+    pub redelivered: bool,
+    /// The source's channel session it came on, counting from 1 (see
+    /// `Delivery::session`); 0 when it is bound to none (Kafka, whose stored
+    /// bytes carry the record's offset; callers that only know the flag):
+    /// such a redelivery may repeat any stored record.
+    pub session: u64,
+}
+
+impl From<bool> for Arrival {
+    fn from(redelivered: bool) -> Self {
+        Arrival {
+            redelivered,
+            session: 0,
+        }
     }
 }
 
@@ -297,42 +327,56 @@ mod tests {
     fn removed_ids_are_no_candidates() {
         let mut u = Unconfirmed::new(10);
         let fp = fingerprint("r", b"m");
-        u.add(1, fp, P);
-        assert_eq!(ids(u.candidates(fp)), vec![1]);
+        u.add(1, fp, P, 0);
+        assert_eq!(ids(u.candidates(fp, 0)), vec![1]);
         assert!(u.remove(1));
-        assert!(u.candidates(fp).is_empty());
+        assert!(u.candidates(fp, 0).is_empty());
         assert!(!u.remove(1));
+    }
+
+    #[test]
+    fn a_redelivery_repeats_only_a_record_of_an_earlier_session() {
+        let mut u = Unconfirmed::new(10);
+        u.add(1, 7, P, 0); // read back at a start
+        u.add(2, 7, P, 3); // stored from a delivery of session 3
+        assert_eq!(ids(u.candidates(7, 3)), vec![1]);
+        assert_eq!(ids(u.candidates(7, 4)), vec![1, 2]);
+        assert_eq!(
+            ids(u.candidates(7, 0)),
+            vec![1, 2],
+            "not bound to a session"
+        );
     }
 
     #[test]
     fn equal_fingerprints_keep_every_id() {
         let mut u = Unconfirmed::new(10);
-        u.add(1, 7, P);
-        u.add(2, 7, P);
-        assert_eq!(ids(u.candidates(7)), vec![1, 2]);
+        u.add(1, 7, P, 0);
+        u.add(2, 7, P, 0);
+        assert_eq!(ids(u.candidates(7, 0)), vec![1, 2]);
         u.remove(1);
-        assert_eq!(ids(u.candidates(7)), vec![2]);
+        assert_eq!(ids(u.candidates(7, 0)), vec![2]);
     }
 
     #[test]
     fn capacity_evicts_oldest_still_remembered() {
         let mut u = Unconfirmed::new(2);
-        u.add(1, 10, P);
-        u.add(2, 20, P);
+        u.add(1, 10, P, 0);
+        u.add(2, 20, P, 0);
         u.remove(1);
-        u.add(3, 30, P);
+        u.add(3, 30, P, 0);
         assert_eq!(u.len(), 2);
-        u.add(4, 40, P);
-        assert!(u.candidates(20).is_empty(), "2 was the oldest left");
-        assert_eq!(ids(u.candidates(30)), vec![3]);
-        assert_eq!(ids(u.candidates(40)), vec![4]);
+        u.add(4, 40, P, 0);
+        assert!(u.candidates(20, 0).is_empty(), "2 was the oldest left");
+        assert_eq!(ids(u.candidates(30, 0)), vec![3]);
+        assert_eq!(ids(u.candidates(40, 0)), vec![4]);
     }
 
     #[test]
     fn the_order_queue_stays_bounded_when_acks_confirm() {
         let mut u = Unconfirmed::new(100);
         for id in 0..100_000 {
-            u.add(id, id, P);
+            u.add(id, id, P, 0);
             u.remove(id);
         }
         assert_eq!(u.len(), 0);
@@ -366,14 +410,14 @@ mod tests {
             segment: 1,
             offset: 16,
         };
-        u.add(1, 10, in_0);
-        u.add(2, 20, in_1);
-        u.add(3, 30, in_1);
+        u.add(1, 10, in_0, 0);
+        u.add(2, 20, in_1, 0);
+        u.add(3, 30, in_1, 0);
         let mut going = u.written_in(&[1]);
         going.sort_unstable();
         assert_eq!(going, vec![(2, in_1), (3, in_1)]);
         u.set_digest(2, [7; 32]);
-        assert_eq!(u.candidates(20), vec![(2, Evidence::Digest([7; 32]))]);
+        assert_eq!(u.candidates(20, 0), vec![(2, Evidence::Digest([7; 32]))]);
         assert_eq!(
             u.written_in(&[1]),
             vec![(3, in_1)],
@@ -384,7 +428,7 @@ mod tests {
         // An id no longer remembered gets no digest (and is not brought back).
         u.remove(3);
         u.set_digest(3, [9; 32]);
-        assert!(u.candidates(30).is_empty());
+        assert!(u.candidates(30, 0).is_empty());
     }
 
     #[test]
@@ -410,9 +454,9 @@ mod tests {
     #[test]
     fn capacity_zero_remembers_nothing() {
         let mut u = Unconfirmed::new(0);
-        u.add(1, 10, P);
+        u.add(1, 10, P, 0);
         assert_eq!(u.len(), 0);
-        assert!(u.candidates(10).is_empty());
+        assert!(u.candidates(10, 0).is_empty());
     }
 
     /// Rebuilding the order queue costs O(live ids); each rebuild waits for
@@ -423,13 +467,13 @@ mod tests {
         let live = 5_000u64;
         let mut u = Unconfirmed::new(10_000);
         for id in 0..live {
-            u.add(id, id, P);
+            u.add(id, id, P, 0);
         }
         let churn = 40_000u64;
         let mut rebuilds = 0;
         for id in live..live + churn {
             let before = u.order.len();
-            u.add(id, id, P);
+            u.add(id, id, P, 0);
             if u.order.len() < before {
                 rebuilds += 1;
             }
@@ -447,13 +491,13 @@ mod tests {
     fn stale_ids_left_by_removals_go_at_the_next_add() {
         let mut u = Unconfirmed::new(10_000);
         for id in 0..2_000 {
-            u.add(id, id, P);
+            u.add(id, id, P, 0);
         }
         for id in 0..2_000 {
             u.remove(id);
         }
         assert_eq!(u.order.len(), 2_000);
-        u.add(5_000, 1, P);
+        u.add(5_000, 1, P, 0);
         assert_eq!(u.order.iter().copied().collect::<Vec<_>>(), [5_000]);
     }
 }

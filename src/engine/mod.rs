@@ -22,7 +22,7 @@ mod summary;
 mod tier;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use dedup::fingerprint;
+pub use dedup::{fingerprint, Arrival};
 pub use dispatch::{Dispatch, Fired, Outcome};
 pub use keys::key_hash;
 pub use pressure::{Admission, Pressure};
@@ -246,6 +246,8 @@ pub struct Written {
     pub id: u64,
     fp: u64,
     pos: WalPos,
+    /// The source session its delivery came on (see [`Arrival`]).
+    session: u64,
     writing: WritingGuard,
 }
 
@@ -257,7 +259,7 @@ impl Written {
             .engine
             .state()
             .unconfirmed
-            .add(self.id, self.fp, self.pos);
+            .add(self.id, self.fp, self.pos, self.session);
         self.id
     }
 }
@@ -642,7 +644,7 @@ impl Engine {
             return Err(EngineError::TooManyRoutes);
         }
         for (id, fp, pos) in recent.unacked() {
-            state.unconfirmed.add(id, fp, pos);
+            state.unconfirmed.add(id, fp, pos, 0);
         }
         for (copy, original) in superseded {
             wal.keep_after(copy, original);
@@ -767,9 +769,10 @@ impl Engine {
         Ok((route_id, key, appended))
     }
 
-    /// Store a consumed delivery. A `redelivered` one whose bytes equal a
-    /// stored message whose ack is unconfirmed is reported as a duplicate and
-    /// not stored again. Call [`Engine::confirm_ack`] with the id once the
+    /// Store a consumed delivery. A redelivered one (`arrival`: a `bool`,
+    /// or an [`Arrival`] that names its source session) whose bytes equal a
+    /// stored message whose ack is unconfirmed, stored from an earlier
+    /// session, is reported as a duplicate and not stored again. Call [`Engine::confirm_ack`] with the id once the
     /// source ack succeeded. Like [`Engine::schedule`], the record is queued
     /// before this returns.
     ///
@@ -783,10 +786,11 @@ impl Engine {
         due_ms: u64,
         uid: MessageId,
         message: Vec<u8>,
-        redelivered: bool,
+        arrival: impl Into<Arrival>,
     ) -> impl Future<Output = Result<Stored, EngineError>> + Send + 'static {
-        let start = match self.wait_for_original(route, &message, redelivered) {
-            None => Start::Now(self.begin_store(route, due_ms, uid, message, redelivered)),
+        let arrival = arrival.into();
+        let start = match self.wait_for_original(route, &message, arrival.redelivered) {
+            None => Start::Now(self.begin_store(route, due_ms, uid, message, arrival)),
             Some(wait) => Start::After(wait, route.to_owned(), message),
         };
         let engine = self.clone();
@@ -795,7 +799,7 @@ impl Engine {
                 Start::Now(storing) => storing,
                 Start::After(wait, route, message) => {
                     wait.await;
-                    engine.begin_store(&route, due_ms, uid, message, redelivered)
+                    engine.begin_store(&route, due_ms, uid, message, arrival)
                 }
             };
             match storing {
@@ -850,10 +854,14 @@ impl Engine {
         due_ms: u64,
         uid: MessageId,
         message: Vec<u8>,
-        redelivered: bool,
+        arrival: impl Into<Arrival>,
     ) -> Storing<impl Future<Output = Result<Written, EngineError>> + Send + 'static> {
+        let Arrival {
+            redelivered,
+            session,
+        } = arrival.into();
         let fp = fingerprint(route, &message);
-        if redelivered && self.take_stored_copy(route, fp, &message) {
+        if redelivered && self.take_stored_copy(route, fp, &message, session) {
             metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route.to_owned())
                 .increment(1);
             return Storing::Duplicate;
@@ -866,17 +874,19 @@ impl Engine {
                 id,
                 fp,
                 pos,
+                session,
                 writing,
             })
         })
     }
 
-    /// Is `message` byte-equal to a stored record whose ack is unconfirmed?
+    /// Is `message`, redelivered on source session `session`, byte-equal to
+    /// a stored record whose ack is unconfirmed, from an earlier session?
     /// If so, that record is forgotten (it matches one redelivery only). The
     /// comparison reads the stored bytes: the fingerprint only picks
     /// candidates, and a hash match alone would drop a message never stored.
-    fn take_stored_copy(&self, route: &str, fp: u64, message: &[u8]) -> bool {
-        let candidates = self.state().unconfirmed.candidates(fp);
+    fn take_stored_copy(&self, route: &str, fp: u64, message: &[u8], session: u64) -> bool {
+        let candidates = self.state().unconfirmed.candidates(fp, session);
         for (id, evidence) in candidates {
             let same = match evidence {
                 // Its segment is gone; the digest was taken before.

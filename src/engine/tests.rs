@@ -542,6 +542,55 @@ async fn redelivery_of_an_unacked_message_is_not_stored_twice() {
     assert_eq!(engine.pending(), 3);
 }
 
+/// A broker redelivers only what an earlier channel session left
+/// unsettled. Twins (the same bytes published twice on purpose) that both
+/// come back redelivered on one session, neither stored before, are two
+/// messages: the second is no repeat of the first, stored moments before on
+/// that same session. It was taken for one and lost: found by the fault
+/// campaign's twins (kill -9, both twins unread in delayd's socket, both
+/// redelivered after the restart; issue #37). A record of an earlier session
+/// (or from before the restart) whose ack is unconfirmed still absorbs its
+/// redelivery.
+#[tokio::test]
+async fn twins_redelivered_on_one_session_are_both_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let due = now() + 1_000_000;
+    let twin = b"recompute order 42".to_vec();
+    let on = |session| Arrival {
+        redelivered: true,
+        session,
+    };
+    let Stored::New(first) = engine
+        .store("r", due, MessageId::mint(), twin.clone(), on(1))
+        .await
+        .unwrap()
+    else {
+        panic!("the first twin is new");
+    };
+    assert!(
+        matches!(
+            engine
+                .store("r", due, MessageId::mint(), twin.clone(), on(1))
+                .await
+                .unwrap(),
+            Stored::New(_)
+        ),
+        "the second twin was taken for the first, stored on its own session"
+    );
+    // The first's ack never reached the broker: on the next session its
+    // redelivery is a repeat.
+    assert_eq!(
+        engine
+            .store("r", due, MessageId::mint(), twin.clone(), on(2))
+            .await
+            .unwrap(),
+        Stored::Duplicate
+    );
+    assert_eq!(engine.pending(), 2);
+    let _ = first;
+}
+
 /// After a restart only the records whose ack is not known are compared
 /// with redeliveries. One whose ack was confirmed (an Acked mark in the
 /// WAL) is not: a twin published on purpose and redelivered after the

@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::engine::{Admission, Engine, EngineError, Outcome, Pressure, Stored};
+use crate::engine::{Admission, Arrival, Engine, EngineError, Outcome, Pressure, Stored};
 use crate::route::{handoff, rewrite, Destination, Plan, Route};
 use crate::wal::WalError;
 
@@ -67,7 +67,8 @@ struct Held {
     due: u64,
     /// Its identity, assigned at intake (see `crate::id`).
     uid: MessageId,
-    redelivered: bool,
+    /// Redelivered or not, and the source session it came on.
+    arrival: Arrival,
     ack: Box<dyn AckHandle>,
     /// Its place among the deliveries in hand (AMQP only): a redelivery of
     /// it takes its identity and supersedes it.
@@ -289,7 +290,10 @@ impl Intake {
                     encoded,
                     due,
                     uid,
-                    redelivered,
+                    arrival: Arrival {
+                        redelivered,
+                        session,
+                    },
                     ack,
                     ticket,
                 };
@@ -328,15 +332,13 @@ impl Intake {
     fn store(&self, held: Held, admission: Admission) -> Attempt {
         let encoded = held.encoded.to_vec();
         let stored = match &self.store {
-            Some(store) => {
-                store.store(&held.message, held.due, held.uid, encoded, held.redelivered)
-            }
+            Some(store) => store.store(&held.message, held.due, held.uid, encoded, held.arrival),
             None => Box::pin(self.engine.store(
                 self.route.name(),
                 held.due,
                 held.uid,
                 encoded,
-                held.redelivered,
+                held.arrival,
             )),
         };
         Attempt::Storing {

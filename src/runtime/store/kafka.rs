@@ -36,7 +36,7 @@ use delayd_adapters::kafka::{KafkaClientConfig, PartitionListener, StateTopic};
 use delayd_adapters::{BoxFuture, Message};
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{Engine, EngineError, Stored, Storing};
+use crate::engine::{Arrival, Engine, EngineError, Stored, Storing};
 use crate::id::MessageId;
 
 /// A restore that makes no progress this long is started again.
@@ -181,19 +181,19 @@ impl KafkaStore {
         due_ms: u64,
         uid: MessageId,
         encoded: Vec<u8>,
-        redelivered: bool,
+        arrival: Arrival,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
         let Some((partition, key)) = state_key(message) else {
             // Not from Kafka (config validation prevents it): local only.
             return Box::pin(
                 self.engine
-                    .store(&self.route, due_ms, uid, encoded, redelivered),
+                    .store(&self.route, due_ms, uid, encoded, arrival),
             );
         };
         let value = encode_value(due_ms, uid.as_u128(), &encoded);
         let wal = match self
             .engine
-            .begin_store(&self.route, due_ms, uid, encoded, redelivered)
+            .begin_store(&self.route, due_ms, uid, encoded, arrival)
         {
             Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
             Storing::New(wal) => wal,

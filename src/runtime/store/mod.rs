@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use super::brokers::{BrokerHandle, Brokers};
 use crate::config::{Config, StoreKind};
 use crate::engine::Engine;
-use crate::engine::{EngineError, Stored};
+use crate::engine::{Arrival, EngineError, Stored};
 use crate::id::MessageId;
 use kafka::KafkaStore;
 use partitions::PartitionGroup;
@@ -68,7 +68,7 @@ impl RouteStore {
         due_ms: u64,
         uid: MessageId,
         encoded: Vec<u8>,
-        redelivered: bool,
+        arrival: Arrival,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
         // A redelivery whose original is still being written waits for it
         // (see `Engine::wait_for_original`), as `Engine::store` does.
@@ -76,17 +76,16 @@ impl RouteStore {
             RouteStore::Kafka(s) => (&s.engine, &s.route),
             RouteStore::Stream(s) => (&s.engine, &s.route),
         };
-        if let Some(wait) = engine.wait_for_original(route, &encoded, redelivered) {
+        if let Some(wait) = engine.wait_for_original(route, &encoded, arrival.redelivered) {
             let (this, message) = (self.clone(), message.clone());
             return Box::pin(async move {
                 wait.await;
-                this.store(&message, due_ms, uid, encoded, redelivered)
-                    .await
+                this.store(&message, due_ms, uid, encoded, arrival).await
             });
         }
         match self {
-            RouteStore::Kafka(s) => s.store(message, due_ms, uid, encoded, redelivered),
-            RouteStore::Stream(s) => s.store(due_ms, uid, encoded, redelivered),
+            RouteStore::Kafka(s) => s.store(message, due_ms, uid, encoded, arrival),
+            RouteStore::Stream(s) => s.store(due_ms, uid, encoded, arrival),
         }
     }
 

@@ -36,7 +36,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{Engine, EngineError, Stored, Storing};
+use crate::engine::{Arrival, Engine, EngineError, Stored, Storing};
 use crate::id::MessageId;
 
 use super::partitions::PartitionGroup;
@@ -242,7 +242,7 @@ impl StreamStore {
         due_ms: u64,
         uid: MessageId,
         encoded: Vec<u8>,
-        redelivered: bool,
+        arrival: Arrival,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
         let record_of = |id| {
             Record::Schedule {
@@ -270,7 +270,7 @@ impl StreamStore {
         let record = record_of(store_id);
         let wal = match self
             .engine
-            .begin_store(&self.route, due_ms, uid, encoded, redelivered)
+            .begin_store(&self.route, due_ms, uid, encoded, arrival)
         {
             Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
             Storing::New(wal) => wal,
