@@ -257,7 +257,7 @@ impl Tally {
 
 /// `--twins N`: sequence numbers 0, N, 2N, ... are published twice.
 fn is_twin(seq: u64, every: u64) -> bool {
-    every > 0 && seq % every == 0
+    every > 0 && seq.is_multiple_of(every)
 }
 
 /// How many of `count` sequence numbers are twins.
