@@ -27,6 +27,7 @@
 #   bash scripts/faults.sh --short    # a few cycles of each (part of scripts/test.sh)
 #   SCENARIOS="kill9 disk" CYCLES=20 RATE=300 bash scripts/faults.sh
 #   KEEP=1 LOG=info ...    # keep delayd's logs (at that level) and the reports
+#   TWINS=1 ...            # every message a twin (default: one in ten)
 #
 # Pass: 0 lost and 0 early in every scenario, 0 duplicates under another
 # x-delayd-id than the first copy's in every scenario (a copy can only be
@@ -256,7 +257,7 @@ run_scenario() { # scenario, cycles
     # One message in ten is published twice as the same bytes (twins, a
     # producer sending one event twice on purpose): both must arrive.
     local bench=(--quiet --json --count "$count" --rate "$rate" --delay-min 1000
-        --delay-max 5000 --drain-timeout 90s --body-bytes 512 --twins 10)
+        --delay-max 5000 --drain-timeout 90s --body-bytes 512 --twins "${TWINS:-10}")
     if is_kafka "$s"; then
         bench+=(--kafka 127.0.0.1:9092 --topic "$(kafka_topic "$s" delay)"
             --target-topic "$(kafka_topic "$s" out)" --create-topics 4)
