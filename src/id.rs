@@ -12,6 +12,8 @@
 //!   rebalance) keeps its id even when it is stored twice. The timestamp keeps
 //!   a topic that was deleted and created again, whose offsets start over,
 //!   from reusing the ids of its former records.
+//! - From a RabbitMQ stream: derived from the stream, the offset and the
+//!   message's bytes, so it too keeps its id when read again.
 //! - Otherwise: a random 64-bit prefix drawn once per process, then a
 //!   counter. A new process draws a new prefix, so restarts and replicas
 //!   never collide (two of 2^64 prefixes meeting is the only way).
@@ -57,6 +59,21 @@ impl MessageId {
         hash.update(partition.to_le_bytes());
         hash.update(offset.to_le_bytes());
         hash.update(timestamp_ms.unwrap_or(i64::MIN).to_le_bytes());
+        let digest = hash.finalize();
+        let high = u64::from_be_bytes(digest[..8].try_into().expect("8 bytes")) | MINTED;
+        let low = u64::from_be_bytes(digest[8..16].try_into().expect("8 bytes"));
+        MessageId((u128::from(high) << 64) | u128::from(low))
+    }
+
+    /// The id of a message read from a RabbitMQ stream at `offset`, the
+    /// same every time it is read (`encoded`: its stored bytes).
+    pub fn of_stream_record(stream: &str, offset: i64, encoded: &[u8]) -> MessageId {
+        let mut hash = Sha256::new();
+        hash.update(b"stream\0");
+        hash.update((stream.len() as u64).to_le_bytes());
+        hash.update(stream.as_bytes());
+        hash.update(offset.to_le_bytes());
+        hash.update(Sha256::digest(encoded));
         let digest = hash.finalize();
         let high = u64::from_be_bytes(digest[..8].try_into().expect("8 bytes")) | MINTED;
         let low = u64::from_be_bytes(digest[8..16].try_into().expect("8 bytes"));

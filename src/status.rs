@@ -36,6 +36,10 @@ pub enum RouteIntake {
     /// names is missing; the route is not consumed rather than started
     /// without its pending messages (not ready).
     StateMissing,
+    /// A stream ingress found messages its retention removed before delayd
+    /// read them: they are lost. It goes on consuming, and is not ready
+    /// until restarted, so someone looks.
+    Truncated,
     Consuming,
 }
 

@@ -159,6 +159,12 @@ pub const METRICS: &[MetricDef] = &[
     def("delayd_backpressure", Gauge, ROUTE, "1 while the route's intake is paused."),
     def("delayd_backpressure_held_total", Counter, ROUTE, "Deliveries held while the route was paused."),
     def("delayd_redeliveries_deduplicated_total", Counter, ROUTE, "Broker redeliveries recognised as already stored."),
+    def(
+        "delayd_stream_truncated_offsets_total",
+        Counter,
+        &["queue"],
+        "Stream ingress: offsets its retention removed before delayd read them (at most that many messages lost; the route is not ready until restarted).",
+    ),
     def("delayd_redeliveries_superseding_total", Counter, ROUTE, "Held deliveries not stored again because the broker redelivered them (their channel closed); the redelivery kept their identity."),
     def("delayd_lateness_seconds", Histogram, ROUTE, "How long after its due time a message was handed to its target."),
     scraped("delayd_next_due_timestamp_seconds", ROUTE, "Due time (Unix seconds) of the route's earliest pending message; absent when none is pending."),

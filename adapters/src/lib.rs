@@ -9,6 +9,7 @@
 
 pub mod codec;
 pub mod message;
+pub mod offsets;
 pub mod traits;
 
 #[cfg(feature = "amqp")]

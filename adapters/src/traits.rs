@@ -2,7 +2,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::message::Message;
@@ -82,15 +82,33 @@ pub enum SourceError {
 /// registered (or deliberately paused) on a live channel. Kafka: it is
 /// subscribed (records wait in the topic until the group assigns them).
 #[derive(Debug, Clone, Default)]
-pub struct Consuming(Arc<AtomicBool>);
+pub struct Consuming(Arc<ConsumingState>);
+
+#[derive(Debug, Default)]
+struct ConsumingState {
+    on: AtomicBool,
+    /// Messages a stream's retention removed before they were read.
+    truncated: AtomicU64,
+}
 
 impl Consuming {
     pub fn set(&self, on: bool) {
-        self.0.store(on, Ordering::Release);
+        self.0.on.store(on, Ordering::Release);
     }
 
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.0.on.load(Ordering::Acquire)
+    }
+
+    /// A stream ingress found `lost` offsets removed by retention before
+    /// delayd read them. The route stays unready until a restart.
+    pub fn set_truncated(&self, lost: u64) {
+        self.0.truncated.fetch_add(lost, Ordering::AcqRel);
+    }
+
+    /// Messages lost to a stream's retention so far (0: none).
+    pub fn truncated(&self) -> u64 {
+        self.0.truncated.load(Ordering::Acquire)
     }
 }
 

@@ -444,6 +444,8 @@ pub enum ExchangeKind {
 pub enum QueueKind {
     Classic,
     Quorum,
+    /// Read from an offset: exact identity (see `delayd_adapters::amqp::stream`).
+    Stream,
 }
 
 impl QueueKind {
@@ -451,6 +453,7 @@ impl QueueKind {
         match self {
             QueueKind::Classic => "classic",
             QueueKind::Quorum => "quorum",
+            QueueKind::Stream => "stream",
         }
     }
 }
@@ -594,8 +597,10 @@ pub struct FromConfig {
     /// AMQP: unacknowledged deliveries per consumer (basic.qos).
     #[serde(default)]
     pub prefetch: Option<u16>,
-    /// AMQP: type of `queue` when delayd declares it: "classic" or "quorum"
-    /// (unset: the vhost's default). Sets the `x-queue-type` argument.
+    /// AMQP: type of `queue` when delayd declares it: "classic", "quorum" or
+    /// "stream" (unset: the vhost's default). Sets the `x-queue-type`
+    /// argument. A stream is read from an offset delayd keeps, so every
+    /// message has an exact identity.
     #[serde(default)]
     pub queue_type: Option<QueueKind>,
     /// AMQP: further arguments of the queue's declaration, such as

@@ -278,7 +278,7 @@ fn queue_type_and_arguments_parse_and_are_checked() {
         c.routes[0].from.queue_arguments["x-single-active-consumer"],
         QueueArgument::Bool(true)
     );
-    let e = Config::from_toml_str(&quorum.replace("\"quorum\"", "\"stream\""))
+    let e = Config::from_toml_str(&quorum.replace("\"quorum\"", "\"lazy\""))
         .unwrap_err()
         .to_string();
     assert!(e.contains("routes.0.from.queue_type"), "{e}");
@@ -293,6 +293,33 @@ fn queue_type_and_arguments_parse_and_are_checked() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("routes[0].from.queue_arguments"), "{e}");
+}
+
+#[test]
+fn a_stream_ingress_is_refused_where_its_checkpoint_cannot_live() {
+    let stream = GOOD.replace(
+        "exchange_type = \"topic\" }",
+        "exchange_type = \"topic\", queue_type = \"stream\" }",
+    );
+    let c = Config::from_toml_str(&stream).unwrap();
+    assert_eq!(c.routes[0].from.queue_type, Some(QueueKind::Stream));
+    let e = Config::from_toml_str(&format!("[store]\nkind = \"broker\"\n{stream}"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("routes[0].from.queue_type"), "{e}");
+    assert!(e.contains("store.kind"), "{e}");
+    let e = Config::from_toml_str(
+        &stream.replace("name = \"orders\"", "name = \"orders\"\npartitions = 4"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("routes[0].partitions"), "{e}");
+    let e = Config::from_toml_str(
+        &stream.replace("name = \"orders\"", "name = \"orders\"\nmode = \"ttl\""),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("routes[0].mode"), "{e}");
 }
 
 const KAFKA: &str = r#"

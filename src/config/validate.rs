@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{
-    AmqpAuth, BrokerConfig, Config, DestinationConfig, ExchangeKind, Mode, RouteConfig, StoreKind,
+    AmqpAuth, BrokerConfig, Config, DestinationConfig, ExchangeKind, Mode, QueueArgument,
+    QueueKind, RouteConfig, StoreKind,
 };
 
 /// Longest duration a key may hold: far beyond any real delay, and small
@@ -136,6 +137,29 @@ fn valid_topic_name(name: &str) -> bool {
 }
 
 impl Config {
+    /// `from.queue_type = "stream"`: its checkpoint is a file in the WAL's
+    /// directory, so it needs the local store and one consumer per stream.
+    fn check_stream_ingress(&self, route: &RouteConfig) -> Result<(), (&'static str, String)> {
+        if self.store.kind == StoreKind::Broker {
+            return Err(("from.queue_type", "a stream ingress keeps its offset beside the local WAL; with store.kind = \"broker\" use a classic or quorum queue (a stream ingress for the broker-kept store is not built yet)".into()));
+        }
+        if route.partitions.is_some() {
+            return Err(("partitions", "a stream ingress is read by one consumer from its own offset; partitions of a stream ingress are not built yet (use one stream, or classic or quorum partitions)".into()));
+        }
+        if route.mode != Mode::Delay {
+            return Err(("mode", "a stream ingress works with mode = \"delay\" (ttl and retry modes read a queue's dead-lettering)".into()));
+        }
+        for name in ["x-max-age", "x-max-length-bytes"] {
+            if let Some(QueueArgument::Bool(_)) = route.from.queue_arguments.get(name) {
+                return Err((
+                    "from.queue_arguments",
+                    format!("{name} must be a number or a text like \"7D\""),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// `store.kind = "broker"`: the route's state topic (Kafka) or state
     /// streams (RabbitMQ) are named `store.topic_prefix` + the route name,
     /// which must be a valid name for both.
@@ -347,6 +371,10 @@ impl Config {
                         key("from.queue_arguments"),
                         "x-queue-type is set by from.queue_type; give it once".into(),
                     ));
+                }
+                if route.from.queue_type == Some(QueueKind::Stream) {
+                    self.check_stream_ingress(route)
+                        .map_err(|(field, m)| err(key(field), m))?;
                 }
             }
             if route.mode != Mode::Delay && matches!(from, BrokerConfig::Kafka { .. }) {

@@ -22,7 +22,7 @@ use crate::wal::WalError;
 
 use super::backpressure::Backpressure;
 use super::brokers::Brokers;
-use super::identity::kafka_identity;
+use super::identity::{kafka_identity, stream_identity};
 use super::in_hand::{InHand, Ticket};
 use super::park::park;
 use super::store::RouteStore;
@@ -309,8 +309,8 @@ impl Intake {
         }
     }
 
-    /// A new delivery's identity: a Kafka record's follows from where it
-    /// was read; an AMQP delivery's is minted, unless it is a redelivery of
+    /// A new delivery's identity: a Kafka record's or a stream message's
+    /// follows from where it was read; an AMQP delivery's is minted, unless it is a redelivery of
     /// one still in hand (see `super::in_hand`).
     fn identify(
         &self,
@@ -320,6 +320,10 @@ impl Intake {
         session: u64,
     ) -> (MessageId, Option<Ticket>) {
         if let Some(uid) = kafka_identity(message) {
+            return (uid, None);
+        }
+        let queue = self.route.config.from.queue.as_deref().unwrap_or_default();
+        if let Some(uid) = stream_identity(message, queue, encoded) {
             return (uid, None);
         }
         let (uid, ticket) =

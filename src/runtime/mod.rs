@@ -215,7 +215,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             // Consumed only while this instance owns the route.
             let (brokers, cfg, status) = (brokers.clone(), route_cfg.clone(), status.clone());
             let start = move |stop: CancellationToken| -> anyhow::Result<_> {
-                let source = start_source(&brokers, &cfg, None, true)?;
+                let source = start_source(&brokers, &cfg, None, true, None)?;
                 status.set_consuming(&cfg.name, Some(source.consuming()));
                 Ok(tokio::spawn(intake.clone().run(source, stop)))
             };
@@ -223,7 +223,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             streams.push(tokio::spawn(stream.clone().run(start, intake_stop.clone())));
             continue;
         }
-        let source = start_source(&brokers, route_cfg, listener, false)?;
+        let source = start_source(&brokers, route_cfg, listener, false, Some(&config.wal.dir))?;
         status.set_consuming(&route_cfg.name, Some(source.consuming()));
         tracing::info!(route = %route_cfg.name, "route started");
         intakes.push(tokio::spawn(intake.run(source, intake_stop.clone())));
@@ -292,6 +292,7 @@ fn start_source(
     route: &crate::config::RouteConfig,
     listener: Option<Arc<dyn delayd_adapters::kafka::PartitionListener>>,
     single_active: bool,
+    data_dir: Option<&std::path::Path>,
 ) -> anyhow::Result<Box<dyn Source>> {
     let name = &route.name;
     match brokers.get(&route.from.broker) {
@@ -312,6 +313,12 @@ fn start_source(
                 source_cfg.prefetch = prefetch;
             }
             source_cfg.queue_arguments = queue_arguments(&route.from);
+            if route.from.queue_type == Some(crate::config::QueueKind::Stream) {
+                let dir = data_dir.context("a stream ingress keeps its checkpoint in the WAL's directory; the broker-kept store has none (the config check refuses this)")?;
+                source_cfg.stream = Some(delayd_adapters::amqp::stream::StreamConfig {
+                    checkpoint: stream_checkpoint(dir, name),
+                });
+            }
             if single_active {
                 // Broker-kept store: one consumer at a time, the route's owner.
                 source_cfg.queue_arguments.insert(
@@ -338,6 +345,17 @@ fn start_source(
     }
 }
 
+/// Where a route's stream ingress keeps its next offset.
+pub fn stream_checkpoint(wal_dir: &std::path::Path, route: &str) -> std::path::PathBuf {
+    wal_dir.join("streams").join(format!("{route}.offset"))
+}
+
+/// A stream ingress's retention when the config names none: a week, and
+/// at most 10 GB, so a long outage of delayd loses nothing and the broker's
+/// disk is not filled.
+const STREAM_MAX_AGE: &str = "7D";
+const STREAM_MAX_LENGTH_BYTES: i64 = 10_000_000_000;
+
 /// `from.queue_type` and `from.queue_arguments` as the queue's arguments.
 fn queue_arguments(from: &crate::config::FromConfig) -> delayd_adapters::FieldTable {
     use crate::config::QueueArgument;
@@ -354,6 +372,14 @@ fn queue_arguments(from: &crate::config::FromConfig) -> delayd_adapters::FieldTa
             && !from.queue_arguments.contains_key("x-delivery-limit")
         {
             table.insert("x-delivery-limit", Value::I64(-1));
+        }
+        if *kind == crate::config::QueueKind::Stream {
+            if !from.queue_arguments.contains_key("x-max-age") {
+                table.insert("x-max-age", Value::LongString(STREAM_MAX_AGE.into()));
+            }
+            if !from.queue_arguments.contains_key("x-max-length-bytes") {
+                table.insert("x-max-length-bytes", Value::I64(STREAM_MAX_LENGTH_BYTES));
+            }
         }
     }
     for (name, value) in &from.queue_arguments {
@@ -466,6 +492,7 @@ impl RuntimeStatus for Status {
                     _ if store.is_some_and(RouteStore::standby) => RouteIntake::Standby,
                     _ if store.is_some_and(RouteStore::electing) => RouteIntake::Starting,
                     _ if restoring => RouteIntake::Restoring,
+                    Some(c) if c.truncated() > 0 => RouteIntake::Truncated,
                     Some(c) if c.get() => RouteIntake::Consuming,
                     _ => RouteIntake::Starting,
                 };

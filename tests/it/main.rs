@@ -23,5 +23,6 @@ mod partitions;
 mod rabbitmq_sidecar;
 mod rabbitmq_ttl_retry;
 mod secrets;
+mod stream_ingress;
 mod stream_store;
 mod tls;

@@ -78,6 +78,12 @@ pub enum AmqpError {
         #[source]
         source: lapin::Error,
     },
+    /// A stream could not be read as expected.
+    #[error("stream {0}")]
+    Stream(String),
+    /// A stream ingress's checkpoint cannot be read.
+    #[error(transparent)]
+    Checkpoint(#[from] super::stream::CheckpointError),
     /// Declaring or binding a queue or exchange failed.
     #[error("{what} failed: {source}")]
     Topology {

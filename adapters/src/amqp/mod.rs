@@ -15,6 +15,8 @@
 //! * [`topology`]: declaring durable queues and a route's source exchange.
 //! * [`source`]: [`AmqpSource`], a [`Source`](crate::Source) consuming one
 //!   queue with manual acks, reconnecting transparently, pausable.
+//! * [`stream`]: a stream ingress's offsets: the offset header, the
+//!   checkpoint file delayd keeps, acks that resolve once it is written.
 //! * [`state`]: the broker-kept store's lock and state streams.
 //! * [`sink`]: [`AmqpSink`], a [`Sink`](crate::Sink) publishing with
 //!   publisher confirms and `mandatory`, many publishes in flight at once.
@@ -40,6 +42,7 @@ pub mod endpoints;
 pub mod sink;
 pub mod source;
 pub mod state;
+pub mod stream;
 pub mod tls;
 pub mod topology;
 

@@ -16,6 +16,9 @@
 //! follows it), so a message whose ack was lost in a dying connection is
 //! never reported as acked.
 //!
+//! A stream queue ([`SourceConfig::stream`]) is read from an offset: see
+//! [`super::stream`] for its identity, checkpoint and acks.
+//!
 //! [`Source::pause`] cancels the consumer (`basic.cancel`): new messages stay
 //! in the broker, deliveries already received are still returned by `next`
 //! and may be acked. [`Source::resume`] consumes again. Both answer at once
@@ -39,10 +42,11 @@ use lapin::types::FieldTable;
 use lapin::{Acker, Channel, Consumer};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::connection::{AmqpError, Backoff, Broker};
 use super::convert::{message_from_delivery, short_string};
+use super::stream::{self, StreamAck, StreamConfig, StreamPosition};
 use super::topology::{ensure_bound_queue, ExchangeType};
 use crate::traits::{AckHandle, BoxFuture, Consuming, Delivery, Source, SourceError};
 
@@ -75,6 +79,10 @@ pub struct SourceConfig {
     /// `x-delivery-limit`, ...). Empty: a classic queue, or whatever the
     /// vhost's default queue type is.
     pub queue_arguments: crate::FieldTable,
+    /// The queue is a stream (declare it with `x-queue-type = "stream"` in
+    /// [`queue_arguments`](Self::queue_arguments)): read it from the offset
+    /// this checkpoint keeps.
+    pub stream: Option<StreamConfig>,
 }
 
 impl SourceConfig {
@@ -88,6 +96,7 @@ impl SourceConfig {
             prefetch: 1000,
             consumer_tag_prefix: "delayd".to_owned(),
             queue_arguments: crate::FieldTable::default(),
+            stream: None,
         }
     }
 
@@ -166,6 +175,18 @@ impl AmqpSource {
         let (commands, commands_rx) = mpsc::unbounded_channel();
         let queue = config.queue.clone();
         let consuming = Consuming::default();
+        let stream = match &config.stream {
+            Some(stream_config) => {
+                let (position, rewinds) = StreamPosition::start(&config.queue, stream_config)?;
+                Some(StreamIntake {
+                    position,
+                    rewinds,
+                    floor: 0,
+                    expect: None,
+                })
+            }
+            None => None,
+        };
         let worker = Worker {
             consuming: consuming.clone(),
             broker,
@@ -177,6 +198,7 @@ impl AmqpSource {
             consumers_started: 0,
             sessions: 0,
             acks: Arc::default(),
+            stream,
         };
         let task = tokio::spawn(worker.run());
         Ok(Self {
@@ -454,6 +476,21 @@ struct Worker {
     sessions: u64,
     /// Ack coalescing for the current channel session.
     acks: Arc<Mutex<AckCoalescer>>,
+    /// A stream queue's offsets.
+    stream: Option<StreamIntake>,
+}
+
+/// What a worker reading a stream keeps.
+struct StreamIntake {
+    position: Arc<StreamPosition>,
+    /// Requeued deliveries (offset, epoch): read again from there.
+    rewinds: stream::Rewinds,
+    /// Deliveries below this offset are skipped: a consumer starts at the
+    /// chunk holding its offset, which may begin earlier.
+    floor: i64,
+    /// The offset the current consumer asked for and has not yet seen:
+    /// its first delivery beyond it means retention removed the gap.
+    expect: Option<i64>,
 }
 
 /// Why a session ended.
@@ -481,6 +518,7 @@ impl Worker {
                         self.paused,
                         &mut self.consumers_started,
                         &mut self.backoff,
+                        &mut self.stream,
                     )
                     .await
                 };
@@ -509,7 +547,14 @@ impl Worker {
             let end = self.consume(channel, consumer).await;
             self.consuming.set(false);
             match end {
-                End::Stop => return,
+                End::Stop => {
+                    if let Some(stream) = &self.stream {
+                        let position = stream.position.clone();
+                        let _ =
+                            tokio::task::spawn_blocking(move || position.checkpoint_now()).await;
+                    }
+                    return;
+                }
                 End::Reconnect => {
                     let next = self.backoff.next_delay();
                     debug!(queue = %self.config.queue, delay = ?next, "re-establishing AMQP consumer");
@@ -519,8 +564,21 @@ impl Worker {
         }
     }
 
-    fn forward(&self, mut delivery: lapin::message::Delivery) {
+    fn forward(&mut self, mut delivery: lapin::message::Delivery) {
         let message = message_from_delivery(&mut delivery);
+        if let Some(stream) = &mut self.stream {
+            let Some(delivery) = stream.delivery(
+                &self.config.queue,
+                message,
+                delivery,
+                &self.consuming,
+                &self.broker,
+            ) else {
+                return;
+            };
+            let _ = self.deliveries.send(delivery);
+            return;
+        }
         let delivery = Delivery {
             message,
             redelivered: delivery.redelivered,
@@ -576,7 +634,7 @@ impl Worker {
                         let _ = reply.send(());
                         info!(queue = %queue, "AMQP source resumed");
                         if consumer.is_none() {
-                            match start_consumer(&channel, &self.config, &mut self.consumers_started).await {
+                            match start_consumer(&channel, &self.config, &mut self.consumers_started, &mut self.stream).await {
                                 Ok(c) => consumer = Some(c),
                                 Err(error) => {
                                     warn!(queue = %queue, %error, "cannot resume consuming; reconnecting");
@@ -586,6 +644,12 @@ impl Worker {
                         }
                     }
                 },
+                rewind = next_rewind(&mut self.stream) => {
+                    let (offset, epoch) = rewind;
+                    if let Err(end) = self.rewind(&channel, &mut consumer, offset, epoch).await {
+                        return end;
+                    }
+                }
                 item = next_delivery(&mut consumer) => match item {
                     Some(Ok(delivery)) => self.forward(delivery),
                     Some(Err(error)) => {
@@ -601,9 +665,56 @@ impl Worker {
         }
     }
 
+    /// A stream delivery was requeued: read the stream again from it. The
+    /// deliveries after it that are in hand become stale (their acks fail,
+    /// and their copies read again are recognised by their bytes).
+    async fn rewind(
+        &mut self,
+        channel: &Channel,
+        consumer: &mut Option<Consumer>,
+        offset: i64,
+        epoch: u64,
+    ) -> Result<(), End> {
+        if let Some(c) = consumer.take() {
+            let healthy = tokio::time::timeout(CANCEL_WAIT, self.cancel(channel, c))
+                .await
+                .unwrap_or(false);
+            if !healthy {
+                warn!(queue = %self.config.queue, "basic.cancel not answered in time; reconnecting");
+                if let Some(stream) = &self.stream {
+                    stream.position.rewind(offset, epoch);
+                }
+                return Err(End::Reconnect);
+            }
+        }
+        let Some(stream) = &self.stream else {
+            return Ok(());
+        };
+        if stream.position.rewind(offset, epoch) {
+            info!(queue = %self.config.queue, offset, "reading the stream again from a requeued delivery");
+        }
+        if !self.paused {
+            match start_consumer(
+                channel,
+                &self.config,
+                &mut self.consumers_started,
+                &mut self.stream,
+            )
+            .await
+            {
+                Ok(c) => *consumer = Some(c),
+                Err(error) => {
+                    warn!(queue = %self.config.queue, %error, "cannot consume the stream again; reconnecting");
+                    return Err(End::Reconnect);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// `basic.cancel`, then hands out the deliveries that arrived before the
     /// cancel took effect. Returns whether the channel is still usable.
-    async fn cancel(&self, channel: &Channel, mut consumer: Consumer) -> bool {
+    async fn cancel(&mut self, channel: &Channel, mut consumer: Consumer) -> bool {
         if let Err(error) = channel
             .basic_cancel(consumer.tag(), BasicCancelOptions::default())
             .await
@@ -622,6 +733,176 @@ impl Worker {
             }
         }
         true
+    }
+}
+
+impl StreamIntake {
+    /// A stream delivery for the core, or `None` when it is skipped (before
+    /// the consumer's start offset).
+    fn delivery(
+        &mut self,
+        queue: &str,
+        mut message: crate::Message,
+        delivery: lapin::message::Delivery,
+        consuming: &Consuming,
+        broker: &Arc<Broker>,
+    ) -> Option<Delivery> {
+        let Some(offset) = stream::take_offset(&mut message) else {
+            // Not from a stream after all (the queue was declared by
+            // someone else as another type): no exact identity.
+            warn!(queue, "a delivery without x-stream-offset on a stream ingress; storing it with a new identity");
+            return Some(Delivery {
+                message,
+                redelivered: delivery.redelivered,
+                session: 0,
+                ack: Box::new(CreditOnly(delivery.acker)),
+            });
+        };
+        if offset < self.floor {
+            tokio::spawn(CreditOnly(delivery.acker).give());
+            return None;
+        }
+        if let Some(expected) = self.expect.take() {
+            if offset > expected {
+                // Offsets are not one per message (a segment's tracking
+                // chunk takes one too): ask the stream where it starts.
+                tokio::spawn(check_truncation(
+                    broker.clone(),
+                    queue.to_owned(),
+                    expected,
+                    consuming.clone(),
+                ));
+            }
+        }
+        let epoch = self.position.delivered(offset);
+        Some(Delivery {
+            message,
+            // Like a Kafka record: read again after a crash, recognised by
+            // its bytes, which hold its offset.
+            redelivered: true,
+            session: 0,
+            ack: Box::new(StreamAck {
+                acker: delivery.acker,
+                offset,
+                epoch,
+                position: self.position.clone(),
+            }),
+        })
+    }
+
+    /// The arguments of a consumer starting now, and the skip floor and
+    /// truncation check that go with them.
+    fn start(&mut self, queue: &str) -> FieldTable {
+        let offset = self.position.start_offset();
+        self.floor = offset.unwrap_or(0);
+        self.expect = offset;
+        match offset {
+            Some(o) => info!(queue, offset = o, "reading the stream from its checkpoint"),
+            None => info!(
+                queue,
+                "no checkpoint: reading the stream from its first retained message"
+            ),
+        }
+        stream::consumer_arguments(offset)
+    }
+}
+
+/// A consumer asked for `expected` and got a later offset first: if the
+/// stream now starts past `expected`, retention removed what delayd had not
+/// read. Loud, counted, and the route unready until restarted.
+async fn check_truncation(broker: Arc<Broker>, queue: String, expected: i64, consuming: Consuming) {
+    let first = match first_offset(&broker, &queue).await {
+        Ok(first) => first,
+        Err(e) => {
+            warn!(queue, expected, error = %e, "cannot read where the stream starts; a truncation by retention cannot be ruled out");
+            return;
+        }
+    };
+    if first <= expected {
+        return;
+    }
+    let lost = (first - expected) as u64;
+    error!(queue, from = expected, to = first - 1, offsets = lost,
+           "the stream's retention removed messages delayd had not read yet: they are lost; raise x-max-age / x-max-length-bytes (route not ready until restarted)");
+    consuming.set_truncated(lost);
+    metrics::counter!("delayd_stream_truncated_offsets_total", "queue" => queue).increment(lost);
+}
+
+/// The offset of the stream's first retained message: one delivery read
+/// from "first" on a channel of its own.
+async fn first_offset(broker: &Broker, queue: &str) -> Result<i64, AmqpError> {
+    let channel = broker.try_channel().await?;
+    let topology = |what: &str, source| AmqpError::Topology {
+        what: format!("{what} on stream {queue:?}"),
+        source,
+    };
+    channel
+        .basic_qos(1, BasicQosOptions { global: false })
+        .await
+        .map_err(|e| topology("basic.qos", e))?;
+    let mut consumer = channel
+        .basic_consume(
+            short_string(queue, "queue name")?,
+            "delayd.first-offset".into(),
+            BasicConsumeOptions::default(),
+            stream::consumer_arguments(None),
+        )
+        .await
+        .map_err(|e| topology("basic.consume", e))?;
+    let first = tokio::time::timeout(CANCEL_WAIT, consumer.next()).await;
+    close_channel(&channel).await;
+    match first {
+        Ok(Some(Ok(mut delivery))) => {
+            let mut message = message_from_delivery(&mut delivery);
+            stream::take_offset(&mut message).ok_or_else(|| {
+                AmqpError::Stream(format!("{queue:?}: a delivery without x-stream-offset"))
+            })
+        }
+        Ok(Some(Err(e))) => Err(topology("reading the first message", e)),
+        Ok(None) | Err(_) => Err(AmqpError::Stream(format!(
+            "{queue:?}: no first message within {CANCEL_WAIT:?}"
+        ))),
+    }
+}
+
+/// Settles a delivery that has no offset on a stream: credit only.
+struct CreditOnly(Acker);
+
+impl CreditOnly {
+    async fn give(self) {
+        let _ = self.0.ack(BasicAckOptions { multiple: false }).await;
+    }
+}
+
+impl AckHandle for CreditOnly {
+    fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
+        Box::pin(async move {
+            settle_result(
+                self.0.ack(BasicAckOptions { multiple: false }).await,
+                "basic.ack",
+            )
+        })
+    }
+
+    fn requeue(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
+        Box::pin(async move {
+            let options = BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            };
+            settle_result(self.0.nack(options).await, "basic.nack")
+        })
+    }
+}
+
+/// The next rewind request of a stream source, or never.
+async fn next_rewind(stream: &mut Option<StreamIntake>) -> (i64, u64) {
+    match stream {
+        Some(s) => match s.rewinds.recv().await {
+            Some(r) => r,
+            None => std::future::pending().await,
+        },
+        None => std::future::pending().await,
     }
 }
 
@@ -651,9 +932,10 @@ async fn setup(
     paused: bool,
     consumers_started: &mut u64,
     backoff: &mut Backoff,
+    stream: &mut Option<StreamIntake>,
 ) -> (Channel, Option<Consumer>) {
     loop {
-        match try_setup(broker, config, paused, consumers_started).await {
+        match try_setup(broker, config, paused, consumers_started, stream).await {
             Ok(session) => {
                 info!(queue = %config.queue, paused, "AMQP source consuming");
                 backoff.reset();
@@ -682,6 +964,7 @@ async fn try_setup(
     config: &SourceConfig,
     paused: bool,
     consumers_started: &mut u64,
+    stream: &mut Option<StreamIntake>,
 ) -> Result<(Channel, Option<Consumer>), AmqpError> {
     let keys = config.effective_binding_keys();
     let exchange = config
@@ -700,7 +983,7 @@ async fn try_setup(
     let consumer = if paused {
         None
     } else {
-        Some(start_consumer(&channel, config, consumers_started).await?)
+        Some(start_consumer(&channel, config, consumers_started, stream).await?)
     };
     Ok((channel, consumer))
 }
@@ -709,8 +992,13 @@ async fn start_consumer(
     channel: &Channel,
     config: &SourceConfig,
     consumers_started: &mut u64,
+    stream: &mut Option<StreamIntake>,
 ) -> Result<Consumer, AmqpError> {
     *consumers_started += 1;
+    let arguments = match stream {
+        Some(stream) => stream.start(&config.queue),
+        None => FieldTable::default(),
+    };
     let tag = format!("{}.{}", config.consumer_tag_prefix, consumers_started);
     let options = BasicConsumeOptions {
         no_ack: false,
@@ -721,7 +1009,7 @@ async fn start_consumer(
             short_string(&config.queue, "queue name")?,
             short_string(&tag, "consumer tag")?,
             options,
-            FieldTable::default(),
+            arguments,
         )
         .await
         .map_err(|source| AmqpError::Topology {

@@ -4,8 +4,6 @@
 //!
 //! * [`convert`]: Kafka record ⇄ [`Message`](crate::Message): key, value,
 //!   headers (bytes), partition, timestamp; typed values written as text.
-//! * [`offsets`]: which offsets may be committed, in order per partition,
-//!   only once every earlier record is durable in delayd.
 //! * [`source`]: [`KafkaSource`], a [`Source`](crate::Source) consuming a
 //!   consumer group's topics on a poll thread of its own; commits on revoke.
 //! * [`sink`]: [`KafkaSink`], an idempotent `acks=all` producer that keeps
@@ -19,7 +17,6 @@
 pub mod convert;
 pub mod durability;
 pub mod murmur2;
-pub mod offsets;
 pub mod sink;
 pub mod source;
 pub mod state;

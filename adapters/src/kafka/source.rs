@@ -14,7 +14,7 @@
 //!   [`KafkaSourceConfig::commit_interval`], covering every record settled
 //!   meanwhile), never automatically: in order
 //!   per partition and only past records the core has stored (see
-//!   [`super::offsets`]). An ack resolves once its offset is committed.
+//!   [`crate::offsets`]). An ack resolves once its offset is committed.
 //! * On revoke, the thread drops its backlog for those partitions, waits up
 //!   to [`KafkaSourceConfig::revoke_timeout`] for records being stored, and
 //!   commits synchronously before the partitions are given up.
@@ -42,9 +42,9 @@ use rdkafka::{ClientContext, Message as _, Offset, TopicPartitionList};
 use tokio::sync::{mpsc, oneshot};
 
 use super::convert::message_from_record;
-use super::offsets::{OffsetTracker, TopicPartition};
 use super::state::PartitionListener;
 use super::{KafkaClientConfig, Role};
+use crate::offsets::{OffsetTracker, TopicPartition};
 use crate::traits::{AckHandle, BoxFuture, Consuming, Delivery, Source, SourceError};
 
 /// What a [`KafkaSource`] consumes and how.

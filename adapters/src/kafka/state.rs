@@ -30,10 +30,10 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Message as _, Offset, TopicPartitionList};
 
 use super::durability;
-use super::offsets::TopicPartition;
 use super::sink::SinkContext;
 use super::{KafkaClientConfig, Role};
 use crate::message::Message;
+use crate::offsets::TopicPartition;
 use crate::traits::BoxFuture;
 
 /// Called on a Kafka source's poll thread when its group hands it

@@ -30,9 +30,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use delayd_adapters::kafka::offsets::TopicPartition;
 use delayd_adapters::kafka::state::{decode_value, encode_value, key_topic, state_key};
 use delayd_adapters::kafka::{KafkaClientConfig, PartitionListener, StateTopic};
+use delayd_adapters::offsets::TopicPartition;
 use delayd_adapters::{BoxFuture, Message};
 use tokio_util::sync::CancellationToken;
 

@@ -20,7 +20,7 @@ mod rabbitmq;
 use std::sync::Arc;
 use std::time::Duration;
 
-use delayd_adapters::kafka::offsets::TopicPartition;
+use delayd_adapters::offsets::TopicPartition;
 use delayd_adapters::{BoxFuture, Message};
 
 use std::collections::HashMap;

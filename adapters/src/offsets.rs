@@ -1,4 +1,5 @@
-//! Which offsets may be committed: per partition, the lowest offset handed
+//! Which offsets may be committed (a Kafka partition's, or a RabbitMQ
+//! stream's, whose checkpoint delayd keeps itself): per partition, the lowest offset handed
 //! out and not yet settled (or one past the highest handed out when all are
 //! settled). Offsets are therefore committed in order per partition, and
 //! only once every earlier record is durable in delayd.
@@ -173,6 +174,11 @@ impl OffsetTracker {
             // Keep the old epochs of records below `offset`: their acks still count.
             p.next = Some(offset);
         }
+    }
+
+    /// One past the highest offset handed out in the current epoch.
+    pub fn next(&self, tp: &TopicPartition) -> Option<i64> {
+        self.partitions.get(tp).and_then(|p| p.next)
     }
 
     /// The epoch a rewind request must match (see [`OffsetTracker::rewind`]).
