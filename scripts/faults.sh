@@ -28,6 +28,9 @@
 #   SCENARIOS="kill9 disk" CYCLES=20 RATE=300 bash scripts/faults.sh
 #   KEEP=1 LOG=info ...    # keep delayd's logs (at that level) and the reports
 #   TWINS=1 ...            # every message a twin (default: one in ten)
+#   INGRESS=stream ...     # RabbitMQ routes read a stream (from.queue_type =
+#                          # "stream"), except handoff and store-amqp*, which
+#                          # need a queue (the config check refuses a stream)
 #
 # Pass: 0 lost and 0 early in every scenario, 0 duplicates under another
 # x-delayd-id than the first copy's in every scenario (a copy can only be
@@ -99,6 +102,18 @@ kafka_group() {
     if [ "$1" = store ]; then echo "delayd-faults-store-$run_tag"; else echo "delayd-faults"; fi
 }
 
+# A stream ingress (INGRESS=stream) where the scenario allows one.
+uses_stream() {
+    [ "${INGRESS:-classic}" = stream ] && case "$1" in handoff | store*) false ;; *) true ;; esac
+}
+ingress_queue() { # scenario: the route's queue keys
+    if uses_stream "$1"; then
+        echo "queue = \"delayd.faults.$1.stream\", queue_type = \"stream\""
+    else
+        echo "queue = \"delayd.faults.$1\""
+    fi
+}
+
 write_config() { # scenario, wal dir
     local s="$1" wal="$2"
     local segment="" engine=""
@@ -147,7 +162,7 @@ EOF
             cat <<EOF
 [[routes]]
 name = "faults-$s"
-from = { broker = "rabbit", queue = "delayd.faults.$s", exchange = "faults.$s.delayed", prefetch = 200 }
+from = { broker = "rabbit", $(ingress_queue "$s"), exchange = "faults.$s.delayed", prefetch = 200 }
 to = { broker = "rabbit", exchange = "faults.$s.out" }
 EOF
         fi
@@ -237,6 +252,8 @@ run_scenario() { # scenario, cycles
         wal="$work/disk/wal"
     fi
     write_config "$s" "$wal"
+    # A stream keeps what it held: an earlier run's messages are not this one's.
+    uses_stream "$s" && { rabbitmqctl -q delete_queue "delayd.faults.$s.stream" >/dev/null 2>&1 || true; }
     if is_kafka "$s"; then
         # The topics exist before delayd subscribes (as in a deploy).
         "$delayd" bench --quiet --kafka 127.0.0.1:9092 --topic "$(kafka_topic "$s" delay)" \

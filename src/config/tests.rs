@@ -320,6 +320,10 @@ fn a_stream_ingress_is_refused_where_its_checkpoint_cannot_live() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("routes[0].mode"), "{e}");
+    let e = Config::from_toml_str(&stream.replace("[wal]\n", "[engine]\nhandoff = true\n[wal]\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("engine.handoff"), "{e}");
 }
 
 const KAFKA: &str = r#"

@@ -143,6 +143,9 @@ impl Config {
         if self.store.kind == StoreKind::Broker {
             return Err(("from.queue_type", "a stream ingress keeps its offset beside the local WAL; with store.kind = \"broker\" use a classic or quorum queue (a stream ingress for the broker-kept store is not built yet)".into()));
         }
+        if self.handoff() {
+            return Err(("from.queue_type", "a stream ingress keeps its read position beside the WAL; engine.handoff = true is for a WAL that does not survive the pod, and a new instance would read the whole stream again (give delayd a volume and set engine.handoff = false, or use a classic or quorum queue)".into()));
+        }
         if route.partitions.is_some() {
             return Err(("partitions", "a stream ingress is read by one consumer from its own offset; partitions of a stream ingress are not built yet (use one stream, or classic or quorum partitions)".into()));
         }
