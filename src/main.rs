@@ -165,6 +165,18 @@ fn check(path: Option<PathBuf>, offline: bool) -> anyhow::Result<()> {
             "  route {} ({:?}): {}/{} -> {}/{}",
             r.name, r.mode, r.from.broker, from, r.to.broker, to
         );
+        if r.from.queue_type == Some(delayd::config::QueueKind::Stream) {
+            let retention = delayd::config::stream::Retention::of(&r.from);
+            println!(
+                "    stream ingress: kept {} or {} bytes, whichever ends first; read position in {}",
+                retention.max_age,
+                retention.max_length_bytes,
+                delayd::runtime::stream_checkpoint(&config.wal.dir, &r.name).display()
+            );
+            if let Some(warning) = retention.warning() {
+                eprintln!("delayd: warning: route {}: {warning}", r.name);
+            }
+        }
     }
     Ok(())
 }

@@ -7,6 +7,7 @@ mod connections;
 mod duration;
 pub mod partitions;
 mod secrets;
+pub mod stream;
 mod validate;
 
 use std::collections::BTreeMap;

@@ -324,6 +324,19 @@ fn a_stream_ingress_is_refused_where_its_checkpoint_cannot_live() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("engine.handoff"), "{e}");
+    for bad in [
+        "\"x-max-age\" = \"7 days\"",
+        "\"x-max-age\" = 7",
+        "\"x-max-length-bytes\" = \"10GB\"",
+    ] {
+        let e = Config::from_toml_str(&stream.replace(
+            "queue_type = \"stream\" }",
+            &format!("queue_type = \"stream\", queue_arguments = {{ {bad} }} }}"),
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("routes[0].from.queue_arguments"), "{bad}: {e}");
+    }
 }
 
 const KAFKA: &str = r#"

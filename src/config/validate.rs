@@ -152,11 +152,19 @@ impl Config {
         if route.mode != Mode::Delay {
             return Err(("mode", "a stream ingress works with mode = \"delay\" (ttl and retry modes read a queue's dead-lettering)".into()));
         }
-        for name in ["x-max-age", "x-max-length-bytes"] {
-            if let Some(QueueArgument::Bool(_)) = route.from.queue_arguments.get(name) {
+        match route.from.queue_arguments.get("x-max-age") {
+            None => {}
+            Some(QueueArgument::Str(age)) if super::stream::max_age(age).is_some() => {}
+            Some(other) => {
+                return Err(("from.queue_arguments", format!("x-max-age = {other:?}: RabbitMQ takes a whole number and a unit, Y, M, D, h, m or s, such as \"7D\"")));
+            }
+        }
+        match route.from.queue_arguments.get("x-max-length-bytes") {
+            None | Some(QueueArgument::Int(1..)) => {}
+            Some(other) => {
                 return Err((
                     "from.queue_arguments",
-                    format!("{name} must be a number or a text like \"7D\""),
+                    format!("x-max-length-bytes = {other:?}: a number of bytes above 0"),
                 ));
             }
         }

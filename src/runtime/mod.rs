@@ -350,12 +350,6 @@ pub fn stream_checkpoint(wal_dir: &std::path::Path, route: &str) -> std::path::P
     wal_dir.join("streams").join(format!("{route}.offset"))
 }
 
-/// A stream ingress's retention when the config names none: a week, and
-/// at most 10 GB, so a long outage of delayd loses nothing and the broker's
-/// disk is not filled.
-const STREAM_MAX_AGE: &str = "7D";
-const STREAM_MAX_LENGTH_BYTES: i64 = 10_000_000_000;
-
 /// `from.queue_type` and `from.queue_arguments` as the queue's arguments.
 fn queue_arguments(from: &crate::config::FromConfig) -> delayd_adapters::FieldTable {
     use crate::config::QueueArgument;
@@ -374,12 +368,10 @@ fn queue_arguments(from: &crate::config::FromConfig) -> delayd_adapters::FieldTa
             table.insert("x-delivery-limit", Value::I64(-1));
         }
         if *kind == crate::config::QueueKind::Stream {
-            if !from.queue_arguments.contains_key("x-max-age") {
-                table.insert("x-max-age", Value::LongString(STREAM_MAX_AGE.into()));
-            }
-            if !from.queue_arguments.contains_key("x-max-length-bytes") {
-                table.insert("x-max-length-bytes", Value::I64(STREAM_MAX_LENGTH_BYTES));
-            }
+            // The route's own values are added below, over these.
+            let retention = crate::config::stream::Retention::of(from);
+            table.insert("x-max-age", Value::LongString(retention.max_age.into()));
+            table.insert("x-max-length-bytes", Value::I64(retention.max_length_bytes));
         }
     }
     for (name, value) in &from.queue_arguments {
