@@ -10,12 +10,14 @@
 #
 # Bugs: nofsync (no fsync before the ack), early (a message fired 1 ms
 # early), cutback (a failed spill not cut back), cancelfar (a cancel that
-# forgets the far tier), loadid (a load that keeps the old id).
+# forgets the far tier), loadid (a load that keeps the old id), session (a
+# redelivery compared with records of its own channel session: twins
+# redelivered together are taken for one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
 bugs=("$@")
-[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid)
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session)
 
 # plant NAME: edit the source; each edit must apply exactly once.
 plant() {
@@ -44,6 +46,9 @@ edits = {
     "loadid": [("src/engine/tier.rs",
         ".append_returning(r.due_ms, r.uid, &r.route, r.message)?;",
         ".append_copy(r.id, r.due_ms, r.uid, &r.route, r.message)?;")],
+    "session": [("src/engine/dedup.rs",
+        "(session == 0 || stored_on < session).then_some((*id, evidence))",
+        "(session == 0 || stored_on <= session).then_some((*id, evidence))")],
 }
 for path, old, new in edits[bug]:
     text = open(path).read()

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::{
-    BoxFuture, Clock, Dispatch, Engine, EngineConfig, FarSettings, Fired, ManualClock, Outcome,
-    Stored,
+    Arrival, BoxFuture, Clock, Dispatch, Engine, EngineConfig, FarSettings, Fired, ManualClock,
+    Outcome, Stored,
 };
 use crate::id::MessageId;
 use crate::wal::sim::{PowerLoss, SimFs};
@@ -124,6 +124,12 @@ pub struct Sim {
     /// Far rounds and compactions failed since the disk had room again.
     failed_since_space: u32,
     next_uid: u64,
+    /// The source's channel session: a new one at every start.
+    session: u64,
+    /// Draws the operations do not carry (deliveries in the dead process's
+    /// socket, redeliveries' acks in doubt), from a stream of their own so
+    /// that the operations of a seed stay what they were.
+    aside: Rng,
     step: usize,
     trace: std::collections::hash_map::DefaultHasher,
     report: Report,
@@ -166,6 +172,8 @@ impl Sim {
             failed_since_space: 0,
             failed_syncs: 0,
             next_uid: 0,
+            session: 0,
+            aside: Rng::new(seed ^ 0x5e55_10a5),
             step: 0,
             trace: Default::default(),
             report: Report {
@@ -323,6 +331,7 @@ impl Sim {
                     task,
                 });
                 self.report.restarts += 1;
+                self.session += 1;
                 self.note(("start", self.horizon));
                 Ok(true)
             }
@@ -365,6 +374,13 @@ impl Sim {
                 self.broker.push_back((msg, true));
             }
         }
+        // Deliveries the broker had sent to the dead process, unread in its
+        // socket, come back marked redelivered.
+        for held in &mut self.broker {
+            if !held.1 && self.aside.chance(50) {
+                held.1 = true;
+            }
+        }
         self.note(("kill", format!("{loss:?}")));
     }
 
@@ -399,8 +415,12 @@ impl Sim {
         let m = &self.model.msgs[msg];
         let (route, due, bytes) = (m.route, m.due, m.bytes.clone());
         // May reach the disk even if the store fails.
-        self.model.stored(msg, uid.as_u128());
-        match engine.store(route, due, uid, bytes, redelivered).await {
+        self.model.stored(msg, uid.as_u128(), self.session);
+        let arrival = Arrival {
+            redelivered,
+            session: self.session,
+        };
+        match engine.store(route, due, uid, bytes, arrival).await {
             Ok(Stored::New(id)) => {
                 if !self.ids.insert(id) {
                     return Err(self.fail(format!("engine id {id} was handed out twice")));
@@ -415,6 +435,8 @@ impl Sim {
             }
             Ok(Stored::Duplicate) => {
                 self.model.msgs[msg].acked = true;
+                self.model.msgs[msg].duplicate_on.push(self.session);
+                self.model.msgs[msg].stored_on.remove(&uid.as_u128());
                 self.note(("duplicate", msg));
             }
             Err(e) => {
@@ -492,7 +514,9 @@ impl Sim {
             }
             Op::Redeliver => {
                 if let Some((msg, redelivered)) = self.broker.pop_front() {
-                    self.deliver(msg, redelivered, false).await?;
+                    // Its ack may be in flight when the next crash comes.
+                    let ack_in_doubt = self.aside.chance(30);
+                    self.deliver(msg, redelivered, ack_in_doubt).await?;
                 }
             }
             Op::Cancel { pick } => self.cancel(pick).await?,

@@ -22,6 +22,11 @@ pub struct Msg {
     /// taken effect): it need not fire.
     pub cancelled: bool,
     pub fired: BTreeMap<u128, u32>,
+    /// The source session of each store that began (by id), except those
+    /// answered "duplicate": a process start begins a new channel session.
+    pub stored_on: BTreeMap<u128, u64>,
+    /// Sessions on which a delivery of it was answered "duplicate".
+    pub duplicate_on: Vec<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -55,14 +60,18 @@ impl Model {
             acked: false,
             cancelled: false,
             fired: BTreeMap::new(),
+            stored_on: BTreeMap::new(),
+            duplicate_on: Vec::new(),
         });
         self.msgs.len() - 1
     }
 
-    /// `msg` may be stored under `uid` (a store began).
-    pub fn stored(&mut self, msg: usize, uid: u128) {
+    /// `msg` may be stored under `uid` (a store began on source session
+    /// `session`).
+    pub fn stored(&mut self, msg: usize, uid: u128, session: u64) {
         self.owner.insert(uid, msg);
         self.msgs[msg].uids.push(uid);
+        self.msgs[msg].stored_on.insert(uid, session);
     }
 
     /// A cancel of `uid` was answered "cancelled". For a message that fired
@@ -155,9 +164,31 @@ impl Model {
             }
             // A byte-equal message stored too: its record may have been
             // taken for this one's redelivery.
-            let twin = self.msgs.iter().enumerate().any(|(j, t)| {
-                j != i && t.route == m.route && t.bytes == m.bytes && !t.uids.is_empty()
-            });
+            let twins: Vec<&Msg> = self
+                .msgs
+                .iter()
+                .enumerate()
+                .filter(|(j, t)| {
+                    *j != i && t.route == m.route && t.bytes == m.bytes && !t.uids.is_empty()
+                })
+                .map(|(_, t)| t)
+                .collect();
+            let twin = !twins.is_empty();
+            // A broker redelivers only what an earlier session left
+            // unsettled: a twin stored on the same session as this one's
+            // "duplicate" answer cannot have been its original.
+            if twin && m.stored_on.is_empty() && !m.duplicate_on.is_empty() {
+                let excusable = m
+                    .duplicate_on
+                    .iter()
+                    .any(|&d| twins.iter().any(|t| t.stored_on.values().any(|&s| s < d)));
+                if !excusable {
+                    return Err(format!(
+                        "message {i} ({} due {}) was answered \"duplicate\" on sessions {:?}, but every byte-equal twin was stored on a session no earlier (the broker redelivers only an earlier session's deliveries)",
+                        m.route, m.due, m.duplicate_on
+                    ));
+                }
+            }
             if twin && !self.strict_twins {
                 twin_losses += 1;
                 continue;
