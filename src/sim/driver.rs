@@ -99,6 +99,10 @@ pub struct Sim {
     model: Model,
     /// Deliveries the broker holds, to deliver again.
     broker: VecDeque<Held>,
+    /// Deliveries sent to the running process and not read yet (its
+    /// prefetch): read at the next redelivery op, or back to the broker,
+    /// marked redelivered, when the process ends.
+    socket: Vec<usize>,
     /// Stored deliveries whose ack is in doubt: (message, engine id).
     in_doubt: Vec<(usize, u64)>,
     /// Every engine id a store answered: they are WAL seqs, never reused
@@ -164,6 +168,7 @@ impl Sim {
             sink: Arc::default(),
             model: Model::new(strict_twins),
             broker: VecDeque::new(),
+            socket: Vec::new(),
             in_doubt: Vec::new(),
             ids: HashSet::new(),
             clock_high: T0,
@@ -376,15 +381,20 @@ impl Sim {
         }
         // Deliveries the broker had sent to the dead process, unread in its
         // socket, come back marked redelivered.
-        for held in &mut self.broker {
-            if !held.1 && self.aside.chance(50) {
-                held.1 = true;
-            }
-        }
+        self.requeue_socket();
         self.note(("kill", format!("{loss:?}")));
     }
 
+    /// The process ended: what it had not read goes back to the broker,
+    /// marked redelivered.
+    fn requeue_socket(&mut self) {
+        for msg in std::mem::take(&mut self.socket) {
+            self.broker.push_back((msg, true));
+        }
+    }
+
     async fn stop_cleanly(&mut self) {
+        self.requeue_socket();
         if let Some(node) = self.node.take() {
             node.shutdown.cancel();
             let _ = node.task.await;
@@ -510,9 +520,17 @@ impl Sim {
                     }
                 };
                 let msg = self.model.add(route, key, bytes, due);
-                self.deliver(msg, false, ack_in_doubt).await?;
+                if self.node.is_some() && self.aside.chance(10) {
+                    // Not read yet: a crash now sends it back redelivered.
+                    self.socket.push(msg);
+                } else {
+                    self.deliver(msg, false, ack_in_doubt).await?;
+                }
             }
             Op::Redeliver => {
+                for msg in std::mem::take(&mut self.socket) {
+                    self.deliver(msg, false, false).await?;
+                }
                 if let Some((msg, redelivered)) = self.broker.pop_front() {
                     // Its ack may be in flight when the next crash comes.
                     let ack_in_doubt = self.aside.chance(30);
@@ -853,6 +871,9 @@ impl Sim {
         self.full = None;
         self.failed_since_space = 0;
         self.ensure_started().await?;
+        for msg in std::mem::take(&mut self.socket) {
+            self.deliver(msg, false, false).await?;
+        }
         while let Some((msg, redelivered)) = self.broker.pop_front() {
             self.deliver(msg, redelivered, false).await?;
             self.after_op().await?;
