@@ -65,7 +65,9 @@ for bug in "${bugs[@]}"; do
     plant "$bug"
     echo "sim-plant: $bug planted; running up to $seeds seeds"
     set +e
-    out=$(SIM_SEEDS="$seeds" cargo test --lib sim::tests::long_run -- --ignored --nocapture 2>&1)
+    # SIM_SOCKET: deliveries may wait unread in a socket (the session bug
+    # needs twins redelivered together).
+    out=$(SIM_SOCKET=1 SIM_SEEDS="$seeds" cargo test --lib sim::tests::long_run -- --ignored --nocapture 2>&1)
     status=$?
     set -e
     git checkout -q -- src
