@@ -194,6 +194,12 @@ impl Sim {
         }
     }
 
+    /// Deliveries may wait unread in the socket (see `socket_on`).
+    pub fn with_socket(mut self) -> Self {
+        self.socket_on = true;
+        self
+    }
+
     fn fail(&self, what: impl Into<String>) -> Failure {
         Failure {
             seed: self.seed,

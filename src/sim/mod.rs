@@ -61,6 +61,16 @@ pub fn run_strict(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
     play(seed, ops, true)
 }
 
+/// [`run`] with deliveries that may wait unread in the process's socket
+/// (what `SIM_SOCKET=1` turns on for every run).
+pub fn run_with_socket(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    runtime.block_on(driver::Sim::new(seed, false).with_socket().play(ops))
+}
+
 fn play(seed: u64, ops: &[Op], strict_twins: bool) -> Result<Report, Failure> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
