@@ -123,6 +123,9 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
         .ok_or(crate::wal::WalError::NoSegment(segment))?;
     let mut copies = Vec::new();
     let mut done_copies = Vec::new();
+    // Kept after another segment: its Dones may retire Schedule copies
+    // there whose own segment is gone (seed 413), so they all move on.
+    let outlives = inner.wal.outlives_existing(segment);
     {
         // Under the engine lock, so no Done for these ids can slip in between
         // the liveness check and the copy (see wal's crash rules).
@@ -169,7 +172,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                     segment: target,
                     ..
                 } => {
-                    if target != first_seq && inner.wal.segment_exists(target) {
+                    if target != first_seq && (outlives || inner.wal.segment_exists(target)) {
                         done_copies.push(inner.wal.append_done_copy(id, target)?);
                     }
                 }
@@ -187,7 +190,9 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
         placed.push((id, old, appended.pos));
     }
     for rx in done_copies {
-        rx.await.map_err(|_| EngineError::WriterGone)??;
+        let appended = rx.await.map_err(|_| EngineError::WriterGone)??;
+        // The Done copies' segment takes over what this one had to outlive.
+        inner.wal.keep_after(appended.pos.segment, segment);
     }
     let mut late_dones = Vec::new();
     {

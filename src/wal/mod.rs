@@ -639,6 +639,12 @@ impl Wal {
         self.segments().first_seq(segment)
     }
 
+    /// Whether segment `segment` must outlive a segment that still exists
+    /// (its Dones may be all that retires a Schedule copy there).
+    pub fn outlives_existing(&self, segment: u32) -> bool {
+        self.segments().outlives_existing(segment)
+    }
+
     /// Whether the segment with this first_seq still exists.
     pub fn segment_exists(&self, first_seq: u64) -> bool {
         self.segments().ordinal_of(first_seq).is_some()

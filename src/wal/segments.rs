@@ -229,10 +229,36 @@ impl SegmentTable {
             .map(|(o, _)| o)
     }
 
+    /// Drop `ordinal` from the table. A segment that had to outlive it
+    /// (its Dones named a Schedule there) now has to outlive what it had
+    /// to: those Dones may retire other copies of the same Schedules,
+    /// which still lie in the segments the removed one was kept after.
     pub fn remove(&mut self, ordinal: u32) -> Option<PathBuf> {
         let s = self.segments.remove(&ordinal)?;
         self.by_first_seq.remove(&s.first_seq);
+        let inherited: Vec<u64> = s
+            .refs
+            .iter()
+            .copied()
+            .filter(|r| self.by_first_seq.contains_key(r))
+            .collect();
+        if !inherited.is_empty() {
+            for other in self.segments.values_mut() {
+                if other.refs.contains(&s.first_seq) {
+                    other.refs.extend(inherited.iter().copied());
+                }
+            }
+        }
         Some(s.path)
+    }
+
+    /// Whether `ordinal` must outlive a segment that still exists.
+    pub fn outlives_existing(&self, ordinal: u32) -> bool {
+        self.segments.get(&ordinal).is_some_and(|s| {
+            s.refs
+                .iter()
+                .any(|r| *r != s.first_seq && self.by_first_seq.contains_key(r))
+        })
     }
 
     pub fn space(&self) -> SpaceReport {
