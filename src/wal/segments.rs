@@ -334,6 +334,28 @@ mod tests {
     }
 
     #[test]
+    fn a_segment_whose_dones_named_a_removed_copy_outlives_the_original() {
+        // Sim seed 413: 0 holds a Schedule's original, 1 its compaction
+        // copy (kept after 0); a Done in 2 names 1; 1 is compacted away.
+        let (mut t, _dir) = table_with(3);
+        t.seal_all();
+        t.record_schedule(0); // something else keeps 0 alive
+        t.keep_after(1, 0);
+        t.record_done(2, 101);
+        assert!(t.outlives_existing(2));
+        t.remove(1);
+        assert!(
+            t.outlives_existing(2),
+            "2's Done now retires the original in 0"
+        );
+        assert_eq!(t.deletable(), Vec::<u32>::new(), "2 went before 0");
+        t.mark_dead(0);
+        let mut d = t.deletable();
+        d.sort();
+        assert_eq!(d, vec![0, 2]);
+    }
+
+    #[test]
     fn head_is_never_deletable() {
         let (t, _dir) = table_with(1);
         assert!(t.deletable().is_empty());
