@@ -629,8 +629,7 @@ fn seed_2983_a_cancel_after_the_fire_finds_a_leftover_copy() {
 /// a restart keeps a Done's segment until the Schedule it retires is gone.
 #[test]
 fn a_cancel_survives_compactions_and_a_power_loss_at_a_restart() {
-    use ops::{Loss, Op, Scope};
-    let _ = Scope::Both;
+    use ops::Op;
     let ops = [
         Op::CrashAfter { n: 10 },
         Op::Deliver {
