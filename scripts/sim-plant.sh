@@ -12,12 +12,13 @@
 # early), cutback (a failed spill not cut back), cancelfar (a cancel that
 # forgets the far tier), loadid (a load that keeps the old id), session (a
 # redelivery compared with records of its own channel session: twins
-# redelivered together are taken for one).
+# redelivered together are taken for one), indoubt (a redelivery equal to a
+# record whose ack was in doubt taken for it: its twin is lost).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
 bugs=("$@")
-[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session)
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt)
 
 # plant NAME: edit the source; each edit must apply exactly once.
 plant() {
@@ -47,8 +48,11 @@ edits = {
         ".append_returning(r.due_ms, r.uid, &r.route, r.message)?;",
         ".append_copy(r.id, r.due_ms, r.uid, &r.route, r.message)?;")],
     "session": [("src/engine/dedup.rs",
-        "(session == 0 || stored_on < session).then_some((*id, evidence))",
-        "(session == 0 || stored_on <= session).then_some((*id, evidence))")],
+        "(session == 0 || entry.session < session).then_some(Candidate {",
+        "(session == 0 || entry.session <= session).then_some(Candidate {")],
+    "indoubt": [("src/engine/mod.rs",
+        "}) if session > 0 => {",
+        "}) if false => {")],
 }
 for path, old, new in edits[bug]:
     text = open(path).read()

@@ -67,10 +67,16 @@ impl std::fmt::Debug for Delivery {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum SourceError {
+    /// The broker connection is gone. From an ack: the ack was not sent,
+    /// so the broker will redeliver the message.
     #[error("broker connection lost: {0}")]
     Connection(String),
+    /// An ack was sent, and the broker may or may not have applied it (the
+    /// channel failed before answering a method sent after it).
+    #[error("ack in doubt: {0}")]
+    AckInDoubt(String),
     #[error("source closed")]
     Closed,
     #[error("{0}")]

@@ -370,6 +370,9 @@ async fn cancel(
     if !state.engine.cancel(local).await? {
         return Err(ApiError::no_such_id(id));
     }
+    if let Ok(uid) = id.parse() {
+        state.engine.cancel_all_of(uid).await?;
+    }
     Ok(Json(Cancelled {
         cancelled: CancelledIds::One(id),
     }))

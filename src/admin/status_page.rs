@@ -171,7 +171,13 @@ async fn cancel(
     }
     let outcome = match resolve_id(&state.engine, &form.id).await {
         Ok(local) => match state.engine.cancel(local).await {
-            Ok(true) => format!("cancelled {}", form.id),
+            Ok(true) => match form.id.parse() {
+                Ok(uid) => match state.engine.cancel_all_of(uid).await {
+                    Ok(_) => format!("cancelled {}", form.id),
+                    Err(e) => format!("cancelled {}, but not every copy: {e}", form.id),
+                },
+                Err(_) => format!("cancelled {}", form.id),
+            },
             Ok(false) => format!("{} is no longer pending", form.id),
             Err(EngineError::InFlight(_)) => {
                 format!(

@@ -6,7 +6,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::wal::{Record, WalPos};
 
-use super::{EngineError, Inner};
+use super::{dedup, EngineError, Inner};
 
 pub(crate) async fn run(inner: Arc<Inner>, shutdown: CancellationToken) {
     let mut tick = tokio::time::interval(inner.config.gc_interval);
@@ -176,9 +176,19 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                         done_copies.push(inner.wal.append_done_copy(id, target)?);
                     }
                 }
-                // Only a restart's redelivery detection reads these, for
-                // the newest records: not worth a copy (a record whose mark
-                // is gone is only remembered as before marks existed).
+                // An ack's mark is read by a restart for the newest records
+                // only: not worth a copy (a record whose mark is gone is in
+                // doubt: a twin redelivered then shares its id).
+                // A cancel's mark moves on while its record may still be
+                // compared with a redelivery: without it, a redelivery of
+                // the cancelled message whose ack was in doubt would be
+                // stored again and fire.
+                Record::Acked { id, .. }
+                    if id & dedup::CANCELLED_MARK != 0
+                        && state.unconfirmed.contains(id & !dedup::CANCELLED_MARK) =>
+                {
+                    inner.wal.append_acked(id)?;
+                }
                 Record::Acked { .. } => {}
             }
         }

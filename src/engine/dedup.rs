@@ -10,17 +10,36 @@
 //! before the marks, every one of the newest was a candidate, and a twin
 //! (the same bytes published twice on purpose) redelivered after the
 //! restart was taken for its acknowledged sibling and lost (issue #37).
-//! What remains is a record whose ack was sent but not yet answered, or
-//! answered with the mark not yet durable (the last few milliseconds before
-//! a crash): a twin of one of those is still taken for it.
+//!
+//! On a queue (a delivery bound to a channel session), what is known of a
+//! remembered record's ack decides what a byte-equal redelivery is
+//! ([`AckState`]):
+//! - its ack was never sent: the broker will redeliver it, so the
+//!   redelivery is that record (one to one) and is not stored again;
+//! - its ack was sent and not answered (in flight, cut off by the
+//!   connection, or read back at a start without an Acked mark): the
+//!   redelivery is that record or its twin, and nothing can tell which. It
+//!   is stored again under the record's identity: a same-id duplicate if
+//!   it is that record, its twin kept (under its sibling's id) if not.
+//!   Dropping it lost the twin.
+//!
+//! A cancelled record is marked so (an Acked mark with [`CANCELLED_MARK`]
+//! set, ahead of its Done, so durable with it): a redelivery that repeats
+//! it is not stored again whatever is known of the ack, or the cancelled
+//! message would fire. A live byte-equal record is preferred to it; if
+//! there is none, a twin of it whose ack was in doubt goes with it: the one
+//! case where a twin is not kept.
+//!
+//! A Kafka record's or a stream delivery's bytes carry where it was read,
+//! so equal bytes are always the same record: a duplicate.
 //!
 //! A redelivery is a duplicate only if its bytes equal a remembered stored
 //! record's, compared in full: the fingerprint below only finds candidates.
 //! Dropping on a hash match alone would ack, and so lose, a message that was
 //! never stored. A Kafka message's encoding carries its topic, partition and
 //! offset, so two records with equal content are never merged; an AMQP
-//! message that is published twice on purpose and redelivered within the
-//! window can be (the documented at-least-once caveat).
+//! message that is published twice on purpose is told from a redelivery by
+//! what is known of the ack (above).
 //!
 //! A remembered record's bytes are read where it was written, which works
 //! after it fired until its segment is deleted. Garbage collection and
@@ -70,18 +89,59 @@ pub fn fingerprint(route: &str, message: &[u8]) -> u64 {
     ((crc as u64) << 32) | (message.len() as u32) as u64
 }
 
+/// Set in an Acked mark's id: the message was cancelled, its ack still
+/// unconfirmed (see the module doc). WAL ids are sequence numbers and never
+/// reach it; a delayd that predates the flag ignores the mark (an unknown
+/// id).
+pub const CANCELLED_MARK: u64 = 1 << 63;
+
+/// What is known of a remembered record's source ack (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AckState {
+    /// Not sent: the broker will redeliver the record.
+    Unsent,
+    /// Sent, and not known to have been applied.
+    InDoubt,
+}
+
+/// A remembered record a redelivery may repeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    pub id: u64,
+    pub evidence: Evidence,
+    /// Its identity, which a copy stored for an in-doubt match keeps.
+    pub uid: u128,
+    pub ack: AckState,
+    /// It was cancelled: a redelivery must not bring it back.
+    pub cancelled: bool,
+}
+
+/// One remembered record.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    fp: u64,
+    evidence: Evidence,
+    /// The source session its delivery came on: 0 when not bound to one,
+    /// see [`Arrival`].
+    session: u64,
+    uid: u128,
+    ack: AckState,
+    cancelled: bool,
+}
+
 /// Bounded set of stored, unconfirmed messages (by id), oldest evicted first.
 #[derive(Debug)]
 pub struct Unconfirmed {
     /// Ids in the order they were added; may hold ids removed since (skipped
     /// on eviction, dropped when it grows past twice the live count).
     order: VecDeque<u64>,
-    /// Id → (fingerprint, what its bytes are compared with, the source
-    /// session its delivery came on: 0 when not bound to one, see
-    /// [`Arrival`]).
-    fingerprints: HashMap<u64, (u64, Evidence, u64)>,
+    /// Id → what is remembered of it.
+    fingerprints: HashMap<u64, Entry>,
     /// Fingerprint → ids with it (almost always one).
     ids: HashMap<u64, Vec<u64>>,
+    /// Identity → ids kept under it (more than one: a copy stored for an
+    /// in-doubt match, a far load's copy).
+    by_uid: HashMap<u128, Vec<u64>>,
     capacity: usize,
 }
 
@@ -91,14 +151,16 @@ impl Unconfirmed {
             order: VecDeque::new(),
             fingerprints: HashMap::new(),
             ids: HashMap::new(),
+            by_uid: HashMap::new(),
             capacity,
         }
     }
 
-    /// Message `id`, with this fingerprint, is stored at `pos` and its ack
-    /// unconfirmed; its delivery came on source session `session` (0: not
-    /// bound to one, or read back at a start).
-    pub fn add(&mut self, id: u64, fp: u64, pos: WalPos, session: u64) {
+    /// Message `id` (identity `uid`), with this fingerprint, is stored at
+    /// `pos` and its ack unconfirmed (`ack`: sent or not); its delivery came
+    /// on source session `session` (0: not bound to one, or read back at a
+    /// start).
+    pub fn add(&mut self, id: u64, uid: u128, fp: u64, pos: WalPos, session: u64, ack: AckState) {
         if self.capacity == 0 {
             return;
         }
@@ -110,12 +172,17 @@ impl Unconfirmed {
                 None => break,
             }
         }
-        if self
-            .fingerprints
-            .insert(id, (fp, Evidence::At(pos), session))
-            .is_none()
-        {
+        let entry = Entry {
+            fp,
+            evidence: Evidence::At(pos),
+            session,
+            uid,
+            ack,
+            cancelled: false,
+        };
+        if self.fingerprints.insert(id, entry).is_none() {
             self.ids.entry(fp).or_default().push(id);
+            self.by_uid.entry(uid).or_default().push(id);
             self.order.push_back(id);
         }
         if self.order.len() > 2 * self.fingerprints.len() + 1024 {
@@ -126,13 +193,19 @@ impl Unconfirmed {
 
     /// The ack of `id` reached the broker (or it was matched): forget it.
     pub fn remove(&mut self, id: u64) -> bool {
-        let Some((fp, ..)) = self.fingerprints.remove(&id) else {
+        let Some(Entry { fp, uid, .. }) = self.fingerprints.remove(&id) else {
             return false;
         };
         if let Some(ids) = self.ids.get_mut(&fp) {
             ids.retain(|&x| x != id);
             if ids.is_empty() {
                 self.ids.remove(&fp);
+            }
+        }
+        if let Some(ids) = self.by_uid.get_mut(&uid) {
+            ids.retain(|&x| x != id);
+            if ids.is_empty() {
+                self.by_uid.remove(&uid);
             }
         }
         true
@@ -143,7 +216,7 @@ impl Unconfirmed {
     pub fn written_in(&self, segments: &[u32]) -> Vec<(u64, WalPos)> {
         self.fingerprints
             .iter()
-            .filter_map(|(&id, &(_, evidence, _))| match evidence {
+            .filter_map(|(&id, entry)| match entry.evidence {
                 Evidence::At(pos) if segments.contains(&pos.segment) => Some((id, pos)),
                 _ => None,
             })
@@ -152,26 +225,77 @@ impl Unconfirmed {
 
     /// Compare `id` by this digest from now on (its segment is going).
     pub fn set_digest(&mut self, id: u64, digest: [u8; 32]) {
-        if let Some((_, evidence, _)) = self.fingerprints.get_mut(&id) {
-            *evidence = Evidence::Digest(digest);
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.evidence = Evidence::Digest(digest);
         }
     }
 
-    /// Remembered (id, evidence) whose fingerprint is `fp` and that a
-    /// redelivery on source session `session` can repeat: candidates to
-    /// compare. A broker redelivers only what an earlier session left
-    /// unsettled, so a record whose delivery came on that same session (or
-    /// a later one) is none.
-    pub fn candidates(&self, fp: u64, session: u64) -> Vec<(u64, Evidence)> {
+    /// The ack of `id` is being sent (or was, with no answer): from now on
+    /// a byte-equal redelivery may be its twin.
+    pub fn ack_sent(&mut self, id: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.ack = AckState::InDoubt;
+        }
+    }
+
+    /// Whether `id` is remembered.
+    pub fn contains(&self, id: u64) -> bool {
+        self.fingerprints.contains_key(&id)
+    }
+
+    /// `id` was cancelled.
+    pub fn cancel(&mut self, id: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.cancelled = true;
+        }
+    }
+
+    /// Message `id`, identity `uid`, was cancelled: so is every record
+    /// remembered under that identity (the same message, as far as a
+    /// cancel goes). Returns their ids, `id` first, for the WAL's marks.
+    pub fn cancel_all(&mut self, id: u64, uid: Option<u128>) -> Vec<u64> {
+        let mut ids = vec![id];
+        if let Some(others) = uid.and_then(|uid| self.by_uid.get(&uid)) {
+            ids.extend(others.iter().copied().filter(|&other| other != id));
+        }
+        for &id in &ids {
+            self.cancel(id);
+        }
+        ids
+    }
+
+    /// The ack of `id` was certainly not sent (its channel was gone).
+    pub fn ack_unsent(&mut self, id: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.ack = AckState::Unsent;
+        }
+    }
+
+    /// Remembered records whose fingerprint is `fp` and that a redelivery
+    /// on source session `session` can repeat: candidates to compare, those
+    /// whose ack was never sent first (see the module doc). A broker
+    /// redelivers only what an earlier session left unsettled, so a record
+    /// whose delivery came on that same session (or a later one) is none.
+    pub fn candidates(&self, fp: u64, session: u64) -> Vec<Candidate> {
         let Some(ids) = self.ids.get(&fp) else {
             return Vec::new();
         };
-        ids.iter()
-            .filter_map(|id| {
-                let &(_, evidence, stored_on) = self.fingerprints.get(id)?;
-                (session == 0 || stored_on < session).then_some((*id, evidence))
+        let mut found: Vec<Candidate> = ids
+            .iter()
+            .filter_map(|&id| {
+                let entry = self.fingerprints.get(&id)?;
+                (session == 0 || entry.session < session).then_some(Candidate {
+                    id,
+                    evidence: entry.evidence,
+                    uid: entry.uid,
+                    ack: entry.ack,
+                    cancelled: entry.cancelled,
+                })
             })
-            .collect()
+            .collect();
+        // A cancelled one last: a twin then repeats a live record if any.
+        found.sort_by_key(|c| (c.cancelled, c.ack == AckState::InDoubt));
+        found
     }
 
     #[cfg(test)]
@@ -201,6 +325,27 @@ impl From<bool> for Arrival {
     }
 }
 
+#[derive(Debug)]
+struct RecentEntry {
+    id: u64,
+    uid: u128,
+    fp: u64,
+    pos: WalPos,
+    acked: bool,
+    cancelled: bool,
+}
+
+/// A record read back at a start whose ack is not known to have been
+/// applied.
+#[derive(Debug)]
+pub struct ReadBack {
+    pub id: u64,
+    pub uid: u128,
+    pub fp: u64,
+    pub pos: WalPos,
+    pub cancelled: bool,
+}
+
 /// The newest Schedules a restart reads, to seed [`Unconfirmed`] with: the
 /// last `capacity` in log order, less those an Acked mark says were
 /// acknowledged to their source (a redelivery can no longer be one of them;
@@ -208,8 +353,8 @@ impl From<bool> for Arrival {
 #[derive(Debug)]
 pub struct Recent {
     capacity: usize,
-    /// (id, fingerprint, position, acked), oldest first.
-    entries: VecDeque<(u64, u64, WalPos, bool)>,
+    /// Oldest first.
+    entries: VecDeque<RecentEntry>,
     /// The running number of `entries[0]`.
     first: u64,
     /// Id -> the running number of its newest entry.
@@ -227,39 +372,66 @@ impl Recent {
     }
 
     /// A Schedule, read in log order.
-    pub fn push(&mut self, id: u64, fp: u64, pos: WalPos) {
+    pub fn push(&mut self, id: u64, uid: u128, fp: u64, pos: WalPos) {
         if self.capacity == 0 {
             return;
         }
         if self.entries.len() == self.capacity {
-            if let Some((old, ..)) = self.entries.pop_front() {
-                if self.index.get(&old) == Some(&self.first) {
-                    self.index.remove(&old);
+            if let Some(old) = self.entries.pop_front() {
+                if self.index.get(&old.id) == Some(&self.first) {
+                    self.index.remove(&old.id);
                 }
             }
             self.first += 1;
         }
         self.index
             .insert(id, self.first + self.entries.len() as u64);
-        self.entries.push_back((id, fp, pos, false));
+        self.entries.push_back(RecentEntry {
+            id,
+            uid,
+            fp,
+            pos,
+            acked: false,
+            cancelled: false,
+        });
     }
 
-    /// An Acked mark, read in log order (after its Schedule). A mark whose
-    /// Schedule is no longer among the newest does not matter.
-    pub fn acked(&mut self, id: u64) {
+    /// An Acked mark (its id perhaps with [`CANCELLED_MARK`]), read in log
+    /// order (after its Schedule). A mark whose Schedule is no longer among
+    /// the newest does not matter.
+    pub fn mark(&mut self, marked: u64) {
+        let id = marked & !CANCELLED_MARK;
         if let Some(&n) = self.index.get(&id) {
             if let Some(entry) = self.entries.get_mut((n - self.first) as usize) {
-                entry.3 = true;
+                if marked & CANCELLED_MARK != 0 {
+                    entry.cancelled = true;
+                } else {
+                    entry.acked = true;
+                }
             }
         }
     }
 
-    /// The newest Schedules whose ack is not known: (id, fingerprint, position).
-    pub fn unacked(self) -> impl Iterator<Item = (u64, u64, WalPos)> {
+    /// The newest Schedules whose ack is not known. Whether their acks
+    /// were sent is not known either: they are in doubt.
+    /// A cancel mark covers every record under its identity.
+    pub fn unacked(self) -> impl Iterator<Item = ReadBack> {
+        let cancelled: std::collections::HashSet<u128> = self
+            .entries
+            .iter()
+            .filter(|e| e.cancelled)
+            .map(|e| e.uid)
+            .collect();
         self.entries
             .into_iter()
-            .filter(|e| !e.3)
-            .map(|(id, fp, pos, _)| (id, fp, pos))
+            .filter(|e| !e.acked)
+            .map(move |e| ReadBack {
+                id: e.id,
+                uid: e.uid,
+                fp: e.fp,
+                pos: e.pos,
+                cancelled: e.cancelled || cancelled.contains(&e.uid),
+            })
     }
 }
 
@@ -319,15 +491,15 @@ mod tests {
         offset: 16,
     };
 
-    fn ids(c: Vec<(u64, Evidence)>) -> Vec<u64> {
-        c.into_iter().map(|(id, _)| id).collect()
+    fn ids(c: Vec<Candidate>) -> Vec<u64> {
+        c.into_iter().map(|c| c.id).collect()
     }
 
     #[test]
     fn removed_ids_are_no_candidates() {
         let mut u = Unconfirmed::new(10);
         let fp = fingerprint("r", b"m");
-        u.add(1, fp, P, 0);
+        u.add(1, 0, fp, P, 0, AckState::Unsent);
         assert_eq!(ids(u.candidates(fp, 0)), vec![1]);
         assert!(u.remove(1));
         assert!(u.candidates(fp, 0).is_empty());
@@ -337,8 +509,8 @@ mod tests {
     #[test]
     fn a_redelivery_repeats_only_a_record_of_an_earlier_session() {
         let mut u = Unconfirmed::new(10);
-        u.add(1, 7, P, 0); // read back at a start
-        u.add(2, 7, P, 3); // stored from a delivery of session 3
+        u.add(1, 0, 7, P, 0, AckState::Unsent); // read back at a start
+        u.add(2, 0, 7, P, 3, AckState::Unsent); // stored from a delivery of session 3
         assert_eq!(ids(u.candidates(7, 3)), vec![1]);
         assert_eq!(ids(u.candidates(7, 4)), vec![1, 2]);
         assert_eq!(
@@ -351,8 +523,8 @@ mod tests {
     #[test]
     fn equal_fingerprints_keep_every_id() {
         let mut u = Unconfirmed::new(10);
-        u.add(1, 7, P, 0);
-        u.add(2, 7, P, 0);
+        u.add(1, 0, 7, P, 0, AckState::Unsent);
+        u.add(2, 0, 7, P, 0, AckState::Unsent);
         assert_eq!(ids(u.candidates(7, 0)), vec![1, 2]);
         u.remove(1);
         assert_eq!(ids(u.candidates(7, 0)), vec![2]);
@@ -361,12 +533,12 @@ mod tests {
     #[test]
     fn capacity_evicts_oldest_still_remembered() {
         let mut u = Unconfirmed::new(2);
-        u.add(1, 10, P, 0);
-        u.add(2, 20, P, 0);
+        u.add(1, 0, 10, P, 0, AckState::Unsent);
+        u.add(2, 0, 20, P, 0, AckState::Unsent);
         u.remove(1);
-        u.add(3, 30, P, 0);
+        u.add(3, 0, 30, P, 0, AckState::Unsent);
         assert_eq!(u.len(), 2);
-        u.add(4, 40, P, 0);
+        u.add(4, 0, 40, P, 0, AckState::Unsent);
         assert!(u.candidates(20, 0).is_empty(), "2 was the oldest left");
         assert_eq!(ids(u.candidates(30, 0)), vec![3]);
         assert_eq!(ids(u.candidates(40, 0)), vec![4]);
@@ -376,7 +548,7 @@ mod tests {
     fn the_order_queue_stays_bounded_when_acks_confirm() {
         let mut u = Unconfirmed::new(100);
         for id in 0..100_000 {
-            u.add(id, id, P, 0);
+            u.add(id, 0, id, P, 0, AckState::Unsent);
             u.remove(id);
         }
         assert_eq!(u.len(), 0);
@@ -410,14 +582,20 @@ mod tests {
             segment: 1,
             offset: 16,
         };
-        u.add(1, 10, in_0, 0);
-        u.add(2, 20, in_1, 0);
-        u.add(3, 30, in_1, 0);
+        u.add(1, 0, 10, in_0, 0, AckState::Unsent);
+        u.add(2, 0, 20, in_1, 0, AckState::Unsent);
+        u.add(3, 0, 30, in_1, 0, AckState::Unsent);
         let mut going = u.written_in(&[1]);
         going.sort_unstable();
         assert_eq!(going, vec![(2, in_1), (3, in_1)]);
         u.set_digest(2, [7; 32]);
-        assert_eq!(u.candidates(20, 0), vec![(2, Evidence::Digest([7; 32]))]);
+        assert_eq!(
+            u.candidates(20, 0)
+                .into_iter()
+                .map(|c| (c.id, c.evidence))
+                .collect::<Vec<_>>(),
+            vec![(2, Evidence::Digest([7; 32]))]
+        );
         assert_eq!(
             u.written_in(&[1]),
             vec![(3, in_1)],
@@ -454,7 +632,7 @@ mod tests {
     #[test]
     fn capacity_zero_remembers_nothing() {
         let mut u = Unconfirmed::new(0);
-        u.add(1, 10, P, 0);
+        u.add(1, 0, 10, P, 0, AckState::Unsent);
         assert_eq!(u.len(), 0);
         assert!(u.candidates(10, 0).is_empty());
     }
@@ -467,13 +645,13 @@ mod tests {
         let live = 5_000u64;
         let mut u = Unconfirmed::new(10_000);
         for id in 0..live {
-            u.add(id, id, P, 0);
+            u.add(id, 0, id, P, 0, AckState::Unsent);
         }
         let churn = 40_000u64;
         let mut rebuilds = 0;
         for id in live..live + churn {
             let before = u.order.len();
-            u.add(id, id, P, 0);
+            u.add(id, 0, id, P, 0, AckState::Unsent);
             if u.order.len() < before {
                 rebuilds += 1;
             }
@@ -491,13 +669,13 @@ mod tests {
     fn stale_ids_left_by_removals_go_at_the_next_add() {
         let mut u = Unconfirmed::new(10_000);
         for id in 0..2_000 {
-            u.add(id, id, P, 0);
+            u.add(id, 0, id, P, 0, AckState::Unsent);
         }
         for id in 0..2_000 {
             u.remove(id);
         }
         assert_eq!(u.order.len(), 2_000);
-        u.add(5_000, 1, P, 0);
+        u.add(5_000, 0, 1, P, 0, AckState::Unsent);
         assert_eq!(u.order.iter().copied().collect::<Vec<_>>(), [5_000]);
     }
 }

@@ -23,6 +23,7 @@ mod tier;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use dedup::{fingerprint, Arrival};
+use dedup::{AckState, Candidate};
 pub use dispatch::{Dispatch, Fired, Outcome};
 pub use keys::key_hash;
 pub use pressure::{Admission, Pressure};
@@ -173,8 +174,24 @@ impl EngineError {
 pub enum Stored {
     /// Durable, armed, with this id.
     New(u64),
+    /// Durable, armed, with this id, under identity `uid` (not the one the
+    /// caller gave): a redelivery equal to a stored message whose ack was
+    /// in doubt, stored again under that message's identity (see
+    /// [`dedup`]): a same-id duplicate if it was that message, its twin
+    /// kept if not.
+    Copy { id: u64, uid: MessageId },
     /// A redelivery of a message already stored: nothing new was written.
     Duplicate,
+}
+
+impl Stored {
+    /// The new record's id, if one was written.
+    pub fn id(self) -> Option<u64> {
+        match self {
+            Stored::New(id) | Stored::Copy { id, .. } => Some(id),
+            Stored::Duplicate => None,
+        }
+    }
 }
 
 /// Told of a cancelled message: its route, id and stored bytes (see
@@ -244,23 +261,34 @@ pub enum Storing<F> {
 #[must_use = "commit the store once it is complete"]
 pub struct Written {
     pub id: u64,
+    /// The identity it was stored under, if not the caller's: see
+    /// [`Stored::Copy`].
+    pub copy_of: Option<MessageId>,
     fp: u64,
     pos: WalPos,
     /// The source session its delivery came on (see [`Arrival`]).
     session: u64,
+    /// The identity it was stored under.
+    uid: MessageId,
     writing: WritingGuard,
 }
 
 impl Written {
     /// The store is complete: until the source ack is confirmed, a
     /// redelivery of it is a duplicate.
-    pub fn commit(self) -> u64 {
-        self.writing
-            .engine
-            .state()
-            .unconfirmed
-            .add(self.id, self.fp, self.pos, self.session);
-        self.id
+    pub fn commit(self) -> Stored {
+        self.writing.engine.state().unconfirmed.add(
+            self.id,
+            self.uid.as_u128(),
+            self.fp,
+            self.pos,
+            self.session,
+            AckState::Unsent,
+        );
+        match self.copy_of {
+            Some(uid) => Stored::Copy { id: self.id, uid },
+            None => Stored::New(self.id),
+        }
     }
 }
 
@@ -608,6 +636,7 @@ impl Engine {
             RecordRef::Schedule {
                 id,
                 due_ms,
+                uid,
                 route,
                 message,
                 ..
@@ -634,7 +663,8 @@ impl Engine {
                     state.index_key(key_hash(route_id, key), id);
                 }
                 if config.dedup_window > 0 {
-                    recent.push(id, fingerprint(route, message), pos);
+                    let uid = MessageId::or_legacy(uid, id).as_u128();
+                    recent.push(id, uid, fingerprint(route, message), pos);
                 }
             }
             RecordRef::Done { id, segment, .. } => {
@@ -646,13 +676,19 @@ impl Engine {
                     retired_copies.push((id, copy, segment));
                 }
             }
-            RecordRef::Acked { id, .. } => recent.acked(id),
+            RecordRef::Acked { id, .. } => recent.mark(id),
         })?;
         if too_many_routes {
             return Err(EngineError::TooManyRoutes);
         }
-        for (id, fp, pos) in recent.unacked() {
-            state.unconfirmed.add(id, fp, pos, 0);
+        // Their acks may have been sent before the restart, or not.
+        for r in recent.unacked() {
+            state
+                .unconfirmed
+                .add(r.id, r.uid, r.fp, r.pos, 0, AckState::InDoubt);
+            if r.cancelled {
+                state.unconfirmed.cancel(r.id);
+            }
         }
         for (copy, original) in superseded.iter().copied() {
             wal.keep_after(copy, original);
@@ -785,8 +821,10 @@ impl Engine {
     /// Store a consumed delivery. A redelivered one (`arrival`: a `bool`,
     /// or an [`Arrival`] that names its source session) whose bytes equal a
     /// stored message whose ack is unconfirmed, stored from an earlier
-    /// session, is reported as a duplicate and not stored again. Call [`Engine::confirm_ack`] with the id once the
-    /// source ack succeeded. Like [`Engine::schedule`], the record is queued
+    /// session, is reported as a duplicate and not stored again, or, when
+    /// that ack was in doubt, stored again under that message's identity
+    /// ([`Stored::Copy`]). Call [`Engine::ack_sending`] before sending the
+    /// source ack and [`Engine::confirm_ack`] with the id once it succeeded. Like [`Engine::schedule`], the record is queued
     /// before this returns.
     ///
     /// A redelivery whose original may still be being written (see
@@ -817,7 +855,7 @@ impl Engine {
             };
             match storing {
                 Storing::Duplicate => Ok(Stored::Duplicate),
-                Storing::New(stored) => Ok(Stored::New(stored.await?.commit())),
+                Storing::New(stored) => Ok(stored.await?.commit()),
             }
         }
     }
@@ -874,20 +912,46 @@ impl Engine {
             session,
         } = arrival.into();
         let fp = fingerprint(route, &message);
-        if redelivered && self.take_stored_copy(route, fp, &message, session) {
-            metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route.to_owned())
-                .increment(1);
-            return Storing::Duplicate;
+        let mut copy_of = None;
+        if redelivered {
+            match self.take_stored_copy(route, fp, &message, session) {
+                Some(Candidate {
+                    ack: AckState::InDoubt,
+                    cancelled: false,
+                    uid: stored_uid,
+                    id,
+                    ..
+                }) if session > 0 && !self.cancelled_by_key(id, route, &message) => {
+                    tracing::info!(
+                        route,
+                        id,
+                        uid = %MessageId::from_u128(stored_uid),
+                        "a redelivery equals a stored message whose ack is in doubt; storing it again under that message's id (a same-id duplicate if it is that message, its twin kept if not)"
+                    );
+                    metrics::counter!("delayd_redeliveries_in_doubt_total", "route" => route.to_owned())
+                        .increment(1);
+                    copy_of = Some(MessageId::from_u128(stored_uid));
+                }
+                Some(_) => {
+                    metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route.to_owned())
+                        .increment(1);
+                    return Storing::Duplicate;
+                }
+                None => {}
+            }
         }
+        let uid = copy_of.unwrap_or(uid);
         let writing = WritingGuard::begin(self, fp);
         let scheduled = self.schedule_at(route, due_ms, uid, message);
         Storing::New(async move {
             let (id, pos) = scheduled.await?;
             Ok(Written {
                 id,
+                copy_of,
                 fp,
                 pos,
                 session,
+                uid,
                 writing,
             })
         })
@@ -898,10 +962,17 @@ impl Engine {
     /// If so, that record is forgotten (it matches one redelivery only). The
     /// comparison reads the stored bytes: the fingerprint only picks
     /// candidates, and a hash match alone would drop a message never stored.
-    fn take_stored_copy(&self, route: &str, fp: u64, message: &[u8], session: u64) -> bool {
+    fn take_stored_copy(
+        &self,
+        route: &str,
+        fp: u64,
+        message: &[u8],
+        session: u64,
+    ) -> Option<Candidate> {
         let candidates = self.state().unconfirmed.candidates(fp, session);
-        for (id, evidence) in candidates {
-            let same = match evidence {
+        for candidate in candidates {
+            let id = candidate.id;
+            let same = match candidate.evidence {
                 // Its segment is gone; the digest was taken before.
                 dedup::Evidence::Digest(digest) => digest == dedup::digest(route, message),
                 dedup::Evidence::At(written_at) => {
@@ -924,10 +995,19 @@ impl Engine {
             };
             if same {
                 self.state().unconfirmed.remove(id);
-                return true;
+                return Some(candidate);
             }
         }
-        false
+        None
+    }
+
+    /// Whether a cancel by key that far messages obey covers message `id`
+    /// (which may have been spilled, then cancelled there by key).
+    fn cancelled_by_key(&self, id: u64, route: &str, message: &[u8]) -> bool {
+        self.inner.far.as_ref().is_some_and(|tier| {
+            let key = (self.inner.config.key_of)(message);
+            tier.store().key_cancels(id, route, key)
+        })
     }
 
     /// Is message `id` pending here (waiting or being published)?
@@ -939,6 +1019,19 @@ impl Engine {
     /// forgotten here, and marked in the WAL so that a restart forgets it
     /// too (else a twin published on purpose and redelivered after the
     /// restart was taken for it, and lost; issue #37).
+    /// The source ack of stored message `id` is about to be sent: until it
+    /// is confirmed ([`Engine::confirm_ack`]) or known unsent
+    /// ([`Engine::ack_not_sent`]), a byte-equal redelivery may be its twin.
+    pub fn ack_sending(&self, id: u64) {
+        self.state().unconfirmed.ack_sent(id);
+    }
+
+    /// The source ack of stored message `id` was certainly not sent (its
+    /// channel was closed): the broker will redeliver it.
+    pub fn ack_not_sent(&self, id: u64) {
+        self.state().unconfirmed.ack_unsent(id);
+    }
+
     pub fn confirm_ack(&self, id: u64) {
         if self.state().unconfirmed.remove(id) {
             if let Err(e) = self.inner.wal.append_acked(id) {
@@ -969,6 +1062,24 @@ impl Engine {
             self.cancel_copies(id, uid).await?;
         }
         Ok(true)
+    }
+
+    /// Cancel every pending record kept under identity `uid`; how many.
+    /// After a cancel by id: a redelivery stored again under its message's
+    /// identity (its ack was in doubt, [`Stored::Copy`]) is that message as
+    /// far as a cancel goes, or it would fire.
+    pub async fn cancel_all_of(&self, uid: MessageId) -> Result<usize, EngineError> {
+        let mut cancelled = 0;
+        loop {
+            let engine = self.clone();
+            let found = tokio::task::spawn_blocking(move || engine.find_by_uid(uid))
+                .await
+                .map_err(|_| EngineError::WriterGone)??;
+            match found {
+                Some(id) if self.cancel(id).await? => cancelled += 1,
+                _ => return Ok(cancelled),
+            }
+        }
     }
 
     /// A load cut short (a crash, a failed append) leaves each message of
@@ -1109,11 +1220,16 @@ impl Engine {
             let Some(record) = tier::cancel(&engine.inner, id)? else {
                 return Ok(None);
             };
+            // Durable before the cancel is answered (no Done follows here).
+            let mark = match why {
+                "cancelled" => Some(engine.mark_cancelled_now(id, record.uid)?),
+                _ => None,
+            };
             metrics::counter!(format!("delayd_{why}_total"), "route" => record.route.clone())
                 .increment(1);
             Ok(Some(Retired {
                 id,
-                done: None,
+                done: mark,
                 route: Arc::from(record.route.as_str()),
                 message: Some(record.message),
                 was: None,
@@ -1182,9 +1298,10 @@ impl Engine {
     fn retire_queued(&self, id: u64, why: &'static str) -> Result<Option<Retired>, EngineError> {
         // The stored record (its key hash, the cancel hook), read outside the lock.
         let stored = self.stored_of(id);
-        let hash = stored.as_ref().and_then(|(route, message)| {
+        let hash = stored.as_ref().and_then(|(route, _, message)| {
             (self.inner.config.key_of)(message).map(|k| key_hash(*route, k))
         });
+        let uid = stored.as_ref().map(|(_, uid, _)| *uid);
         let mut state = self.state();
         if state.is_in_flight(id) {
             return Err(EngineError::InFlight(id));
@@ -1194,6 +1311,14 @@ impl Engine {
         };
         if let Some(hash) = hash {
             state.unindex_key(hash, id);
+        }
+        if why == "cancelled" {
+            for marked in state.unconfirmed.cancel_all(id, uid) {
+                // Lazy, but ahead of the Done: durable with it.
+                if let Err(e) = self.inner.wal.append_acked(marked | dedup::CANCELLED_MARK) {
+                    tracing::debug!(id = marked, error = %e, "cannot mark the cancel in the WAL");
+                }
+            }
         }
         // Written under the lock so it is ordered before any compaction copy.
         let done = match self.inner.wal.append_done(id, entry.data.pos) {
@@ -1210,9 +1335,25 @@ impl Engine {
             id,
             done: Some(done),
             route,
-            message: stored.map(|(_, m)| m),
+            message: stored.map(|(_, _, m)| m),
             was: Some((entry, hash)),
         }))
+    }
+
+    /// A far message was cancelled: a redelivery that repeats it (or any
+    /// record under its identity) must not bring it back (see [`dedup`]).
+    /// Resolves once the marks are durable.
+    fn mark_cancelled_now(&self, id: u64, uid: u128) -> Result<AppendReceiver, EngineError> {
+        let ids = self.state().unconfirmed.cancel_all(id, Some(uid));
+        let mut last = None;
+        for marked in ids {
+            last = Some(
+                self.inner
+                    .wal
+                    .append_acked_now(marked | dedup::CANCELLED_MARK)?,
+            );
+        }
+        Ok(last.expect("cancel_all names the id itself"))
     }
 
     /// Set once: told of every message cancelled (by id or by key), with
@@ -1299,15 +1440,17 @@ impl Engine {
         }
     }
 
-    /// A pending message's route id and stored bytes.
-    fn stored_of(&self, id: u64) -> Option<(u16, Vec<u8>)> {
+    /// A pending message's route id, identity and stored bytes.
+    fn stored_of(&self, id: u64) -> Option<(u16, u128, Vec<u8>)> {
         let (route, pos) = {
             let state = self.state();
             let (slot, _, _) = state.locate(id)?;
             (slot.route, slot.pos)
         };
         match self.inner.wal.read(pos) {
-            Ok(Record::Schedule { message, .. }) => Some((route, message)),
+            Ok(Record::Schedule { uid, message, .. }) => {
+                Some((route, MessageId::or_legacy(uid, id).as_u128(), message))
+            }
             // Moved by compaction meanwhile: the sweep removes its key later.
             _ => None,
         }

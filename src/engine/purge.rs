@@ -167,12 +167,18 @@ impl Engine {
                 .inspect_err(|e| self.inner.on_failure(e))?
         };
         let n = found.len() as u64;
-        for r in found {
+        // Each cancel's mark (see `Engine::mark_cancelled`), queued at once
+        // so one group commit makes many durable.
+        let mut marks = Vec::with_capacity(found.len());
+        for r in &found {
+            marks.push(self.mark_cancelled_now(r.id, r.uid)?);
+        }
+        for (r, mark) in found.into_iter().zip(marks) {
             metrics::counter!("delayd_cancelled_total", "route" => r.route.clone()).increment(1);
             let (id, uid) = (r.id, r.uid);
             let retired = Retired {
                 id,
-                done: None,
+                done: Some(mark),
                 route: Arc::from(r.route.as_str()),
                 message: Some(r.message),
                 was: None,

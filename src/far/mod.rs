@@ -570,6 +570,12 @@ impl FarStore {
         self.tombstones.len()
     }
 
+    /// Whether a cancel by key covers message `id` of `route` with lookup
+    /// key `key`.
+    pub fn key_cancels(&self, id: u64, route: &str, key: Option<&[u8]>) -> bool {
+        self.tombstones.cancels(id, route, key)
+    }
+
     /// Bucket `start`'s live records in (due, id) order: one per id,
     /// without cancelled ones; those a key tombstone cancels apart. All in
     /// memory: a load reads a bucket through [`FarStore::reader`] instead.

@@ -479,15 +479,33 @@ impl Intake {
                     .increment(1);
                 tracing::debug!(route, id, uid = %held.uid, due = held.due, "scheduled");
             }
+            Stored::Copy { id, uid } => {
+                metrics::counter!("delayd_scheduled_total", "route" => route.to_owned())
+                    .increment(1);
+                tracing::debug!(route, id, %uid, due = held.due, "scheduled under a stored message's id (its ack was in doubt)");
+            }
             Stored::Duplicate => tracing::debug!(route, "a redelivery of a stored message"),
+        }
+        let id = stored.id();
+        if let Some(id) = id {
+            // From here a byte-equal redelivery may be this one's twin.
+            self.engine.ack_sending(id);
         }
         match held.ack.ack().await {
             Ok(()) => {
-                if let Stored::New(id) = stored {
+                if let Some(id) = id {
                     self.engine.confirm_ack(id);
                 }
             }
             // Stored, but the broker will redeliver it: dedup catches that.
+            Err(SourceError::Connection(e)) => {
+                if let Some(id) = id {
+                    self.engine.ack_not_sent(id);
+                }
+                tracing::warn!(route, error = %e, "ack not sent after store; the broker will redeliver the message");
+            }
+            // Perhaps applied, perhaps not: a redelivery is stored again
+            // under this one's id (see `engine::dedup`).
             Err(e) => tracing::warn!(route, error = %e, "ack failed after store"),
         }
     }

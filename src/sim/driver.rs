@@ -49,8 +49,6 @@ pub struct Report {
     pub faults: u32,
     pub same_id_copies: u64,
     pub other_id_copies: u64,
-    /// Messages lost to a twin taken for their redelivery (issue #37).
-    pub twin_losses: u64,
     /// A hash of every operation's outcome and every message handed out:
     /// equal for two runs of one seed.
     pub trace: u64,
@@ -106,8 +104,9 @@ pub struct Sim {
     /// Whether deliveries may wait in the socket (`SIM_SOCKET=1`; off in
     /// the test command's fixed budget, whose seeds keep their runs).
     socket_on: bool,
-    /// Stored deliveries whose ack is in doubt: (message, engine id).
-    in_doubt: Vec<(usize, u64)>,
+    /// Stored deliveries whose ack is in doubt: (message, whether it was
+    /// sent; one never sent is certainly redelivered after a crash).
+    in_doubt: Vec<(usize, bool)>,
     /// Every engine id a store answered: they are WAL seqs, never reused
     /// (a reused one collides with what the far tier or a tombstone holds).
     ids: HashSet<u64>,
@@ -148,7 +147,7 @@ fn sim_key(message: &[u8]) -> Option<&[u8]> {
 }
 
 impl Sim {
-    pub fn new(seed: u64, strict_twins: bool) -> Self {
+    pub fn new(seed: u64) -> Self {
         let mut rng = Rng::new(seed.wrapping_mul(31).wrapping_add(7));
         let horizon = HORIZONS[rng.below(HORIZONS.len() as u64) as usize];
         // Half the seeds keep one route out of the far tier: its records
@@ -169,7 +168,7 @@ impl Sim {
             horizon,
             node: None,
             sink: Arc::default(),
-            model: Model::new(strict_twins),
+            model: Model::default(),
             broker: VecDeque::new(),
             socket: Vec::new(),
             socket_on: std::env::var_os("SIM_SOCKET").is_some_and(|v| v == "1"),
@@ -384,8 +383,10 @@ impl Sim {
         self.sync_fault = false;
         // The process a failed sync belonged to is gone.
         self.failed_syncs = self.fs.failed_syncs();
-        for (msg, _) in std::mem::take(&mut self.in_doubt) {
-            if self.rng.chance(50) {
+        // An ack never sent is certainly redelivered; one sent, perhaps.
+        for (msg, sent) in std::mem::take(&mut self.in_doubt) {
+            let coin = self.rng.chance(50);
+            if !sent || coin {
                 self.broker.push_back((msg, true));
             }
         }
@@ -441,14 +442,25 @@ impl Sim {
             session: self.session,
         };
         match engine.store(route, due, uid, bytes, arrival).await {
-            Ok(Stored::New(id)) => {
+            Ok(stored @ (Stored::New(id) | Stored::Copy { id, .. })) => {
                 if !self.ids.insert(id) {
                     return Err(self.fail(format!("engine id {id} was handed out twice")));
                 }
+                if let Stored::Copy { uid: kept, .. } = stored {
+                    self.model
+                        .stored_as(msg, uid.as_u128(), kept.as_u128(), self.session);
+                    self.show(("copy of", kept.as_u128(), "engine id", id));
+                }
                 self.model.msgs[msg].acked = true;
                 if ack_in_doubt {
-                    self.in_doubt.push((msg, id));
+                    // Sent, or not yet (half of them, drawing nothing).
+                    let sent = id % 2 == 0;
+                    if sent {
+                        engine.ack_sending(id);
+                    }
+                    self.in_doubt.push((msg, sent));
                 } else {
+                    engine.ack_sending(id);
                     engine.confirm_ack(id);
                 }
                 self.note(("stored", msg, redelivered));
@@ -731,7 +743,16 @@ impl Sim {
             self.note(("cancel: not pending", uid));
             return Ok(());
         };
-        match engine.cancel(id).await {
+        let cancelled = match engine.cancel(id).await {
+            // And any other record under that identity (see
+            // `Engine::cancel_all_of`).
+            Ok(true) => engine
+                .cancel_all_of(MessageId::from_u128(uid))
+                .await
+                .map(|_| true),
+            other => other,
+        };
+        match cancelled {
             Ok(true) => {
                 self.model.cancel_uid(uid);
                 self.note(("cancelled", uid));
@@ -889,7 +910,7 @@ impl Sim {
             self.after_op().await?;
         }
         self.drain("after every due time passed").await?;
-        self.report.twin_losses = self.model.check_complete().map_err(|w| self.fail(w))?;
+        self.model.check_complete().map_err(|w| self.fail(w))?;
         // A clean restart brings nothing back.
         self.stop_cleanly().await;
         self.ensure_started().await?;

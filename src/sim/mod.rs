@@ -52,31 +52,21 @@ pub const OPS_PER_SEED: usize = 120;
 
 /// Play `ops` with randomness from `seed`.
 pub fn run(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
-    play(seed, ops, false)
-}
-
-/// [`run`], failing on a message lost to a byte-equal twin too (issue
-/// #37, open: see [`model::Model::strict_twins`]).
-pub fn run_strict(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
-    play(seed, ops, true)
+    block_on(driver::Sim::new(seed).play(ops))
 }
 
 /// [`run`] with deliveries that may wait unread in the process's socket
 /// (what `SIM_SOCKET=1` turns on for every run).
 pub fn run_with_socket(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    runtime.block_on(driver::Sim::new(seed, false).with_socket().play(ops))
+    block_on(driver::Sim::new(seed).with_socket().play(ops))
 }
 
-fn play(seed: u64, ops: &[Op], strict_twins: bool) -> Result<Report, Failure> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
+fn block_on<T>(run: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .expect("a tokio runtime");
-    runtime.block_on(driver::Sim::new(seed, strict_twins).play(ops))
+        .expect("a tokio runtime")
+        .block_on(run)
 }
 
 /// Draw the operations of `seed` and play them.

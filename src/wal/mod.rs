@@ -37,7 +37,11 @@
 //! - `5 Acked` (version 3): `id u64`: the source's ack of message `id` was
 //!   confirmed, so a broker redelivery after a restart cannot be that
 //!   message (see `engine::dedup`). Written lazily; not copied by
-//!   compaction.
+//!   compaction. With bit 63 set (`engine::dedup::CANCELLED_MARK`; ids
+//!   never reach it, and a delayd without the flag ignores the mark as an
+//!   unknown id): message `id` was cancelled, so a redelivery that repeats
+//!   it must not be stored again. Written ahead of the cancel's Done (or
+//!   durably, for a far message) and copied with that Done by compaction.
 //!
 //! Version 1 segments (no salt: the CRC starts at `len`; no Commit frames)
 //! and version 2 segments (no Acked frames) are still read; a start goes on
@@ -514,8 +518,19 @@ impl Wal {
     pub fn append_acked(&self, id: u64) -> Result<(), WalError> {
         self.shared
             .writer
-            .send(AppendRequest::Acked { id })
+            .send(AppendRequest::Acked { id, lazy: true })
             .map(drop)
+    }
+
+    /// [`Wal::append_acked`], durable (with whatever was queued before it)
+    /// when the returned receiver answers.
+    pub fn append_acked_now(
+        &self,
+        id: u64,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        self.shared
+            .writer
+            .send(AppendRequest::Acked { id, lazy: false })
     }
 
     /// Re-append a Done copied out of a segment being compacted.

@@ -63,10 +63,11 @@ pub enum AppendRequest {
         /// sends the message again after the restart.
         lazy: bool,
     },
-    /// The source's ack of stored message `id` was confirmed. Always lazy:
-    /// losing it to a crash only leaves the message among those a restart
-    /// compares redeliveries with.
-    Acked { id: u64 },
+    /// The source's ack of stored message `id` was confirmed (or, with
+    /// `engine::dedup::CANCELLED_MARK` set, it was cancelled). Lazy unless
+    /// asked: losing an ack's mark to a crash only leaves the message among
+    /// those a restart compares redeliveries with.
+    Acked { id: u64, lazy: bool },
 }
 
 impl AppendRequest {
@@ -119,7 +120,7 @@ impl AppendRequest {
     fn is_lazy(&self) -> bool {
         matches!(
             self,
-            AppendRequest::Done { lazy: true, .. } | AppendRequest::Acked { .. }
+            AppendRequest::Done { lazy: true, .. } | AppendRequest::Acked { lazy: true, .. }
         )
     }
 
@@ -511,7 +512,7 @@ impl WriterState {
                     frame::put_done(&mut self.buf, salt, seq, id, segment);
                     (id, Kind::Done(segment), 0)
                 }
-                AppendRequest::Acked { id } => {
+                AppendRequest::Acked { id, .. } => {
                     frame::put_acked(&mut self.buf, salt, seq, id);
                     (id, Kind::Mark, 0)
                 }

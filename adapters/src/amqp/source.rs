@@ -350,10 +350,10 @@ async fn round_trip(channel: &Channel, prefetch: u16) -> Result<(), SourceError>
     let qos = channel.basic_qos(prefetch, BasicQosOptions { global: false });
     match tokio::time::timeout(ACK_CONFIRM_WAIT, qos).await {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(error)) => Err(SourceError::Connection(format!(
+        Ok(Err(error)) => Err(SourceError::AckInDoubt(format!(
             "basic.ack sent, but the channel failed before the broker confirmed processing it: {error}"
         ))),
-        Err(_) => Err(SourceError::Connection(format!(
+        Err(_) => Err(SourceError::AckInDoubt(format!(
             "basic.ack sent, but the broker did not answer the round trip after it within {ACK_CONFIRM_WAIT:?}"
         ))),
     }
@@ -366,7 +366,8 @@ fn settle_result(result: Result<bool, lapin::Error>, what: &str) -> Result<(), S
         Ok(false) => Err(SourceError::Connection(format!(
             "{what} not sent: the delivery's channel is closed; the broker will redeliver it"
         ))),
-        Err(error) => Err(SourceError::Connection(format!("{what} failed: {error}"))),
+        // Perhaps written to the socket before it failed.
+        Err(error) => Err(SourceError::AckInDoubt(format!("{what} failed: {error}"))),
     }
 }
 
@@ -410,10 +411,7 @@ async fn flush_acks(acks: &Mutex<AckCoalescer>) {
             None => Ok(()),
         };
         for waiter in waiters {
-            let _ = waiter.send(match &result {
-                Ok(()) => Ok(()),
-                Err(e) => Err(SourceError::Connection(e.to_string())),
-            });
+            let _ = waiter.send(result.clone());
         }
     }
 }

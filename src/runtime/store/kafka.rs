@@ -216,7 +216,7 @@ impl KafkaStore {
             this.own(tp, written.id);
             this.settle_put(put, partition, &key, &value, written.id)
                 .await?;
-            Ok(Stored::New(written.commit()))
+            Ok(written.commit())
         })
     }
 
@@ -387,7 +387,7 @@ impl KafkaStore {
         let mut n = 0;
         for (key, stored) in batch.drain(..) {
             match stored.await {
-                Ok(Stored::New(id)) => {
+                Ok(Stored::New(id) | Stored::Copy { id, .. }) => {
                     self.own(tp.clone(), id);
                     n += 1;
                 }

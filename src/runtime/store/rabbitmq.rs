@@ -266,6 +266,9 @@ impl StreamStore {
                 ))
             });
         }
+        // The delivery's own identity keys its state record, even when the
+        // WAL keeps it under another's (a redelivery whose sibling's ack was
+        // in doubt: `Stored::Copy`), so two messages are never one key here.
         let store_id = uid.as_u128();
         let record = record_of(store_id);
         let wal = match self
@@ -314,7 +317,7 @@ impl StreamStore {
                 return Err(EngineError::Interrupted("the state record was not written"));
             }
             metrics::counter!("delayd_store_writes_total", "route" => this.route.clone(), "kind" => "schedule").increment(1);
-            Ok(Stored::New(written_here.commit()))
+            Ok(written_here.commit())
         })
     }
 
@@ -711,7 +714,7 @@ impl StreamStore {
             let mut n = 0;
             for (store_id, s) in stored {
                 match s.await {
-                    Ok(Stored::New(id)) => {
+                    Ok(Stored::New(id) | Stored::Copy { id, .. }) => {
                         self.bind(id, store_id);
                         n += 1;
                     }
