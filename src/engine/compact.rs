@@ -122,6 +122,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
         .segment_first_seq(segment)
         .ok_or(crate::wal::WalError::NoSegment(segment))?;
     let mut copies = Vec::new();
+    // Dones and cancel marks moved on: durable before the segment goes.
     let mut done_copies = Vec::new();
     // Kept after another segment: its Dones may retire Schedule copies
     // there whose own segment is gone (seed 413), so they all move on.
@@ -187,7 +188,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                     if id & dedup::CANCELLED_MARK != 0
                         && state.unconfirmed.contains(id & !dedup::CANCELLED_MARK) =>
                 {
-                    inner.wal.append_acked(id)?;
+                    done_copies.push(inner.wal.append_acked_now(id)?);
                 }
                 Record::Acked { .. } => {}
             }

@@ -919,14 +919,3 @@ fn a_cancel_survives_compactions_and_a_power_loss_at_a_restart() {
         panic!("{f}");
     }
 }
-
-#[test]
-fn tmp_seed4() {
-    let seed: u64 = std::env::var("TMP_SEED").unwrap().parse().unwrap();
-    let ops = shrink(seed, ops::draw(seed, OPS_PER_SEED));
-    eprintln!("{ops:?}");
-    std::env::set_var("SIM_TRACE", "1");
-    if let Err(f) = run(seed, &ops) {
-        panic!("{f}");
-    }
-}
