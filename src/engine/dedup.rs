@@ -23,6 +23,15 @@
 //!   it is that record, its twin kept (under its sibling's id) if not.
 //!   Dropping it lost the twin.
 //!
+//! Even a confirmed ack is not certain on a queue: the broker applied it,
+//! but a classic queue whose node is killed can come back without it (it
+//! had not written it yet), and redeliver the message. A delivery
+//! of a channel session whose ack was confirmed is therefore kept in doubt
+//! among the last [`CONFIRMED_KEPT`] confirmed: its redelivery on a later
+//! session is stored under its id, not as a new message (the cluster
+//! campaign's `classic-node` saw that as a copy under another id, issue
+//! #40). Only in this process: a restart knows it by its Acked mark.
+//!
 //! A cancelled record is marked so (an Acked mark with [`CANCELLED_MARK`]
 //! set, ahead of its Done, so durable with it): a redelivery that repeats
 //! it is not stored again whatever is known of the ack, or the cancelled
@@ -95,6 +104,10 @@ pub fn fingerprint(route: &str, message: &[u8]) -> u64 {
 /// id).
 pub const CANCELLED_MARK: u64 = 1 << 63;
 
+/// How many records with a confirmed ack stay in doubt (see the module
+/// doc): about the last second of acks at a few thousand a second.
+pub const CONFIRMED_KEPT: usize = 4096;
+
 /// What is known of a remembered record's source ack (see the module doc).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AckState {
@@ -139,6 +152,9 @@ pub struct Unconfirmed {
     fingerprints: HashMap<u64, Entry>,
     /// Fingerprint → ids with it (almost always one).
     ids: HashMap<u64, Vec<u64>>,
+    /// Ids whose ack was confirmed and which stay in doubt, oldest first
+    /// (may hold ids removed since).
+    confirmed: VecDeque<u64>,
     /// Identity → ids kept under it (more than one: a copy stored for an
     /// in-doubt match, a far load's copy).
     by_uid: HashMap<u128, Vec<u64>>,
@@ -152,6 +168,7 @@ impl Unconfirmed {
             fingerprints: HashMap::new(),
             ids: HashMap::new(),
             by_uid: HashMap::new(),
+            confirmed: VecDeque::new(),
             capacity,
         }
     }
@@ -236,6 +253,26 @@ impl Unconfirmed {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.ack = AckState::InDoubt;
         }
+    }
+
+    /// The ack of `id` was confirmed. A delivery bound to a channel session
+    /// stays in doubt among the last [`CONFIRMED_KEPT`] (see the module
+    /// doc); any other is forgotten. True if it was remembered unconfirmed.
+    pub fn confirm(&mut self, id: u64) -> bool {
+        let Some(entry) = self.fingerprints.get_mut(&id) else {
+            return false;
+        };
+        if entry.session == 0 {
+            return self.remove(id);
+        }
+        entry.ack = AckState::InDoubt;
+        self.confirmed.push_back(id);
+        while self.confirmed.len() > CONFIRMED_KEPT {
+            if let Some(old) = self.confirmed.pop_front() {
+                self.remove(old);
+            }
+        }
+        true
     }
 
     /// Whether `id` is remembered.
@@ -542,6 +579,47 @@ mod tests {
         assert!(u.candidates(20, 0).is_empty(), "2 was the oldest left");
         assert_eq!(ids(u.candidates(30, 0)), vec![3]);
         assert_eq!(ids(u.candidates(40, 0)), vec![4]);
+    }
+
+    #[test]
+    fn never_sent_acks_are_matched_first_and_cancelled_records_last() {
+        let mut u = Unconfirmed::new(10);
+        u.add(1, 11, 7, P, 1, AckState::InDoubt);
+        u.add(2, 12, 7, P, 1, AckState::Unsent);
+        u.add(3, 13, 7, P, 1, AckState::Unsent);
+        u.cancel_all(3, Some(13));
+        assert_eq!(ids(u.candidates(7, 2)), vec![2, 1, 3]);
+        u.ack_sent(2);
+        assert_eq!(ids(u.candidates(7, 2)), vec![1, 2, 3]);
+        u.ack_unsent(1);
+        assert_eq!(ids(u.candidates(7, 2))[0], 1);
+    }
+
+    #[test]
+    fn a_cancel_covers_every_record_under_the_identity() {
+        let mut u = Unconfirmed::new(10);
+        u.add(1, 42, 7, P, 1, AckState::InDoubt);
+        u.add(2, 42, 8, P, 2, AckState::Unsent);
+        u.add(3, 43, 9, P, 2, AckState::Unsent);
+        assert_eq!(u.cancel_all(1, Some(42)), vec![1, 2]);
+        assert!(u.candidates(8, 3)[0].cancelled);
+        assert!(!u.candidates(9, 3)[0].cancelled);
+    }
+
+    #[test]
+    fn a_confirmed_queue_delivery_stays_in_doubt_among_the_last_confirmed() {
+        let mut u = Unconfirmed::new(2 * CONFIRMED_KEPT);
+        u.add(1, 1, 7, P, 1, AckState::Unsent);
+        u.add(2, 2, 8, P, 0, AckState::Unsent);
+        assert!(u.confirm(1));
+        assert!(u.confirm(2));
+        assert_eq!(u.candidates(7, 2)[0].ack, AckState::InDoubt);
+        assert!(u.candidates(8, 0).is_empty(), "not bound to a session");
+        for id in 10..10 + CONFIRMED_KEPT as u64 {
+            u.add(id, id as u128, id, P, 1, AckState::Unsent);
+            u.confirm(id);
+        }
+        assert!(u.candidates(7, 2).is_empty(), "the oldest confirmed goes");
     }
 
     #[test]

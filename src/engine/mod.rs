@@ -1015,10 +1015,6 @@ impl Engine {
         self.state().is_pending(id)
     }
 
-    /// The source ack of stored message `id` reached the broker: it is
-    /// forgotten here, and marked in the WAL so that a restart forgets it
-    /// too (else a twin published on purpose and redelivered after the
-    /// restart was taken for it, and lost; issue #37).
     /// The source ack of stored message `id` is about to be sent: until it
     /// is confirmed ([`Engine::confirm_ack`]) or known unsent
     /// ([`Engine::ack_not_sent`]), a byte-equal redelivery may be its twin.
@@ -1032,8 +1028,13 @@ impl Engine {
         self.state().unconfirmed.ack_unsent(id);
     }
 
+    /// The source ack of stored message `id` reached the broker: marked in
+    /// the WAL so that a restart forgets it (else a twin published on
+    /// purpose and redelivered after the restart was taken for it, and
+    /// lost; issue #37). Here a queue delivery stays in doubt a while (a
+    /// classic queue's node can die and forget the ack; see [`dedup`]).
     pub fn confirm_ack(&self, id: u64) {
-        if self.state().unconfirmed.remove(id) {
+        if self.state().unconfirmed.confirm(id) {
             if let Err(e) = self.inner.wal.append_acked(id) {
                 tracing::debug!(id, error = %e, "cannot mark the ack in the WAL");
             }
