@@ -664,7 +664,7 @@ async fn a_redelivery_is_judged_by_what_is_known_of_the_stored_records_ack() {
         engine.store("r", due, MessageId::mint(), body.to_vec(), on(session))
     };
     let id_of = |stored: Stored| stored.id().expect("stored");
-    let never_sent = id_of(store(b"never sent", 1).await.unwrap());
+    id_of(store(b"never sent", 1).await.unwrap());
     let unsent = id_of(store(b"known unsent", 1).await.unwrap());
     engine.ack_sending(unsent);
     engine.ack_not_sent(unsent);
