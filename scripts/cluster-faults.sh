@@ -288,16 +288,13 @@ run_scenario() { # scenario
         members=$(rabbitmq-streams -q -n "$(node 1)" stream_status "cfaults.$tag.$s.cf-$s" --formatter json 2>/dev/null |
             jq 'length' 2>/dev/null || echo 0)
     fi
-    # One identity per message. The classic queue's node dies with delayd's
-    # last acks possibly not yet applied by the queue (an ack is never
-    # confirmed in AMQP 0.9.1, and the queue applies it after the channel
-    # answered the fencing round trip): the queue may deliver such a message
-    # again, which delayd cannot tell from the same bytes published twice,
-    # so it stores it under a new id. The README names that case; the copies
-    # are listed and still count as duplicates.
-    local store=(--other-id-named "a classic ingress queue's node crashed just after delayd's ack (README, Promises)")
+    # One identity per message in every scenario: a classic queue's node
+    # that dies with delayd's last acks not yet written down redelivers
+    # those messages, and delayd stores them again under their own ids
+    # (issue #40).
+    local store=()
     [ "$s" = classic-node ] || store=(--owners "$work/$s.owners" --replicas "$members")
-    python3 scripts/faults/report.py "$s" "$cycles" "$took" "$dup_permille" "$work/$s.json" "${store[@]}"
+    python3 scripts/faults/report.py "$s" "$cycles" "$took" "$dup_permille" "$work/$s.json" ${store[@]+"${store[@]}"}
 }
 
 for s in $scenarios; do

@@ -37,26 +37,23 @@ class Verdict(unittest.TestCase):
     def test_a_clean_run_passes(self):
         self.assertEqual(run(bench()).returncode, 0)
 
-    def test_a_copy_under_another_id_fails_by_default(self):
+    def test_a_copy_under_another_id_fails(self):
         out = run(bench(other_id=1))
         self.assertEqual(out.returncode, 1, out.stdout)
-        self.assertIn("FAIL: no case the README names", out.stdout)
+        self.assertIn("FAIL: 1 copies under another x-delayd-id", out.stdout)
 
-    def test_a_named_case_passes_loudly(self):
-        out = run(bench(other_id=1), "--other-id-named", "a node crashed")
-        self.assertEqual(out.returncode, 0, out.stdout)
-        self.assertIn("WARNING 1 copies under another x-delayd-id", out.stdout)
-
-    def test_a_lost_twin_copy_is_listed_loudly(self):
+    def test_a_lost_twin_copy_fails(self):
         report = dict(bench(), twins=100, twin_copies_lost=2)
         out = run(report)
+        self.assertEqual(out.returncode, 1, out.stdout)
         self.assertIn("twins 100, copies lost 2", out.stdout)
-        self.assertIn("WARNING 2 twin copies lost", out.stdout)
+        self.assertIn("FAIL: 2 twin copies lost", out.stdout)
 
-    def test_a_named_case_still_counts_as_duplicates(self):
-        report = bench(other_id=50)  # 50 of 1050: over 20 per mille
-        self.assertEqual(run(report, "--other-id-named", "a node crashed").returncode, 1)
-
+    def test_twins_under_one_id_are_listed_and_pass(self):
+        report = dict(bench(), twins=100, twin_copies_lost=0, twins_under_one_id=3)
+        out = run(report)
+        self.assertEqual(out.returncode, 0, out.stdout)
+        self.assertIn("under one id 3", out.stdout)
 
 if __name__ == "__main__":
     unittest.main()
