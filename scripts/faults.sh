@@ -31,6 +31,7 @@
 #   INGRESS=stream ...     # RabbitMQ routes read a stream (from.queue_type =
 #                          # "stream"), except handoff and store-amqp*, which
 #                          # need a queue (the config check refuses a stream)
+#   INGRESS=quorum ...     # RabbitMQ routes read a quorum queue
 #
 # Pass: 0 lost and 0 early in every scenario, 0 duplicates under another
 # x-delayd-id than the first copy's in every scenario (a copy can only be
@@ -109,6 +110,8 @@ uses_stream() {
 ingress_queue() { # scenario: the route's queue keys
     if uses_stream "$1"; then
         echo "queue = \"delayd.faults.$1.stream\", queue_type = \"stream\""
+    elif [ "${INGRESS:-classic}" = quorum ]; then
+        echo "queue = \"delayd.faults.$1.quorum\", queue_type = \"quorum\""
     else
         echo "queue = \"delayd.faults.$1\""
     fi
