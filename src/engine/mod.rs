@@ -1341,20 +1341,9 @@ impl Engine {
         }))
     }
 
-    /// A far message was cancelled: a redelivery that repeats it (or any
-    /// record under its identity) must not bring it back (see [`dedup`]).
-    /// Resolves once the marks are durable.
+    /// See [`Inner::mark_cancelled_now`].
     fn mark_cancelled_now(&self, id: u64, uid: u128) -> Result<AppendReceiver, EngineError> {
-        let ids = self.state().unconfirmed.cancel_all(id, Some(uid));
-        let mut last = None;
-        for marked in ids {
-            last = Some(
-                self.inner
-                    .wal
-                    .append_acked_now(marked | dedup::CANCELLED_MARK)?,
-            );
-        }
-        Ok(last.expect("cancel_all names the id itself"))
+        self.inner.mark_cancelled_now(id, uid)
     }
 
     /// Set once: told of every message cancelled (by id or by key), with
@@ -1695,6 +1684,19 @@ impl Engine {
 }
 
 impl Inner {
+    /// A far message was cancelled (by id, or by a key tombstone as its
+    /// bucket loads): a redelivery that repeats it (or any record under its
+    /// identity) must not bring it back (see [`dedup`]). The returned
+    /// receiver answers once the marks are durable.
+    fn mark_cancelled_now(&self, id: u64, uid: u128) -> Result<AppendReceiver, EngineError> {
+        let ids = self.state().unconfirmed.cancel_all(id, Some(uid));
+        let mut last = None;
+        for marked in ids {
+            last = Some(self.wal.append_acked_now(marked | dedup::CANCELLED_MARK)?);
+        }
+        Ok(last.expect("cancel_all names the id itself"))
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().expect("engine state poisoned")
     }

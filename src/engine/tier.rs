@@ -481,7 +481,7 @@ async fn load_one(
         .max_id()
         .max(inner.wal.next_id().saturating_sub(1));
     // The bucket's index: its live records without their bytes.
-    let (mut index, tombstoned, resumed) = tokio::task::spawn_blocking(move || {
+    let (index, tombstoned, resumed, marks) = tokio::task::spawn_blocking(move || {
         let tier = worker.far.as_ref().expect("far tier");
         let mut store = tier.store();
         let resumed = store.begin_load(from, after_id)?;
@@ -494,10 +494,21 @@ async fn load_one(
             .iter()
             .map(|e| reader.read(e).map(|r| r.route))
             .collect::<Result<Vec<String>, _>>()?;
-        Ok::<_, EngineError>((index, tombstoned, resumed))
+        // Cancelled by key: marked so for redelivery detection, as a
+        // cancel by id is (the tombstone may be pruned once the bucket is
+        // gone).
+        let mut marks = None;
+        for e in &index.tombstoned {
+            marks = Some(worker.mark_cancelled_now(e.id, e.uid)?);
+        }
+        Ok::<_, EngineError>((index, tombstoned, resumed, marks))
     })
     .await
     .map_err(|_| EngineError::WriterGone)??;
+    let (mut index, tombstoned, resumed, marks) = (index, tombstoned, resumed, marks);
+    if let Some(marks) = marks {
+        marks.await.map_err(|_| EngineError::WriterGone)??;
+    }
     if let Some(after_id) = resumed {
         skip_copied(inner, &mut index.live, from, from + width, after_id)?;
     }

@@ -919,3 +919,24 @@ fn a_cancel_survives_compactions_and_a_power_loss_at_a_restart() {
         panic!("{f}");
     }
 }
+
+/// Seed 1237 (issue #37's in-doubt copies): a far message whose ack was in
+/// doubt, cancelled by key while far (a tombstone), was dropped as its
+/// bucket loaded and the tombstone pruned; its redelivery then matched the
+/// record in doubt and was stored again under its id, and fired though its
+/// cancel was answered. A tombstone's drop at a load now marks the record
+/// cancelled, as a cancel by id does.
+#[test]
+fn seed_1237_a_key_cancel_applied_at_a_load_keeps_a_redelivery_out() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(1, 3, 213, 3_696_905, None, true),
+        Op::FarRound,
+        Op::Kill { loss: Loss::Torn },
+        Op::DiskFull { scope: Scope::Both },
+        Op::CancelKey { route: 1, key: 3 },
+    ];
+    if let Err(f) = run(1237, &ops) {
+        panic!("{f}");
+    }
+}
