@@ -116,15 +116,28 @@ impl Model {
     /// Every stored message matching `covered` was answered cancelled, but
     /// those that fired already: one whose Done was lost may be pending
     /// again (a copy under its id), or not, and the answer names neither.
+    /// An id shared with a byte-equal message the cancel did not cover (a
+    /// twin kept under its sibling's id, with its own due time) is not
+    /// cancelled as a whole: only the covered messages are.
     pub fn cancel_where(&mut self, covered: impl Fn(&Msg) -> bool) {
-        let uids: Vec<u128> = self
-            .msgs
+        let hit: Vec<usize> = (0..self.msgs.len())
+            .filter(|&m| self.msgs[m].fired.is_empty() && covered(&self.msgs[m]))
+            .collect();
+        let uids: BTreeSet<u128> = hit
             .iter()
-            .filter(|m| m.fired.is_empty() && covered(m))
-            .flat_map(|m| m.uids.clone())
+            .flat_map(|&m| self.msgs[m].uids.clone())
             .collect();
         for uid in uids {
-            self.cancel_uid(uid);
+            let owners = self.owner.get(&uid).cloned().unwrap_or_default();
+            if owners.iter().all(|&m| covered(&self.msgs[m])) {
+                self.cancel_uid(uid);
+            } else {
+                for &m in &hit {
+                    if self.msgs[m].uids.contains(&uid) {
+                        self.msgs[m].cancelled = true;
+                    }
+                }
+            }
         }
     }
 
@@ -139,11 +152,13 @@ impl Model {
         // has not fired under it yet, if any.
         // (Their due times may differ: the first that was due.)
         let due = |m: &usize| self.msgs[*m].due <= f.fired_ms;
+        let unfired = |m: &usize| !self.msgs[*m].fired.contains_key(&uid);
         let m = owners
             .iter()
             .copied()
             .filter(due)
-            .find(|&m| !self.msgs[m].fired.contains_key(&uid))
+            .filter(unfired)
+            .min_by_key(|&m| self.msgs[m].cancelled)
             .or_else(|| owners.iter().copied().find(due))
             .unwrap_or(owners[0]);
         let msg = &mut self.msgs[m];

@@ -940,3 +940,29 @@ fn seed_1237_a_key_cancel_applied_at_a_load_keeps_a_redelivery_out() {
         panic!("{f}");
     }
 }
+
+/// Seed 1468: a twin kept under its sibling's id (the sibling's ack in
+/// doubt) keeps its own due time, so a purge by due time that covers the
+/// sibling leaves it. The model had cancelled the shared id as a whole.
+#[test]
+fn seed_1468_a_purge_leaves_a_twin_kept_under_its_siblings_id() {
+    use ops::Op;
+    let ops = [
+        deliver(0, 3, 454, 16_477, None, false),
+        Op::Restart { horizon: 3 },
+        Op::CrashAfter { n: 5 },
+        deliver(0, 3, 974, 31_709, Some(4_063_750_299), false),
+        Op::Redeliver,
+        Op::CrashAfter { n: 2 },
+        deliver(0, 3, 591, 208_676, Some(1_539_899_385), true),
+        Op::Redeliver,
+        Op::Purge {
+            route: 0,
+            from_ms: 27_335,
+            width_ms: 54_205,
+        },
+    ];
+    if let Err(f) = run(1468, &ops) {
+        panic!("{f}");
+    }
+}
