@@ -1001,13 +1001,21 @@ impl Engine {
         None
     }
 
-    /// Whether a cancel by key that far messages obey covers message `id`
-    /// (which may have been spilled, then cancelled there by key).
+    /// Whether message `id` waits in the far tier cancelled by a key
+    /// tombstone (dropped when its bucket loads, and marked cancelled then).
+    /// A record that fired before the cancel is not: its twin is kept.
     fn cancelled_by_key(&self, id: u64, route: &str, message: &[u8]) -> bool {
-        self.inner.far.as_ref().is_some_and(|tier| {
-            let key = (self.inner.config.key_of)(message);
-            tier.store().key_cancels(id, route, key)
-        })
+        let Some(tier) = self.inner.far.as_ref() else {
+            return false;
+        };
+        let key_of = self.inner.config.key_of;
+        let store = tier.store();
+        if !store.key_cancels(id, route, key_of(message)) || self.is_pending(id) {
+            return false;
+        }
+        // Unreadable: taken as cancelled (a same-id copy is then not made;
+        // the redelivery is answered a duplicate, as before copies).
+        tier.is_tombstoned(&store, id, key_of).unwrap_or(true)
     }
 
     /// Is message `id` pending here (waiting or being published)?

@@ -194,6 +194,31 @@ impl Tier {
         Ok(None)
     }
 
+    /// Whether far message `id` waits in a bucket that a key tombstone
+    /// cancels it from (dropped when the bucket loads).
+    pub fn is_tombstoned(
+        &self,
+        store: &FarStore,
+        id: u64,
+        key_of: crate::far::KeyOf,
+    ) -> Result<bool, EngineError> {
+        let buckets = match self.hinted(id) {
+            Some(b) if store.contains_bucket(b) => vec![b],
+            _ => store.buckets_from(0),
+        };
+        for b in buckets {
+            if store
+                .read_bucket(b, key_of)?
+                .tombstoned
+                .iter()
+                .any(|r| r.id == id)
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// The far message whose identity is `uid`, reading bucket by bucket.
     pub fn find_uid(
         &self,

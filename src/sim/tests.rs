@@ -966,3 +966,36 @@ fn seed_1468_a_purge_leaves_a_twin_kept_under_its_siblings_id() {
         panic!("{f}");
     }
 }
+
+/// Seed 1931: a twin whose sibling had fired before a cancel by key was
+/// answered "duplicate": the key's tombstone covers every id below it, and
+/// was taken to mean the fired sibling was cancelled. Only a record that
+/// waits in the far tier under a tombstone is cancelled by it.
+#[test]
+fn seed_1931_a_tombstone_does_not_cancel_a_record_that_fired_before_it() {
+    use ops::Op;
+    let ops = [
+        deliver(1, 2, 675, 32_228, None, true),
+        deliver(0, 3, 265, 481, None, false),
+        Op::Restart { horizon: 0 },
+        Op::Clock { ms: 1_806 },
+        Op::CrashAfter { n: 10 },
+        Op::CancelKey { route: 1, key: 2 },
+        deliver(0, 2, 258, 697, Some(3_625_765_711), false),
+        Op::CrashAfter { n: 1 },
+        Op::Restart { horizon: 3 },
+        Op::Clock { ms: 187_225 },
+        Op::Redeliver,
+        deliver(0, 1, 646, 955, None, false),
+        deliver(0, 0, 293, 37_994, None, false),
+        deliver(0, 3, 349, 351_731, None, false),
+        deliver(0, 2, 116, 10_496_414, Some(3_243_595_554), false),
+        Op::FarRound,
+        Op::CancelKey { route: 0, key: 3 },
+        Op::CrashAfter { n: 2 },
+        deliver(0, 2, 976, 9_250, Some(837_969_763), false),
+    ];
+    if let Err(f) = run(1931, &ops) {
+        panic!("{f}");
+    }
+}
