@@ -475,6 +475,7 @@ impl Sim {
                 if !self.faulty() {
                     return Err(self.fail(format!("a store failed with no fault: {e}")));
                 }
+                self.model.msgs[msg].failed_store = true;
                 self.broker.push_back((msg, true));
                 self.note(("store failed", msg));
             }

@@ -28,6 +28,10 @@ pub struct Msg {
     pub stored_on: BTreeMap<u128, u64>,
     /// Sessions on which a delivery of it was answered "duplicate".
     pub duplicate_on: Vec<u64>,
+    /// A store of it failed: it may have reached the disk anyway, and as a
+    /// redelivery under a byte-equal message's id (`Stored::Copy`), which
+    /// the failure does not name.
+    pub failed_store: bool,
 }
 
 #[derive(Debug, Default)]
@@ -54,6 +58,7 @@ impl Model {
             fired: BTreeMap::new(),
             stored_on: BTreeMap::new(),
             duplicate_on: Vec::new(),
+            failed_store: false,
         });
         self.msgs.len() - 1
     }
@@ -148,6 +153,23 @@ impl Model {
         let Some(owners) = self.owner.get(&uid) else {
             return Err(format!("fired id {uid:032x}, which no store was given"));
         };
+        // A failed store's record under a byte-equal message's id: none of
+        // the id's owners was due, but that message is.
+        let first = owners[0];
+        if !owners.iter().any(|&m| self.msgs[m].due <= f.fired_ms) {
+            let copied = (0..self.msgs.len()).find(|&j| {
+                let t = &self.msgs[j];
+                t.failed_store
+                    && t.due <= f.fired_ms
+                    && t.route == self.msgs[first].route
+                    && t.bytes == self.msgs[first].bytes
+            });
+            if let Some(j) = copied {
+                let session = self.msgs[j].stored_on.values().copied().max().unwrap_or(0);
+                self.stored(j, uid, session);
+            }
+        }
+        let owners = &self.owner[&uid];
         // Byte-equal messages sharing an id: each fire counts for one that
         // has not fired under it yet, if any.
         // (Their due times may differ: the first that was due.)
