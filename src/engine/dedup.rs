@@ -140,6 +140,9 @@ struct Entry {
     uid: u128,
     ack: AckState,
     cancelled: bool,
+    /// It matched a redelivery already (one to one): no candidate any
+    /// more, but kept so that compaction still moves its cancel mark on.
+    consumed: bool,
 }
 
 /// Bounded set of stored, unconfirmed messages (by id), oldest evicted first.
@@ -196,6 +199,7 @@ impl Unconfirmed {
             uid,
             ack,
             cancelled: false,
+            consumed: false,
         };
         if self.fingerprints.insert(id, entry).is_none() {
             self.ids.entry(fp).or_default().push(id);
@@ -275,6 +279,13 @@ impl Unconfirmed {
         true
     }
 
+    /// `id` matched a redelivery: no candidate any more (see `Entry`).
+    pub fn consume(&mut self, id: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.consumed = true;
+        }
+    }
+
     /// Whether `id` is remembered.
     pub fn contains(&self, id: u64) -> bool {
         self.fingerprints.contains_key(&id)
@@ -321,7 +332,8 @@ impl Unconfirmed {
             .iter()
             .filter_map(|&id| {
                 let entry = self.fingerprints.get(&id)?;
-                (session == 0 || entry.session < session).then_some(Candidate {
+                let repeatable = session == 0 || entry.session < session;
+                (repeatable && !entry.consumed).then_some(Candidate {
                     id,
                     evidence: entry.evidence,
                     uid: entry.uid,

@@ -994,7 +994,7 @@ impl Engine {
                 }
             };
             if same {
-                self.state().unconfirmed.remove(id);
+                self.state().unconfirmed.consume(id);
                 return Some(candidate);
             }
         }

@@ -999,3 +999,56 @@ fn seed_1931_a_tombstone_does_not_cancel_a_record_that_fired_before_it() {
         panic!("{f}");
     }
 }
+
+/// Seed 2948 with `SIM_SOCKET=1`: a record in doubt matched a redelivery
+/// (a copy stored under its id) and was forgotten; both were cancelled by
+/// key, then a compaction moved the cancel marks on only for records still
+/// remembered, so the first one's mark went. After a kill its redelivery
+/// matched it again, uncancelled, and the copy fired though the cancel was
+/// answered. A matched record is now kept (consumed) until evicted.
+#[test]
+fn seed_2948_a_cancel_mark_outlives_a_compaction_after_a_match() {
+    use ops::{Loss, Op};
+    let ops = [
+        deliver(0, 2, 854, 573, None, true),
+        deliver(1, 1, 919, 316534, None, false),
+        Op::Clock { ms: -4562 },
+        deliver(0, 2, 601, 219577, None, false),
+        Op::Clock { ms: 15359 },
+        deliver(0, 3, 369, 47484, None, true),
+        Op::Redeliver,
+        Op::Clock { ms: 25742 },
+        Op::Kill { loss: Loss::Torn },
+        deliver(0, 2, 152, 0, None, true),
+        deliver(1, 1, 370, 310835, None, false),
+        deliver(1, 0, 798, 24685, None, true),
+        deliver(1, 2, 985, 102, None, false),
+        deliver(1, 2, 416, 36774, None, false),
+        deliver(0, 2, 92, 1329, None, true),
+        deliver(0, 1, 566, 1948, None, false),
+        Op::Restart { horizon: 2 },
+        deliver(0, 3, 420, 19638, None, false),
+        deliver(0, 3, 655, 28986, None, false),
+        deliver(1, 0, 916, 249977, None, true),
+        Op::Clock { ms: 5253 },
+        Op::Redeliver,
+        Op::Redeliver,
+        deliver(1, 1, 889, 20629, None, true),
+        Op::FarRound,
+        deliver(1, 1, 997, 0, None, false),
+        deliver(1, 0, 162, 266532, Some(681906639), false),
+        deliver(0, 3, 446, 22047, None, true),
+        deliver(1, 1, 802, 2586, None, false),
+        deliver(0, 0, 258, 19876, None, true),
+        deliver(1, 3, 279, 0, None, false),
+        Op::CancelKey { route: 0, key: 3 },
+        Op::Compact,
+        Op::Clock { ms: 1727 },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+    ];
+    if let Err(f) = run_with_socket(2948, &ops) {
+        panic!("{f}");
+    }
+}
