@@ -159,6 +159,7 @@ pub const METRICS: &[MetricDef] = &[
     def("delayd_backpressure", Gauge, ROUTE, "1 while the route's intake is paused."),
     def("delayd_backpressure_held_total", Counter, ROUTE, "Deliveries held while the route was paused."),
     def("delayd_redeliveries_deduplicated_total", Counter, ROUTE, "Broker redeliveries recognised as already stored."),
+    def("delayd_redeliveries_in_doubt_total", Counter, ROUTE, "Broker redeliveries equal to a stored message whose ack was in doubt, stored again under its id."),
     def(
         "delayd_stream_truncated_offsets_total",
         Counter,
