@@ -506,7 +506,7 @@ async fn load_one(
         .max_id()
         .max(inner.wal.next_id().saturating_sub(1));
     // The bucket's index: its live records without their bytes.
-    let (index, tombstoned, resumed, marks) = tokio::task::spawn_blocking(move || {
+    let (mut index, tombstoned, resumed, marks) = tokio::task::spawn_blocking(move || {
         let tier = worker.far.as_ref().expect("far tier");
         let mut store = tier.store();
         let resumed = store.begin_load(from, after_id)?;
@@ -530,7 +530,6 @@ async fn load_one(
     })
     .await
     .map_err(|_| EngineError::WriterGone)??;
-    let (mut index, tombstoned, resumed, marks) = (index, tombstoned, resumed, marks);
     if let Some(marks) = marks {
         marks.await.map_err(|_| EngineError::WriterGone)??;
     }
