@@ -51,7 +51,7 @@ edits = {
         "let repeatable = session == 0 || entry.session < session;",
         "let repeatable = session == 0 || entry.session <= session;")],
     "indoubt": [("src/engine/mod.rs",
-        "}) if session > 0 => {",
+        "}) if session > 0 && !self.cancelled_by_key(id, route, &message) => {",
         "}) if false => {")],
 }
 for path, old, new in edits[bug]:
