@@ -300,10 +300,10 @@ async fn list_by_key(
             "a lookup by message_id or key needs route",
         ));
     };
+    let ids = state.engine.lookup_key(&route, &key).await?;
     let engine = state.engine.clone();
     let routes = state.routes.clone();
     let page = tokio::task::spawn_blocking(move || {
-        let ids = engine.find_by_key(&route, &key)?;
         let mut items = Vec::new();
         for id in ids {
             if let Some((info, _)) = engine.read(id)? {
@@ -472,11 +472,11 @@ async fn cancel_by_key(
         ));
     };
     // Their identities, read before their records can go.
+    let ids = state.engine.lookup_key(&route, &key).await?;
     let engine = state.engine.clone();
-    let (r, k) = (route.clone(), key.clone());
     let uids = tokio::task::spawn_blocking(move || -> Result<_, EngineError> {
         let mut uids = HashMap::new();
-        for id in engine.find_by_key(&r, &k)? {
+        for id in ids {
             if let Some((_, Record::Schedule { uid, .. })) = engine.read(id)? {
                 uids.insert(id, MessageId::or_legacy(uid, id));
             }

@@ -1365,7 +1365,37 @@ impl Engine {
     }
 
     /// Pending messages on `route` whose lookup key (Kafka key, else AMQP
-    /// `message_id`) is `key`, verified against their stored records.
+    /// `message_id`) is `key`, in memory and in the far tier (read whole),
+    /// taken while nothing moves between the two.
+    pub async fn lookup_key(&self, route: &str, key: &[u8]) -> Result<Vec<u64>, EngineError> {
+        let _op = match self.inner.far.as_ref() {
+            Some(tier) => Some(tier.exclusive().await),
+            None => None,
+        };
+        let engine = self.clone();
+        let (route, key) = (route.to_owned(), key.to_vec());
+        tokio::task::spawn_blocking(move || {
+            let mut ids = engine.far_ids_for_key(&route, &key)?;
+            ids.extend(engine.find_by_key(&route, &key)?);
+            ids.sort_unstable();
+            ids.dedup();
+            Ok(ids)
+        })
+        .await
+        .map_err(|_| EngineError::WriterGone)?
+    }
+
+    /// The far tier's live messages on `route` with lookup key `key`.
+    fn far_ids_for_key(&self, route: &str, key: &[u8]) -> Result<Vec<u64>, EngineError> {
+        match self.inner.far.as_ref() {
+            Some(tier) => tier.find_key(&tier.store(), route, key, self.inner.config.key_of),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Pending messages in memory on `route` whose lookup key (Kafka key,
+    /// else AMQP `message_id`) is `key`, verified against their stored
+    /// records. The far tier's are not among them: [`Engine::lookup_key`].
     pub fn find_by_key(&self, route: &str, key: &[u8]) -> Result<Vec<u64>, EngineError> {
         let candidates = {
             let state = self.state();
@@ -1388,9 +1418,10 @@ impl Engine {
 
     /// Cancel every pending message on `route` with lookup key `key` (AMQP
     /// `message_id`, or Kafka key: a tombstone cancels this way). Returns the
-    /// ids cancelled, once their Done records are durable; none is not an
-    /// error. If every match is already being published, that is
-    /// [`EngineError::InFlight`].
+    /// ids cancelled, once their Done records (or, for the far tier's, the
+    /// key tombstone that drops them as their bucket loads) are durable;
+    /// none is not an error. If every match is already being published,
+    /// that is [`EngineError::InFlight`].
     pub async fn cancel_by_key(&self, route: &str, key: &[u8]) -> Result<Vec<u64>, EngineError> {
         let _op = match self.inner.far.as_ref() {
             Some(tier) => Some(tier.exclusive().await),
@@ -1398,8 +1429,9 @@ impl Engine {
         };
         let engine = self.clone();
         let (route, key) = (route.to_owned(), key.to_vec());
-        let queued = tokio::task::spawn_blocking(move || {
+        let (far, queued) = tokio::task::spawn_blocking(move || {
             // Far messages stored before now obey it as their bucket loads.
+            let far = engine.far_ids_for_key(&route, &key)?;
             tier::tombstone(&engine.inner, &route, &key)?;
             let mut queued = Vec::new();
             let mut in_flight = None;
@@ -1412,8 +1444,8 @@ impl Engine {
                 }
             }
             match in_flight {
-                Some(id) if queued.is_empty() => Err(EngineError::InFlight(id)),
-                _ => Ok(queued),
+                Some(id) if queued.is_empty() && far.is_empty() => Err(EngineError::InFlight(id)),
+                _ => Ok((far, queued)),
             }
         })
         .await
@@ -1421,7 +1453,7 @@ impl Engine {
         .inspect_err(|e| self.inner.on_failure(e))?;
         // Each settled, even after one failed: a failed Done puts its
         // message back (see `Retired::settle`).
-        let mut cancelled = Vec::with_capacity(queued.len());
+        let mut cancelled = far;
         let mut failed = None;
         for (id, retired) in queued {
             match retired
@@ -1434,7 +1466,10 @@ impl Engine {
         }
         match failed {
             Some(e) => Err(e),
-            None => Ok(cancelled),
+            None => {
+                cancelled.sort_unstable();
+                Ok(cancelled)
+            }
         }
     }
 

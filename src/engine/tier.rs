@@ -219,6 +219,27 @@ impl Tier {
         Ok(false)
     }
 
+    /// The live far messages of `route` whose lookup key is `key`, reading
+    /// bucket by bucket (an admin lookup: it costs a read of the tier).
+    pub fn find_key(
+        &self,
+        store: &FarStore,
+        route: &str,
+        key: &[u8],
+        key_of: crate::far::KeyOf,
+    ) -> Result<Vec<u64>, EngineError> {
+        let mut ids = Vec::new();
+        for b in store.buckets_from(0) {
+            for r in store.read_bucket(b, key_of)?.live {
+                if r.route == route && key_of(&r.message) == Some(key) {
+                    self.hint(r.id, b);
+                    ids.push(r.id);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
     /// The far message whose identity is `uid`, reading bucket by bucket.
     pub fn find_uid(
         &self,

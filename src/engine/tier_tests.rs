@@ -229,8 +229,23 @@ async fn a_cancel_by_key_reaches_far_messages_stored_before_it_only() {
         .unwrap();
     engine.far_round().await.unwrap();
     assert_eq!(engine.far_pending(), 2);
+    assert_eq!(
+        engine.find_by_key("k", b"order-1").unwrap(),
+        [near],
+        "in memory"
+    );
+    assert_eq!(
+        engine.lookup_key("k", b"order-1").await.unwrap(),
+        [before, near],
+        "a lookup reads the far tier too"
+    );
     let cancelled = engine.cancel_by_key("k", b"order-1").await.unwrap();
-    assert_eq!(cancelled, [near], "the wheel's match is cancelled at once");
+    assert_eq!(
+        cancelled,
+        [before, near],
+        "the wheel's match is cancelled at once, the far one by the key tombstone"
+    );
+    assert!(engine.lookup_key("k", b"order-1").await.unwrap().is_empty());
     let after = engine
         .schedule("k", due, keyed(Some("order-1"), None, "after"))
         .await

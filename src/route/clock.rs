@@ -9,20 +9,28 @@
 //!   producer's clock; a topic with `message.timestamp.type=LogAppendTime`
 //!   gives the broker's.
 //! - RabbitMQ: the `timestamp_in_ms` header, which RabbitMQ ≥ 3.12 stamps on
-//!   every incoming message with
-//!   `message_interceptors.incoming.set_header_timestamp.overwrite = true`
-//!   (without `overwrite` a producer's own header is kept).
+//!   every incoming message that has none with
+//!   `message_interceptors.incoming.set_header_timestamp.overwrite = false`
+//!   (the setting delayd recommends: `true` would also replace the
+//!   producer's `timestamp` property, which must reach the consumer).
 //!
 //! Otherwise, and with `delay_from = "intake"`, it is when delayd read the
-//! message. So it is too for a message that carries `x-death`: it came by
-//! dead-lettering, which keeps the stamp of its first publish, long before
-//! it reached delayd's queue. A time after delayd's own clock (a producer
-//! or host clock ahead) is taken as delayd's clock: a delay never counts
-//! from the future. Retry mode always counts from intake: a back-off
-//! follows the failure that sent the message, not its first publish.
+//! message. So it is too for a message whose stamp is from an earlier trip
+//! through the broker, which a broker that keeps stamps does not renew:
+//! - one that carries `x-death` came by dead-lettering, which keeps the
+//!   stamp of its first publish, long before it reached delayd's queue;
+//! - one that carries `x-delayd-id` came out of delayd before (a consumer
+//!   sending it back with its headers for a retry, or a route whose target
+//!   is another route's exchange): its stamp is from its first publish.
+//!
+//! A time after delayd's own clock (a producer or host clock ahead) is
+//! taken as delayd's clock: a delay never counts from the future. Retry
+//! mode always counts from intake: a back-off follows the failure that sent
+//! the message, not its first publish.
 
 use delayd_adapters::{Message, Value};
 
+use super::rewrite::X_DELAYD_ID;
 use super::ttl::X_DEATH;
 
 /// The header RabbitMQ's `set_header_timestamp` interceptor stamps.
@@ -34,7 +42,8 @@ pub fn broker_time(message: &Message) -> Option<u64> {
         // Kafka: -1 (or any negative) means "no timestamp".
         return u64::try_from(ts).ok();
     }
-    if message.headers.get(X_DEATH).is_some() {
+    // A stamp from an earlier trip through the broker (see above).
+    if message.headers.get(X_DEATH).is_some() || message.headers.get(X_DELAYD_ID).is_some() {
         return None;
     }
     match message.headers.get(TIMESTAMP_IN_MS)? {
@@ -138,6 +147,20 @@ mod tests {
     fn a_dead_lettered_message_counts_from_intake() {
         let mut m = stamped(Value::I64(1_000));
         m.headers.insert(X_DEATH, Value::Array(Vec::new()));
+        assert_eq!(counts_from(&m, 5_000), 5_000);
+    }
+
+    /// A consumer that sends a message it got from delayd back with all its
+    /// headers (a retry) brings the stamp of its first publish, which a
+    /// broker with `overwrite = false` keeps: counted from it, the new delay
+    /// would end early.
+    #[test]
+    fn a_message_that_came_out_of_delayd_before_counts_from_intake() {
+        let mut m = stamped(Value::I64(1_000));
+        m.headers.insert(
+            X_DELAYD_ID,
+            Value::LongString(b"9ae7a85ac46bc772000000000000053d".to_vec()),
+        );
         assert_eq!(counts_from(&m, 5_000), 5_000);
     }
 }

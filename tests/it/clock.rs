@@ -161,6 +161,80 @@ async fn rabbitmq_delays_count_from_the_broker_s_timestamp() {
     client.close().await;
 }
 
+/// A consumer that sends a message it got from delayd back for another
+/// try, with all its headers and a new `x-delay` (what retry helpers do),
+/// brings the broker's stamp of the message's first publish, and the broker
+/// keeps it (`overwrite = false`, scripts/rabbitmq/delayd.conf). The new
+/// delay must count from the new publish: counted from the old stamp it
+/// would be over before the message was sent back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_sent_back_after_delayd_delivered_it_counts_from_its_new_publish() {
+    const FIRST_MS: u64 = 500;
+    const AGAIN_MS: u64 = 3000;
+    if common::rabbitmq_major().is_some_and(|v| v < 4) {
+        eprintln!(
+            "skipped: RabbitMQ {:?} stamps no timestamp_in_ms",
+            common::rabbitmq_major()
+        );
+        return;
+    }
+    let names = Names::new("clock-back");
+    let _cleanup = names.cleanup();
+    let client = Client::connect("delayd-it-clock-back").await;
+    client
+        .declare_target(&names.to_exchange, &names.target_queue)
+        .await;
+    let delayd = Delayd::start(&names, DelaydOptions::default()).await;
+    let mut receiver = client.consume(&names.target_queue).await;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        ShortString::from("x-delay"),
+        AMQPValue::LongLongInt(FIRST_MS as i64),
+    );
+    let props = BasicProperties::default()
+        .with_message_id("back-1".into())
+        .with_headers(headers);
+    client
+        .publish(&names.from_exchange, "k", b"try me", props)
+        .await;
+    let first = receiver.expect("the first delivery").await;
+    let stamp = first.header("timestamp_in_ms").cloned().expect(
+        "the broker stamps no timestamp_in_ms: is the set_header_timestamp interceptor on?",
+    );
+    assert!(first.header("x-delayd-id").is_some());
+    // The consumer works on it for longer than the new delay (a fixed span
+    // on purpose: the age of the stamp it sends back).
+    tokio::time::sleep(Duration::from_millis(AGAIN_MS + 1000)).await;
+    let mut back = first.properties().headers().clone().unwrap_or_default();
+    back.insert(
+        ShortString::from("x-delay"),
+        AMQPValue::LongLongInt(AGAIN_MS as i64),
+    );
+    let sent_back_ms = now_ms();
+    client
+        .publish(
+            &names.from_exchange,
+            "k",
+            b"try me",
+            first.properties().clone().with_headers(back),
+        )
+        .await;
+    let again = receiver.expect("the delivery sent back").await;
+    assert_eq!(
+        again.header("timestamp_in_ms"),
+        Some(&stamp),
+        "the broker stamped the message sent back anew (set_header_timestamp.overwrite = true?): the case is not exercised"
+    );
+    assert!(
+        again.at_ms >= sent_back_ms + AGAIN_MS,
+        "sent back with x-delay {AGAIN_MS} ms, delivered {} ms after: its delay counted from its first publish",
+        again.at_ms - sent_back_ms
+    );
+    receiver.close().await;
+    drop(delayd);
+    client.close().await;
+}
+
 /// A producer whose clock is 10 s ahead of delayd's host: its records'
 /// timestamps are in delayd's future. Their delays count from delayd's own
 /// clock then (never from a time that has not come), so none leaves early

@@ -469,9 +469,9 @@ async fn bodies_properties_and_headers_arrive_byte_equal() {
         .clone()
         .with_headers(headers_without(received.properties(), "x-delayd-id"));
     // A broker with the set_header_timestamp interceptor (the 4.3 test
-    // broker, docs/operations.md) stamps every publish, delayd's too: its
-    // `timestamp_in_ms` header and `timestamp` property are the broker's,
-    // not the message's.
+    // broker, scripts/rabbitmq/delayd.conf) adds its `timestamp_in_ms`
+    // header to the producer's message; with `overwrite = false` it keeps
+    // the producer's `timestamp` property, which must arrive unchanged.
     if actual
         .headers()
         .as_ref()
@@ -479,10 +479,12 @@ async fn bodies_properties_and_headers_arrive_byte_equal() {
     {
         let headers = headers_without(&actual, "timestamp_in_ms");
         actual = actual.with_headers(headers);
-        if let Some(ts) = expected.timestamp() {
-            actual = actual.with_timestamp(*ts);
-        }
     }
+    assert_eq!(
+        actual.timestamp(),
+        expected.timestamp(),
+        "the producer's timestamp property (a broker with set_header_timestamp.overwrite = true replaces it: restart the test broker, scripts/rabbitmq.sh restart)"
+    );
     assert_eq!(
         actual, expected,
         "properties and headers (x-delay negated, x-delayd-id aside)"
