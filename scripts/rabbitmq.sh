@@ -52,6 +52,8 @@ WRAPPER_DIR=/usr/local/sbin
 WRAPPED="rabbitmqctl rabbitmq-plugins rabbitmq-diagnostics rabbitmq-queues rabbitmq-streams rabbitmq-upgrade"
 WRAPPER_MARK="delayd-rabbitmq-wrapper"
 PLUGINS="rabbitmq_consistent_hash_exchange rabbitmq_auth_mechanism_ssl"
+# The single node also speaks the native stream protocol, on 127.0.0.1:5552
+# (scripts/bench-stream-native.sh); the other nodes share one plugin file.
 HERE=$(cd "$(dirname "$0")" && pwd)
 CONF_BASE="$HERE/rabbitmq/delayd.conf"
 
@@ -168,6 +170,17 @@ root_version() { chroot "$ROOT" dpkg-query -W -f '${Version}' rabbitmq-server 2>
 
 plugin_shipped() { compgen -G "$ROOT/usr/lib/rabbitmq/lib/rabbitmq_server-*/plugins/$1-*" >/dev/null; }
 
+node_plugins_file() { case "$1" in "") echo /etc/rabbitmq/enabled_plugins.single ;; *) echo /etc/rabbitmq/enabled_plugins ;; esac; }
+
+# The plugin file $1 (in the root) enabling plugins $2...
+write_plugins() {
+    local path=$1 IFS=,
+    shift
+    echo "[$*]." | put "$ROOT$path"
+    # rabbitmq-plugins enable/disable (through the wrapper) runs as rabbitmq.
+    chroot "$ROOT" chown rabbitmq:rabbitmq "$path"
+}
+
 # Writes a file only when its content changes (so reruns touch nothing).
 put() {
     local path=$1 tmp
@@ -195,7 +208,7 @@ NODE_IP_ADDRESS=127.0.0.1
 NODE_PORT=$(node_port "$node")
 DIST_PORT=$(node_dist_port "$node")
 CONFIG_FILE=$etc/rabbitmq.conf
-ENABLED_PLUGINS_FILE=/etc/rabbitmq/enabled_plugins
+ENABLED_PLUGINS_FILE=$(node_plugins_file "$node")
 MNESIA_BASE=$data
 LOG_BASE=$logs
 # CLI tools: a wider port range than the default 11 (tests run several at once).
@@ -220,6 +233,11 @@ EOF
             tls_listener_conf
         else
             echo "listeners.tcp.default = 127.0.0.1:$(node_port "$node")"
+        fi
+        if [ -z "$node" ]; then
+            echo "# The native stream protocol (rabbitmq_stream), this node only."
+            echo "stream.listeners.tcp.default = 127.0.0.1:5552"
+            echo "stream.advertised_host = 127.0.0.1"
         fi
         echo "# The log goes to the node's log file only (its stdout is a second copy)."
         echo "log.console = false"
@@ -305,11 +323,9 @@ configure_root() {
     for p in $PLUGINS; do
         if plugin_shipped "$p"; then enabled+=("$p"); else warn "plugin $p does not ship with rabbitmq-server $(root_version): not enabled"; fi
     done
-    local IFS=,
-    echo "[${enabled[*]}]." | put "$ROOT/etc/rabbitmq/enabled_plugins"
-    unset IFS
-    # rabbitmq-plugins enable/disable (through the wrapper) runs as rabbitmq.
-    chroot "$ROOT" chown rabbitmq:rabbitmq /etc/rabbitmq/enabled_plugins
+    write_plugins "$(node_plugins_file 1)" "${enabled[@]}"
+    if plugin_shipped rabbitmq_stream; then enabled+=(rabbitmq_stream); fi
+    write_plugins "$(node_plugins_file "")" "${enabled[@]}"
     local node
     for node in "$@"; do configure_node "$node"; done
 }
