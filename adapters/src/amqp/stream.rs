@@ -27,11 +27,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use lapin::options::BasicAckOptions;
 use lapin::types::{AMQPValue, FieldTable as AmqpFieldTable};
-use lapin::Acker;
 use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, error, warn};
+use tracing::{error, warn};
 
 use crate::message::{Message, Value};
 use crate::offsets::{OffsetTracker, TopicPartition};
@@ -243,42 +241,39 @@ pub fn take_offset(message: &mut Message) -> Option<i64> {
     Some(offset)
 }
 
+/// Gives a delivery's credit back to the broker when awaited: a
+/// `basic.ack`, coalesced with its neighbours' into `multiple` acks by the
+/// source. Credit only: a stream keeps the message whatever the answer.
+pub type Credit = BoxFuture<'static, ()>;
+
 /// Settles one stream delivery: credit back to the broker at once, and the
 /// ack resolves once the checkpoint is past it.
 pub struct StreamAck {
-    pub(super) acker: Acker,
+    pub(super) credit: Credit,
     pub(super) offset: i64,
     pub(super) epoch: u64,
     pub(super) position: Arc<StreamPosition>,
 }
 
-impl StreamAck {
-    /// Credit only: a stream keeps the message whatever the answer.
-    async fn give_credit(&self) {
-        match self.acker.ack(BasicAckOptions { multiple: false }).await {
-            Ok(_) => {}
-            Err(e) => {
-                debug!(offset = self.offset, error = %e, "stream credit not returned; the channel is gone")
-            }
-        }
-    }
-}
-
 impl AckHandle for StreamAck {
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
         Box::pin(async move {
-            self.give_credit().await;
+            let StreamAck {
+                credit,
+                offset,
+                epoch,
+                position,
+            } = *self;
+            credit.await;
             let (waiter, done) = oneshot::channel();
-            let tp = self.position.tp.clone();
-            self.position
-                .tracker()
-                .settle(&tp, self.offset, self.epoch, waiter);
+            let tp = position.tp.clone();
+            position.tracker().settle(&tp, offset, epoch, waiter);
             match done.await {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(reason)) => Err(SourceError::Connection(reason)),
                 Err(_) => Err(SourceError::Connection(format!(
-                    "{}@{}: the source closed before its checkpoint",
-                    self.position.queue, self.offset
+                    "{}@{offset}: the source closed before its checkpoint",
+                    position.queue
                 ))),
             }
         })
@@ -288,10 +283,16 @@ impl AckHandle for StreamAck {
     /// to put it back in).
     fn requeue(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
         Box::pin(async move {
-            self.give_credit().await;
-            self.position
+            let StreamAck {
+                credit,
+                offset,
+                epoch,
+                position,
+            } = *self;
+            credit.await;
+            position
                 .rewinds
-                .send((self.offset, self.epoch))
+                .send((offset, epoch))
                 .map_err(|_| SourceError::Closed)
         })
     }
