@@ -255,16 +255,18 @@ pub struct StreamAck {
     pub(super) position: Arc<StreamPosition>,
 }
 
+impl StreamAck {
+    /// Give the credit back; what is left to settle: (offset, epoch, position).
+    async fn give_credit(self) -> (i64, u64, Arc<StreamPosition>) {
+        self.credit.await;
+        (self.offset, self.epoch, self.position)
+    }
+}
+
 impl AckHandle for StreamAck {
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
         Box::pin(async move {
-            let StreamAck {
-                credit,
-                offset,
-                epoch,
-                position,
-            } = *self;
-            credit.await;
+            let (offset, epoch, position) = self.give_credit().await;
             let (waiter, done) = oneshot::channel();
             let tp = position.tp.clone();
             position.tracker().settle(&tp, offset, epoch, waiter);
@@ -283,13 +285,7 @@ impl AckHandle for StreamAck {
     /// to put it back in).
     fn requeue(self: Box<Self>) -> BoxFuture<'static, Result<(), SourceError>> {
         Box::pin(async move {
-            let StreamAck {
-                credit,
-                offset,
-                epoch,
-                position,
-            } = *self;
-            credit.await;
+            let (offset, epoch, position) = self.give_credit().await;
             position
                 .rewinds
                 .send((offset, epoch))
