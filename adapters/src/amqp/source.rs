@@ -294,6 +294,8 @@ struct AckCoalescer {
     waiting: Vec<AckWaiter>,
     /// A task is about to send `ready`: others just wait for it.
     flushing: bool,
+    /// The session's channel closed (see [`AckCoalescer::end`]).
+    ended: bool,
     /// The session's channel and prefetch, for the round trip that proves
     /// an ack was processed (see [`flush_acks`]).
     session: Option<(Channel, u16)>,
@@ -303,6 +305,10 @@ impl AckCoalescer {
     /// Record a settled tag and move the frontier. Returns true when the
     /// caller must flush (nobody else is about to).
     fn settle(&mut self, tag: u64, acker: Option<Acker>, waiter: Option<AckWaiter>) -> bool {
+        if self.ended {
+            // Dropped unanswered: the caller hears "not sent".
+            return false;
+        }
         self.settled.insert(tag, (acker, waiter));
         while let Some((acker, waiter)) = self.settled.remove(&(self.frontier + 1)) {
             self.frontier += 1;
@@ -314,6 +320,14 @@ impl AckCoalescer {
         let must_flush = !self.flushing && (self.ready.is_some() || !self.waiting.is_empty());
         self.flushing |= must_flush;
         must_flush
+    }
+
+    /// The session's channel is gone: nothing more can be sent on it. The
+    /// settled tags waiting for an earlier one are let go (their waiters
+    /// hear "not sent"), and so is every later settle.
+    fn end(&mut self) {
+        self.ended = true;
+        self.settled.clear();
     }
 
     /// What the flusher sends next; when nothing is left it stops being the
@@ -535,10 +549,7 @@ impl Worker {
             // New channel, new delivery tags. Acks still waiting on the old
             // channel fail (the broker redelivers those messages).
             let old = std::mem::take(&mut self.acks);
-            old.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .settled
-                .clear();
+            old.lock().unwrap_or_else(|e| e.into_inner()).end();
             // A stream's acks only return credit: nothing to prove applied.
             self.acks.lock().unwrap_or_else(|e| e.into_inner()).session = self
                 .stream
@@ -1034,5 +1045,29 @@ mod coalescer_tests {
         assert!(c.settled.is_empty());
         assert!(c.take().is_none());
         assert!(!c.flushing, "the flusher steps down when done");
+    }
+
+    /// A delivery of a session that has ended may still be settled (its
+    /// store finished after the reconnect). Its ack can no longer be sent,
+    /// and its `ack()` must say so, not wait for ever behind a tag the end
+    /// let go: that task would hold its intake permit for good.
+    #[test]
+    fn a_settle_after_the_session_ended_is_answered_not_sent() {
+        let mut c = AckCoalescer::default();
+        let (w2, mut r2) = oneshot::channel();
+        assert!(!c.settle(2, None, Some(w2)), "tag 1 is not settled yet");
+        c.end();
+        assert!(r2.try_recv().is_err(), "its waiter is let go: not sent");
+        let (w1, mut r1) = oneshot::channel();
+        let (w3, mut r3) = oneshot::channel();
+        assert!(!c.settle(1, None, Some(w1)));
+        assert!(!c.settle(3, None, Some(w3)));
+        for r in [&mut r1, &mut r3] {
+            assert!(
+                matches!(r.try_recv(), Err(oneshot::error::TryRecvError::Closed)),
+                "answered (dropped: not sent), not left waiting"
+            );
+        }
+        assert!(c.take().is_none(), "nothing left to send on a dead channel");
     }
 }
