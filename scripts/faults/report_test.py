@@ -1,5 +1,5 @@
-"""report.py must fail a run with a copy under another x-delayd-id unless
-the scenario names the README's case, and must say so loudly either way.
+"""report.py must fail a run with a copy under another x-delayd-id or a
+lost twin copy, and must say so loudly.
 
     python3 scripts/faults/report_test.py
 """
@@ -42,11 +42,12 @@ class Verdict(unittest.TestCase):
         self.assertEqual(out.returncode, 1, out.stdout)
         self.assertIn("FAIL: 1 copies under another x-delayd-id", out.stdout)
 
-    def test_a_lost_twin_copy_is_listed_loudly(self):
+    def test_a_lost_twin_copy_fails(self):
         report = dict(bench(), twins=100, twin_copies_lost=2)
         out = run(report)
+        self.assertEqual(out.returncode, 1, out.stdout)
         self.assertIn("twins 100, copies lost 2", out.stdout)
-        self.assertIn("WARNING 2 twin copies lost", out.stdout)
+        self.assertIn("FAIL: 2 twin copies lost", out.stdout)
 
     def test_twins_under_one_id_are_listed_and_pass(self):
         report = dict(bench(), twins=100, twin_copies_lost=0, twins_under_one_id=3)

@@ -243,8 +243,102 @@ struct Tally {
 }
 
 impl Tally {
+    /// For sequence numbers `0..count`, every `twin_every`th published twice.
+    fn new(count: u64, twin_every: u64) -> anyhow::Result<Self> {
+        Ok(Tally {
+            seen: vec![0; count.div_ceil(64) as usize],
+            first_ids: vec![None; count as usize],
+            twin_every,
+            second_ids: std::collections::HashMap::new(),
+            first_id_again: std::collections::HashSet::new(),
+            highest_seq: None,
+            out_of_order: 0,
+            received: 0,
+            duplicates: 0,
+            duplicates_different_id: 0,
+            different_id_examples: Vec::new(),
+            same_id_examples: Vec::new(),
+            redelivered_to_bench: 0,
+            early: 0,
+            lateness: Histogram::new(3)?,
+            first: None,
+            last: None,
+        })
+    }
+
     fn is_twin(&self, seq: u64) -> bool {
         is_twin(seq, self.twin_every)
+    }
+
+    /// One copy of sequence number `seq` arrived (`now` and `due` in epoch
+    /// ms) with `x-delayd-id` `id`, `redelivered` if the broker flagged it
+    /// (the bench's own ack was lost). True if it is a copy not counted
+    /// before: a first arrival, or a twin's other copy.
+    fn receive(
+        &mut self,
+        seq: i64,
+        id: Option<Box<str>>,
+        redelivered: bool,
+        now: u64,
+        due: i64,
+    ) -> bool {
+        let t = self;
+        let (word, bit) = ((seq as u64 / 64) as usize, seq as u64 % 64);
+        if word >= t.seen.len() || t.seen[word] & (1 << bit) != 0 {
+            let first = t.first_ids.get(seq as usize).cloned().flatten();
+            let seq = seq as u64;
+            // A twin's copy under an id of its own is its other copy even
+            // when flagged redelivered: the bench never saw that id (it may
+            // have been on its way when the broker restarted). Under the
+            // first id it may be the first copy again: not counted.
+            let other_twin = t.is_twin(seq) && first != id && !t.second_ids.contains_key(&seq);
+            if redelivered && !other_twin {
+                t.redelivered_to_bench += 1;
+                return false;
+            }
+            // The publisher sends each sequence number once, as one
+            // broker message (it never publishes again after a lost
+            // confirm), so every further copy is delayd's. Its broker
+            // stamp cannot tell: the broker stamps delayd's publish
+            // to the target anew.
+            if other_twin {
+                // The other twin, under an id of its own.
+                if let Some(id) = id {
+                    t.second_ids.insert(seq, id);
+                }
+                t.arrived(now, due);
+                return true;
+            }
+            if t.is_twin(seq) && id.is_some() && t.second_ids.get(&seq) == id.as_ref() {
+                t.duplicates += 1;
+                return false;
+            }
+            if t.is_twin(seq) && first == id {
+                t.first_id_again.insert(seq);
+            }
+            t.duplicates += 1;
+            if first != id {
+                t.duplicates_different_id += 1;
+                if t.different_id_examples.len() < 20 {
+                    let text = |id: Option<Box<str>>| id.map(String::from).unwrap_or_default();
+                    t.different_id_examples.push((seq, text(first), text(id)));
+                }
+            } else if t.same_id_examples.len() < 20 {
+                t.same_id_examples
+                    .push((seq, id.map(String::from).unwrap_or_default()));
+            }
+            return false;
+        }
+        t.seen[word] |= 1 << bit;
+        if t.highest_seq.is_some_and(|h| h > seq as u64) {
+            t.out_of_order += 1;
+        }
+        t.highest_seq = t.highest_seq.max(Some(seq as u64));
+        if let Some(first) = t.first_ids.get_mut(seq as usize) {
+            *first = id;
+        }
+        t.arrived(now, due);
+        true
     }
 
     /// A copy of a message not received before (`now` and `due` in epoch ms).
@@ -324,25 +418,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Some(bootstrap) => kafka::endpoints(&args, bootstrap, &run_id).await?,
         None => amqp::endpoints(&args).await?,
     };
-    let tally = Arc::new(Mutex::new(Tally {
-        seen: vec![0; args.count.div_ceil(64) as usize],
-        first_ids: vec![None; args.count as usize],
-        twin_every: args.twins,
-        second_ids: std::collections::HashMap::new(),
-        first_id_again: std::collections::HashSet::new(),
-        highest_seq: None,
-        out_of_order: 0,
-        received: 0,
-        duplicates: 0,
-        duplicates_different_id: 0,
-        different_id_examples: Vec::new(),
-        same_id_examples: Vec::new(),
-        redelivered_to_bench: 0,
-        early: 0,
-        lateness: Histogram::new(3)?,
-        first: None,
-        last: None,
-    }));
+    let tally = Arc::new(Mutex::new(Tally::new(args.count, args.twins)?));
 
     let bars = MultiProgress::new();
     if args.quiet || args.json {
@@ -391,66 +467,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     .and_then(|v| v.as_text())
                     .map(Box::<str>::from);
                 let mut t = tally.lock().expect("tally");
-                let (word, bit) = ((seq as u64 / 64) as usize, seq as u64 % 64);
-                if word >= t.seen.len() || t.seen[word] & (1 << bit) != 0 {
-                    if redelivered {
-                        t.redelivered_to_bench += 1;
-                        continue;
+                if t.receive(seq, id, redelivered, now, due) {
+                    recv_bar.inc(1);
+                    if t.received == count {
+                        break;
                     }
-                    // The publisher sends each sequence number once, as one
-                    // broker message (it never publishes again after a lost
-                    // confirm), so every further copy is delayd's. Its broker
-                    // stamp cannot tell: the broker stamps delayd's publish
-                    // to the target anew.
-                    let first = t.first_ids.get(seq as usize).cloned().flatten();
-                    let seq = seq as u64;
-                    if t.is_twin(seq) && first != id && !t.second_ids.contains_key(&seq) {
-                        // The other twin, under an id of its own.
-                        if let Some(id) = id {
-                            t.second_ids.insert(seq, id);
-                        }
-                        t.arrived(now, due);
-                        recv_bar.inc(1);
-                        if t.received == count {
-                            break;
-                        }
-                        continue;
-                    }
-                    if t.is_twin(seq) && id.is_some() && t.second_ids.get(&seq) == id.as_ref() {
-                        t.duplicates += 1;
-                        continue;
-                    }
-                    if t.is_twin(seq) && first == id {
-                        t.first_id_again.insert(seq);
-                    }
-                    let seq = seq as i64;
-                    t.duplicates += 1;
-                    if first != id {
-                        t.duplicates_different_id += 1;
-                        if t.different_id_examples.len() < 20 {
-                            let text =
-                                |id: Option<Box<str>>| id.map(String::from).unwrap_or_default();
-                            t.different_id_examples
-                                .push((seq as u64, text(first), text(id)));
-                        }
-                    } else if t.same_id_examples.len() < 20 {
-                        t.same_id_examples
-                            .push((seq as u64, id.map(String::from).unwrap_or_default()));
-                    }
-                    continue;
-                }
-                t.seen[word] |= 1 << bit;
-                if t.highest_seq.is_some_and(|h| h > seq as u64) {
-                    t.out_of_order += 1;
-                }
-                t.highest_seq = t.highest_seq.max(Some(seq as u64));
-                if let Some(first) = t.first_ids.get_mut(seq as usize) {
-                    *first = id;
-                }
-                t.arrived(now, due);
-                recv_bar.inc(1);
-                if t.received == count {
-                    break;
                 }
             }
         })
@@ -776,5 +797,62 @@ fn bench_message(run_id: &str, seq: u64, when: When, due: u64, body_bytes: usize
             ..Properties::default()
         },
         ..Message::default()
+    }
+}
+
+#[cfg(test)]
+mod tally_tests {
+    use super::*;
+
+    fn id(s: &str) -> Option<Box<str>> {
+        Some(s.into())
+    }
+
+    /// The broker restarted while the twin's second copy, under an id of
+    /// its own, was on its way to the bench: it comes flagged redelivered,
+    /// yet the bench never saw it. Skipped as the bench's own redelivery,
+    /// the twin looked lost (CI, 2026-11-28: 1 of 480 in `broker`).
+    #[test]
+    fn a_twin_s_other_copy_counts_even_when_flagged_redelivered() {
+        let mut t = Tally::new(10, 1).unwrap();
+        assert!(t.receive(3, id("a"), false, 10, 0));
+        assert!(t.receive(3, id("b"), true, 11, 0), "the other twin");
+        assert_eq!(t.second_ids.get(&3).map(|s| &**s), Some("b"));
+        assert!(
+            !t.receive(3, id("b"), true, 12, 0),
+            "now the bench's own redelivery"
+        );
+        assert!(!t.receive(3, id("a"), true, 13, 0));
+        assert_eq!(
+            (t.received, t.duplicates, t.redelivered_to_bench),
+            (2, 0, 2)
+        );
+    }
+
+    /// Under the first copy's id a redelivered copy may be that copy again:
+    /// not counted, so a lost twin is never hidden.
+    #[test]
+    fn a_redelivery_under_the_first_id_is_not_a_second_copy() {
+        let mut t = Tally::new(10, 1).unwrap();
+        assert!(t.receive(4, id("a"), false, 10, 0));
+        assert!(!t.receive(4, id("a"), true, 11, 0));
+        assert!(t.first_id_again.is_empty());
+        assert_eq!(
+            (t.received, t.duplicates, t.redelivered_to_bench),
+            (1, 0, 1)
+        );
+        // Not a twin: a copy under another id is delayd's duplicate.
+        let mut t = Tally::new(10, 0).unwrap();
+        assert!(t.receive(5, id("a"), false, 10, 0));
+        assert!(!t.receive(5, id("b"), false, 11, 0));
+        assert!(!t.receive(5, id("b"), true, 12, 0));
+        assert_eq!(
+            (
+                t.duplicates,
+                t.duplicates_different_id,
+                t.redelivered_to_bench
+            ),
+            (1, 1, 1)
+        );
     }
 }
