@@ -1127,8 +1127,9 @@ fn compose_file_binds_loopback_and_commits_no_token() {
 /// A quorum ingress queue with RabbitMQ 4's default delivery limit (20):
 /// RabbitMQ 4.3 counts a delivery returned by a closed channel or a lost
 /// connection (a delayd crash, a network cut) against it, and drops the
-/// message past it. delayd declares its quorum queues without a limit
-/// (`x-delivery-limit = -1`) unless the config sets one, and strips the
+/// message past it. delayd declares its quorum queues with a limit never
+/// reached (`x-delivery-limit` = 2^31-1; -1 drops every return on 3.10)
+/// unless the config sets one, and strips the
 /// counts the broker adds (`x-delivery-count`, `x-acquired-count`). Here a
 /// message is returned 22 times while delayd is stopped (as 22 crashes
 /// with it in flight would): it still arrives once, on time from the
