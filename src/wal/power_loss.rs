@@ -507,6 +507,53 @@ fn a_full_disk_gives_the_reserve_to_dones_never_to_new_messages() {
     assert_eq!(fs.file_len(&reserve), 8 << 10);
 }
 
+/// A new message admitted while the reserve was held, and written after
+/// another write's ENOSPC released it (the far tier's, or a batch just
+/// before), must not land on the reserve's room: the writer checks again.
+/// Without the check the early seal makes a new head in the freed room
+/// and the message fits there (the operations test's "a full disk took 1
+/// message in").
+#[test]
+fn a_message_admitted_before_the_reserve_went_is_not_written_on_its_room() {
+    let fs = SimFs::with_dir(DIR);
+    fs.set_capacity(Some(128 << 10));
+    let cfg = WalConfig {
+        segment_bytes: 1 << 20,
+        reserve_bytes: 8 << 10,
+        ..config(&fs)
+    };
+    let wal = open(cfg).unwrap().wal;
+    append(&wal, &message(0)).unwrap();
+    let filler = Path::new(DIR).join("filler");
+    let room = 128 * 1024 - fs.used_bytes();
+    fs.create_new(&filler)
+        .unwrap()
+        .append(&vec![0; room])
+        .unwrap();
+    // Admitted while the reserve was held...
+    assert!(wal.has_room().unwrap());
+    // ...then another write's ENOSPC releases it...
+    assert!(wal.release_reserve());
+    // ...and only then does the writer take the message.
+    let m = message(1);
+    let written = wal
+        .shared
+        .writer
+        .send(AppendRequest::new_message(
+            m.due_ms,
+            m.uid,
+            &m.route,
+            m.message.clone(),
+        ))
+        .unwrap()
+        .blocking_recv()
+        .unwrap();
+    assert!(
+        matches!(written, Err(WalError::DiskFull(_))),
+        "a new message took the reserve's room: {written:?}"
+    );
+}
+
 /// A start needs no room of its own: on a disk full to the last byte (the
 /// reserve spent), the log opens and goes on in its last segment, and what
 /// it appends there once there is room survives a power loss. Fails

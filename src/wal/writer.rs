@@ -88,6 +88,10 @@ impl AppendRequest {
         }
     }
 
+    fn is_new_message(&self) -> bool {
+        matches!(self, AppendRequest::Schedule { new: true, .. })
+    }
+
     /// A new message's Schedule, from an intake.
     pub fn new_message(due_ms: u64, uid: u128, route: &str, message: Vec<u8>) -> Self {
         AppendRequest::Schedule {
@@ -429,6 +433,15 @@ impl WriterState {
             }
             return;
         }
+        // A new message is admitted only while the reserve is held, but an
+        // ENOSPC elsewhere (a batch just before, the far tier) may have
+        // released it since: the room it left is not theirs.
+        if !self.reserve.is_held() {
+            self.refuse_new_messages(batch);
+            if batch.is_empty() {
+                return;
+            }
+        }
         // While the disk reserve is not held (released at an ENOSPC, or not
         // yet made again since a start on a full disk), the head is sealed
         // early, once: a full disk would never let it fill, and a sealed
@@ -567,6 +580,17 @@ impl WriterState {
                 }
             }
             Err(e) => fail_all(pending.into_iter().map(|p| p.reply), &e),
+        }
+    }
+
+    /// Answer the batch's new messages "disk full", unwritten.
+    fn refuse_new_messages(&self, batch: &mut Vec<(AppendRequest, Reply)>) {
+        let (refused, kept): (Vec<_>, Vec<_>) =
+            batch.drain(..).partition(|(req, _)| req.is_new_message());
+        batch.extend(kept);
+        if !refused.is_empty() {
+            let full = WalError::DiskFull(self.config.dir.clone());
+            fail_all(refused.into_iter().map(|(_, reply)| reply), &full);
         }
     }
 

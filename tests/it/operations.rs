@@ -613,15 +613,7 @@ async fn a_full_disk_pauses_consuming_and_loses_nothing_once_space_is_freed() {
     // delayd stops consuming; the messages wait in the broker, none stored.
     let observer = Client::connect("delayd-it-diskfull-observer").await;
     wait_paused(&delayd, &observer, &names, "disk_full").await;
-    // At most the delivery in hand as the disk filled is stored, into the
-    // room the released reserve freed: a known bug (the reserve's room is
-    // meant for Dones only; see the 2026-11-29 closing note). The pause and
-    // that nothing is lost are what this test holds to.
-    assert!(
-        delayd.pending() <= 1,
-        "a full disk took {} messages in",
-        delayd.pending()
-    );
+    assert_eq!(delayd.pending(), 0, "a full disk took messages in");
     assert!(
         delayd.log_tail(200).contains("DISK FULL"),
         "no DISK FULL error in the log:\n{}",
