@@ -57,7 +57,7 @@ pub trait Dispatch: Send + Sync + 'static {
 }
 
 /// Pops at most this many per lock hold, so producers are not starved.
-const BATCH: usize = 256;
+pub(super) const BATCH: usize = 256;
 
 pub(crate) async fn run(
     inner: Arc<Inner>,
@@ -137,8 +137,15 @@ impl Dispatcher {
         let room = self.permits.available_permits() + 1;
         // Read under the state lock: a claim closes only after its message
         // is armed, under this lock.
-        let claimed = self.inner.wal.first_claimed();
-        state.pop_due(now, room.min(BATCH), claimed, batch);
+        let claims: Vec<(u16, (u64, u64))> = self
+            .inner
+            .wal
+            .first_claimed_by_route()
+            .into_iter()
+            .filter_map(|(name, first)| Some((state.route_id(&name)?, first)))
+            .collect();
+        let claimed = |route: u16| claims.iter().find(|c| c.0 == route).map(|c| c.1);
+        state.pop_due(now, room.min(BATCH), &claimed, batch);
         state.hold_blocked(now, batch);
         let probes = batch.len();
         state.take_probes(now, batch);

@@ -17,6 +17,7 @@ mod dispatch;
 mod keys;
 mod pressure;
 mod purge;
+mod ready;
 mod state;
 mod summary;
 mod tier;

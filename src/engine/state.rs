@@ -9,6 +9,7 @@ use crate::wheel::{Expired, TimingWheel};
 
 use super::dedup::{Unconfirmed, Writing};
 use super::keys::KeyIndex;
+use super::ready::Ready;
 
 /// What the wheel keeps per pending message besides its id and deadline:
 /// 12 bytes, so a pending message costs a small constant whatever its size.
@@ -54,6 +55,13 @@ pub struct Blocked {
 pub const PROBE_INITIAL_MS: u64 = 250;
 pub const PROBE_MAX_MS: u64 = 5000;
 
+/// Entries taken out of the wheel ahead of their turn, at most (and a
+/// deadline's rest): about 40 bytes each. A burst at one deadline is taken
+/// whole; an overdue backlog spread over more deadlines than this is
+/// shared between routes once it is within this many of the others' due
+/// messages.
+pub const READY_MAX: usize = 1 << 18;
+
 /// The pending set and its side tables. Everything that the pending count
 /// depends on is private and changed only through the methods below, which
 /// keep the counts, the wheel and the side indexes in step. The two dedup
@@ -63,11 +71,9 @@ pub struct State {
     wheel: TimingWheel<Slot>,
     /// Handed to the sink, not yet settled: still pending, not in the wheel.
     in_flight: HashMap<u64, InFlight>,
-    /// Popped from the wheel while the wall clock is behind their deadline
-    /// (the clock stepped back): they wait here, keyed by (deadline, id).
-    held: BTreeMap<(u64, u64), Slot>,
-    /// Id → deadline of every held entry, so finding one is O(1).
-    held_at: HashMap<u64, u64>,
+    /// Popped from the wheel, due (or ahead of a clock that stepped back):
+    /// they wait here per route for their turn (see [`Ready`]).
+    ready: Ready,
     /// Publish attempts so far, for messages re-armed after a failure.
     attempts: HashMap<u64, u32>,
     /// Pending messages per route: armed, held, blocked or in flight.
@@ -100,8 +106,7 @@ impl State {
         Self {
             wheel: TimingWheel::new(now_ms),
             in_flight: HashMap::new(),
-            held: BTreeMap::new(),
-            held_at: HashMap::new(),
+            ready: Ready::default(),
             attempts: HashMap::new(),
             counts: Vec::new(),
             routes: Vec::new(),
@@ -286,22 +291,22 @@ impl State {
         self.keys.len()
     }
 
-    /// The entries waiting outside the wheel (held back from a clock that
-    /// stepped back, or on a blocked route), in (deadline, id) order from
-    /// `lower` within each range: the held range first, then each blocked
-    /// route's that `route` admits (`None`: all).
+    /// The entries waiting outside the wheel (taken out due, or on a
+    /// blocked route), in (deadline, id) order from `lower` within each
+    /// range: each route's due range, then each blocked route's, for the
+    /// routes `route` admits (`None`: all).
     pub fn waiting_aside(
         &self,
         route: Option<u16>,
         lower: (u64, u64),
     ) -> impl Iterator<Item = std::collections::btree_map::Range<'_, (u64, u64), Slot>> {
-        let held = std::iter::once(self.held.range(lower..));
+        let ready = self.ready.ranges(route, lower);
         let blocked = self
             .blocked
             .iter()
             .filter(move |(&r, _)| route.is_none_or(|want| want == r))
             .map(move |(_, b)| b.waiting.range(lower..));
-        held.chain(blocked)
+        ready.chain(blocked)
     }
 
     /// How many entries wait in the wheel itself.
@@ -310,10 +315,10 @@ impl State {
         self.wheel.len()
     }
 
-    /// How many entries are held back from a clock that stepped back.
+    /// How many entries were taken out of the wheel and wait their turn.
     #[cfg(test)]
     pub fn held_count(&self) -> usize {
-        self.held.len()
+        self.ready.len()
     }
 
     /// Arm a message: into the wheel, counted against its route.
@@ -336,11 +341,7 @@ impl State {
         let found = self
             .wheel
             .cancel(id)
-            .or_else(|| {
-                let deadline = *self.held_at.get(&id)?;
-                let data = self.unhold(deadline, id)?;
-                Some(Expired { id, deadline, data })
-            })
+            .or_else(|| self.ready.remove(id))
             .or_else(|| self.unblock_one(id))?;
         self.counts[found.data.route as usize] -= 1;
         self.attempts.remove(&id);
@@ -421,7 +422,7 @@ impl State {
 
     /// The earliest deadline in the wheel or the held set, or probe time.
     pub fn next_deadline(&self) -> Option<u64> {
-        let next_held = self.held.keys().next().map(|k| k.0);
+        let next_held = self.ready.first_deadline();
         [self.wheel.next_deadline(), next_held, self.next_probe()]
             .into_iter()
             .flatten()
@@ -444,84 +445,53 @@ impl State {
         *batch = kept;
     }
 
-    /// Move due entries from the wheel (and from the held set) into `out`. An
-    /// entry whose deadline is ahead of the wall clock (the clock stepped back
-    /// after the wheel advanced) is held until the clock reaches it. A full
-    /// batch while the wheel has more of its deadlines moves them all to the
-    /// held set, which yields them in (deadline, id) order over the next
-    /// batches.
+    /// Move due entries into `out`, up to `max`, a route at a time (see
+    /// [`Ready`]): first everything the wheel has due goes to its route's
+    /// queue, where it is in (deadline, id) order; then each route with due
+    /// work takes its turn. An entry whose deadline is ahead of the wall
+    /// clock (the clock stepped back after the wheel advanced) waits there
+    /// until the clock reaches it.
     ///
-    /// `claimed` is the earliest (due, id) stored but not yet armed
-    /// ([`crate::wal::Wal::first_claimed`]): nothing after it goes out
-    /// before it is armed, so a message stored after its due instant does
-    /// not overtake an earlier one whose append resolved later.
+    /// `claimed` gives a route's earliest (due, id) stored but not yet
+    /// armed ([`crate::wal::Wal::first_claimed_by_route`]): nothing of that
+    /// route after it goes out before it is armed, so a message stored
+    /// after its due instant does not overtake an earlier one whose append
+    /// resolved later.
     pub fn pop_due(
         &mut self,
         now: u64,
         max: usize,
-        claimed: Option<(u64, u64)>,
+        claimed: &dyn Fn(u16) -> Option<(u64, u64)>,
         out: &mut Vec<Expired<Slot>>,
     ) {
-        let first = out.len();
-        self.unhold_due(now, max, claimed, out);
-        self.wheel.poll_expired(now, max - out.len(), out);
-        // The wheel gives equal deadlines in the order they were armed, which
-        // is not quite id order (appends complete concurrently), and part of
-        // a burst may be in the held set already while an earlier message
-        // of it is armed only now. So a full batch whose deadlines the wheel
-        // still has more of takes all of those through the held set, where
-        // they are ordered by (deadline, id), and the batch comes from there.
-        if out.len() == max {
-            if let Some(last) = out[first..].iter().map(|e| e.deadline).max() {
-                let mut rest = Vec::new();
-                while self.wheel.poll_expired(now, 1, &mut rest) == 1
-                    && rest.last().is_some_and(|e| e.deadline <= last)
-                {}
-                if !rest.is_empty() {
-                    let taken: Vec<_> = out.drain(first..).collect();
-                    for e in taken.into_iter().chain(rest) {
-                        self.hold(e.deadline, e.id, e.data);
-                    }
-                    self.unhold_due(now, max, claimed, out);
-                }
-            }
-        }
-        let waits = |e: &Expired<Slot>| {
-            e.deadline > now || claimed.is_some_and(|first| (e.deadline, e.id) > first)
-        };
-        let mut i = first;
-        while i < out.len() {
-            if waits(&out[i]) {
-                let e = out.remove(i);
-                self.hold(e.deadline, e.id, e.data);
-            } else {
-                i += 1;
-            }
-        }
-        // Messages due in the same millisecond go out in id (= WAL append =
-        // consumption) order, whatever order their appends completed in.
-        out.sort_by_key(|e| (e.deadline, e.id));
+        self.take_due_from_wheel(now);
+        self.ready.take_in_turn(now, max, claimed, out);
     }
 
-    /// Move held entries due by `now` into `out`, in (deadline, id) order,
-    /// until it holds `max` or reaches `claimed` (see [`State::pop_due`]).
-    fn unhold_due(
-        &mut self,
-        now: u64,
-        max: usize,
-        claimed: Option<(u64, u64)>,
-        out: &mut Vec<Expired<Slot>>,
-    ) {
-        while let Some((&(deadline, id), _)) = self.held.iter().next() {
-            if deadline > now || out.len() >= max || claimed.is_some_and(|c| (deadline, id) > c) {
-                break;
+    /// Everything due in the wheel into the routes' queues, up to
+    /// [`READY_MAX`] entries there; past that, only what is not later than
+    /// something already there. The wheel gives a deadline's entries in
+    /// the order they were armed, not in id order, and an entry armed late
+    /// (its claim held the others back) must join its deadline here, so a
+    /// deadline is never split between here and the wheel.
+    fn take_due_from_wheel(&mut self, now: u64) {
+        const CHUNK: usize = 1024;
+        let mut taken = Vec::with_capacity(CHUNK);
+        loop {
+            let room = READY_MAX.saturating_sub(self.ready.len());
+            let n = if room > 0 {
+                room.min(CHUNK)
+            } else {
+                match (self.wheel.next_deadline(), self.ready.last_deadline()) {
+                    (Some(next), Some(last)) if next <= last => 1,
+                    _ => return,
+                }
+            };
+            if self.wheel.poll_expired(now, n, &mut taken) == 0 {
+                return;
             }
-            if let Some(slot) = self.unhold(deadline, id) {
-                out.push(Expired {
-                    id,
-                    deadline,
-                    data: slot,
-                });
+            for e in taken.drain(..) {
+                self.ready.insert(e.deadline, e.id, e.data);
             }
         }
     }
@@ -537,21 +507,14 @@ impl State {
         if let Some((slot, deadline)) = self.blocked_slot(id) {
             return Some((slot, deadline, Phase::Waiting));
         }
-        let deadline = *self.held_at.get(&id)?;
-        let slot = *self.held.get(&(deadline, id))?;
+        let (slot, deadline) = self.ready.get(id)?;
         Some((slot, deadline, Phase::Waiting))
     }
 
     /// Hold back an entry the clock has not reached (it stepped back).
+    #[cfg(test)]
     pub fn hold(&mut self, deadline: u64, id: u64, slot: Slot) {
-        self.held.insert((deadline, id), slot);
-        self.held_at.insert(id, deadline);
-    }
-
-    /// Take a held entry out.
-    pub fn unhold(&mut self, deadline: u64, id: u64) -> Option<Slot> {
-        self.held_at.remove(&id);
-        self.held.remove(&(deadline, id))
+        self.ready.insert(deadline, id, slot);
     }
 
     /// Hold a due message of `route` until the route's target is reachable.
@@ -635,7 +598,7 @@ impl State {
         self.blocked_ids.contains_key(&id)
             || self.wheel.get(id).is_some()
             || self.in_flight.contains_key(&id)
-            || self.held_at.contains_key(&id)
+            || self.ready.contains(id)
     }
 
     /// Drop key-index entries of messages that are no longer pending.
@@ -665,11 +628,9 @@ impl State {
                 return true;
             }
         }
-        if let Some(&deadline) = self.held_at.get(&id) {
-            if let Some(slot) = self.held.get_mut(&(deadline, id)) {
-                slot.pos = pos;
-                return true;
-            }
+        if let Some(slot) = self.ready.get_mut(id) {
+            slot.pos = pos;
+            return true;
         }
         false
     }

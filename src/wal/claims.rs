@@ -10,38 +10,55 @@
 //! answers any of them; the appender drops its [`Claim`] once the message is
 //! armed (dropping it unarmed, or never receiving it, drops it too). So
 //! whenever a message is armed, every earlier Schedule is either armed or
-//! still claimed, and [`Claims::first`] tells the dispatcher what it must
-//! not overtake.
+//! still claimed, and [`Claims::first_by_route`] tells the dispatcher what
+//! it must not overtake.
+//!
+//! Claims are kept per route: order is a route's promise, and a burst
+//! still being stored on one route must not hold back another's due
+//! messages.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
-/// (due, id) of every open claim.
+/// (due, id) of every open claim of a route.
+type Open = HashMap<Arc<str>, BTreeSet<(u64, u64)>>;
+
+/// Every open claim, per route.
 #[derive(Debug, Default)]
 pub struct Claims {
-    open: Mutex<BTreeSet<(u64, u64)>>,
+    open: Mutex<Open>,
 }
 
 impl Claims {
-    /// Open a claim for each of a batch's (due, id), all at once.
-    pub(super) fn open(self: &Arc<Self>, keys: impl IntoIterator<Item = (u64, u64)>) -> Vec<Claim> {
+    /// Open a claim for each of a batch's (route, due, id), all at once.
+    pub(super) fn open(
+        self: &Arc<Self>,
+        keys: impl IntoIterator<Item = (Arc<str>, u64, u64)>,
+    ) -> Vec<Claim> {
         let claims: Vec<_> = keys
             .into_iter()
-            .map(|key| Claim {
+            .map(|(route, due, id)| Claim {
                 claims: self.clone(),
-                key,
+                route,
+                key: (due, id),
             })
             .collect();
-        self.set().extend(claims.iter().map(|c| c.key));
+        let mut open = self.set();
+        for c in &claims {
+            open.entry(c.route.clone()).or_default().insert(c.key);
+        }
         claims
     }
 
-    /// The earliest (due, id) still claimed.
-    pub fn first(&self) -> Option<(u64, u64)> {
-        self.set().first().copied()
+    /// The earliest (due, id) still claimed on each route that has one.
+    pub fn first_by_route(&self) -> HashMap<Arc<str>, (u64, u64)> {
+        self.set()
+            .iter()
+            .filter_map(|(route, keys)| Some((route.clone(), *keys.first()?)))
+            .collect()
     }
 
-    fn set(&self) -> std::sync::MutexGuard<'_, BTreeSet<(u64, u64)>> {
+    fn set(&self) -> std::sync::MutexGuard<'_, Open> {
         self.open.lock().expect("claims poisoned")
     }
 }
@@ -50,11 +67,18 @@ impl Claims {
 #[derive(Debug)]
 pub struct Claim {
     claims: Arc<Claims>,
+    route: Arc<str>,
     key: (u64, u64),
 }
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        self.claims.set().remove(&self.key);
+        let mut open = self.claims.set();
+        if let Some(keys) = open.get_mut(&self.route) {
+            keys.remove(&self.key);
+            if keys.is_empty() {
+                open.remove(&self.route);
+            }
+        }
     }
 }

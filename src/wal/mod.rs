@@ -147,6 +147,7 @@ pub use recovery::{Corruption, RecoveryReport};
 pub use segments::SpaceReport;
 pub use writer::Claimed;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -392,7 +393,7 @@ impl Wal {
 
     /// [`Wal::append_schedule`] for an appender that arms the message: it
     /// resolves with a [`Claim`] to drop once the message is armed. Until
-    /// then [`Wal::first_claimed`] names it (see [`claims`]).
+    /// then [`Wal::first_claimed_by_route`] names it (see [`claims`]).
     pub fn append_schedule_claimed(
         &self,
         due_ms: u64,
@@ -430,10 +431,10 @@ impl Wal {
         self.shared.reserve.release()
     }
 
-    /// The earliest (due, id) of a durable Schedule whose appender has not
-    /// dropped its claim yet.
-    pub fn first_claimed(&self) -> Option<(u64, u64)> {
-        self.shared.claims.first()
+    /// Per route with an open claim, the earliest (due, id) of a durable
+    /// Schedule whose appender has not dropped its claim yet.
+    pub fn first_claimed_by_route(&self) -> HashMap<Arc<str>, (u64, u64)> {
+        self.shared.claims.first_by_route()
     }
 
     /// Append a Schedule for a message that comes back from elsewhere (the

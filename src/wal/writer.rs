@@ -310,6 +310,8 @@ struct Pending {
     kind: Kind,
     /// A Schedule's due time (what its claim is ordered by).
     due_ms: u64,
+    /// A Schedule's route (claims are per route).
+    route: Option<String>,
 }
 
 /// What a written record counts as in the segment table.
@@ -500,7 +502,7 @@ impl WriterState {
                 segment: self.head,
                 offset,
             };
-            let (id, kind, due_ms) = match req {
+            let (id, kind, due_ms, route) = match req {
                 AppendRequest::Schedule {
                     id,
                     due_ms,
@@ -519,15 +521,15 @@ impl WriterState {
                         message: &message,
                     };
                     frame::put_schedule(&mut self.buf, salt, seq, &schedule);
-                    (id, Kind::Schedule, due_ms)
+                    (id, Kind::Schedule, due_ms, Some(route))
                 }
                 AppendRequest::Done { id, segment, .. } => {
                     frame::put_done(&mut self.buf, salt, seq, id, segment);
-                    (id, Kind::Done(segment), 0)
+                    (id, Kind::Done(segment), 0, None)
                 }
                 AppendRequest::Acked { id, .. } => {
                     frame::put_acked(&mut self.buf, salt, seq, id);
-                    (id, Kind::Mark, 0)
+                    (id, Kind::Mark, 0, None)
                 }
             };
             pending.push(Pending {
@@ -535,6 +537,7 @@ impl WriterState {
                 appended: Appended { id, pos },
                 kind,
                 due_ms,
+                route,
             });
         }
         // The Commit tells recovery where this batch began, so a batch torn
@@ -560,9 +563,12 @@ impl WriterState {
                 }
                 // All of the batch's claims before any answer.
                 let claimed = pending
-                    .iter()
+                    .iter_mut()
                     .filter(|p| matches!(p.reply, Reply::Claimed(_)))
-                    .map(|p| (p.due_ms, p.appended.id));
+                    .map(|p| {
+                        let route = p.route.take().unwrap_or_default();
+                        (Arc::from(route), p.due_ms, p.appended.id)
+                    });
                 let mut claims = self.claims.open(claimed).into_iter();
                 for p in pending {
                     match p.reply {
