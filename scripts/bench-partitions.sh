@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# Scale out (a benchmark, not a test; issue #29): one partitioned RabbitMQ
-# route (`partitions = PARTS`, broker-kept store) run by 1, 2 and 3
+# Scale out (a benchmark, not a test; issues #29, #38): one partitioned
+# RabbitMQ route (`partitions = PARTS`, broker-kept store) run by 1, 2 and 3
 # delayd instances on this machine, beside the relay floor (examples/relay.rs:
-# delayd's two broker hops with its own adapters, no WAL, no wheel).
+# delayd's two broker hops with its own adapters, no WAL, no wheel). With
+# BROKER=kafka: one Kafka route whose source topic has PARTS partitions,
+# the instances sharing its consumer group (each with its own WAL), beside
+# Kafka alone through one produce+consume hop.
 #
 #   bash scripts/bench-partitions.sh
+#   BROKER=kafka CPU=10 RATE=4000 bash scripts/bench-partitions.sh
 #   INSTANCES="1 2 3" PARTS=6 RATE=20000 SECONDS_EACH=10 bash scripts/bench-partitions.sh
+#   CPU=15 RATE=6000 bash scripts/bench-partitions.sh   # each instance capped
+#
+# CPU=P caps each delayd instance at P % of one core with a cgroup of its
+# own (cgroup v2 `cpu.max`, or v1 `cpu.cfs_quota_us`; root), so that one
+# instance is CPU-bound well below what the broker and the load generator
+# can take on this machine's two cores: scale-out then shows as delivered
+# throughput growing with the instance count.
 #
 # For each instance count: fresh WAL directories and state streams, the
 # instances started together, then, once every partition has an owner,
@@ -20,8 +31,17 @@ parts="${PARTS:-6}"
 rate="${RATE:-20000}"
 secs="${SECONDS_EACH:-10}"
 count=$((rate * secs))
+cpu_cap="${CPU:-}"
+broker="${BROKER:-rabbitmq}"
+bootstrap=127.0.0.1:9092
+kafka_props=(--kafka-property fetch.wait.max.ms=100 --kafka-property linger.ms=1
+    --kafka-property socket.nagle.disable=true)
 
-bash scripts/rabbitmq.sh >/dev/null
+case "$broker" in
+rabbitmq) bash scripts/rabbitmq.sh >/dev/null ;;
+kafka) bash scripts/kafka.sh >/dev/null ;;
+*) echo "BROKER=$broker: rabbitmq or kafka" >&2; exit 2 ;;
+esac
 bash scripts/build-deps.sh
 cargo build --release --quiet
 cargo build --release --quiet --example relay
@@ -34,8 +54,29 @@ stop_all() {
     for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
     pids=()
 }
+cgroups=()
+# A cgroup capped at $cpu_cap % of a core; its cgroup.procs path in $procs.
+make_cgroup() { # name
+    local dir
+    if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+        dir="/sys/fs/cgroup/$1"
+        grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control ||
+            echo +cpu >/sys/fs/cgroup/cgroup.subtree_control
+        mkdir -p "$dir"
+        echo "$((cpu_cap * 1000)) 100000" >"$dir/cpu.max"
+    else
+        dir="/sys/fs/cgroup/cpu/$1"
+        mkdir -p "$dir"
+        echo 100000 >"$dir/cpu.cfs_period_us"
+        echo "$((cpu_cap * 1000))" >"$dir/cpu.cfs_quota_us"
+    fi
+    cgroups+=("$dir")
+    procs="$dir/cgroup.procs"
+}
 cleanup() {
     stop_all
+    local dir
+    for dir in "${cgroups[@]}"; do rmdir "$dir" 2>/dev/null || true; done
     if [ -n "${KEEP:-}" ]; then echo "kept $work" >&2; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
@@ -47,6 +88,22 @@ dir = "$work/wal-$1-$2"
 create_dir = true
 [http]
 listen = "127.0.0.1:$((9470 + $2))"
+EOF
+    if [ "$broker" = kafka ]; then
+        cat <<EOF
+[brokers.kafka]
+kind = "kafka"
+bootstrap = "$bootstrap"
+properties = { "socket.nagle.disable" = "true" }
+consumer_properties = { "fetch.wait.max.ms" = "100" }
+producer_properties = { "linger.ms" = "1" }
+[[routes]]
+name = "scale"
+from = { broker = "kafka", topics = ["bench.part.$1"], group = "delayd-part-$1" }
+to = { broker = "kafka", topic = "bench.part.out.$1" }
+EOF
+    else
+        cat <<EOF
 [store]
 kind = "broker"
 topic_prefix = "bench-part.$1."
@@ -59,18 +116,38 @@ partitions = $parts
 from = { broker = "rabbit", queue = "delayd.scale.$1", exchange = "bench.part.$1", prefetch = 1000 }
 to = { broker = "rabbit", exchange = "bench.part.out" }
 EOF
+    fi
 }
 
-owners() { # instances: partitions consuming, over all of them
-    local i total=0 shares=""
+owners() { # instances: partitions owned, over all of them, and the shares
+    local i total=0 shares="" n
     for i in $(seq 1 "$1"); do
-        local n
-        n=$(curl -s "http://127.0.0.1:$((9470 + i))/readyz" 2>/dev/null |
-            jq '[.routes | to_entries[] | select(.value == "consuming")] | length' 2>/dev/null || echo 0)
+        if [ "$broker" = kafka ]; then
+            # The last assignment each instance logged.
+            n=$(grep "Kafka partitions assigned" "$work/delayd-$1-$i.log" 2>/dev/null | tail -n 1 |
+                grep -o '("bench.part' | wc -l)
+        else
+            n=$(curl -s "http://127.0.0.1:$((9470 + i))/readyz" 2>/dev/null |
+                jq '[.routes | to_entries[] | select(.value == "consuming")] | length' 2>/dev/null || echo 0)
+        fi
+        [ "$n" -gt 0 ] || n=0
         total=$((total + n))
         shares="$shares${shares:+/}$n"
     done
     echo "$total $shares"
+}
+
+# Runs `delayd bench` for run $1 with the rest as arguments.
+bench() {
+    local run="$1"
+    shift
+    if [ "$broker" = kafka ]; then
+        "$delayd" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json \
+            --topic "bench.part.$run" --target-topic "bench.part.out.$run" "$@"
+    else
+        "$delayd" bench --quiet --json --exchange "bench.part.$run" --queue bench.part.q \
+            --routing-keys 64 --bind-to bench.part.out "$@"
+    fi
 }
 
 line() {
@@ -79,9 +156,17 @@ line() {
 
 for k in $instances_list; do
     run="k$k.$(date +%s)"
+    if [ "$broker" = kafka ]; then
+        # The topics before the group forms, as a deploy would have them.
+        bench "$run" --create-topics "$parts" --publish-only --count 0 >/dev/null
+    fi
     for i in $(seq 1 "$k"); do
         config "$run" "$i" >"$work/delayd-$k-$i.toml"
-        (cd "$work" && RUST_LOG=warn exec "$delayd" run --config "$work/delayd-$k-$i.toml" \
+        procs=""
+        [ -z "$cpu_cap" ] || make_cgroup "delayd-bench-$k-$i"
+        (cd "$work" && { [ -z "$procs" ] || echo "$BASHPID" >"$procs"; } &&
+            RUST_LOG=warn,delayd_adapters::kafka::source=info exec "$delayd" run \
+                --config "$work/delayd-$k-$i.toml" \
             >>"$work/delayd-$k-$i.log" 2>&1) &
         pids+=($!)
     done
@@ -92,13 +177,25 @@ for k in $instances_list; do
         sleep 0.1
     done
     [ -n "$settled" ] || { echo "$k instance(s): the partitions never all had an owner" >&2; exit 1; }
-    report=$("$delayd" bench --quiet --json --exchange "bench.part.$run" --queue bench.part.q --routing-keys 64 \
-        --bind-to bench.part.out --rate "$rate" --count "$count" --delay-min 2000 --delay-max 4000 \
+    report=$(bench "$run" --rate "$rate" --count "$count" --delay-min 2000 --delay-max 4000 \
         --drain-timeout 60s)
-    printf '%s instance(s), partitions %s: %s\n' "$k" "$settled" "$(echo "$report" | line)"
+    printf '%s instance(s)%s, partitions %s: %s\n' "$k" "${cpu_cap:+ at $cpu_cap % CPU each}" \
+        "$settled" "$(echo "$report" | line)"
     stop_all
-    rabbitmqctl -q purge_queue bench.part.q >/dev/null 2>&1 || true
+    [ "$broker" = kafka ] || rabbitmqctl -q purge_queue bench.part.q >/dev/null 2>&1 || true
 done
+
+if [ "$broker" = kafka ]; then
+    # The floor: Kafka alone through one produce+consume hop, same load.
+    run="hop.$(date +%s)"
+    "$delayd" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json --topic "bench.part.$run" \
+        --target-topic "bench.part.$run" --create-topics "$parts" --publish-only --count 0 >/dev/null
+    report=$("$delayd" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json \
+        --topic "bench.part.$run" --target-topic "bench.part.$run" --rate "$rate" --count "$count" \
+        --delay-min 0 --delay-max 0)
+    printf 'Kafka alone, one hop (floor): %s\n' "$(echo "$report" | line)"
+    exit 0
+fi
 
 # The floor: the same offered load through two hops and no delay.
 RUST_LOG=warn "$PWD/target/release/examples/relay" amqp://guest:guest@127.0.0.1:5672/%2f \
