@@ -9,6 +9,9 @@
 #
 #   bash scripts/bench-partitions.sh
 #   BROKER=kafka CPU=10 RATE=4000 bash scripts/bench-partitions.sh
+#
+# RESULTS=file.jsonl appends one JSON line per instance count, for
+# scripts/bench-partitions-plot.py (docs/scale-out.svg).
 #   INSTANCES="1 2 3" PARTS=6 RATE=20000 SECONDS_EACH=10 bash scripts/bench-partitions.sh
 #   CPU=15 RATE=6000 bash scripts/bench-partitions.sh   # each instance capped
 #
@@ -32,6 +35,7 @@ rate="${RATE:-20000}"
 secs="${SECONDS_EACH:-10}"
 count=$((rate * secs))
 cpu_cap="${CPU:-}"
+results="${RESULTS:-}"
 broker="${BROKER:-rabbitmq}"
 bootstrap=127.0.0.1:9092
 kafka_props=(--kafka-property fetch.wait.max.ms=100 --kafka-property linger.ms=1
@@ -125,7 +129,7 @@ owners() { # instances: partitions owned, over all of them, and the shares
         if [ "$broker" = kafka ]; then
             # The last assignment each instance logged.
             n=$(grep "Kafka partitions assigned" "$work/delayd-$1-$i.log" 2>/dev/null | tail -n 1 |
-                grep -o '("bench.part' | wc -l)
+                grep -o '("bench.part' | wc -l || true)
         else
             n=$(curl -s "http://127.0.0.1:$((9470 + i))/readyz" 2>/dev/null |
                 jq '[.routes | to_entries[] | select(.value == "consuming")] | length' 2>/dev/null || echo 0)
@@ -157,8 +161,10 @@ line() {
 for k in $instances_list; do
     run="k$k.$(date +%s)"
     if [ "$broker" = kafka ]; then
-        # The topics before the group forms, as a deploy would have them.
-        bench "$run" --create-topics "$parts" --publish-only --count 0 >/dev/null
+        # The topics before the group forms, as a deploy would have them
+        # (and one record, due in an hour, outside the measurement).
+        bench "$run" --create-topics "$parts" --publish-only --count 1 --rate 1 \
+            --delay-min 3600000 --delay-max 3600000 >/dev/null
     fi
     for i in $(seq 1 "$k"); do
         config "$run" "$i" >"$work/delayd-$k-$i.toml"
@@ -173,7 +179,12 @@ for k in $instances_list; do
     settled=""
     for _ in $(seq 1 1200); do
         read -r total shares < <(owners "$k")
-        if [ "$total" -eq "$parts" ]; then settled="$shares"; break; fi
+        # Every partition owned, and by every instance (a group that is
+        # still forming gives all of them to its first member for a while).
+        if [ "$total" -eq "$parts" ] && { [ "$k" -gt "$parts" ] || [[ "/$shares/" != */0/* ]]; }; then
+            settled="$shares"
+            break
+        fi
         sleep 0.1
     done
     [ -n "$settled" ] || { echo "$k instance(s): the partitions never all had an owner" >&2; exit 1; }
@@ -181,6 +192,12 @@ for k in $instances_list; do
         --drain-timeout 60s)
     printf '%s instance(s)%s, partitions %s: %s\n' "$k" "${cpu_cap:+ at $cpu_cap % CPU each}" \
         "$settled" "$(echo "$report" | line)"
+    if [ -n "$results" ]; then
+        echo "$report" | jq -c --arg broker "$broker" --arg cpu "${cpu_cap:-100}" --argjson k "$k" \
+            '{broker: $broker, cpu: ($cpu | tonumber), instances: $k,
+              delivered: (.delivery_rate | round), intake: (.publish_rate | round),
+              p99_ms: .lateness_p99_ms, lost, early, duplicates}' >>"$results"
+    fi
     stop_all
     [ "$broker" = kafka ] || rabbitmqctl -q purge_queue bench.part.q >/dev/null 2>&1 || true
 done
@@ -189,7 +206,8 @@ if [ "$broker" = kafka ]; then
     # The floor: Kafka alone through one produce+consume hop, same load.
     run="hop.$(date +%s)"
     "$delayd" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json --topic "bench.part.$run" \
-        --target-topic "bench.part.$run" --create-topics "$parts" --publish-only --count 0 >/dev/null
+        --target-topic "bench.part.$run" --create-topics "$parts" --publish-only --count 1 --rate 1 \
+        --delay-min 3600000 --delay-max 3600000 >/dev/null
     report=$("$delayd" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json \
         --topic "bench.part.$run" --target-topic "bench.part.$run" --rate "$rate" --count "$count" \
         --delay-min 0 --delay-max 0)

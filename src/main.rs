@@ -167,11 +167,16 @@ fn check(path: Option<PathBuf>, offline: bool) -> anyhow::Result<()> {
         );
         if r.from.queue_type == Some(delayd::config::QueueKind::Stream) {
             let retention = delayd::config::stream::Retention::of(&r.from);
+            let position = if config.store.kind == delayd::config::StoreKind::Broker {
+                "the route's state streams".to_owned()
+            } else {
+                delayd::runtime::stream_checkpoint(&config.wal.dir, &r.name)
+                    .display()
+                    .to_string()
+            };
             println!(
-                "    stream ingress: kept {} or {} bytes, whichever ends first; read position in {}",
-                retention.max_age,
-                retention.max_length_bytes,
-                delayd::runtime::stream_checkpoint(&config.wal.dir, &r.name).display()
+                "    stream ingress: kept {} or {} bytes, whichever ends first; read position in {position}",
+                retention.max_age, retention.max_length_bytes,
             );
             if let Some(warning) = retention.warning() {
                 eprintln!("delayd: warning: route {}: {warning}", r.name);

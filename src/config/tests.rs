@@ -296,24 +296,23 @@ fn queue_type_and_arguments_parse_and_are_checked() {
 }
 
 #[test]
-fn a_stream_ingress_is_refused_where_its_checkpoint_cannot_live() {
+fn a_stream_ingress_is_refused_where_its_offset_cannot_live() {
     let stream = GOOD.replace(
         "exchange_type = \"topic\" }",
         "exchange_type = \"topic\", queue_type = \"stream\" }",
     );
     let c = Config::from_toml_str(&stream).unwrap();
     assert_eq!(c.routes[0].from.queue_type, Some(QueueKind::Stream));
-    let e = Config::from_toml_str(&format!("[store]\nkind = \"broker\"\n{stream}"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("routes[0].from.queue_type"), "{e}");
-    assert!(e.contains("store.kind"), "{e}");
-    let e = Config::from_toml_str(
-        &stream.replace("name = \"orders\"", "name = \"orders\"\npartitions = 4"),
-    )
-    .unwrap_err()
-    .to_string();
+    // The broker-kept store keeps the offset in the state stream, with
+    // partitions too (one owner per partition's stream).
+    let partitioned = stream.replace("name = \"orders\"", "name = \"orders\"\npartitions = 4");
+    Config::from_toml_str(&format!("[store]\nkind = \"broker\"\n{stream}"))
+        .expect("a stream ingress on the broker-kept store");
+    Config::from_toml_str(&format!("[store]\nkind = \"broker\"\n{partitioned}"))
+        .expect("stream partitions on the broker-kept store");
+    let e = Config::from_toml_str(&partitioned).unwrap_err().to_string();
     assert!(e.contains("routes[0].partitions"), "{e}");
+    assert!(e.contains("store.kind"), "{e}");
     let e = Config::from_toml_str(
         &stream.replace("name = \"orders\"", "name = \"orders\"\nmode = \"ttl\""),
     )

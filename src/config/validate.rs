@@ -140,14 +140,12 @@ impl Config {
     /// `from.queue_type = "stream"`: its checkpoint is a file in the WAL's
     /// directory, so it needs the local store and one consumer per stream.
     fn check_stream_ingress(&self, route: &RouteConfig) -> Result<(), (&'static str, String)> {
-        if self.store.kind == StoreKind::Broker {
-            return Err(("from.queue_type", "a stream ingress keeps its offset beside the local WAL; with store.kind = \"broker\" use a classic or quorum queue (a stream ingress for the broker-kept store is not built yet)".into()));
-        }
-        if self.handoff() {
+        let broker_kept = self.store.kind == StoreKind::Broker;
+        if self.handoff() && !broker_kept {
             return Err(("from.queue_type", "a stream ingress keeps its read position beside the WAL; engine.handoff = true is for a WAL that does not survive the pod, and a new instance would read the whole stream again (give delayd a volume and set engine.handoff = false, or use a classic or quorum queue)".into()));
         }
-        if route.partitions.is_some() {
-            return Err(("partitions", "a stream ingress is read by one consumer from its own offset; partitions of a stream ingress are not built yet (use one stream, or classic or quorum partitions)".into()));
+        if route.partitions.is_some() && !broker_kept {
+            return Err(("partitions", "a stream ingress is read whole by every consumer, and with the local store every instance consumes every partition: each message would be stored by each instance. Partitions of a stream ingress need store.kind = \"broker\", where one instance owns each partition (or use classic or quorum partitions)".into()));
         }
         if route.mode != Mode::Delay {
             return Err(("mode", "a stream ingress works with mode = \"delay\" (ttl and retry modes read a queue's dead-lettering)".into()));

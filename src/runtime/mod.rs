@@ -214,8 +214,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         if let Some(RouteStore::Stream(stream)) = &store {
             // Consumed only while this instance owns the route.
             let (brokers, cfg, status) = (brokers.clone(), route_cfg.clone(), status.clone());
+            let offsets = stream.stream_offsets();
             let start = move |stop: CancellationToken| -> anyhow::Result<_> {
-                let source = start_source(&brokers, &cfg, None, true, None)?;
+                let source = start_source(&brokers, &cfg, None, true, Some(offsets.clone()))?;
                 status.set_consuming(&cfg.name, Some(source.consuming()));
                 Ok(tokio::spawn(intake.clone().run(source, stop)))
             };
@@ -223,7 +224,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             streams.push(tokio::spawn(stream.clone().run(start, intake_stop.clone())));
             continue;
         }
-        let source = start_source(&brokers, route_cfg, listener, false, Some(&config.wal.dir))?;
+        let offsets = delayd_adapters::amqp::stream::FileOffsets {
+            path: stream_checkpoint(&config.wal.dir, &route_cfg.name),
+        };
+        let source = start_source(
+            &brokers,
+            route_cfg,
+            listener,
+            false,
+            Some(Arc::new(offsets)),
+        )?;
         status.set_consuming(&route_cfg.name, Some(source.consuming()));
         tracing::info!(route = %route_cfg.name, "route started");
         intakes.push(tokio::spawn(intake.run(source, intake_stop.clone())));
@@ -292,7 +302,7 @@ fn start_source(
     route: &crate::config::RouteConfig,
     listener: Option<Arc<dyn delayd_adapters::kafka::PartitionListener>>,
     single_active: bool,
-    data_dir: Option<&std::path::Path>,
+    stream_offsets: Option<Arc<dyn delayd_adapters::amqp::stream::OffsetStore>>,
 ) -> anyhow::Result<Box<dyn Source>> {
     let name = &route.name;
     match brokers.get(&route.from.broker) {
@@ -313,13 +323,17 @@ fn start_source(
                 source_cfg.prefetch = prefetch;
             }
             source_cfg.queue_arguments = queue_arguments(&route.from);
-            if route.from.queue_type == Some(crate::config::QueueKind::Stream) {
-                let dir = data_dir.context("a stream ingress keeps its checkpoint in the WAL's directory; the broker-kept store has none (the config check refuses this)")?;
-                source_cfg.stream = Some(delayd_adapters::amqp::stream::StreamConfig {
-                    checkpoint: stream_checkpoint(dir, name),
-                });
+            let stream = route.from.queue_type == Some(crate::config::QueueKind::Stream);
+            if stream {
+                let offsets = stream_offsets
+                    .with_context(|| format!("route {name}: no place for its stream offset"))?;
+                source_cfg.stream = Some(delayd_adapters::amqp::stream::StreamConfig { offsets });
             }
-            if single_active {
+            // A stream has no single active consumer over AMQP (RabbitMQ
+            // refuses the argument): a former owner that still reads it
+            // cannot store anything, since every state write checks its
+            // lease.
+            if single_active && !stream {
                 // Broker-kept store: one consumer at a time, the route's owner.
                 source_cfg.queue_arguments.insert(
                     "x-single-active-consumer",

@@ -25,6 +25,8 @@ struct Partitioned {
     client: Client,
     /// `partitions` of the route.
     parts: u16,
+    /// More keys of the route's `from`.
+    from_extra: String,
 }
 
 impl Partitioned {
@@ -36,6 +38,7 @@ impl Partitioned {
         let opts = DelaydOptions {
             prefetch: 200,
             route_extra: format!("partitions = {parts}\n"),
+            from_extra: self.from_extra.clone(),
             ..DelaydOptions::default()
         };
         format!(
@@ -137,6 +140,7 @@ async fn three_instances_share_six_partitions_through_a_kill_and_an_addition() {
         prefix,
         client,
         parts: PARTS,
+        from_extra: String::new(),
     };
 
     let a = Delayd::start_with(|wal, http| r.config(wal, http)).await;
@@ -196,6 +200,44 @@ async fn three_instances_share_six_partitions_through_a_kill_and_an_addition() {
         sent.len()
     );
     drop((a, b, c, d));
+    drop(cleanup);
+}
+
+/// Partitions of a stream ingress on the broker-kept store (#37): one
+/// stream per partition, bound to the consistent-hash exchange, each read
+/// by its owner from the offset kept in that partition's state stream.
+/// Two instances share four; one is killed with its disk, the other takes
+/// its partitions and reads their streams on from their offsets: every
+/// message arrives, none early, byte-equal, any copy under its first id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_partitions_are_shared_and_a_kill_loses_nothing() {
+    const STREAM_PARTS: u16 = 4;
+    let names = Names::new("partitions-stream");
+    let prefix = format!("delayd-it.state.{}.", common::unique_suffix());
+    let client = Client::connect("delayd-it-partitions-stream").await;
+    client
+        .declare_target(&names.to_exchange, &names.target_queue)
+        .await;
+    let cleanup = cleanup_for(&names, &prefix, STREAM_PARTS);
+    let r = Partitioned {
+        names,
+        prefix,
+        client,
+        parts: STREAM_PARTS,
+        from_extra: ", queue_type = \"stream\"".into(),
+    };
+    let mut a = Delayd::start_with(|wal, http| r.config(wal, http)).await;
+    let b = Delayd::start_with(|wal, http| r.config(wal, http)).await;
+    r.settle(&[&a, &b], 2).await;
+    let mut sent = BTreeMap::new();
+    r.send("one", &mut sent).await;
+    let wal = a.wal_dir();
+    a.kill_9();
+    std::fs::remove_dir_all(&wal).expect("delete the killed instance's WAL");
+    r.settle(&[&b], STREAM_PARTS as usize).await;
+    r.send("two", &mut sent).await;
+    receive_all(&r.client, &r.names.target_queue, &sent).await;
+    drop((a, b));
     drop(cleanup);
 }
 
@@ -308,6 +350,7 @@ async fn lowering_partitions_with_messages_pending_is_refused_naming_the_key() {
         prefix,
         client,
         parts: PARTS,
+        from_extra: String::new(),
     };
     const PER_SEND: usize = 300;
     const DELAY_MS: u64 = 20_000;
@@ -430,6 +473,7 @@ async fn lowering_partitions_that_are_empty_removes_them_and_loses_nothing() {
         prefix,
         client,
         parts: PARTS,
+        from_extra: String::new(),
     };
 
     let mut a = Delayd::start_with(|wal, http| r.config(wal, http)).await;

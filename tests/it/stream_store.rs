@@ -171,10 +171,23 @@ impl StreamRoute {
         sent: &BTreeMap<String, (u64, u64, usize)>,
         within: Duration,
     ) -> (usize, i64) {
+        let (duplicates, _, late) = self.receive_all_counted(sent, within).await;
+        (duplicates, late)
+    }
+
+    /// [`StreamRoute::receive_all_late`], with the duplicates that came
+    /// under another `x-delayd-id` than the message's first copy counted
+    /// apart: (duplicates, of them under another id, worst lateness).
+    async fn receive_all_counted(
+        &self,
+        sent: &BTreeMap<String, (u64, u64, usize)>,
+        within: Duration,
+    ) -> (usize, usize, i64) {
         let mut receiver = self.client.consume(&self.names.target_queue).await;
         let deadline = Instant::now() + within;
         let mut arrived = BTreeMap::new();
         let mut duplicates = 0;
+        let mut other_id = 0;
         let mut late = Vec::new();
         while arrived.len() < sent.len() {
             let received = receiver
@@ -187,8 +200,12 @@ impl StreamRoute {
                 .unwrap_or_else(|| panic!("unexpected message {id:?}"));
             assert!(received.at_ms >= at + delay, "{id} arrived early");
             assert_eq!(received.delivery.data, format!("body {id}").as_bytes());
-            if arrived.insert(id, ()).is_some() {
+            let delayd_id = received.header_text("x-delayd-id");
+            if let Some(first) = arrived.insert(id, delayd_id.clone()) {
                 duplicates += 1;
+                if first != delayd_id {
+                    other_id += 1;
+                }
             } else {
                 late.push(received.at_ms as i64 - (at + delay) as i64);
             }
@@ -202,7 +219,7 @@ impl StreamRoute {
             at(1.0)
         );
         receiver.close().await;
-        (duplicates, at(1.0))
+        (duplicates, other_id, at(1.0))
     }
 
     /// Deletes the route's state streams (best effort).
@@ -392,6 +409,51 @@ async fn checkpoints_keep_the_streams_bounded_and_lose_nothing() {
     all.extend(short);
     let duplicates = r.receive_all(&all, Duration::from_secs(60)).await;
     assert_eq!(duplicates, 0);
+    r.delete_streams().await;
+}
+
+/// A stream ingress on the broker-kept store (#37): the owner keeps the
+/// stream's next offset in the route's state streams, carried through
+/// checkpoints, so an owner killed with its disk is followed by one that
+/// reads the stream from there: every message arrives, none early, every
+/// copy of a message under one id, and the stream is not read again from
+/// its start (which would store each of the first 900 a second time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_owner_reads_a_stream_ingress_from_the_offset_in_the_state_stream() {
+    const COUNT: usize = 300;
+    let mut r = StreamRoute::new("stream-store-ingress").await;
+    r.opts.from_extra = ", queue_type = \"stream\"".into();
+    r.store_extra = "checkpoint_records = 100\n".into();
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start_owner().await;
+    let b = r.start_standby().await;
+
+    // Short delays fire, so a checkpoint moves the state to a new
+    // generation (the offset must go with it), while long ones wait.
+    let mut sent = r.send("short", 2 * COUNT, 200..1000).await;
+    sent.extend(r.send("long", COUNT, 8000..14_000).await);
+    wait_for(
+        "the short ones fired and a checkpoint written",
+        DEADLINE,
+        || async {
+            (a.pending() == COUNT as u64 && a.log_tail(400).contains("state checkpoint written"))
+                .then_some(())
+        },
+    )
+    .await;
+    let wal = a.wal_dir();
+    a.kill_9();
+    std::fs::remove_dir_all(&wal).expect("delete the killed owner's WAL");
+    // Published while the route changes hands: read by the new owner.
+    sent.extend(r.send("second", COUNT, 1000..4000).await);
+
+    let (duplicates, other_id, _) = r.receive_all_counted(&sent, Duration::from_secs(90)).await;
+    assert_eq!(other_id, 0, "copies under another x-delayd-id");
+    assert!(
+        duplicates < COUNT / 2,
+        "{duplicates} duplicates: the new owner read the stream from its start"
+    );
+    assert_eq!(b.readyz()["routes"][&r.names.route], "consuming");
     r.delete_streams().await;
 }
 

@@ -163,6 +163,12 @@ pub enum Record {
     Generation {
         generation: u64,
     },
+    /// A stream ingress (`queue`) is durable in the state up to `next`
+    /// (exclusive): a new owner reads it from there.
+    Offset {
+        queue: String,
+        next: i64,
+    },
 }
 
 const VERSION: u8 = 1;
@@ -173,6 +179,7 @@ const SCHEDULE: u8 = 1;
 const DONE: u8 = 2;
 const MARKER: u8 = 3;
 const GENERATION: u8 = 4;
+const OFFSET: u8 = 5;
 
 impl Record {
     /// Version byte, kind byte, then the fields big endian.
@@ -202,6 +209,11 @@ impl Record {
                 out.push(GENERATION);
                 out.extend_from_slice(&generation.to_be_bytes());
             }
+            Record::Offset { queue, next } => {
+                out.push(OFFSET);
+                out.extend_from_slice(&next.to_be_bytes());
+                out.extend_from_slice(queue.as_bytes());
+            }
         }
         out
     }
@@ -227,6 +239,10 @@ impl Record {
             }),
             GENERATION if rest.len() == 8 => Some(Record::Generation {
                 generation: u64_at(rest)?,
+            }),
+            OFFSET => Some(Record::Offset {
+                next: u64_at(rest)? as i64,
+                queue: String::from_utf8(rest.get(8..)?.to_vec()).ok()?,
             }),
             _ => None,
         }
@@ -1132,6 +1148,20 @@ impl StateSession {
         live: &mut HashMap<u128, LiveRecord>,
         order: &mut Vec<u128>,
     ) -> Result<u64, StateError> {
+        let mut offsets = HashMap::new();
+        self.read_generation(stream, live, order, &mut offsets)
+            .await
+    }
+
+    /// [`StateSession::read_live`], and the highest [`Record::Offset`] of
+    /// each stream ingress, merged into `offsets`.
+    pub async fn read_generation(
+        &self,
+        stream: &str,
+        live: &mut HashMap<u128, LiveRecord>,
+        order: &mut Vec<u128>,
+        offsets: &mut HashMap<String, i64>,
+    ) -> Result<u64, StateError> {
         self.read_all(stream, |record| {
             match record {
                 Record::Schedule {
@@ -1155,6 +1185,10 @@ impl StateSession {
                 }
                 Record::Done { id } => {
                     live.remove(&id);
+                }
+                Record::Offset { queue, next } => {
+                    let at = offsets.entry(queue).or_insert(next);
+                    *at = (*at).max(next);
                 }
                 Record::Marker { .. } | Record::Generation { .. } => {}
             }
@@ -1296,6 +1330,14 @@ mod tests {
             Record::Done { id: 42 << 64 | 9 },
             Record::Marker { nonce: 5 },
             Record::Generation { generation: 17 },
+            Record::Offset {
+                queue: "delayd.orders.3".into(),
+                next: 1 << 40,
+            },
+            Record::Offset {
+                queue: String::new(),
+                next: 0,
+            },
         ];
         for record in records {
             assert_eq!(Record::decode(&record.encode()), Some(record.clone()));

@@ -44,8 +44,44 @@ const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(20);
 /// Where delayd keeps a stream ingress's next offset.
 #[derive(Debug, Clone)]
 pub struct StreamConfig {
-    /// The checkpoint file (its directory is created if missing).
-    pub checkpoint: PathBuf,
+    pub offsets: Arc<dyn OffsetStore>,
+}
+
+impl StreamConfig {
+    /// The next offset in a checkpoint file beside the local WAL (its
+    /// directory is created if missing).
+    pub fn file(checkpoint: PathBuf) -> Self {
+        Self {
+            offsets: Arc::new(FileOffsets { path: checkpoint }),
+        }
+    }
+}
+
+/// Where a stream ingress's next offset is kept durably: a file beside the
+/// local WAL ([`FileOffsets`]), or the broker-kept store's state stream,
+/// so that a new owner resumes where the last one left off.
+pub trait OffsetStore: Send + Sync + std::fmt::Debug + 'static {
+    /// The next offset saved for `queue`; `None`: none (the stream is read
+    /// from its first retained message).
+    fn load(&self, queue: &str) -> Result<Option<i64>, CheckpointError>;
+    /// Save `next` for `queue` durably. Called on a blocking thread.
+    fn save(&self, queue: &str, next: i64) -> Result<(), CheckpointError>;
+}
+
+/// The next offset in a file: `{"queue": ..., "next": N}`.
+#[derive(Debug)]
+pub struct FileOffsets {
+    pub path: PathBuf,
+}
+
+impl OffsetStore for FileOffsets {
+    fn load(&self, queue: &str) -> Result<Option<i64>, CheckpointError> {
+        load_checkpoint(&self.path, queue)
+    }
+
+    fn save(&self, queue: &str, next: i64) -> Result<(), CheckpointError> {
+        save_checkpoint(&self.path, queue, next)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +93,10 @@ pub enum CheckpointError {
     },
     #[error("stream checkpoint {path}: cannot read it ({reason}); move it aside to read the stream from its first retained message")]
     Malformed { path: PathBuf, reason: String },
+    /// The broker-kept store could not record the offset (the lock lost,
+    /// a state write refused).
+    #[error("stream offset of {queue} in the state stream: {reason}")]
+    State { queue: String, reason: String },
 }
 
 /// Read the next offset saved for `queue`. `None`: no checkpoint, or one
@@ -119,7 +159,7 @@ pub type Rewinds = mpsc::UnboundedReceiver<(i64, u64)>;
 /// the checkpoint writer.
 pub struct StreamPosition {
     queue: String,
-    checkpoint: PathBuf,
+    offsets: Arc<dyn OffsetStore>,
     /// The stream as one "partition" of the shared offset tracker.
     tp: TopicPartition,
     tracker: Mutex<OffsetTracker>,
@@ -133,7 +173,7 @@ impl std::fmt::Debug for StreamPosition {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamPosition")
             .field("queue", &self.queue)
-            .field("checkpoint", &self.checkpoint)
+            .field("offsets", &self.offsets)
             .finish_non_exhaustive()
     }
 }
@@ -145,11 +185,11 @@ impl StreamPosition {
         queue: &str,
         config: &StreamConfig,
     ) -> Result<(Arc<Self>, Rewinds), CheckpointError> {
-        let loaded = load_checkpoint(&config.checkpoint, queue)?;
+        let loaded = config.offsets.load(queue)?;
         let (rewinds, rewind_rx) = mpsc::unbounded_channel();
         let position = Arc::new(Self {
             queue: queue.to_owned(),
-            checkpoint: config.checkpoint.clone(),
+            offsets: config.offsets.clone(),
             tp: (queue.to_owned(), 0),
             tracker: Mutex::new(OffsetTracker::default()),
             loaded,
@@ -190,7 +230,7 @@ impl StreamPosition {
     pub fn checkpoint_now(&self) {
         let commits = self.tracker().take_commits();
         for (tp, next) in commits {
-            match save_checkpoint(&self.checkpoint, &self.queue, next) {
+            match self.offsets.save(&self.queue, next) {
                 Ok(()) => self.tracker().committed(&tp, next),
                 Err(e) => {
                     error!(queue = %self.queue, error = %e, "cannot write the stream checkpoint; retrying");

@@ -30,6 +30,7 @@ use std::time::Duration;
 use delayd_adapters::amqp::state::{
     Candidate, LiveRecord, Record, StateError, StateNames, StateSession,
 };
+use delayd_adapters::amqp::stream::{CheckpointError, OffsetStore};
 use delayd_adapters::amqp::Broker;
 use delayd_adapters::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
@@ -94,6 +95,12 @@ enum Write {
         /// Told once the Done is confirmed (a cancel waits for it).
         reply: Option<oneshot::Sender<Result<(), String>>>,
     },
+    /// A stream ingress's next offset (see [`StreamOffsets`]).
+    Offset {
+        queue: String,
+        next: i64,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
 }
 
 #[derive(Default)]
@@ -128,6 +135,9 @@ pub struct StreamStore {
     wal_dir: std::path::PathBuf,
     /// The partitioned route this route is a partition of, if any.
     group: Option<Arc<PartitionGroup>>,
+    /// A stream ingress's next offset per queue, as the last restore read
+    /// it from the state streams.
+    offsets: Mutex<HashMap<String, i64>>,
 }
 
 impl StreamStore {
@@ -153,6 +163,7 @@ impl StreamStore {
             writer: Mutex::new(None),
             writer_task: tokio::sync::Mutex::new(None),
             phase: AtomicU8::new(Phase::Electing as u8),
+            offsets: Mutex::default(),
             state_missing: Default::default(),
             checkpoint_floor,
             wal_dir,
@@ -199,6 +210,14 @@ impl StreamStore {
             Some(tx) => tx.send(write).is_ok(),
             None => false,
         }
+    }
+
+    /// Where a stream ingress of this route keeps its next offset: in the
+    /// state streams, through this owner's writer.
+    pub fn stream_offsets(self: &Arc<Self>) -> Arc<dyn OffsetStore> {
+        Arc::new(StreamOffsets {
+            store: Arc::downgrade(self),
+        })
     }
 
     /// At start, before anything fires: what the local WAL holds for this
@@ -659,7 +678,8 @@ impl StreamStore {
         self: &Arc<Self>,
         session: &Arc<StateSession>,
     ) -> Result<(JoinHandle<()>, CancellationToken), anyhow::Error> {
-        let (generation, live) = recover(session, &self.route).await?;
+        let (generation, live, offsets) = recover(session, &self.route).await?;
+        *self.offsets.lock().unwrap_or_else(|e| e.into_inner()) = offsets.clone();
         let skipped = session.skipped();
         if skipped > 0 {
             tracing::error!(route = %self.route, skipped, "undecodable records skipped in the route's state streams (not written by delayd)");
@@ -672,7 +692,7 @@ impl StreamStore {
         let writer = tokio::spawn(write_loop(
             self.clone(),
             session.clone(),
-            generation,
+            (generation, offsets),
             live.iter().map(|r| r.id).collect(),
             rx,
             failed.clone(),
@@ -810,7 +830,7 @@ async fn sleep_or_stop(wait: Duration, stop: &CancellationToken) -> bool {
 async fn recover(
     session: &StateSession,
     route: &str,
-) -> Result<(u64, Vec<LiveRecord>), StateError> {
+) -> Result<(u64, Vec<LiveRecord>, HashMap<String, i64>), StateError> {
     let names = session.names().clone();
     let (current, disagreed) = session.current_generation().await?;
     if disagreed {
@@ -820,6 +840,7 @@ async fn recover(
     }
     let mut live = HashMap::new();
     let mut order = Vec::new();
+    let mut offsets = HashMap::new();
     let mut read = 0;
     if let Some(g) = current {
         let stream = names.generation(g);
@@ -834,12 +855,14 @@ async fn recover(
             // before it was made), and both are deleted below.
             let stream = names.generation(n);
             session.declare_stream(&stream).await?;
-            read += session.read_live(&stream, &mut live, &mut order).await?;
+            read += session
+                .read_generation(&stream, &mut live, &mut order, &mut offsets)
+                .await?;
         }
     }
     let live: Vec<LiveRecord> = order.iter().filter_map(|id| live.remove(id)).collect();
     let fresh = current.map_or(0, |g| g + 2);
-    write_generation(session, fresh, &live).await?;
+    write_generation(session, fresh, &live, &offsets).await?;
     if let Some(g) = current {
         for n in [g, g + 1] {
             session.delete(&names.generation(n)).await?;
@@ -854,7 +877,7 @@ async fn recover(
         live = live.len(),
         "state streams recovered"
     );
-    Ok((fresh, live))
+    Ok((fresh, live, offsets))
 }
 
 /// A stream named like a generation below the recovered one.
@@ -946,12 +969,16 @@ async fn write_generation(
     session: &StateSession,
     n: u64,
     live: &[LiveRecord],
+    offsets: &HashMap<String, i64>,
 ) -> Result<(), StateError> {
     let names = session.names().clone();
     let stream = names.generation(n);
     session.delete(&stream).await?;
     session.declare_stream(&stream).await?;
     let mut confirms = Vec::new();
+    if !offsets.is_empty() {
+        confirms.push(session.append(&stream, &offset_records(offsets)).await);
+    }
     for chunk in live.chunks(WRITE_BATCH) {
         let records: Vec<Vec<u8>> = chunk
             .iter()
@@ -987,7 +1014,7 @@ async fn write_generation(
 async fn write_loop(
     store: Arc<StreamStore>,
     session: Arc<StateSession>,
-    generation: u64,
+    (generation, offsets): (u64, HashMap<String, i64>),
     live: HashSet<u128>,
     rx: mpsc::UnboundedReceiver<Write>,
     failed: CancellationToken,
@@ -999,6 +1026,7 @@ async fn write_loop(
         generation,
         in_generation: live.len() as u64,
         live,
+        offsets,
         confirming: Vec::new(),
         finishing: None,
         failed,
@@ -1041,6 +1069,9 @@ struct Writer {
     in_generation: u64,
     /// Store ids whose Schedule is appended and whose Done is not.
     live: HashSet<u128>,
+    /// The highest next offset appended per stream ingress: a checkpoint
+    /// carries it into the new generation first.
+    offsets: HashMap<String, i64>,
     confirming: Vec<JoinHandle<()>>,
     /// The next generation's stream being prepared.
     next: Option<JoinHandle<Result<(), StateError>>>,
@@ -1109,6 +1140,18 @@ impl Writer {
                     records.push(record);
                     replies.extend(reply);
                     dones += 1;
+                }
+                Write::Offset { queue, next, reply } => {
+                    records.push(
+                        Record::Offset {
+                            queue: queue.clone(),
+                            next,
+                        }
+                        .encode(),
+                    );
+                    let at = self.offsets.entry(queue).or_insert(next);
+                    *at = (*at).max(next);
+                    replies.push(reply);
                 }
             }
         }
@@ -1219,6 +1262,12 @@ impl Writer {
                 let _ = tx.send(Ok(chunk)).await;
             }
         });
+        // The stream ingresses' offsets first: the old generation, which
+        // holds them, goes once the pointer moves.
+        let offsets = offset_records(&self.offsets);
+        if !offsets.is_empty() {
+            self.append(offsets, Vec::new(), "checkpoint", 0).await;
+        }
         tracing::debug!(route = %self.route, from, to, "state checkpoint started");
         Ok(Some(Copying { from, records }))
     }
@@ -1255,6 +1304,68 @@ impl Writer {
                 }
             }
         }));
+    }
+}
+
+/// One [`Record::Offset`] per stream ingress.
+fn offset_records(offsets: &HashMap<String, i64>) -> Vec<Vec<u8>> {
+    offsets
+        .iter()
+        .map(|(queue, &next)| {
+            Record::Offset {
+                queue: queue.clone(),
+                next,
+            }
+            .encode()
+        })
+        .collect()
+}
+
+/// A stream ingress's next offset kept in the route's state streams: read
+/// back by the restore that made this instance the owner, written through
+/// the owner's writer (a write after the lock is lost fails, and the
+/// deliveries it covers are not acked). A new owner reads the stream from
+/// there; what the last one stored beyond it is read again under the same
+/// identity (it follows from the offset), so at most it fires twice under
+/// one id.
+#[derive(Debug)]
+struct StreamOffsets {
+    store: std::sync::Weak<StreamStore>,
+}
+
+impl OffsetStore for StreamOffsets {
+    fn load(&self, queue: &str) -> Result<Option<i64>, CheckpointError> {
+        let Some(store) = self.store.upgrade() else {
+            return Ok(None);
+        };
+        let offsets = store.offsets.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(offsets.get(queue).copied())
+    }
+
+    fn save(&self, queue: &str, next: i64) -> Result<(), CheckpointError> {
+        let failed = |reason: &str| CheckpointError::State {
+            queue: queue.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let store = self
+            .store
+            .upgrade()
+            .ok_or_else(|| failed("the route's store is gone"))?;
+        let (reply, confirmed) = oneshot::channel();
+        let write = Write::Offset {
+            queue: queue.to_owned(),
+            next,
+            reply,
+        };
+        if !store.send(write) {
+            return Err(failed("this instance does not own the route"));
+        }
+        drop(store);
+        match confirmed.blocking_recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(reason)) => Err(failed(&reason)),
+            Err(_) => Err(failed("the owner's writer stopped")),
+        }
     }
 }
 
