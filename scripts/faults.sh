@@ -29,8 +29,8 @@
 #   KEEP=1 LOG=info ...    # keep delayd's logs (at that level) and the reports
 #   TWINS=1 ...            # every message a twin (default: one in ten)
 #   INGRESS=stream ...     # RabbitMQ routes read a stream (from.queue_type =
-#                          # "stream"), except handoff and store-amqp*, which
-#                          # need a queue (the config check refuses a stream)
+#                          # "stream"), except handoff, which needs a queue
+#                          # (the config check refuses a stream)
 #   INGRESS=quorum ...     # RabbitMQ routes read a quorum queue
 #
 # Pass: 0 lost and 0 early in every scenario, 0 duplicates under another
@@ -104,7 +104,7 @@ kafka_group() {
 
 # A stream ingress (INGRESS=stream) where the scenario allows one.
 uses_stream() {
-    [ "${INGRESS:-classic}" = stream ] && case "$1" in handoff | store*) false ;; *) true ;; esac
+    [ "${INGRESS:-classic}" = stream ] && case "$1" in handoff | store) false ;; *) true ;; esac
 }
 ingress_queue() { # scenario: the route's queue keys
     if uses_stream "$1"; then
