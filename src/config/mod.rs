@@ -536,10 +536,20 @@ pub struct RouteConfig {
     /// instances share the partitions out evenly. See `config::partitions`.
     #[serde(default)]
     pub partitions: Option<u16>,
+    /// Its share of the dispatcher when several routes have messages due
+    /// at once: per round it sends up to `weight` of its messages for
+    /// every one of a weight-1 route's (default 1: all routes equal; at
+    /// most [`MAX_ROUTE_WEIGHT`]). A partitioned route's partitions each
+    /// have it.
+    #[serde(default)]
+    pub weight: Option<u32>,
     /// Set on the routes a partitioned one expands into (not a key).
     #[serde(skip)]
     pub partition: Option<partitions::Partition>,
 }
+
+/// The largest `weight` a route may have.
+pub const MAX_ROUTE_WEIGHT: u32 = 1000;
 
 /// `[routes.retry]`: how long to wait before each retry and when to give up.
 /// Set either `delays` or `backoff`.

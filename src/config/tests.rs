@@ -663,3 +663,21 @@ fn a_horizon_under_a_second_is_refused_naming_the_key() {
     std::fs::write(&path, format!("[engine]\nhorizon = \"0\"\n{GOOD}")).unwrap();
     assert!(Config::load(Some(&path)).unwrap().engine.horizon.is_zero());
 }
+
+#[test]
+fn a_route_weight_is_one_to_a_thousand() {
+    let with = |w: &str| {
+        GOOD.replace(
+            "name = \"orders\"",
+            &format!("name = \"orders\"\nweight = {w}"),
+        )
+    };
+    assert_eq!(
+        Config::from_toml_str(&with("3")).unwrap().routes[0].weight,
+        Some(3)
+    );
+    for bad in ["0", "1001"] {
+        let e = Config::from_toml_str(&with(bad)).unwrap_err().to_string();
+        assert!(e.contains("routes[0].weight"), "{e}");
+    }
+}

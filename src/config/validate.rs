@@ -342,6 +342,14 @@ impl Config {
                 self.check_partitions(route, n, &names)
                     .map_err(|m| err(key("partitions"), m))?;
             }
+            if let Some(w) = route.weight {
+                if !(1..=super::MAX_ROUTE_WEIGHT).contains(&w) {
+                    return Err(err(
+                        key("weight"),
+                        format!("{w}: a route's weight is 1 to {}", super::MAX_ROUTE_WEIGHT),
+                    ));
+                }
+            }
             if let Some(max) = route.max_delay.filter(|d| *d > MAX_DURATION) {
                 return Err(err(key("max_delay"), too_long(max)));
             }

@@ -98,6 +98,9 @@ pub struct EngineConfig {
     /// [`Engine::compact_now`] and [`Engine::far_round`], as tests and the
     /// simulator do, so that no round races theirs).
     pub background_rounds: bool,
+    /// Each route's share of the dispatcher's batches (`weight`; routes
+    /// not named here have 1). See `engine::ready`.
+    pub route_weights: std::collections::HashMap<String, u32>,
 }
 
 /// Reads the lookup key out of a stored message's bytes.
@@ -126,6 +129,7 @@ impl EngineConfig {
             key_of: no_key,
             far: None,
             background_rounds: true,
+            route_weights: Default::default(),
         }
     }
 }
@@ -620,6 +624,7 @@ impl Engine {
     ) -> Result<(Engine, RecoveryReport), EngineError> {
         let now = clock.now_ms();
         let mut state = State::new(now, config.dedup_window);
+        state.set_weights(config.route_weights.clone());
         let mut recent = dedup::Recent::new(config.dedup_window);
         let mut too_many_routes = false;
         let mut superseded = Vec::new();

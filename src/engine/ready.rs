@@ -103,15 +103,16 @@ impl Ready {
     }
 
     /// Move up to `max` entries due by `now` into `out`, a route at a time:
-    /// each round takes the first entry of every route that has one due,
-    /// starting one route further on than the last batch did. A route's
-    /// entry after its `claimed` (due, id) waits: an earlier message of
-    /// that route is stored but not yet armed.
+    /// each round takes the first `weights[route]` entries (1 if unlisted)
+    /// of every route that has one due, starting one route further on than
+    /// the last batch did. A route's entry after its `claimed` (due, id)
+    /// waits: an earlier message of that route is stored but not yet armed.
     pub fn take_in_turn(
         &mut self,
         now: u64,
         max: usize,
         claimed: &dyn Fn(u16) -> Option<(u64, u64)>,
+        weights: &[u32],
         out: &mut Vec<Expired<Slot>>,
     ) {
         if self.nonempty.is_empty() || out.len() >= max {
@@ -125,19 +126,22 @@ impl Ready {
         let mut active: Vec<(u16, Option<(u64, u64)>)> = order.into_iter().zip(limits).collect();
         while out.len() < max && !active.is_empty() {
             active.retain(|&(route, limit)| {
-                if out.len() >= max {
-                    return true;
-                }
+                let share = weights.get(route as usize).copied().unwrap_or(1).max(1);
                 let queue = &mut self.routes[route as usize];
-                let Some((&(deadline, id), _)) = queue.first_key_value() else {
-                    return false;
-                };
-                if deadline > now || limit.is_some_and(|c| (deadline, id) > c) {
-                    return false;
+                for _ in 0..share {
+                    if out.len() >= max {
+                        return true;
+                    }
+                    let Some((&(deadline, id), _)) = queue.first_key_value() else {
+                        return false;
+                    };
+                    if deadline > now || limit.is_some_and(|c| (deadline, id) > c) {
+                        return false;
+                    }
+                    let (_, data) = queue.pop_first().expect("first is there");
+                    self.at.remove(&id);
+                    out.push(Expired { id, deadline, data });
                 }
-                let (_, data) = queue.pop_first().expect("first is there");
-                self.at.remove(&id);
-                out.push(Expired { id, deadline, data });
                 true
             });
         }
@@ -163,7 +167,7 @@ mod tests {
 
     fn take(ready: &mut Ready, now: u64, max: usize) -> Vec<Expired<Slot>> {
         let mut out = Vec::new();
-        ready.take_in_turn(now, max, &|_| None, &mut out);
+        ready.take_in_turn(now, max, &|_| None, &[], &mut out);
         out
     }
 
@@ -225,6 +229,22 @@ mod tests {
         assert_eq!(firsts, vec![0, 1, 2]);
     }
 
+    /// Weights: route 0 at 3 takes three for each of route 1's.
+    #[test]
+    fn a_weighted_route_takes_its_weight_per_round() {
+        let mut ready = Ready::default();
+        for route in 0..2u16 {
+            for n in 0..100u64 {
+                ready.insert(10, u64::from(route) * 100 + n, slot(route));
+            }
+        }
+        let mut out = Vec::new();
+        ready.take_in_turn(10, 40, &|_| None, &[3, 1], &mut out);
+        let first: Vec<u16> = out.iter().take(8).map(|e| e.data.route).collect();
+        assert_eq!(first, vec![0, 0, 0, 1, 0, 0, 0, 1]);
+        assert_eq!(out.iter().filter(|e| e.data.route == 0).count(), 30);
+    }
+
     /// Not due yet (the clock stepped back) or after its route's claim: it
     /// waits, and other routes go on.
     #[test]
@@ -236,7 +256,7 @@ mod tests {
         ready.insert(300, 4, slot(2));
         let mut out = Vec::new();
         let claims = |r: u16| (r == 0).then_some((100, 1));
-        ready.take_in_turn(250, 10, &claims, &mut out);
+        ready.take_in_turn(250, 10, &claims, &[], &mut out);
         let ids: Vec<u64> = out.iter().map(|e| e.id).collect();
         assert_eq!(ids, vec![1, 3], "2 is after route 0's claim, 4 not due");
         assert_eq!(ready.first_deadline(), Some(200));

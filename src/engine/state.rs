@@ -80,6 +80,9 @@ pub struct State {
     counts: Vec<u64>,
     routes: Vec<Arc<str>>,
     route_index: HashMap<Arc<str>, u16>,
+    /// Each interned route's weight (see [`Ready`]), from `weights_by_name`.
+    weights: Vec<u32>,
+    weights_by_name: HashMap<String, u32>,
     pub unconfirmed: Unconfirmed,
     /// Stores being written, for redeliveries that arrive meanwhile.
     pub writing: Writing,
@@ -111,6 +114,8 @@ impl State {
             counts: Vec::new(),
             routes: Vec::new(),
             route_index: HashMap::new(),
+            weights: Vec::new(),
+            weights_by_name: HashMap::new(),
             unconfirmed: Unconfirmed::new(dedup_window),
             writing: Writing::default(),
             keys: KeyIndex::default(),
@@ -131,11 +136,21 @@ impl State {
         }
         let i = u16::try_from(self.routes.len()).ok()?;
         let name: Arc<str> = Arc::from(route);
+        self.weights
+            .push(self.weights_by_name.get(route).copied().unwrap_or(1).max(1));
         self.routes.push(name.clone());
         self.route_index.insert(name, i);
         self.counts.push(0);
         self.far_counts.push(0);
         Some(i)
+    }
+
+    /// Routes' weights by name (routes not named have 1).
+    pub fn set_weights(&mut self, weights: HashMap<String, u32>) {
+        for (name, &i) in &self.route_index {
+            self.weights[i as usize] = weights.get(&**name).copied().unwrap_or(1).max(1);
+        }
+        self.weights_by_name = weights;
     }
 
     pub fn route_id(&self, route: &str) -> Option<u16> {
@@ -465,7 +480,8 @@ impl State {
         out: &mut Vec<Expired<Slot>>,
     ) {
         self.take_due_from_wheel(now);
-        self.ready.take_in_turn(now, max, claimed, out);
+        self.ready
+            .take_in_turn(now, max, claimed, &self.weights, out);
     }
 
     /// Everything due in the wheel into the routes' queues, up to

@@ -71,6 +71,12 @@ pub fn engine_config(config: &Config) -> EngineConfig {
                 && config.store.kind == crate::config::StoreKind::Local,
             load_chunk_bytes: crate::engine::LOAD_CHUNK_BYTES,
         }),
+        // After partitions expand: each partition has its route's weight.
+        route_weights: config
+            .routes
+            .iter()
+            .filter_map(|r| Some((r.name.clone(), r.weight?)))
+            .collect(),
         ..EngineConfig::new(wal)
     }
 }
