@@ -341,7 +341,7 @@ impl State {
     /// replaces the original at recovery). Returns the replaced slot.
     pub fn arm(&mut self, id: u64, deadline: u64, slot: Slot) -> Option<Slot> {
         self.max_id = self.max_id.max(id);
-        let old = self.wheel.cancel(id);
+        let old = self.wheel.cancel(id).or_else(|| self.ready.remove(id));
         if let Some(old) = &old {
             self.counts[old.data.route as usize] -= 1;
         }
@@ -372,6 +372,17 @@ impl State {
         visit: impl FnMut(Expired<Slot>),
     ) -> Option<usize> {
         self.wheel.scan(from, max, visit)
+    }
+
+    /// Every waiting entry: armed in the wheel, taken out due and waiting
+    /// its turn, or waiting for its blocked route (not those in flight).
+    pub fn scan_waiting(&self, mut visit: impl FnMut(Expired<Slot>)) {
+        self.wheel.scan(0, usize::MAX, &mut visit);
+        for range in self.waiting_aside(None, (0, 0)) {
+            for (&(deadline, id), &data) in range {
+                visit(Expired { id, deadline, data });
+            }
+        }
     }
 
     /// The WAL position of every armed message.

@@ -132,7 +132,7 @@ impl Tier {
         }
         state.set_far_from(store.frontier());
         let mut found = Vec::new();
-        state.scan_armed(0, usize::MAX, |e| {
+        state.scan_waiting(|e| {
             if e.deadline >= store.frontier() {
                 found.push((e.id, e.deadline, e.data.route));
             }
@@ -697,7 +697,7 @@ fn skip_copied(
     // Judged by each copy's stored due time (below): its deadline in the
     // wheel may be a retry's.
     let mut armed = Vec::new();
-    inner.state().scan_armed(0, usize::MAX, |e| {
+    inner.state().scan_waiting(|e| {
         if e.id > after_id {
             armed.push((e.id, e.data.pos));
         }
@@ -867,7 +867,7 @@ pub(crate) fn cancel_copies(
     // Judged by the copy's stored due time: its deadline in the wheel may
     // be a retry's.
     let mut armed = Vec::new();
-    inner.state().scan_armed(0, usize::MAX, |e| {
+    inner.state().scan_waiting(|e| {
         if e.id > after_id && e.id != cancelled {
             armed.push((e.id, e.data.pos));
         }
