@@ -456,15 +456,9 @@ fn a_failed_write_is_cut_back_for_good() {
     check_acked(&after.live, &acked, "power loss");
 }
 
-/// The disk reserve on a disk that fills up: the first ENOSPC releases it;
-/// a batch of new messages is not tried again on its room (the intake
-/// waits), a Done is, and succeeds; new messages are taken again only once
-/// twice the reserve is free. Without the `new` check the failed message
-/// was stored on the reserve's room.
-#[test]
-fn a_full_disk_gives_the_reserve_to_dones_never_to_new_messages() {
+/// A 128 KiB volume: an eighth of it holds the 8 KiB reserve.
+fn small_volume_with_a_reserve() -> (SimFs, Wal) {
     let fs = SimFs::with_dir(DIR);
-    // A 128 KiB volume: an eighth of it holds the 8 KiB reserve.
     fs.set_capacity(Some(128 << 10));
     let cfg = WalConfig {
         segment_bytes: 1 << 20,
@@ -472,6 +466,17 @@ fn a_full_disk_gives_the_reserve_to_dones_never_to_new_messages() {
         ..config(&fs)
     };
     let wal = open(cfg).unwrap().wal;
+    (fs, wal)
+}
+
+/// The disk reserve on a disk that fills up: the first ENOSPC releases it;
+/// a batch of new messages is not tried again on its room (the intake
+/// waits), a Done is, and succeeds; new messages are taken again only once
+/// twice the reserve is free. Without the `new` check the failed message
+/// was stored on the reserve's room.
+#[test]
+fn a_full_disk_gives_the_reserve_to_dones_never_to_new_messages() {
+    let (fs, wal) = small_volume_with_a_reserve();
     let first = append(&wal, &message(0)).unwrap();
     append(&wal, &message(1)).unwrap();
     let reserve = Path::new(DIR).join("reserve");
@@ -515,14 +520,7 @@ fn a_full_disk_gives_the_reserve_to_dones_never_to_new_messages() {
 /// message in").
 #[test]
 fn a_message_admitted_before_the_reserve_went_is_not_written_on_its_room() {
-    let fs = SimFs::with_dir(DIR);
-    fs.set_capacity(Some(128 << 10));
-    let cfg = WalConfig {
-        segment_bytes: 1 << 20,
-        reserve_bytes: 8 << 10,
-        ..config(&fs)
-    };
-    let wal = open(cfg).unwrap().wal;
+    let (fs, wal) = small_volume_with_a_reserve();
     append(&wal, &message(0)).unwrap();
     let filler = Path::new(DIR).join("filler");
     let room = 128 * 1024 - fs.used_bytes();
