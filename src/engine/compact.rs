@@ -1,5 +1,6 @@
 //! Background space management: delete dead segments, compact sparse ones.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
@@ -152,6 +153,22 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
             );
             return Ok(());
         }
+        let target_kept =
+            |target: u64| target != first_seq && (outlives || inner.wal.segment_exists(target));
+        // Ids whose Done moves on (their Schedule is still on disk): a
+        // restart may read that Schedule back, so their cancel marks move
+        // on too (seed 7247).
+        let retiring: HashSet<u64> = frames
+            .iter()
+            .filter_map(|(_, record)| match record {
+                Record::Done {
+                    id,
+                    segment: target,
+                    ..
+                } if target_kept(*target) => Some(*id),
+                _ => None,
+            })
+            .collect();
         for (offset, record) in frames {
             let old = WalPos { segment, offset };
             match record {
@@ -173,7 +190,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                     segment: target,
                     ..
                 } => {
-                    if target != first_seq && (outlives || inner.wal.segment_exists(target)) {
+                    if target_kept(target) {
                         done_copies.push(inner.wal.append_done_copy(id, target)?);
                     }
                 }
@@ -181,12 +198,15 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                 // only: not worth a copy (a record whose mark is gone is in
                 // doubt: a twin redelivered then shares its id).
                 // A cancel's mark moves on while its record may still be
-                // compared with a redelivery: without it, a redelivery of
-                // the cancelled message whose ack was in doubt would be
+                // compared with a redelivery: remembered here, or on disk
+                // for a restart to read back (in doubt, its plain mark
+                // perhaps gone). Without it, a redelivery of the cancelled
+                // message (or of its twin) whose ack was in doubt would be
                 // stored again and fire.
                 Record::Acked { id, .. }
                     if id & dedup::CANCELLED_MARK != 0
-                        && state.unconfirmed.contains(id & !dedup::CANCELLED_MARK) =>
+                        && (state.unconfirmed.contains(id & !dedup::CANCELLED_MARK)
+                            || retiring.contains(&(id & !dedup::CANCELLED_MARK))) =>
                 {
                     done_copies.push(inner.wal.append_acked_now(id)?);
                 }

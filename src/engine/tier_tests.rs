@@ -269,6 +269,49 @@ async fn a_cancel_by_key_reaches_far_messages_stored_before_it_only() {
     r.stop().await;
 }
 
+/// A far message cancelled by key whose ack was still in doubt: the
+/// broker may redeliver it. That redelivery repeats a cancelled record and
+/// must not be stored again. Without the cancel marked (a cancel by id of a
+/// far message marks it), it was taken for a live record in doubt, stored
+/// under the message's identity, and fired after the cancel was answered.
+#[tokio::test]
+async fn a_redelivery_of_a_far_message_cancelled_by_key_stays_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let mut r = start(far_config(dir.path()), clock.clone());
+    let due = T0 + 10 * HOUR;
+    let message = keyed(Some("order-1"), None, "far and in doubt");
+    let on = |session| Arrival {
+        redelivered: session > 1,
+        session,
+    };
+    let stored = r
+        .engine
+        .store("k", due, MessageId::mint(), message.clone(), on(1))
+        .await
+        .unwrap();
+    r.engine.ack_sending(stored.id().unwrap());
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 1, "spilled");
+    assert_eq!(
+        r.engine.cancel_by_key("k", b"order-1").await.unwrap(),
+        [stored.id().unwrap()]
+    );
+    assert_eq!(
+        r.engine
+            .store("k", due, MessageId::mint(), message.clone(), on(2))
+            .await
+            .unwrap(),
+        Stored::Duplicate,
+        "the redelivery goes with the cancel"
+    );
+    at(&r, &clock, due).await;
+    let fired = r.recv_within(Duration::from_millis(300)).await;
+    assert!(fired.is_none(), "the cancelled message fired: {fired:?}");
+    assert_eq!(r.engine.pending(), 0);
+    r.stop().await;
+}
+
 #[tokio::test]
 async fn a_listing_pages_through_the_wheel_and_the_far_tier_in_due_order() {
     let dir = tempfile::tempdir().unwrap();
