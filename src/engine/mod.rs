@@ -1232,19 +1232,28 @@ impl Engine {
             if let Some(retired) = engine.retire_queued(id, why)? {
                 return Ok(Some(retired));
             }
-            let Some(record) = tier::cancel(&engine.inner, id)? else {
-                return Ok(None);
+            // The cancel's mark is durable before the bucket's cancel is
+            // written (no Done follows here). Marked first, a failed cancel
+            // leaves a message that may still fire; marked after, it left
+            // one cancelled without a mark, whose redelivery a restart
+            // stored again and fired (seed 9398).
+            let marked = |record: &FarRecord| match why {
+                "cancelled" => engine
+                    .mark_cancelled_now(id, record.uid)?
+                    .blocking_recv()
+                    .map_err(|_| EngineError::WriterGone)?
+                    .map(drop)
+                    .map_err(EngineError::from),
+                _ => Ok(()),
             };
-            // Durable before the cancel is answered (no Done follows here).
-            let mark = match why {
-                "cancelled" => Some(engine.mark_cancelled_now(id, record.uid)?),
-                _ => None,
+            let Some(record) = tier::cancel(&engine.inner, id, marked)? else {
+                return Ok(None);
             };
             metrics::counter!(format!("delayd_{why}_total"), "route" => record.route.clone())
                 .increment(1);
             Ok(Some(Retired {
                 id,
-                done: mark,
+                done: None,
                 route: Arc::from(record.route.as_str()),
                 message: Some(record.message),
                 was: None,
@@ -1327,16 +1336,25 @@ impl Engine {
         if let Some(hash) = hash {
             state.unindex_key(hash, id);
         }
-        if why == "cancelled" {
-            for marked in state.unconfirmed.cancel_all(id, uid) {
-                // Lazy, but ahead of the Done: durable with it.
-                if let Err(e) = self.inner.wal.append_acked(marked | dedup::CANCELLED_MARK) {
-                    tracing::debug!(id = marked, error = %e, "cannot mark the cancel in the WAL");
-                }
-            }
-        }
+        // A cancel's marks go in the Done's batch, so in its segment: a mark
+        // written apart (lazily) could land in a segment of its own, which
+        // garbage collection deleted while the Schedule stayed, and a
+        // restart read that back in doubt and not cancelled (seed 339).
+        let marks = match why {
+            "cancelled" => state
+                .unconfirmed
+                .cancel_all(id, uid)
+                .into_iter()
+                .map(|marked| marked | dedup::CANCELLED_MARK)
+                .collect(),
+            _ => Vec::new(),
+        };
         // Written under the lock so it is ordered before any compaction copy.
-        let done = match self.inner.wal.append_done(id, entry.data.pos) {
+        let done = match self
+            .inner
+            .wal
+            .append_done_with_marks(id, entry.data.pos, marks)
+        {
             Ok(done) => done,
             Err(e) => {
                 drop(state);
@@ -1381,7 +1399,11 @@ impl Engine {
         let engine = self.clone();
         let (route, key) = (route.to_owned(), key.to_vec());
         tokio::task::spawn_blocking(move || {
-            let mut ids = engine.far_ids_for_key(&route, &key)?;
+            let mut ids: Vec<u64> = engine
+                .far_ids_for_key(&route, &key)?
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect();
             ids.extend(engine.find_by_key(&route, &key)?);
             ids.sort_unstable();
             ids.dedup();
@@ -1391,8 +1413,13 @@ impl Engine {
         .map_err(|_| EngineError::WriterGone)?
     }
 
-    /// The far tier's live messages on `route` with lookup key `key`.
-    fn far_ids_for_key(&self, route: &str, key: &[u8]) -> Result<Vec<u64>, EngineError> {
+    /// The far tier's live messages on `route` with lookup key `key`: their
+    /// ids and identities.
+    fn far_ids_for_key(
+        &self,
+        route: &str,
+        key: &[u8],
+    ) -> Result<Vec<(u64, MessageId)>, EngineError> {
         match self.inner.far.as_ref() {
             Some(tier) => tier.find_key(&tier.store(), route, key, self.inner.config.key_of),
             None => Ok(Vec::new()),
@@ -1438,7 +1465,18 @@ impl Engine {
         let (far, queued) = tokio::task::spawn_blocking(move || {
             // Far messages stored before now obey it as their bucket loads.
             let far = engine.far_ids_for_key(&route, &key)?;
+            // Marked, durably, before the tombstone cancels them, as a
+            // cancel by id marks a far message (seed 9398: cancelled
+            // without a mark, one's redelivery after a restart was taken
+            // for its Schedule read back in doubt, and fired).
+            for &(id, uid) in &far {
+                engine
+                    .mark_cancelled_now(id, uid.as_u128())?
+                    .blocking_recv()
+                    .map_err(|_| EngineError::WriterGone)??;
+            }
             tier::tombstone(&engine.inner, &route, &key)?;
+            let far: Vec<u64> = far.into_iter().map(|(id, _)| id).collect();
             let mut queued = Vec::new();
             let mut in_flight = None;
             for id in engine.find_by_key(&route, &key)? {

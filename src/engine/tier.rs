@@ -227,17 +227,17 @@ impl Tier {
         route: &str,
         key: &[u8],
         key_of: crate::far::KeyOf,
-    ) -> Result<Vec<u64>, EngineError> {
-        let mut ids = Vec::new();
+    ) -> Result<Vec<(u64, MessageId)>, EngineError> {
+        let mut found = Vec::new();
         for b in store.buckets_from(0) {
             for r in store.read_bucket(b, key_of)?.live {
                 if r.route == route && key_of(&r.message) == Some(key) {
                     self.hint(r.id, b);
-                    ids.push(r.id);
+                    found.push((r.id, MessageId::or_legacy(r.uid, r.id)));
                 }
             }
         }
-        Ok(ids)
+        Ok(found)
     }
 
     /// The far message whose identity is `uid`, reading bucket by bucket.
@@ -769,7 +769,11 @@ fn arm_sorted(inner: &Inner, loaded: Vec<Rearm>, candidates: Vec<Expired<Slot>>)
 
 /// Cancel far message `id` (its bucket gets a Done). Call with the ops
 /// lock held, after the wheel was tried. The record, if it was there.
-pub(crate) fn cancel(inner: &Inner, id: u64) -> Result<Option<FarRecord>, EngineError> {
+pub(crate) fn cancel(
+    inner: &Inner,
+    id: u64,
+    before: impl FnOnce(&FarRecord) -> Result<(), EngineError>,
+) -> Result<Option<FarRecord>, EngineError> {
     let Some(tier) = inner.far.as_ref() else {
         return Ok(None);
     };
@@ -778,6 +782,7 @@ pub(crate) fn cancel(inner: &Inner, id: u64) -> Result<Option<FarRecord>, Engine
     let Some((bucket, record)) = tier.find_id(&store, id, inner.config.key_of)? else {
         return Ok(None);
     };
+    before(&record)?;
     store.cancel(bucket, id, &record.route)?;
     drop(store);
     let mut state = inner.state();

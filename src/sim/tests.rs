@@ -1119,3 +1119,77 @@ fn seed_7247_a_compaction_copy_of_a_message_cancelled_by_key_stays_cancelled() {
         panic!("{f}");
     }
 }
+
+/// Seed 339 (the test command's budget, with the timing of a change that
+/// was not kept, 2026-11-29): message 17 is cancelled after a restart on a
+/// nearly full disk; its lazy cancel mark went out in one batch, the head
+/// was sealed early (the disk reserve was not held), and its Done went into
+/// the next segment. Garbage collection deleted the mark's segment (marks
+/// and dead records only) while the Schedule stayed; a kill -9, and the
+/// restart read the Schedule back in doubt and not cancelled: the
+/// redelivery was stored again and fired after the cancel.
+#[test]
+fn seed_339_a_cancel_of_a_message_whose_schedule_is_gone_holds() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(1, 1, 971, 398726, Some(234296714), false),
+        Op::SyncFails,
+        deliver(1, 1, 755, 5387477, None, false),
+        deliver(0, 0, 132, 9431507, None, false),
+        deliver(0, 1, 87, 5741164, None, true),
+        deliver(0, 3, 647, 30462, None, false),
+        deliver(0, 2, 542, 152, None, true),
+        Op::Redeliver,
+        deliver(1, 3, 719, 13552217, None, false),
+        Op::FarRound,
+        Op::CrashAfter { n: 2 },
+        deliver(0, 0, 5, 346517, None, false),
+        deliver(0, 2, 804, 311391, None, false),
+        Op::SyncFails,
+        Op::Redeliver,
+        Op::FarRound,
+        Op::CancelKey { route: 0, key: 2 },
+        Op::Redeliver,
+        deliver(1, 1, 537, 176245, None, true),
+        deliver(1, 2, 187, 767, None, false),
+        deliver(1, 2, 632, 3768, Some(424511100), false),
+        deliver(0, 1, 369, 39706, None, false),
+        deliver(1, 1, 644, 1424, Some(2994466825), false),
+        Op::SyncFails,
+        deliver(0, 2, 78, 0, None, false),
+        deliver(1, 3, 503, 2307, None, false),
+        Op::Clock { ms: 1704 },
+        Op::Clock { ms: 1742 },
+        deliver(0, 3, 394, 14148792, None, false),
+        Op::Cancel { pick: 175455312 },
+        deliver(0, 2, 94, 19065, None, true),
+        Op::CrashAfter { n: 5 },
+        deliver(1, 3, 446, 1110, None, false),
+        Op::Cancel { pick: 495836394 },
+        Op::DiskFull { scope: Scope::Both },
+        Op::Compact,
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+    ];
+    if let Err(f) = run(339, &ops) {
+        panic!("{f}");
+    }
+}
+
+/// Seed 9398 (a long run, 2026-11-29): see the fix's commit.
+#[test]
+fn seed_9398_a_cancel_on_a_full_disk_then_by_key_holds() {
+    use ops::{Op, Scope};
+    let ops = [
+        deliver(0, 2, 480, 7991, None, true),
+        Op::FarRound,
+        Op::DiskFull { scope: Scope::Wal },
+        Op::Cancel { pick: 666761215 },
+        Op::CancelKey { route: 0, key: 2 },
+        Op::SyncFails,
+    ];
+    if let Err(f) = run(9398, &ops) {
+        panic!("{f}");
+    }
+}

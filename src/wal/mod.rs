@@ -40,8 +40,9 @@
 //!   compaction. With bit 63 set (`engine::dedup::CANCELLED_MARK`; ids
 //!   never reach it, and a delayd without the flag ignores the mark as an
 //!   unknown id): message `id` was cancelled, so a redelivery that repeats
-//!   it must not be stored again. Written ahead of the cancel's Done (or
-//!   durably, for a far message) and copied with that Done by compaction.
+//!   it must not be stored again. Written just before the cancel's Done in its
+//!   batch, so in its segment (or durably, for a far message, before the
+//!   far tier's cancel), and copied with that Done by compaction.
 //!
 //! Version 1 segments (no salt: the CRC starts at `len`; no Commit frames)
 //! and version 2 segments (no Acked frames) are still read; a start goes on
@@ -480,6 +481,21 @@ impl Wal {
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
         let first_seq = self.retire_in_table(pos)?;
         self.shared.writer.send(AppendRequest::done(id, first_seq))
+    }
+
+    /// [`Wal::append_done`] with Acked `marks` written just before the Done,
+    /// in the same batch and so the same segment: they last as long as the
+    /// Done (a cancel's marks, `engine::dedup::CANCELLED_MARK` set).
+    pub fn append_done_with_marks(
+        &self,
+        id: u64,
+        pos: WalPos,
+        marks: Vec<u64>,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        let first_seq = self.retire_in_table(pos)?;
+        self.shared
+            .writer
+            .send(AppendRequest::done_with_marks(id, first_seq, marks))
     }
 
     /// Count the Schedule at `pos` dead; the first seq of its segment (what

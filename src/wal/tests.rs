@@ -75,6 +75,49 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// A cancel's marks are written just before its Done, in its batch and so
+/// its segment, each with a seq of its own (seed 339: a mark written apart
+/// went to a segment that was deleted while the Schedule stayed).
+#[test]
+fn marks_with_a_done_share_its_segment_and_come_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _, _) = open_live(config(dir.path())).unwrap();
+    let a = schedule(&wal, 10, b"a");
+    let marks = vec![a.id | (1 << 63), 77 | (1 << 63)];
+    let done = wal
+        .append_done_with_marks(a.id, a.pos, marks.clone())
+        .unwrap()
+        .blocking_recv()
+        .unwrap()
+        .unwrap();
+    let after = schedule(&wal, 20, b"b");
+    let records: Vec<Record> = wal
+        .scan_segment(done.pos.segment)
+        .unwrap()
+        .into_iter()
+        .map(|(_, r)| r)
+        .filter(|r| !matches!(r, Record::Schedule { .. }))
+        .collect();
+    let seqs: Vec<u64> = records
+        .iter()
+        .map(|r| match r {
+            Record::Acked { seq, .. } | Record::Done { seq, .. } => *seq,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert!(matches!(
+        records.as_slice(),
+        [Record::Acked { id: m0, .. }, Record::Acked { id: m1, .. }, Record::Done { id, .. }]
+            if [*m0, *m1] == *marks && *id == a.id
+    ));
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    assert!(after.id > seqs[2], "seqs go on past them");
+    close(wal);
+    let (_, live, report) = open_live(config(dir.path())).unwrap();
+    assert!(report.corruptions.is_empty());
+    assert_eq!(live.keys().copied().collect::<Vec<_>>(), [after.id]);
+}
+
 #[test]
 fn appended_records_come_back_after_reopen() {
     let dir = tempfile::tempdir().unwrap();

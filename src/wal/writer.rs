@@ -62,6 +62,10 @@ pub enum AppendRequest {
         /// so it costs no fdatasync of its own. Losing it to a crash only
         /// sends the message again after the restart.
         lazy: bool,
+        /// Acked marks written just before it, in the same batch and so
+        /// the same segment (a cancel's marks: they last as long as the
+        /// Done, which lasts as long as the Schedule it retires).
+        marks: Vec<u64>,
     },
     /// The source's ack of stored message `id` was confirmed (or, with
     /// `engine::dedup::CANCELLED_MARK` set, it was cancelled). Lazy unless
@@ -109,6 +113,17 @@ impl AppendRequest {
             id,
             segment,
             lazy: false,
+            marks: Vec::new(),
+        }
+    }
+
+    /// A Done with Acked marks just before it (see `Done::marks`).
+    pub fn done_with_marks(id: u64, segment: u64, marks: Vec<u64>) -> Self {
+        AppendRequest::Done {
+            id,
+            segment,
+            lazy: false,
+            marks,
         }
     }
 
@@ -118,6 +133,7 @@ impl AppendRequest {
             id,
             segment,
             lazy: true,
+            marks: Vec::new(),
         }
     }
 
@@ -131,7 +147,7 @@ impl AppendRequest {
     fn size(&self) -> usize {
         match self {
             AppendRequest::Schedule { route, message, .. } => 64 + route.len() + message.len(),
-            AppendRequest::Done { .. } => 40,
+            AppendRequest::Done { marks, .. } => 40 + 32 * marks.len(),
             AppendRequest::Acked { .. } => 32,
         }
     }
@@ -523,7 +539,16 @@ impl WriterState {
                     frame::put_schedule(&mut self.buf, salt, seq, &schedule);
                     (id, Kind::Schedule, due_ms, Some(route))
                 }
-                AppendRequest::Done { id, segment, .. } => {
+                AppendRequest::Done {
+                    id, segment, marks, ..
+                } => {
+                    // Each mark takes a seq of its own, before the Done's.
+                    let mut seq = seq;
+                    for mark in marks {
+                        frame::put_acked(&mut self.buf, salt, seq, mark);
+                        seq = self.next_seq;
+                        self.next_seq += 1;
+                    }
                     frame::put_done(&mut self.buf, salt, seq, id, segment);
                     (id, Kind::Done(segment), 0, None)
                 }
