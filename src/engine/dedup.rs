@@ -286,6 +286,15 @@ impl Unconfirmed {
         }
     }
 
+    /// Where remembered record `id`'s Schedule was written, while it is
+    /// still there.
+    pub fn written_at(&self, id: u64) -> Option<WalPos> {
+        match self.fingerprints.get(&id)?.evidence {
+            Evidence::At(pos) => Some(pos),
+            Evidence::Digest(_) => None,
+        }
+    }
+
     /// Whether `id` is remembered.
     pub fn contains(&self, id: u64) -> bool {
         self.fingerprints.contains_key(&id)

@@ -1776,10 +1776,21 @@ impl Inner {
     /// identity) must not bring it back (see [`dedup`]). The returned
     /// receiver answers once the marks are durable.
     fn mark_cancelled_now(&self, id: u64, uid: u128) -> Result<AppendReceiver, EngineError> {
-        let ids = self.state().unconfirmed.cancel_all(id, Some(uid));
+        let mut state = self.state();
+        let ids = state.unconfirmed.cancel_all(id, Some(uid));
         let mut last = None;
         for marked in ids {
-            last = Some(self.wal.append_acked_now(marked | dedup::CANCELLED_MARK)?);
+            let mark = marked | dedup::CANCELLED_MARK;
+            // With a Done naming its Schedule's segment, so the mark is not
+            // collected while a restart may read that Schedule back.
+            let kept = match state.unconfirmed.written_at(marked) {
+                Some(pos) => self.wal.append_marks_kept_by(marked, pos, vec![mark])?,
+                None => None,
+            };
+            last = Some(match kept {
+                Some(rx) => rx,
+                None => self.wal.append_acked_now(mark)?,
+            });
         }
         Ok(last.expect("cancel_all names the id itself"))
     }

@@ -312,6 +312,102 @@ async fn a_redelivery_of_a_far_message_cancelled_by_key_stays_cancelled() {
     r.stop().await;
 }
 
+/// A far message's cancel (by id: no Done follows, only its mark) must
+/// outlast garbage collection while its WAL Schedule stays on disk: a
+/// restart reads that Schedule back in doubt (its ack was), and without the
+/// mark a redelivery of it is stored again and fires after the cancel.
+#[tokio::test]
+async fn a_far_cancel_survives_the_collection_of_its_marks_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    // Small segments: a 600-byte message seals its segment.
+    let cfg = || {
+        let mut cfg = far_config(dir.path());
+        cfg.wal.segment_bytes = 500;
+        cfg.wal.compact_below = 0.0; // garbage collection only
+        cfg
+    };
+    let big = |body: &str| keyed(None, None, &format!("{body} {}", "x".repeat(600)));
+    let on = |session, redelivered| Arrival {
+        redelivered,
+        session,
+    };
+    let mut r = start(cfg(), clock.clone());
+    let due = T0 + 10 * HOUR;
+    // Its Schedule's segment stays: a near message waits there too.
+    let message = keyed(None, None, "far, its ack in doubt");
+    let stored = r
+        .engine
+        .store("k", due, MessageId::mint(), message.clone(), on(1, false))
+        .await
+        .unwrap();
+    let id = stored.id().unwrap();
+    r.engine.ack_sending(id);
+    r.engine
+        .store(
+            "k",
+            T0 + 60_000,
+            MessageId::mint(),
+            big("stays"),
+            on(1, false),
+        )
+        .await
+        .unwrap();
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 1, "spilled");
+    // The spill's Done is sealed in a segment of its own before the cancel.
+    r.engine
+        .store(
+            "k",
+            T0 + 60_000,
+            MessageId::mint(),
+            big("filler"),
+            on(1, false),
+        )
+        .await
+        .unwrap();
+    assert!(r.engine.cancel(id).await.unwrap());
+    // The mark's segment: sealed behind a big message that then leaves.
+    let gone = r
+        .engine
+        .store(
+            "k",
+            T0 + 120_000,
+            MessageId::mint(),
+            big("goes"),
+            on(1, false),
+        )
+        .await
+        .unwrap();
+    assert!(r.engine.cancel(gone.id().unwrap()).await.unwrap());
+    r.engine
+        .store(
+            "k",
+            T0 + 60_000,
+            MessageId::mint(),
+            big("seals"),
+            on(1, false),
+        )
+        .await
+        .unwrap();
+    // Without the mark kept by a Done naming the Schedule's segment, this
+    // collected the segment holding it.
+    r.engine.compact_now().await.unwrap();
+    r = {
+        r.stop().await;
+        start(cfg(), clock.clone())
+    };
+    assert_eq!(
+        r.engine
+            .store("k", due, MessageId::mint(), message, on(1, true))
+            .await
+            .unwrap(),
+        Stored::Duplicate,
+        "the redelivery of a cancelled message goes with its cancel"
+    );
+    r.stop().await;
+}
+
 #[tokio::test]
 async fn a_listing_pages_through_the_wheel_and_the_far_tier_in_due_order() {
     let dir = tempfile::tempdir().unwrap();

@@ -498,6 +498,25 @@ impl Wal {
             .send(AppendRequest::done_with_marks(id, first_seq, marks))
     }
 
+    /// Acked `marks`, then a Done for `id` naming the segment of its Schedule
+    /// at `pos`, retired already (a far message's, by its spill): in one
+    /// batch, so the marks last as long as that Schedule's segment does.
+    /// `None` if that segment is gone (nothing is written).
+    pub fn append_marks_kept_by(
+        &self,
+        id: u64,
+        pos: WalPos,
+        marks: Vec<u64>,
+    ) -> Result<Option<oneshot::Receiver<Result<Appended, WalError>>>, WalError> {
+        let Some(first_seq) = self.segment_first_seq(pos.segment) else {
+            return Ok(None);
+        };
+        self.shared
+            .writer
+            .send(AppendRequest::done_with_marks(id, first_seq, marks))
+            .map(Some)
+    }
+
     /// Count the Schedule at `pos` dead; the first seq of its segment (what
     /// a Done names).
     fn retire_in_table(&self, pos: WalPos) -> Result<u64, WalError> {
