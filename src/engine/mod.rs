@@ -1238,12 +1238,7 @@ impl Engine {
             // one cancelled without a mark, whose redelivery a restart
             // stored again and fired (seed 9398).
             let marked = |record: &FarRecord| match why {
-                "cancelled" => engine
-                    .mark_cancelled_now(id, record.uid)?
-                    .blocking_recv()
-                    .map_err(|_| EngineError::WriterGone)?
-                    .map(drop)
-                    .map_err(EngineError::from),
+                "cancelled" => engine.inner.mark_cancelled_durably(id, record.uid),
                 _ => Ok(()),
             };
             let Some(record) = tier::cancel(&engine.inner, id, marked)? else {
@@ -1470,10 +1465,7 @@ impl Engine {
             // without a mark, one's redelivery after a restart was taken
             // for its Schedule read back in doubt, and fired).
             for &(id, uid) in &far {
-                engine
-                    .mark_cancelled_now(id, uid.as_u128())?
-                    .blocking_recv()
-                    .map_err(|_| EngineError::WriterGone)??;
+                engine.inner.mark_cancelled_durably(id, uid.as_u128())?;
             }
             tier::tombstone(&engine.inner, &route, &key)?;
             let far: Vec<u64> = far.into_iter().map(|(id, _)| id).collect();
@@ -1793,6 +1785,15 @@ impl Inner {
             });
         }
         Ok(last.expect("cancel_all names the id itself"))
+    }
+
+    /// [`Inner::mark_cancelled_now`], waiting until the marks are durable
+    /// (from a blocking task).
+    fn mark_cancelled_durably(&self, id: u64, uid: u128) -> Result<(), EngineError> {
+        self.mark_cancelled_now(id, uid)?
+            .blocking_recv()
+            .map_err(|_| EngineError::WriterGone)??;
+        Ok(())
     }
 
     fn state(&self) -> MutexGuard<'_, State> {

@@ -271,9 +271,9 @@ async fn a_cancel_by_key_reaches_far_messages_stored_before_it_only() {
 
 /// A far message cancelled by key whose ack was still in doubt: the
 /// broker may redeliver it. That redelivery repeats a cancelled record and
-/// must not be stored again. Without the cancel marked (a cancel by id of a
-/// far message marks it), it was taken for a live record in doubt, stored
-/// under the message's identity, and fired after the cancel was answered.
+/// must not be stored again, nor fire. (A guard, not a fix's first test:
+/// it passed before this session's changes; it fails with the key
+/// tombstone planted out.)
 #[tokio::test]
 async fn a_redelivery_of_a_far_message_cancelled_by_key_stays_cancelled() {
     let dir = tempfile::tempdir().unwrap();
