@@ -409,21 +409,29 @@ fn write_spill(inner: &Inner) -> (Vec<Expired<Slot>>, Option<EngineError>) {
     let taken = inner.state().take_spillable();
     let mut spilled = Vec::with_capacity(taken.len());
     for (i, chunk) in taken.chunks(SPILL_CHUNK).enumerate() {
-        if let Err(e) = spill_chunk(inner, &mut store, chunk) {
-            inner.state().unspill(&taken[i * SPILL_CHUNK..]);
-            return (spilled, Some(e));
+        match spill_chunk(inner, &mut store, chunk) {
+            Ok(true) => spilled.extend_from_slice(chunk),
+            Ok(false) => {
+                inner.state().unspill(&taken[i * SPILL_CHUNK..]);
+                return (spilled, None);
+            }
+            Err(e) => {
+                inner.state().unspill(&taken[i * SPILL_CHUNK..]);
+                return (spilled, Some(e));
+            }
         }
-        spilled.extend_from_slice(chunk);
     }
     (spilled, None)
 }
 
 /// Read one chunk's records from the WAL and append them to their buckets.
+/// Append one chunk to the tier. `Ok(false)`: not spilled, as the
+/// checkpoint would outgrow what the disk reserve can hold (below).
 fn spill_chunk(
     inner: &Inner,
     store: &mut FarStore,
     chunk: &[Expired<Slot>],
-) -> Result<(), EngineError> {
+) -> Result<bool, EngineError> {
     let mut records = Vec::with_capacity(chunk.len());
     for e in chunk {
         match inner.wal.read(e.data.pos)? {
@@ -447,6 +455,21 @@ fn spill_chunk(
             }
         }
     }
+    // Every load rewrites the checkpoint, and on a full disk only the
+    // reserve's room is there for it: a checkpoint larger than the reserve
+    // (at its widest) could never be written again there, and the tier
+    // could neither load nor empty (seed 44778). Such messages stay in the
+    // wheel, their records in the WAL.
+    let reserve = inner.wal.reserve_size();
+    let checkpoint = store.checkpoint_bytes_after(&records)? as u64;
+    if reserve > 0 && checkpoint > reserve {
+        tracing::warn!(
+            checkpoint,
+            reserve,
+            "not spilling to the far tier: its checkpoint would outgrow the disk reserve (raise wal.reserve_bytes); the messages wait in memory"
+        );
+        return Ok(false);
+    }
     store.append(&records)?;
     // Their key-index entries go with them (a sweep would keep them: they
     // are still pending, just not in the wheel).
@@ -457,7 +480,7 @@ fn spill_chunk(
             state.unindex_key(key_hash(e.data.route, key), e.id);
         }
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Load every bucket the horizon has reached. Returns how many messages.

@@ -102,6 +102,18 @@ pub fn read(fs: &dyn FileSystem, path: &Path) -> Result<Option<Checkpoint>, FarE
 }
 
 /// Write `cp` to `dir/tmp`, sync it, rename it over `dir/name`, sync `dir`.
+/// How many bytes [`write`] would write for `cp` (to `path`).
+pub fn encoded_len(cp: &Checkpoint, path: &Path) -> Result<usize, FarError> {
+    encode(cp, path).map(|bytes| bytes.len())
+}
+
+fn encode(cp: &Checkpoint, path: &Path) -> Result<Vec<u8>, FarError> {
+    serde_json::to_vec(cp).map_err(|e| FarError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
 pub fn write(
     fs: &dyn FileSystem,
     dir: &Path,
@@ -111,10 +123,7 @@ pub fn write(
 ) -> Result<(), FarError> {
     let tmp = dir.join(tmp);
     let path = dir.join(name);
-    let bytes = serde_json::to_vec(cp).map_err(|e| FarError::Checkpoint {
-        path: path.clone(),
-        reason: e.to_string(),
-    })?;
+    let bytes = encode(cp, &path)?;
     match fs.remove_file(&tmp) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

@@ -315,6 +315,28 @@ impl FarStore {
         self.config.dir.join(bucket_name(start))
     }
 
+    /// The checkpoint's size once `records` are appended, at its largest
+    /// (every number at its widest, a load's marker in it): a load after a
+    /// full disk must still be able to write it on the disk reserve's room.
+    pub fn checkpoint_bytes_after(&self, records: &[FarRecord]) -> Result<usize, FarError> {
+        let mut cp = self.cp.clone();
+        for r in records {
+            let meta = cp
+                .buckets
+                .entry(self.bucket_of(r.due_ms))
+                .or_insert_with(|| BucketMeta::new(u32::MAX));
+            meta.bytes = u64::MAX;
+            meta.min_id = u64::MAX;
+            meta.routes.insert(r.route.clone(), u64::MAX);
+        }
+        cp.next_seq = u64::MAX;
+        cp.loading = Some(Loading {
+            bucket: u64::MAX,
+            after_id: u64::MAX,
+        });
+        checkpoint::encoded_len(&cp, &self.config.dir.join(CHECKPOINT))
+    }
+
     /// Append `records` (each due at or after the frontier) to their
     /// buckets, sync every file touched, then write the checkpoint. On an
     /// error nothing is counted and each touched file is cut back.

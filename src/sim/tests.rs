@@ -1235,3 +1235,49 @@ fn seed_40028_a_twin_of_a_fired_message_is_not_taken_for_a_cancelled_one() {
         panic!("{f}");
     }
 }
+
+/// Seed 44778 (a long run, 2026-11-29): a far round kept failing for want
+/// of space after the disk had room again.
+#[test]
+fn seed_44778_the_far_tier_recovers_once_the_disk_has_room() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::CrashAfter { n: 2 },
+        deliver(1, 2, 663, 0, Some(443145454), false),
+        deliver(1, 1, 974, 2116, None, false),
+        deliver(0, 2, 974, 0, None, true),
+        deliver(0, 0, 784, 13577124, None, true),
+        deliver(0, 0, 317, 2693, None, false),
+        deliver(0, 0, 688, 28957, None, false),
+        Op::FarRound,
+        Op::SyncFails,
+        Op::Cancel { pick: 3780985180 },
+        deliver(1, 1, 576, 5796, None, false),
+        deliver(0, 3, 706, 10319274, None, true),
+        Op::Redeliver,
+        deliver(0, 1, 392, 24915, None, false),
+        Op::Clock { ms: 21933 },
+        deliver(1, 1, 661, 2986, None, true),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        deliver(1, 2, 553, 14800, None, false),
+        Op::Redeliver,
+        Op::Compact,
+        deliver(1, 3, 593, 2078, Some(685452651), false),
+        deliver(0, 2, 634, 1950933, Some(1263553321), false),
+        Op::DiskFull { scope: Scope::Both },
+        deliver(0, 3, 603, 30286, Some(107691833), false),
+        Op::Redeliver,
+        deliver(1, 3, 203, 13980832, None, false),
+        Op::Clock { ms: 1975 },
+        Op::Redeliver,
+        Op::Clock { ms: 1983 },
+        deliver(0, 3, 444, 398873, None, true),
+        Op::FarRound,
+        Op::PublishFails { n: 3 },
+    ];
+    if let Err(f) = run(44778, &ops) {
+        panic!("{f}");
+    }
+}

@@ -426,6 +426,12 @@ impl Wal {
         self.shared.reserve.restore()
     }
 
+    /// The room the disk reserve gives the writes that free space when a
+    /// full disk releases it (0: no reserve is kept).
+    pub fn reserve_size(&self) -> u64 {
+        self.shared.reserve.size()
+    }
+
     /// A write failed with ENOSPC: give the reserve's room to the writes
     /// that free space. True if there was a reserve to give.
     pub fn release_reserve(&self) -> bool {

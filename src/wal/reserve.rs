@@ -30,7 +30,7 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::fs::FileSystem;
@@ -50,6 +50,9 @@ pub struct Reserve {
     fs: Arc<dyn FileSystem>,
     /// The ballast is on disk (always, when `bytes` is 0: no reserve).
     held: AtomicBool,
+    /// The ballast's size when it was last made (`bytes`, or an eighth of
+    /// a small volume); `bytes` until then.
+    size: AtomicU64,
     /// Serialises releasing and making it.
     change: Mutex<()>,
 }
@@ -85,6 +88,7 @@ impl Reserve {
             bytes,
             fs,
             held: AtomicBool::new(bytes == 0),
+            size: AtomicU64::new(bytes),
             change: Mutex::new(()),
         };
         reserve.publish();
@@ -93,6 +97,11 @@ impl Reserve {
 
     pub fn is_held(&self) -> bool {
         self.held.load(Ordering::Acquire)
+    }
+
+    /// The room a release gives: the ballast's size (0: no reserve).
+    pub fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
     }
 
     /// A write failed with ENOSPC: remove the ballast, if it is there, to
@@ -157,6 +166,7 @@ impl Reserve {
         self.fs
             .rename(&tmp, &path)
             .map_err(|e| WalError::io(&path, e))?;
+        self.size.store(bytes, Ordering::Release);
         self.held.store(true, Ordering::Release);
         self.publish();
         tracing::info!(
@@ -236,6 +246,7 @@ mod tests {
         let reserve = Reserve::open(Arc::new(fs.clone()), &dir, 1 << 20).unwrap();
         assert!(reserve.restore().unwrap());
         assert_eq!(fs.read(&dir.join(RESERVE_FILE)).len(), 2 << 10);
+        assert_eq!(reserve.size(), 2 << 10);
     }
 
     #[test]
