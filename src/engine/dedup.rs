@@ -140,6 +140,9 @@ struct Entry {
     uid: u128,
     ack: AckState,
     cancelled: bool,
+    /// It left (fired or parked), or its Done was read back at a start: a
+    /// cancel of another record under its identity does not cover it.
+    left: bool,
     /// It matched a redelivery already (one to one): no candidate any
     /// more, but kept so that compaction still moves its cancel mark on.
     consumed: bool,
@@ -199,6 +202,7 @@ impl Unconfirmed {
             uid,
             ack,
             cancelled: false,
+            left: false,
             consumed: false,
         };
         if self.fingerprints.insert(id, entry).is_none() {
@@ -307,13 +311,39 @@ impl Unconfirmed {
         }
     }
 
+    /// `id` left delayd (fired or parked): a cancel of a copy of it made
+    /// later owes it nothing (see [`Unconfirmed::cancel_all`]).
+    pub fn left(&mut self, id: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.left = true;
+        }
+    }
+
+    /// Far message `id` was loaded back under a new id: its message is
+    /// pending again, so a cancel of that copy covers it (a restart took
+    /// its spill's Done for a departure).
+    pub fn pending_again(&mut self, id: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.left = false;
+        }
+    }
+
     /// Message `id`, identity `uid`, was cancelled: so is every record
-    /// remembered under that identity (the same message, as far as a
-    /// cancel goes). Returns their ids, `id` first, for the WAL's marks.
+    /// remembered under that identity that has not left (the same message,
+    /// as far as a cancel goes). One that fired already is not: the cancel
+    /// owes it nothing, and a twin of it redelivered beside the cancelled
+    /// record's redelivery would otherwise be taken for the second of two
+    /// cancelled records and lost (seed 40028). Returns their ids, `id`
+    /// first, for the WAL's marks.
     pub fn cancel_all(&mut self, id: u64, uid: Option<u128>) -> Vec<u64> {
         let mut ids = vec![id];
         if let Some(others) = uid.and_then(|uid| self.by_uid.get(&uid)) {
-            ids.extend(others.iter().copied().filter(|&other| other != id));
+            let fingerprints = &self.fingerprints;
+            ids.extend(
+                others.iter().copied().filter(|&other| {
+                    other != id && fingerprints.get(&other).is_some_and(|e| !e.left)
+                }),
+            );
         }
         for &id in &ids {
             self.cancel(id);
@@ -391,6 +421,8 @@ struct RecentEntry {
     pos: WalPos,
     acked: bool,
     cancelled: bool,
+    /// When its Done was read (see [`Recent::retire`]).
+    retired_at: Option<u64>,
 }
 
 /// A record read back at a start whose ack is not known to have been
@@ -402,6 +434,10 @@ pub struct ReadBack {
     pub fp: u64,
     pub pos: WalPos,
     pub cancelled: bool,
+    /// Its Done was read and no record of its identity is live: it fired,
+    /// was cancelled, or waits in the far tier (which the load that brings
+    /// it back says, [`Unconfirmed::pending_again`]).
+    pub left: bool,
 }
 
 /// The newest Schedules a restart reads, to seed [`Unconfirmed`] with: the
@@ -417,6 +453,10 @@ pub struct Recent {
     first: u64,
     /// Id -> the running number of its newest entry.
     index: HashMap<u64, u64>,
+    /// Frames read so far: when a Done or a cancel mark was read.
+    read: u64,
+    /// Identity -> when the first cancel mark of one of its records was read.
+    cancelled_at: HashMap<u128, u64>,
 }
 
 impl Recent {
@@ -426,6 +466,8 @@ impl Recent {
             entries: VecDeque::with_capacity(capacity.min(1 << 16)),
             first: 0,
             index: HashMap::new(),
+            read: 0,
+            cancelled_at: HashMap::new(),
         }
     }
 
@@ -434,6 +476,7 @@ impl Recent {
         if self.capacity == 0 {
             return;
         }
+        self.read += 1;
         if self.entries.len() == self.capacity {
             if let Some(old) = self.entries.pop_front() {
                 if self.index.get(&old.id) == Some(&self.first) {
@@ -451,45 +494,70 @@ impl Recent {
             pos,
             acked: false,
             cancelled: false,
+            retired_at: None,
         });
+    }
+
+    /// A Done, read in log order.
+    pub fn retire(&mut self, id: u64) {
+        self.read += 1;
+        let read = self.read;
+        if let Some(entry) = self.entry_mut(id) {
+            entry.retired_at.get_or_insert(read);
+        }
+    }
+
+    fn entry_mut(&mut self, id: u64) -> Option<&mut RecentEntry> {
+        let n = *self.index.get(&id)?;
+        self.entries.get_mut((n - self.first) as usize)
     }
 
     /// An Acked mark (its id perhaps with [`CANCELLED_MARK`]), read in log
     /// order (after its Schedule). A mark whose Schedule is no longer among
     /// the newest does not matter.
     pub fn mark(&mut self, marked: u64) {
-        let id = marked & !CANCELLED_MARK;
-        if let Some(&n) = self.index.get(&id) {
-            if let Some(entry) = self.entries.get_mut((n - self.first) as usize) {
-                if marked & CANCELLED_MARK != 0 {
-                    entry.cancelled = true;
-                } else {
-                    entry.acked = true;
-                }
-            }
+        self.read += 1;
+        let read = self.read;
+        let Some(entry) = self.entry_mut(marked & !CANCELLED_MARK) else {
+            return;
+        };
+        if marked & CANCELLED_MARK == 0 {
+            entry.acked = true;
+            return;
         }
+        entry.cancelled = true;
+        let uid = entry.uid;
+        self.cancelled_at.entry(uid).or_insert(read);
     }
 
     /// The newest Schedules whose ack is not known. Whether their acks
     /// were sent is not known either: they are in doubt.
-    /// A cancel mark covers every record under its identity.
+    /// A cancel mark covers every record under its identity that was not
+    /// retired before it (as [`Unconfirmed::cancel_all`] does: one that
+    /// fired is owed nothing).
     pub fn unacked(self) -> impl Iterator<Item = ReadBack> {
-        let cancelled: std::collections::HashSet<u128> = self
+        let cancelled_at = self.cancelled_at;
+        // A far load's copy is a new id under the same identity: the spilled
+        // record's Done was no departure (seed 733).
+        let live: std::collections::HashSet<u128> = self
             .entries
             .iter()
-            .filter(|e| e.cancelled)
+            .filter(|e| e.retired_at.is_none())
             .map(|e| e.uid)
             .collect();
-        self.entries
-            .into_iter()
-            .filter(|e| !e.acked)
-            .map(move |e| ReadBack {
+        self.entries.into_iter().filter(|e| !e.acked).map(move |e| {
+            let covered = cancelled_at
+                .get(&e.uid)
+                .is_some_and(|&at| e.retired_at.is_none_or(|r| r > at));
+            ReadBack {
                 id: e.id,
                 uid: e.uid,
                 fp: e.fp,
                 pos: e.pos,
-                cancelled: e.cancelled || cancelled.contains(&e.uid),
-            })
+                cancelled: e.cancelled || covered,
+                left: e.retired_at.is_some() && !live.contains(&e.uid),
+            }
+        })
     }
 }
 
@@ -776,5 +844,52 @@ mod tests {
         assert_eq!(u.order.len(), 2_000);
         u.add(5_000, 0, 1, P, 0, AckState::Unsent);
         assert_eq!(u.order.iter().copied().collect::<Vec<_>>(), [5_000]);
+    }
+
+    /// A cancel owes nothing to a record of its identity that fired before
+    /// it (seed 40028): not in memory, not after a restart.
+    #[test]
+    fn a_cancel_does_not_cover_a_record_of_its_identity_that_fired_before_it() {
+        let mut u = Unconfirmed::new(10);
+        u.add(1, 9, 7, P, 1, AckState::InDoubt);
+        u.add(2, 9, 7, P, 2, AckState::InDoubt);
+        u.add(3, 9, 7, P, 2, AckState::InDoubt);
+        u.left(1);
+        assert_eq!(u.cancel_all(2, Some(9)), vec![2, 3], "1 fired before");
+        let cancelled: Vec<(u64, bool)> = u
+            .candidates(7, 3)
+            .into_iter()
+            .map(|c| (c.id, c.cancelled))
+            .collect();
+        assert_eq!(cancelled, [(1, false), (2, true), (3, true)]);
+
+        // The same log read back: 1's Done before the mark, 3's after it.
+        let mut r = Recent::new(10);
+        r.push(1, 9, 7, P);
+        r.retire(1);
+        r.push(2, 9, 7, P);
+        r.push(3, 9, 7, P);
+        r.mark(2 | CANCELLED_MARK);
+        r.retire(2);
+        r.retire(3);
+        let back: Vec<(u64, bool, bool)> =
+            r.unacked().map(|b| (b.id, b.cancelled, b.left)).collect();
+        assert_eq!(back, [(1, false, true), (2, true, true), (3, true, true)]);
+
+        // A spilled record (its Done) whose load copy is live has not left
+        // (seed 733); a load after the restart says so in memory.
+        let mut r = Recent::new(10);
+        r.push(4, 8, 7, P);
+        r.retire(4);
+        r.push(5, 8, 7, P);
+        r.push(6, 6, 7, P);
+        r.retire(6);
+        let left: Vec<(u64, bool)> = r.unacked().map(|b| (b.id, b.left)).collect();
+        assert_eq!(left, [(4, false), (5, false), (6, true)]);
+        u.add(6, 6, 7, P, 0, AckState::InDoubt);
+        u.add(16, 6, 7, P, 0, AckState::InDoubt);
+        u.left(6);
+        u.pending_again(6);
+        assert_eq!(u.cancel_all(16, Some(6)), vec![16, 6]);
     }
 }

@@ -674,6 +674,7 @@ impl Engine {
                 }
             }
             RecordRef::Done { id, segment, .. } => {
+                recent.retire(id);
                 if let Some((slot, _, _)) = state.locate(id) {
                     done_keeps.push((pos.segment, slot.pos.segment, segment));
                 }
@@ -694,6 +695,9 @@ impl Engine {
                 .add(r.id, r.uid, r.fp, r.pos, 0, AckState::InDoubt);
             if r.cancelled {
                 state.unconfirmed.cancel(r.id);
+            }
+            if r.left {
+                state.unconfirmed.left(r.id);
             }
         }
         for (copy, original) in superseded.iter().copied() {

@@ -435,6 +435,7 @@ impl State {
     pub fn retire(&mut self, id: u64, flight: &InFlight) {
         self.counts[flight.slot.route as usize] -= 1;
         self.attempts.remove(&id);
+        self.unconfirmed.left(id);
     }
 
     /// A landed message failed: back into the wheel at `at`, one attempt

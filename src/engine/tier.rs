@@ -779,6 +779,9 @@ fn arm_sorted(inner: &Inner, loaded: Vec<Rearm>, candidates: Vec<Expired<Slot>>)
     {
         let mut state = inner.state();
         for a in all {
+            if a.arrival != a.id {
+                state.unconfirmed.pending_again(a.arrival);
+            }
             state.arm(a.id, a.due, a.slot);
             if let Some(hash) = a.key {
                 state.index_key(hash, a.id);

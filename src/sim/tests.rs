@@ -1194,23 +1194,18 @@ fn seed_9398_a_cancel_on_a_full_disk_then_by_key_holds() {
     }
 }
 
-/// Seed 40028 (a long run, 2026-11-29): OPEN, not fixed (it fails on the
-/// code this session began with too). Message 0 fires at once, its ack in
-/// doubt; after a kill -9 its redelivery is stored again under its id (a
-/// same-id copy), and a cancel by key cancels that copy. Message 6, the
+/// Seed 40028 (a long run, 2026-11-29). Message 0 fires at once, its ack
+/// in doubt; after a kill -9 its redelivery is stored again under its id
+/// (a same-id copy), and a cancel by key cancels that copy. Message 6, the
 /// same bytes published again, fails to store (full disk) and is
-/// redelivered after a crash, together with message 0's copy: the engine
-/// marks every record of a cancelled identity cancelled (the fired
-/// original too) and answers the first redelivery "duplicate" (a twin of a
-/// cancelled record goes with the cancel), so message 6 is lost. The model
-/// holds that a cancel of a copy of a message that already fired owes
-/// nothing, so the twin must be kept; storing both redeliveries (a copy
-/// under another id at worst) is what the no-loss rule asks, which needs
-/// the engine to tell an identity that fired from one cancelled before it
-/// fired, in memory and after a restart (the marks by identity). Replay:
-/// `SIM_TRACE=1 cargo test --lib seed_40028 -- --ignored`.
+/// redelivered after a crash, together with message 0's copy. The cancel
+/// marked every record of the identity cancelled, the fired original too,
+/// so both redeliveries were answered "duplicate" and message 6 was lost.
+/// A cancel owes nothing to a record that fired before it, so it no longer
+/// covers one, in memory (`Unconfirmed::cancel_all`) or after a restart
+/// (`Recent::unacked`): one redelivery is stored (message 6 kept under
+/// message 0's identity), the other goes with the cancel.
 #[test]
-#[ignore = "open: seed 40028, a twin taken for a cancelled copy of a message that fired"]
 fn seed_40028_a_twin_of_a_fired_message_is_not_taken_for_a_cancelled_one() {
     use ops::{Loss, Op, Scope};
     let ops = [
@@ -1278,6 +1273,43 @@ fn seed_44778_the_far_tier_recovers_once_the_disk_has_room() {
         Op::PublishFails { n: 3 },
     ];
     if let Err(f) = run(44778, &ops) {
+        panic!("{f}");
+    }
+}
+
+/// Seed 733 (the fixed budget, against a first fix of seed 40028). A
+/// message is spilled and loaded back under a new id, then a restart reads
+/// the spilled record's Done: taken for a departure (as a fired record's
+/// is), the cancel by key of the load's copy did not cover the spilled
+/// record, and its redelivery was stored again and fired after the cancel.
+/// A Done read back is a departure only if no record of the identity is
+/// live (`Recent::unacked`), and a load says its message is pending again
+/// (`Unconfirmed::pending_again`).
+#[test]
+fn seed_733_a_cancel_after_a_restart_covers_a_copy_read_back_retired() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(0, 2, 485, 657, None, true),
+        Op::Clock { ms: -2638 },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::DiskFull { scope: Scope::Both },
+        deliver(0, 1, 363, 79527, Some(1908642306), false),
+        Op::Redeliver,
+        deliver(1, 3, 230, 2854, None, false),
+        Op::Clock { ms: 1386 },
+        Op::Clock { ms: 350 },
+        Op::DiskSpace,
+        deliver(1, 1, 196, 446, None, false),
+        deliver(0, 1, 92, 1735, None, false),
+        Op::FarRound,
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::CancelKey { route: 0, key: 2 },
+    ];
+    if let Err(f) = run(733, &ops) {
         panic!("{f}");
     }
 }
