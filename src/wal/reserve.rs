@@ -15,6 +15,9 @@
 //!   back ([`Reserve::restore`]). Making it again needs twice its size
 //!   free, so the intake does not take back at once what the retiring
 //!   writes have just freed.
+//! - A spill also waits while the far checkpoint it would write is larger
+//!   than the ballast ([`Reserve::size`]): every load rewrites that
+//!   checkpoint, on a full disk in the ballast's room.
 //! - While it is not held (released, or not made again since a start),
 //!   the WAL's writer seals its head segment early, once, so that a head
 //!   whose records all left (spilled, fired) can be deleted: a head is
