@@ -181,6 +181,13 @@ pub struct StoreSection {
     /// before the owner gives the route up and tries again.
     #[serde(with = "duration")]
     pub write_timeout: Duration,
+    /// RabbitMQ routes: how long an owner holds the route's lock past the
+    /// last ping that reached it, and what a new owner waits (plus a
+    /// margin) before it reads; also the lock queue's
+    /// `x-consumer-disconnected-timeout`. Sets the time a route has no
+    /// owner after its owner or the owner's node dies.
+    #[serde(with = "duration")]
+    pub lease: Duration,
 }
 
 impl Default for StoreSection {
@@ -191,6 +198,7 @@ impl Default for StoreSection {
             checkpoint_records: 20_000,
             replication_factor: None,
             write_timeout: Duration::from_secs(30),
+            lease: Duration::from_secs(5),
         }
     }
 }

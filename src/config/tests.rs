@@ -366,6 +366,20 @@ fn the_store_is_local_by_default_and_broker_turns_hand_off_on() {
 }
 
 #[test]
+fn the_lock_lease_is_5s_by_default_and_kept_within_1s_to_60s() {
+    let c = Config::from_toml_str(GOOD).unwrap();
+    assert_eq!(c.store.lease, std::time::Duration::from_secs(5));
+    let c = Config::from_toml_str(&format!("[store]\nlease = \"1s\"\n{GOOD}")).unwrap();
+    assert_eq!(c.store.lease, std::time::Duration::from_secs(1));
+    for bad in ["500ms", "61s"] {
+        let e = Config::from_toml_str(&format!("[store]\nlease = \"{bad}\"\n{GOOD}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("store.lease"), "{e}");
+    }
+}
+
+#[test]
 fn a_tiny_checkpoint_floor_is_refused_naming_the_key() {
     let e = Config::from_toml_str(&format!(
         "[store]\nkind = \"broker\"\ncheckpoint_records = 5\n{GOOD}"

@@ -317,6 +317,17 @@ impl Config {
                 "must be at least 1s: a state write waits for the broker's confirm".into(),
             ));
         }
+        if !(std::time::Duration::from_secs(1)..=std::time::Duration::from_secs(60))
+            .contains(&self.store.lease)
+        {
+            return Err(err(
+                "store.lease".into(),
+                format!(
+                    "{:?} is outside 1s..=60s: pings come every fifth of it, and a new owner waits it out before it reads",
+                    self.store.lease
+                ),
+            ));
+        }
         if self.store.checkpoint_records < 100 {
             return Err(err(
                 "store.checkpoint_records".into(),

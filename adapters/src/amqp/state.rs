@@ -10,16 +10,17 @@
 //! timeout, a stop), when the queue is deleted or its node restarts (the
 //! consumer is cancelled), or, on a quorum queue, when the consumer's node
 //! is suspected down (without a word to the old consumer). Each instance
-//! pings the queue every second; the one that receives a ping (anyone's)
+//! pings the queue every second (a fifth of the lease if that is less); the one that receives a ping (anyone's)
 //! is the active consumer and owns the route ([`Candidate::elected`]).
 //!
 //! The lock can thus move while the old owner's connection stays up, so
 //! the owner holds it as a lease ([`Lease`]): it counts the lock lost when
-//! its consumer is cancelled or no ping reached it for [`LOCK_LEASE`], then
+//! its consumer is cancelled or no ping reached it for its lease
+//! (`store.lease`, [`LOCK_LEASE`] by default), then
 //! closes its connection at once, and it checks the lease before every
 //! write and again once the write is confirmed (a write confirmed after the
 //! lease ran out does not count: its delivery is not acked). A new owner
-//! waits [`LOCK_LEASE`] and a margin after its election, and checks that
+//! waits the lease and a margin after its election, and checks that
 //! its own ping still reaches it, before it reads anything. Every write to
 //! the state streams goes over the owner's lock connection
 //! ([`StateSession`]), so a write that counts was made before the next
@@ -268,6 +269,8 @@ pub struct StateNames {
     pub replicas: Option<u16>,
     /// How long a write may wait for the broker (see [`APPEND_TIMEOUT`]).
     pub append_timeout: Duration,
+    /// The owner's lease on the lock (see [`LOCK_LEASE`]).
+    pub lease: Duration,
 }
 
 impl StateNames {
@@ -276,7 +279,26 @@ impl StateNames {
             pointer: pointer.into(),
             replicas: None,
             append_timeout: APPEND_TIMEOUT,
+            lease: LOCK_LEASE,
         }
+    }
+
+    /// The owner holds the lock for `lease` past the last ping that reached
+    /// it; a lock queue declared from now on gives a consumer on a lost
+    /// node up after `lease` too.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// What a new owner waits beyond the lease before it reads.
+    pub fn margin(&self) -> Duration {
+        LEASE_MARGIN.min(self.lease / 2)
+    }
+
+    /// How often to ping the lock queue.
+    pub fn ping_every(&self) -> Duration {
+        PING_EVERY.min(self.lease / 5)
     }
 
     /// Writes wait at most `timeout` for the broker.
@@ -321,14 +343,20 @@ const READ_STALL: Duration = Duration::from_secs(30);
 const READ_PREFETCH: u16 = 2000;
 
 /// How long an owner may go without a ping before it counts its lock as
-/// lost. A quorum lock queue can move its active consumer without telling
-/// the old one (a consumer suspected down), so the owner checks that pings
-/// still reach it, and a new owner waits this long plus [`LEASE_MARGIN`]
+/// lost, by default (`store.lease`, [`StateNames::with_lease`]). A quorum
+/// lock queue can move its active consumer without telling the old one (a
+/// consumer suspected down), so the owner checks that pings still reach it,
+/// and a new owner waits this long plus a margin ([`StateNames::margin`])
 /// before it reads anything: by then the former owner has stopped writing.
 pub const LOCK_LEASE: Duration = Duration::from_secs(5);
 
-/// What a new owner waits beyond [`LOCK_LEASE`] (a ping's transit time).
+/// What a new owner waits beyond the lease (a ping's transit time), at
+/// most; half the lease if that is less.
 const LEASE_MARGIN: Duration = Duration::from_secs(1);
+
+/// How often an owner and its candidates ping the lock queue, at most; a
+/// fifth of the lease if that is less, so a late ping or two never ends it.
+const PING_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a state write may wait for the broker's confirm by default
 /// (`store.write_timeout`): a broker that blocks publishers (a resource
@@ -360,7 +388,7 @@ impl Candidate {
                 .await
                 .map_err(protocol("opening the lock channel"))?;
             let queue = short_string(&names.lock(), "lock queue name").map_err(AmqpError::from)?;
-            let lock = declare_lock_queue(&connection, lock, &queue).await?;
+            let lock = declare_lock_queue(&connection, lock, &queue, names.lease).await?;
             let options = BasicConsumeOptions {
                 no_ack: true,
                 ..BasicConsumeOptions::default()
@@ -400,7 +428,7 @@ impl Candidate {
     /// consumer receives pings (anyone's). Then it owns the route.
     /// `standby` is called each time a round passes without a ping.
     ///
-    /// Once a ping arrives, it waits out [`LOCK_LEASE`] (a former owner
+    /// Once a ping arrives, it waits out the lease (a former owner
     /// whose consumer was moved without a cancel stops writing by then) and
     /// checks that its own ping still reaches it before it owns anything.
     pub async fn elected(
@@ -453,7 +481,7 @@ impl Candidate {
     ) -> Result<(), StateError> {
         loop {
             self.wait_for_ping(every, standby, None).await?;
-            tokio::time::sleep(LOCK_LEASE + LEASE_MARGIN).await;
+            tokio::time::sleep(self.names.lease + self.names.margin()).await;
             let nonce = fresh_nonce().to_be_bytes();
             if self.wait_for_ping(every, standby, Some(&nonce)).await? {
                 return Ok(());
@@ -531,7 +559,7 @@ impl Candidate {
             }
         };
         let connection = Arc::new(self.connection);
-        let lease = Arc::new(Lease::new(LOCK_LEASE));
+        let lease = Arc::new(Lease::new(self.names.lease));
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
         let drain = tokio::spawn(hold(
             lease.clone(),
@@ -581,7 +609,7 @@ impl Presence {
                 .queue_declare(
                     name.clone(),
                     QueueDeclareOptions::durable(),
-                    quorum_leased(),
+                    quorum_leased(LOCK_LEASE),
                 )
                 .await
                 .map_err(protocol(format!("declaring the presence queue {queue}")))?;
@@ -640,12 +668,14 @@ impl Presence {
 
 /// Declare the route's lock queue: a quorum queue, which outlives the loss
 /// of a node, with `x-single-active-consumer`, and a consumer on a lost node
-/// given up after [`LOCK_LEASE`] rather than RabbitMQ 4's 60 s. One declared
+/// given up after the lease rather than RabbitMQ 4's 60 s. One declared
 /// otherwise by an older delayd (classic, or without the timeout) is used as
 /// it is: redeclaring it with other arguments fails.
 /// The arguments of a quorum queue whose consumers on a lost node are
-/// given up after [`LOCK_LEASE`] (RabbitMQ 4's default is 60 s).
-fn quorum_leased() -> FieldTable {
+/// given up after `lease` (RabbitMQ 4's default is 60 s). A presence queue
+/// keeps [`LOCK_LEASE`]: its count is no lock, and redeclaring it with
+/// another timeout would fail.
+fn quorum_leased(lease: Duration) -> FieldTable {
     let mut args = FieldTable::default();
     args.insert(
         "x-queue-type".into(),
@@ -653,7 +683,7 @@ fn quorum_leased() -> FieldTable {
     );
     args.insert(
         "x-consumer-disconnected-timeout".into(),
-        AMQPValue::LongLongInt(LOCK_LEASE.as_millis() as i64),
+        AMQPValue::LongLongInt(lease.as_millis() as i64),
     );
     args
 }
@@ -662,8 +692,9 @@ async fn declare_lock_queue(
     connection: &Connection,
     channel: Channel,
     queue: &lapin::types::ShortString,
+    lease: Duration,
 ) -> Result<Channel, StateError> {
-    let mut args = quorum_leased();
+    let mut args = quorum_leased(lease);
     args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
     let declared = channel
         .queue_declare(queue.clone(), QueueDeclareOptions::durable(), args)
@@ -686,7 +717,7 @@ async fn declare_lock_queue(
         .await
     {
         Ok(_) => {
-            tracing::warn!(lock = %queue, "the route's lock queue exists with other arguments (an older delayd declared it classic, or quorum without x-consumer-disconnected-timeout): a classic one is unavailable while its node is down, and either moves the lock off a lost node only after RabbitMQ's consumer-disconnected timeout (60 s); delete it while no delayd runs to have it declared again");
+            tracing::warn!(lock = %queue, lease_ms = lease.as_millis() as u64, "the route's lock queue exists with other arguments (an older delayd declared it classic, or quorum without x-consumer-disconnected-timeout, or store.lease was another): a classic one is unavailable while its node is down, and the lock moves off a lost node only after the x-consumer-disconnected-timeout it was declared with (RabbitMQ's default: 60 s); delete it while no delayd runs to have it declared again");
             Ok(channel)
         }
         Err(_) => Err(inequivalent),
@@ -738,7 +769,7 @@ impl Lease {
 /// every `every` (only the active consumer receives pings, anyone's), and
 /// drop the pings that arrive. The lock is lost when the broker cancels the
 /// consumer (the lock queue was deleted, its node restarted), the channel
-/// closes, or no ping arrives for [`LOCK_LEASE`] (the consumer was moved
+/// closes, or no ping arrives for the lease (the consumer was moved
 /// without a word). Then the connection is closed at once: every state
 /// write goes over it, so none can follow.
 async fn hold(
@@ -819,13 +850,14 @@ impl StateSession {
             .await
             .map_err(protocol("confirm.select"))?;
         // Never expires: an observer writes only read markers.
-        let lease = Arc::new(Lease::new(LOCK_LEASE));
+        let lease = Arc::new(Lease::new(names.lease));
+        let every = names.ping_every();
         let drain = tokio::spawn({
             let lease = lease.clone();
             async move {
                 loop {
                     lease.renew();
-                    tokio::time::sleep(LOCK_LEASE / 5).await;
+                    tokio::time::sleep(every).await;
                 }
             }
         });
@@ -1313,6 +1345,17 @@ pub fn fresh_nonce() -> u128 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shorter_lease_pings_more_often_and_waits_a_shorter_margin() {
+        let default = StateNames::new("r");
+        assert_eq!(default.lease, LOCK_LEASE);
+        assert_eq!(default.ping_every(), Duration::from_secs(1));
+        assert_eq!(default.margin(), Duration::from_secs(1));
+        let short = StateNames::new("r").with_lease(Duration::from_secs(1));
+        assert_eq!(short.ping_every(), Duration::from_millis(200));
+        assert_eq!(short.margin(), Duration::from_millis(500));
+    }
 
     #[test]
     fn records_round_trip_and_garbage_is_refused() {

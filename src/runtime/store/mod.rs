@@ -299,7 +299,8 @@ async fn open_stream_store(
     let (settings, wal_dir) = (&config.store, &config.wal.dir);
     let names = delayd_adapters::amqp::state::StateNames::new(stream)
         .with_replicas(settings.replication_factor)
-        .with_append_timeout(settings.write_timeout);
+        .with_append_timeout(settings.write_timeout)
+        .with_lease(settings.lease);
     let store = StreamStore::new(
         endpoints,
         names,

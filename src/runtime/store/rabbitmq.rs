@@ -665,10 +665,10 @@ impl StreamStore {
             // Owning its share already, this instance leaves the lock queue.
             Some(group) => {
                 candidate
-                    .elected_unless(LOCK_RETRY, standby, group.full())
+                    .elected_unless(self.names.ping_every(), standby, group.full())
                     .await
             }
-            None => candidate.elected(LOCK_RETRY, standby).await,
+            None => candidate.elected(self.names.ping_every(), standby).await,
         }
     }
 
