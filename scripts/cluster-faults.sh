@@ -15,6 +15,11 @@
 #   lock-leader  kill -9 of the node that leads the route's lock queue,
 #                then the node started again
 #   rolling      each node in turn stopped cleanly and started again
+#   conn-cut     the link between the owner and the node its connections go
+#                to cut for 15 s while both live (iptables drops what the
+#                owner sends to that node, its reconnects included; the
+#                instances run in cgroups of their own for the match), then
+#                restored; the instances' heartbeat is 5 s
 #   classic-node one instance, the local store, a route on a classic ingress
 #                queue whose node is killed with kill -9: delayd waits for
 #                the queue, and resumes once its node is back
@@ -24,6 +29,10 @@
 #   SCENARIOS="rolling" CYCLES=2 RATE=1000 bash scripts/cluster-faults.sh
 #   KEEP=1 ...                                # keep delayd's logs and the owner samples
 #   LOG="info,delayd::runtime::ingest=debug"  # delayd's log level (each message's intake)
+#   LEASE=1s ...                              # store.lease of the store scenarios (default 5s)
+#
+# conn-cut needs cgroup v2 (the unified hierarchy) and iptables' cgroup
+# match; without them it is skipped, saying so.
 #
 # Pass: 0 lost and 0 early, never two owners at once, the state streams on
 # all three nodes, duplicates under another x-delayd-id than the first copy's
@@ -54,7 +63,7 @@ else
 fi
 delay_min=5000
 cycles="${CYCLES:-$default_cycles}"
-scenarios="${SCENARIOS:-conn-node lock-leader rolling classic-node}"
+scenarios="${SCENARIOS:-conn-node lock-leader rolling conn-cut classic-node}"
 ports=(5681 5682 5683)
 
 # jq reads /readyz and rabbitmqctl's JSON; ss finds a process's connections.
@@ -107,8 +116,25 @@ stop_all() {
     done
 }
 
+# Instance $1's cgroup (cgroup v2, for iptables' `-m cgroup --path`).
+cgroup_root=/sys/fs/cgroup/unified
+[ -f /sys/fs/cgroup/cgroup.controllers ] && cgroup_root=/sys/fs/cgroup
+cgroup_of() { echo "delayd-cfaults-$tag-$1"; }
+cuts=()
+
+uncut_all() {
+    local rule
+    for rule in ${cuts[@]+"${cuts[@]}"}; do
+        # shellcheck disable=SC2086 # a rule is words
+        iptables -D OUTPUT $rule 2>/dev/null || true
+    done
+    cuts=()
+}
+
 cleanup() {
+    uncut_all
     stop_all
+    for i in 1 2; do rmdir "$cgroup_root/$(cgroup_of "$i")" 2>/dev/null || true; done
     # Every node up again, whatever a failed scenario left down.
     for n in 1 2 3; do cluster cluster-start "$n" 2>/dev/null || true; done
     ctl rabbitmqctl list_queues name --no-table-headers | grep "^cfaults\.$tag\." |
@@ -124,13 +150,16 @@ http_port() { echo $((9480 + $1)); }
 write_config() { # scenario, instance (1 = A, 2 = B), node order...
     local s="$1" i="$2"
     shift 2
-    local urls="" n
-    for n in "$@"; do urls+="\"amqp://guest:guest@127.0.0.1:${ports[$((n - 1))]}/%2f\", "; done
+    local urls="" n query=""
+    # A cut link is noticed by the node only after the heartbeat timeout.
+    [ "$s" = conn-cut ] && query="?heartbeat=5"
+    for n in "$@"; do urls+="\"amqp://guest:guest@127.0.0.1:${ports[$((n - 1))]}/%2f$query\", "; done
     local store="" queue_type="quorum"
     if [ "$s" = classic-node ]; then
         queue_type="classic"
     else
         store=$'[store]\nkind = "broker"\ntopic_prefix = "cfaults.'"$tag.$s"$'."\ncheckpoint_records = 5000\n'
+        [ -z "${LEASE:-}" ] || store+="lease = \"$LEASE\""$'\n'
     fi
     cat >"$work/$s-$i.toml" <<EOF
 [wal]
@@ -156,7 +185,14 @@ EOF
 }
 
 start_delayd() { # scenario, instance
-    (cd "$work" && exec "$delayd" run --config "$work/$1-$2.toml" >>"$work/$1-$2.log" 2>&1) &
+    # In a cgroup of its own (when there is cgroup v2): its sockets carry
+    # it, and conn-cut's iptables rule matches them by it.
+    local cg="$cgroup_root/$(cgroup_of "$2")"
+    mkdir -p "$cg" 2>/dev/null || true
+    (
+        [ -w "$cg/cgroup.procs" ] && echo "$BASHPID" >"$cg/cgroup.procs" 2>/dev/null
+        cd "$work" && exec "$delayd" run --config "$work/$1-$2.toml" >>"$work/$1-$2.log" 2>&1
+    ) &
     pids[$2]=$!
     for _ in $(seq 1 150); do
         curl -sf "http://127.0.0.1:$(http_port "$2")/healthz" >/dev/null && return 0
@@ -224,6 +260,32 @@ inject_conn-node() {
     log "owner $o is connected to node $n"
     node_down "$n" kill
 }
+# Cut what instance $1 sends to node $2 (established connections and new
+# ones): without its ACKs and heartbeats the node closes the connection
+# after the heartbeat timeout; the process lives on.
+cut() { # instance, node
+    local rule="-p tcp --dport ${ports[$(($2 - 1))]} -m cgroup --path $(cgroup_of "$1") -j DROP"
+    # shellcheck disable=SC2086
+    iptables -I OUTPUT $rule && cuts+=("$rule")
+}
+inject_conn-cut() {
+    local o n
+    o=$(owner "$1") || { log "no owner"; return 1; }
+    n=$(connected_node "$o") || { log "instance $o has no connection"; return 1; }
+    log "owner $o is connected to node $n: cutting the link for 15 s"
+    cut "$o" "$n" || { log "iptables refused the cut"; return 1; }
+    sleep 15
+    uncut_all
+    log "link $o-$n: back"
+    sleep 10
+}
+can_cut() {
+    command -v iptables >/dev/null && [ -d "$cgroup_root" ] &&
+        mkdir -p "$cgroup_root/$(cgroup_of probe)" 2>/dev/null &&
+        iptables -I OUTPUT -p tcp --dport 1 -m cgroup --path "$(cgroup_of probe)" -j DROP 2>/dev/null &&
+        iptables -D OUTPUT -p tcp --dport 1 -m cgroup --path "$(cgroup_of probe)" -j DROP &&
+        rmdir "$cgroup_root/$(cgroup_of probe)"
+}
 inject_lock-leader() {
     local n
     n=$(lock_leader "$1")
@@ -243,7 +305,8 @@ inject_classic-node() {
     node_down "$n" kill
 }
 
-# Seconds one cycle of each fault takes (node_down is about 30 s).
+# Seconds one cycle of each fault takes (node_down is about 30 s, a cut
+# 25 s).
 fault_seconds() { if [ "$1" = rolling ]; then echo 100; else echo 35; fi; }
 
 # --- one scenario ----------------------------------------------------------
@@ -251,6 +314,10 @@ fault_seconds() { if [ "$1" = rolling ]; then echo 100; else echo 35; fi; }
 run_scenario() { # scenario
     local s="$1" instances=(1 2)
     [ "$s" = classic-node ] && instances=(1)
+    if [ "$s" = conn-cut ] && ! can_cut; then
+        log "conn-cut: skipped (needs cgroup v2 at $cgroup_root and iptables' cgroup match)"
+        return 0
+    fi
     write_config "$s" 1 1 2 3
     write_config "$s" 2 2 3 1
     for i in "${instances[@]}"; do start_delayd "$s" "$i" || return 1; done
