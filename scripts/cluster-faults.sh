@@ -15,6 +15,11 @@
 #   lock-leader  kill -9 of the node that leads the route's lock queue,
 #                then the node started again
 #   rolling      each node in turn stopped cleanly and started again
+#   lock-pause   the node that leads the lock queue frozen (SIGSTOP) for
+#                PAUSE seconds (default 2), then resumed: a stall, not a
+#                death. Logs how many times an instance gave the lock up (a
+#                stall longer than the lease moves it: a restore, no loss).
+#                Not among the default scenarios
 #   conn-cut     the link between the owner and the node its connections go
 #                to cut for 15 s while both live (iptables drops what the
 #                owner sends to that node, its reconnects included; the
@@ -285,6 +290,17 @@ can_cut() {
         iptables -I OUTPUT -p tcp --dport 1 -m cgroup --path "$(cgroup_of probe)" -j DROP 2>/dev/null &&
         iptables -D OUTPUT -p tcp --dport 1 -m cgroup --path "$(cgroup_of probe)" -j DROP &&
         rmdir "$cgroup_root/$(cgroup_of probe)"
+}
+inject_lock-pause() {
+    local n lost
+    n=$(lock_leader "$1")
+    [ -n "$n" ] || { log "no leader for the lock queue"; return 1; }
+    log "node $n (the lock queue's leader): paused for ${PAUSE:-2} s"
+    bash scripts/rabbitmq.sh cluster-pause "$n" "${PAUSE:-2}" >/dev/null
+    log "node $n: resumed"
+    sleep 20
+    lost=$(cat "$work/$1"-[12].log | grep -c "lost the route's lock" || true)
+    log "$1: the lock was given up $lost times so far (lease ${LEASE:-5s})"
 }
 inject_lock-leader() {
     local n

@@ -8,6 +8,9 @@
 #   scripts/rabbitmq.sh cluster-stop N | cluster-start N | cluster-kill N
 #                                     one node (1-3) of the cluster: a clean
 #                                     shutdown, a start (it rejoins), kill -9
+#   scripts/rabbitmq.sh cluster-pause N SECONDS
+#                                     freeze a node's Erlang VM (SIGSTOP) for
+#                                     SECONDS, then resume it (SIGCONT)
 #
 # RABBITMQ picks the broker:
 #   4.3 (default)  RabbitMQ 4.3 from Debian's unstable suite (sid), installed
@@ -740,7 +743,7 @@ cluster:stop)
     RABBITMQ=$MODE bash "$0" start
     ;;
 *:status) status ;;
-*:cluster-stop | *:cluster-start | *:cluster-kill)
+*:cluster-stop | *:cluster-start | *:cluster-kill | *:cluster-pause)
     need_root "$@"
     n=$(cluster_node_arg "${2:-}")
     take_lock
@@ -748,6 +751,13 @@ cluster:stop)
     case "$CMD" in
     cluster-stop) stop_node "$n" ;;
     cluster-kill) kill_node "$n" ;;
+    cluster-pause)
+        pid=$(node_pid "$n")
+        [ -n "$pid" ] || die "$(node_label "$n") is not running"
+        kill -STOP "$pid"
+        sleep "${3:?cluster-pause N SECONDS}"
+        kill -CONT "$pid"
+        ;;
     cluster-start)
         configure_root "$n"
         mount_root
