@@ -438,6 +438,9 @@ pub struct ReadBack {
     /// was cancelled, or waits in the far tier (which the load that brings
     /// it back says, [`Unconfirmed::pending_again`]).
     pub left: bool,
+    /// The newest id read under its identity (a far tier whose buckets all
+    /// hold larger ids holds none of them).
+    pub newest: u64,
 }
 
 /// The newest Schedules a restart reads, to seed [`Unconfirmed`] with: the
@@ -545,6 +548,11 @@ impl Recent {
             .filter(|e| e.retired_at.is_none())
             .map(|e| e.uid)
             .collect();
+        let mut newest: HashMap<u128, u64> = HashMap::new();
+        for e in &self.entries {
+            let id = newest.entry(e.uid).or_default();
+            *id = (*id).max(e.id);
+        }
         self.entries.into_iter().filter(|e| !e.acked).map(move |e| {
             let covered = cancelled_at
                 .get(&e.uid)
@@ -556,6 +564,7 @@ impl Recent {
                 pos: e.pos,
                 cancelled: e.cancelled || covered,
                 left: e.retired_at.is_some() && !live.contains(&e.uid),
+                newest: newest.get(&e.uid).copied().unwrap_or(e.id),
             }
         })
     }
@@ -884,8 +893,10 @@ mod tests {
         r.push(5, 8, 7, P);
         r.push(6, 6, 7, P);
         r.retire(6);
-        let left: Vec<(u64, bool)> = r.unacked().map(|b| (b.id, b.left)).collect();
-        assert_eq!(left, [(4, false), (5, false), (6, true)]);
+        let left: Vec<(u64, bool, u64)> = r.unacked().map(|b| (b.id, b.left, b.newest)).collect();
+        // `newest`: a far tier whose buckets hold only larger ids holds none
+        // of an identity's records (a load's copy spilled again included).
+        assert_eq!(left, [(4, false, 5), (5, false, 5), (6, true, 6)]);
         u.add(6, 6, 7, P, 0, AckState::InDoubt);
         u.add(16, 6, 7, P, 0, AckState::InDoubt);
         u.left(6);

@@ -688,18 +688,6 @@ impl Engine {
         if too_many_routes {
             return Err(EngineError::TooManyRoutes);
         }
-        // Their acks may have been sent before the restart, or not.
-        for r in recent.unacked() {
-            state
-                .unconfirmed
-                .add(r.id, r.uid, r.fp, r.pos, 0, AckState::InDoubt);
-            if r.cancelled {
-                state.unconfirmed.cancel(r.id);
-            }
-            if r.left {
-                state.unconfirmed.left(r.id);
-            }
-        }
         for (copy, original) in superseded.iter().copied() {
             wal.keep_after(copy, original);
         }
@@ -722,6 +710,23 @@ impl Engine {
             }
             None => None,
         };
+        // A Done read back is a departure only if the far tier cannot hold
+        // the message either, under any id read under its identity: a
+        // spilled one waits there (perhaps as a load's copy spilled again),
+        // and a cancel of it must cover every record of it.
+        let far_min_id = far.as_ref().map_or(u64::MAX, |t| t.store().min_id());
+        // Their acks may have been sent before the restart, or not.
+        for r in recent.unacked() {
+            state
+                .unconfirmed
+                .add(r.id, r.uid, r.fp, r.pos, 0, AckState::InDoubt);
+            if r.cancelled {
+                state.unconfirmed.cancel(r.id);
+            }
+            if r.left && r.newest < far_min_id {
+                state.unconfirmed.left(r.id);
+            }
+        }
         let engine = Engine {
             inner: Arc::new(Inner {
                 config,

@@ -315,6 +315,17 @@ impl FarStore {
         self.config.dir.join(bucket_name(start))
     }
 
+    /// The smallest WAL id any bucket holds (`u64::MAX`: none): a record
+    /// with a smaller id is in no bucket.
+    pub fn min_id(&self) -> u64 {
+        self.cp
+            .buckets
+            .values()
+            .map(|m| m.min_id)
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
     /// The checkpoint's size once `records` are appended, at its largest
     /// (every number at its widest, a load's marker in it): a load after a
     /// full disk must still be able to write it on the disk reserve's room.
