@@ -71,13 +71,14 @@ cycles="${CYCLES:-$default_cycles}"
 scenarios="${SCENARIOS:-conn-node lock-leader rolling conn-cut classic-node}"
 ports=(5681 5682 5683)
 
-# jq reads /readyz and rabbitmqctl's JSON; ss finds a process's connections.
-if ! command -v jq >/dev/null || ! command -v ss >/dev/null; then
+# jq reads /readyz and rabbitmqctl's JSON; ss finds a process's connections;
+# iptables cuts a link (conn-cut).
+if ! command -v jq >/dev/null || ! command -v ss >/dev/null || ! command -v iptables >/dev/null; then
     SUDO=""
     [ "$(id -u)" -ne 0 ] && SUDO=sudo
     export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get install -y -qq jq iproute2 >/dev/null 2>&1 ||
-        { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq jq iproute2 >/dev/null; }
+    $SUDO apt-get install -y -qq jq iproute2 iptables >/dev/null 2>&1 ||
+        { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq jq iproute2 iptables >/dev/null; }
 fi
 RABBITMQ=cluster bash scripts/rabbitmq.sh >/dev/null
 if $short; then
