@@ -425,8 +425,8 @@ fn write_spill(inner: &Inner) -> (Vec<Expired<Slot>>, Option<EngineError>) {
 }
 
 /// Read one chunk's records from the WAL and append them to their buckets.
-/// Append one chunk to the tier. `Ok(false)`: not spilled, as the
-/// checkpoint would outgrow what the disk reserve can hold (below).
+/// `Ok(false)`: not spilled, as the checkpoint would outgrow what the disk
+/// reserve can hold (below).
 fn spill_chunk(
     inner: &Inner,
     store: &mut FarStore,
