@@ -11,6 +11,8 @@
 #   RUN_ENV="TOKIO_WORKER_THREADS=1 DELAYD_WAL__COMMIT_DELAY=10ms" bash scripts/bench-amqp.sh
 #                                              # delayd's environment only, not the bench's
 #   BIN=/tmp/delayd-other bash scripts/bench-amqp.sh  # another build, for A/B runs
+#   BENCH=target/release/delayd BIN=/tmp/delayd-old bash scripts/bench-amqp.sh
+#                                              # the load from one build, delayd from another
 #
 # Starts RabbitMQ (scripts/rabbitmq.sh) if needed, builds delayd in release
 # mode and, for every run, starts a fresh delayd (config/examples/bench.toml,
@@ -35,6 +37,9 @@ cargo build --release --quiet
 [ "${RELAY:-0}" = 1 ] && cargo build --release --quiet --example relay
 # BIN: another build to measure (A/B runs), for delayd and the bench alike.
 delayd="${BIN:-$PWD/target/release/delayd}"
+# BENCH: the build that drives the load (default: the one measured), so an
+# A/B run can keep the load generator the same.
+bench="$(realpath "${BENCH:-$delayd}")"
 config="$PWD/config/examples/bench.toml"
 work="$(mktemp -d /var/tmp/delayd-bench-amqp.XXXXXX)"
 pid=""
@@ -95,7 +100,7 @@ relay() { # rate, run
         sleep 0.2
     done
     local report
-    report="$("$delayd" bench --quiet --json --exchange bench.delayed --queue bench.q \
+    report="$("$bench" bench --quiet --json --exchange bench.delayed --queue bench.q \
         --bind-to bench.out --delay-min 0 --delay-max 0 --rate "$1" --count $(($1 * secs)))" || true
     kill -INT "$relay_pid" 2>/dev/null || true
     wait "$relay_pid" 2>/dev/null || true
@@ -104,7 +109,7 @@ relay() { # rate, run
 }
 if [ "${HOP:-0}" = 1 ]; then
     for rate in $rates; do
-        report="$("$delayd" bench --quiet --json --exchange bench.hop --queue bench.hop.q \
+        report="$("$bench" bench --quiet --json --exchange bench.hop --queue bench.hop.q \
             --bind-to bench.hop --delay-min 0 --delay-max 0 \
             --rate "$rate" --count $((rate * secs)))"
         printf '%-28s %s\n' "broker alone, one hop, $rate/s" "$(echo "$report" | line)"
@@ -114,7 +119,7 @@ fi
 for run in $(seq 1 "$runs"); do
     for rate in $rates; do
         start_delayd
-        report="$("$delayd" bench --quiet --json --metrics http://127.0.0.1:9464/metrics \
+        report="$("$bench" bench --quiet --json --metrics http://127.0.0.1:9464/metrics \
             --exchange bench.delayed --queue bench.q --bind-to bench.out \
             --delay-min 1000 --delay-max 5000 --rate "$rate" --count $((rate * secs)))" || true
         stop_delayd
@@ -135,7 +140,7 @@ done
 
 if [ "$pending" -gt 0 ]; then
     start_delayd
-    "$delayd" bench --quiet --exchange bench.delayed --queue bench.q --bind-to bench.out \
+    "$bench" bench --quiet --exchange bench.delayed --queue bench.q --bind-to bench.out \
         --count "$pending" --rate 12000 --publish-only \
         --delay-min 7200000 --delay-max 7300000 >/dev/null
     wait_pending() {

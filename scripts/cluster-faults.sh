@@ -352,7 +352,7 @@ run_scenario() { # scenario
         --exchange "cfaults.$tag.$s.delayed" --queue "cfaults.$tag.$s.out.q" --queue-type quorum \
         --bind-to "cfaults.$tag.$s.out" --count "$count" --rate "$rate" \
         --delay-min "$delay_min" --delay-max "$delay_max" --body-bytes 256 --in-flight 1000 \
-        --drain-timeout 240s >"$work/$s.json" 2>"$work/$s.bench.log" &
+        --drain-timeout 240s --late-log "$work/$s.late" >"$work/$s.json" 2>"$work/$s.bench.log" &
     local bench=$!
     sleep 5
     local ok=0

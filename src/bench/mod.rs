@@ -137,6 +137,11 @@ pub struct BenchArgs {
     /// on the store fires at once (to time restart to first fire).
     #[arg(long, default_value_t = 0)]
     pub overdue: u64,
+    /// Write every first copy that arrived at least a second after its due
+    /// time to this file, one line each: sequence number, due and arrival
+    /// (epoch ms). Where a fault's lateness comes from.
+    #[arg(long, value_name = "FILE")]
+    pub late_log: Option<std::path::PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -238,6 +243,8 @@ struct Tally {
     redelivered_to_bench: u64,
     early: u64,
     lateness: Histogram<u64>,
+    /// First copies a second or more late: (seq, due, arrived), epoch ms.
+    late: Vec<(u64, i64, u64)>,
     first: Option<Instant>,
     last: Option<Instant>,
 }
@@ -261,6 +268,7 @@ impl Tally {
             redelivered_to_bench: 0,
             early: 0,
             lateness: Histogram::new(3)?,
+            late: Vec::new(),
             first: None,
             last: None,
         })
@@ -306,7 +314,7 @@ impl Tally {
                 if let Some(id) = id {
                     t.second_ids.insert(seq, id);
                 }
-                t.arrived(now, due);
+                t.arrived(seq, now, due);
                 return true;
             }
             if t.is_twin(seq) && id.is_some() && t.second_ids.get(&seq) == id.as_ref() {
@@ -337,12 +345,13 @@ impl Tally {
         if let Some(first) = t.first_ids.get_mut(seq as usize) {
             *first = id;
         }
-        t.arrived(now, due);
+        t.arrived(seq as u64, now, due);
         true
     }
 
-    /// A copy of a message not received before (`now` and `due` in epoch ms).
-    fn arrived(&mut self, now: u64, due: i64) {
+    /// A copy of message `seq` not received before (`now` and `due` in
+    /// epoch ms).
+    fn arrived(&mut self, seq: u64, now: u64, due: i64) {
         self.received += 1;
         let at = Instant::now();
         self.first.get_or_insert(at);
@@ -352,6 +361,9 @@ impl Tally {
         } else {
             let late = (now as i64 - due) as u64;
             let _ = self.lateness.record(late);
+            if late >= 1000 {
+                self.late.push((seq, due, now));
+            }
         }
     }
 }
@@ -630,6 +642,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if let (Some(before), Some(after)) = (own_cpu_before, scrape::own_cpu_seconds()) {
         report.bench_cpu_us_per_message = scrape::us_per_message(after - before, report.received);
+    }
+    if let Some(path) = &args.late_log {
+        let t = tally.lock().expect("tally");
+        let lines: String = t
+            .late
+            .iter()
+            .map(|(seq, due, at)| format!("{seq} {due} {at}\n"))
+            .collect();
+        std::fs::write(path, lines)
+            .map_err(|e| anyhow::anyhow!("cannot write --late-log {}: {e}", path.display()))?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

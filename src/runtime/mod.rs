@@ -220,9 +220,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         if let Some(RouteStore::Stream(stream)) = &store {
             // Consumed only while this instance owns the route.
             let (brokers, cfg, status) = (brokers.clone(), route_cfg.clone(), status.clone());
+            let lease = config.store.lease;
             let offsets = stream.stream_offsets();
             let start = move |stop: CancellationToken| -> anyhow::Result<_> {
-                let source = start_source(&brokers, &cfg, None, true, Some(offsets.clone()))?;
+                let source =
+                    start_source(&brokers, &cfg, None, Some(lease), Some(offsets.clone()))?;
                 status.set_consuming(&cfg.name, Some(source.consuming()));
                 Ok(tokio::spawn(intake.clone().run(source, stop)))
             };
@@ -233,13 +235,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let offsets = delayd_adapters::amqp::stream::FileOffsets {
             path: stream_checkpoint(&config.wal.dir, &route_cfg.name),
         };
-        let source = start_source(
-            &brokers,
-            route_cfg,
-            listener,
-            false,
-            Some(Arc::new(offsets)),
-        )?;
+        let source = start_source(&brokers, route_cfg, listener, None, Some(Arc::new(offsets)))?;
         status.set_consuming(&route_cfg.name, Some(source.consuming()));
         tracing::info!(route = %route_cfg.name, "route started");
         intakes.push(tokio::spawn(intake.run(source, intake_stop.clone())));
@@ -303,11 +299,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `owned`: the broker-kept store's lease, for a route only its owner
+/// consumes.
 fn start_source(
     brokers: &Brokers,
     route: &crate::config::RouteConfig,
     listener: Option<Arc<dyn delayd_adapters::kafka::PartitionListener>>,
-    single_active: bool,
+    owned: Option<std::time::Duration>,
     stream_offsets: Option<Arc<dyn delayd_adapters::amqp::stream::OffsetStore>>,
 ) -> anyhow::Result<Box<dyn Source>> {
     let name = &route.name;
@@ -339,12 +337,8 @@ fn start_source(
             // refuses the argument): a former owner that still reads it
             // cannot store anything, since every state write checks its
             // lease.
-            if single_active && !stream {
-                // Broker-kept store: one consumer at a time, the route's owner.
-                source_cfg.queue_arguments.insert(
-                    "x-single-active-consumer",
-                    delayd_adapters::Value::Bool(true),
-                );
+            if let Some(lease) = owned.filter(|_| !stream) {
+                owner_only(&mut source_cfg.queue_arguments, &route.from, lease);
             }
             let source = AmqpSource::start(connections.consume.clone(), source_cfg)
                 .with_context(|| format!("route {name}: cannot start consuming"))?;
@@ -377,7 +371,30 @@ pub fn stream_checkpoint(wal_dir: &std::path::Path, route: &str) -> std::path::P
 /// docs/fault-campaign.md).
 pub const QUORUM_DELIVERY_LIMIT: i64 = i32::MAX as i64;
 
+/// How long a quorum queue keeps a consumer on an unreachable node (its
+/// messages and, with a single active consumer, its turn).
+const CONSUMER_DISCONNECTED: &str = "x-consumer-disconnected-timeout";
+
 /// `from.queue_type` and `from.queue_arguments` as the queue's arguments.
+/// A broker-kept store's ingress: one consumer at a time, the route's owner.
+/// A quorum queue also gives up a consumer on a lost node after `lease`,
+/// as the lock queue does: with RabbitMQ 4.3's default (60 s) the next
+/// owner, whose lock moved after the lease, got no delivery until the lost
+/// node was back (every message published meanwhile was ~10 s late in the
+/// cluster campaign). One the route sets itself is kept.
+fn owner_only(
+    arguments: &mut delayd_adapters::FieldTable,
+    from: &crate::config::FromConfig,
+    lease: std::time::Duration,
+) {
+    use delayd_adapters::Value;
+    arguments.insert("x-single-active-consumer", Value::Bool(true));
+    let quorum = from.queue_type == Some(crate::config::QueueKind::Quorum);
+    if quorum && !from.queue_arguments.contains_key(CONSUMER_DISCONNECTED) {
+        arguments.insert(CONSUMER_DISCONNECTED, Value::I64(lease.as_millis() as i64));
+    }
+}
+
 fn queue_arguments(from: &crate::config::FromConfig) -> delayd_adapters::FieldTable {
     use crate::config::QueueArgument;
     use delayd_adapters::Value;
@@ -538,5 +555,48 @@ impl RuntimeStatus for Status {
             .map(|(name, s)| (name.as_str(), s.describe()))
             .collect();
         serde_json::json!({ "kind": "broker", "routes": routes })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use delayd_adapters::Value;
+
+    use super::*;
+    use crate::config::{FromConfig, QueueArgument, QueueKind};
+
+    /// The broker-kept store's ingress moves to the next owner with the
+    /// lock: a quorum queue gives a consumer on a lost node up after the
+    /// lease, not RabbitMQ's 60 s (the next owner got nothing until the
+    /// node was back).
+    #[test]
+    fn an_owned_quorum_ingress_gives_a_lost_consumer_up_after_the_lease() {
+        let quorum = FromConfig {
+            queue_type: Some(QueueKind::Quorum),
+            ..FromConfig::default()
+        };
+        let mut args = queue_arguments(&quorum);
+        owner_only(&mut args, &quorum, Duration::from_millis(1500));
+        assert_eq!(
+            args.get("x-single-active-consumer"),
+            Some(&Value::Bool(true))
+        );
+        assert_eq!(args.get(CONSUMER_DISCONNECTED), Some(&Value::I64(1500)));
+
+        // A classic queue has no such argument (RabbitMQ refuses it).
+        let classic = FromConfig::default();
+        let mut args = queue_arguments(&classic);
+        owner_only(&mut args, &classic, Duration::from_secs(5));
+        assert_eq!(args.get(CONSUMER_DISCONNECTED), None);
+
+        // The route's own value stays.
+        let mut own = quorum.clone();
+        own.queue_arguments
+            .insert(CONSUMER_DISCONNECTED.into(), QueueArgument::Int(30_000));
+        let mut args = queue_arguments(&own);
+        owner_only(&mut args, &own, Duration::from_secs(5));
+        assert_eq!(args.get(CONSUMER_DISCONNECTED), Some(&Value::I64(30_000)));
     }
 }

@@ -99,6 +99,40 @@ pub enum AmqpError {
 /// How long [`Broker::close`] waits for the broker's close-ok.
 const CLOSE_WAIT: Duration = Duration::from_secs(2);
 
+/// How often a channel being opened looks at its connection's state.
+const LIVENESS_POLL: Duration = Duration::from_millis(20);
+
+/// How an [`open_while_connected`] wait ended.
+#[derive(Debug)]
+enum Opening<T> {
+    Done(T),
+    /// The connection left the connected state first.
+    Lost,
+    TimedOut,
+}
+
+/// Waits for `open` (a channel.open) while `connected()` holds, at most
+/// `timeout`. lapin marks a connection failed a moment after its I/O loop
+/// stops; a channel asked for in between is never answered nor failed, so
+/// waiting for it alone took the whole connect timeout (10 s) after a
+/// node's death: every publish of that connection 10 s late.
+async fn open_while_connected<T>(
+    open: impl std::future::Future<Output = T>,
+    connected: impl Fn() -> bool,
+    timeout: Duration,
+) -> Opening<T> {
+    let lost = async {
+        while connected() {
+            tokio::time::sleep(LIVENESS_POLL).await;
+        }
+    };
+    tokio::select! {
+        done = open => Opening::Done(done),
+        () = lost => Opening::Lost,
+        () = tokio::time::sleep(timeout) => Opening::TimedOut,
+    }
+}
+
 /// Exponential back-off: `initial`, doubling, capped at `max`.
 #[derive(Debug, Clone)]
 pub struct Backoff {
@@ -264,12 +298,15 @@ impl Broker {
             if connection.status().connected() {
                 // Bounded: on a connection that died without lapin noticing
                 // yet, channel.open may never be answered.
-                let opened =
-                    tokio::time::timeout(self.options.connect_timeout, connection.create_channel())
-                        .await;
+                let opened = open_while_connected(
+                    connection.create_channel(),
+                    || connection.status().connected(),
+                    self.options.connect_timeout,
+                )
+                .await;
                 match opened {
-                    Ok(Ok(channel)) => return Ok(channel),
-                    Ok(Err(error)) if connection.status().connected() => {
+                    Opening::Done(Ok(channel)) => return Ok(channel),
+                    Opening::Done(Err(error)) if connection.status().connected() => {
                         // lapin 4 never frees the id of a channel the broker
                         // closed (a publish to a missing exchange, say), so
                         // after channel_max of those a live connection opens
@@ -279,11 +316,15 @@ impl Broker {
                               %error, "cannot open a channel on a live connection; replacing the connection");
                         replace = true;
                     }
-                    Ok(Err(error)) => {
+                    Opening::Done(Err(error)) => {
                         warn!(endpoint = %self.endpoint(), name = %self.options.connection_name,
                               %error, "AMQP connection lost");
                     }
-                    Err(_) => {
+                    Opening::Lost => {
+                        warn!(endpoint = %self.endpoint(), name = %self.options.connection_name,
+                              "AMQP connection lost while opening a channel; reconnecting");
+                    }
+                    Opening::TimedOut => {
                         warn!(endpoint = %self.endpoint(), name = %self.options.connection_name,
                               "opening a channel timed out; replacing the connection");
                         replace = true;
@@ -314,7 +355,23 @@ impl Broker {
 
         match self.connect().await {
             Ok(connection) => {
-                let channel = connection.create_channel().await;
+                let channel = match open_while_connected(
+                    connection.create_channel(),
+                    || connection.status().connected(),
+                    self.options.connect_timeout,
+                )
+                .await
+                {
+                    Opening::Done(channel) => channel,
+                    Opening::Lost | Opening::TimedOut => {
+                        // Lost again before its first channel: the caller
+                        // retries, and the next attempt reconnects.
+                        Err(
+                            lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Error)
+                                .into(),
+                        )
+                    }
+                };
                 state.backoff.reset();
                 state.next_attempt = None;
                 if let Ok(mut status) = self.status.lock() {
@@ -556,6 +613,44 @@ impl BrokerConnections {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A channel.open its connection never answers ends as soon as the
+    /// connection is seen failed, not at the timeout (a node's death made
+    /// every publish 10 s late).
+    #[tokio::test(start_paused = true)]
+    async fn a_channel_open_ends_when_its_connection_fails() {
+        let connected = std::sync::atomic::AtomicBool::new(true);
+        let started = Instant::now();
+        let never = std::future::pending::<()>();
+        let open = open_while_connected(
+            never,
+            || connected.load(std::sync::atomic::Ordering::SeqCst),
+            Duration::from_secs(10),
+        );
+        let fail = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            connected.store(false, std::sync::atomic::Ordering::SeqCst);
+        };
+        let (opening, ()) = tokio::join!(open, fail);
+        assert!(matches!(opening, Opening::Lost), "{opening:?}");
+        assert!(
+            started.elapsed() < Duration::from_millis(200),
+            "{:?}",
+            started.elapsed()
+        );
+
+        // Still bounded on a connection that stays up but never answers.
+        let opening = open_while_connected(
+            std::future::pending::<()>(),
+            || true,
+            Duration::from_secs(10),
+        )
+        .await;
+        assert!(matches!(opening, Opening::TimedOut));
+        // And an answer is passed on.
+        let opening = open_while_connected(async { 7 }, || true, Duration::from_secs(10)).await;
+        assert!(matches!(opening, Opening::Done(7)));
+    }
 
     #[test]
     fn backoff_doubles_to_the_cap_and_resets() {
