@@ -832,6 +832,7 @@ async fn recover(
     route: &str,
 ) -> Result<(u64, Vec<LiveRecord>, HashMap<String, i64>), StateError> {
     let names = session.names().clone();
+    let started = std::time::Instant::now();
     let (current, disagreed) = session.current_generation().await?;
     if disagreed {
         tracing::warn!(route, pointers = ?names.pointers(), generation = ?current, "the route's two pointer streams disagreed (one was deleted, or a restart cut a write between them); both are written again");
@@ -861,8 +862,10 @@ async fn recover(
         }
     }
     let live: Vec<LiveRecord> = order.iter().filter_map(|id| live.remove(id)).collect();
+    let read_ms = started.elapsed().as_millis() as u64;
     let fresh = current.map_or(0, |g| g + 2);
     write_generation(session, fresh, &live, &offsets).await?;
+    let written_ms = started.elapsed().as_millis() as u64;
     if let Some(g) = current {
         for n in [g, g + 1] {
             session.delete(&names.generation(n)).await?;
@@ -875,6 +878,9 @@ async fn recover(
         generation = fresh,
         read,
         live = live.len(),
+        read_ms,
+        written_ms,
+        deleted_ms = started.elapsed().as_millis() as u64,
         "state streams recovered"
     );
     Ok((fresh, live, offsets))
