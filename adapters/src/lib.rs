@@ -26,6 +26,6 @@ pub use amqp::{
 pub use codec::{check_nesting, decode, encode, lookup_key, CodecError};
 pub use message::{FieldTable, Message, Properties, Value};
 pub use traits::{
-    AckHandle, BoxFuture, Consuming, Delivery, PublishOutcome, Sink, SinkError, Source,
-    SourceError, Target,
+    AckHandle, BoxFuture, Consuming, Delivery, Fence, PublishOutcome, Sink, SinkError, Source,
+    SourceError, Target, FENCED,
 };

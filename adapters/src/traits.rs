@@ -9,6 +9,12 @@ use crate::message::Message;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// Whether a publish may still be sent (see [`Sink::publish_fenced`]).
+pub type Fence = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// Why a fenced publish was not sent.
+pub const FENCED: &str = "not sent: its fence fell (the route moved to another instance)";
+
 /// Where a message is published: an AMQP exchange (with routing key) or a
 /// Kafka topic (the routing key is then unused).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -174,6 +180,23 @@ pub trait Sink: Send + Sync {
         message: Message,
         target: Target,
     ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>>;
+
+    /// [`Sink::publish`], sent only if `fence` still holds when it is: a
+    /// publish that waited for a channel (a broker outage) after its route
+    /// moved to another instance fails as [`SinkError::Transient`] instead
+    /// of adding a copy beside the next owner's. The default looks once,
+    /// at the call.
+    fn publish_fenced(
+        &self,
+        message: Message,
+        target: Target,
+        fence: Fence,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        if !fence() {
+            return Box::pin(async { Err(SinkError::Transient(FENCED.to_owned())) });
+        }
+        self.publish(message, target)
+    }
 
     /// Make sure a parking destination exists: an AMQP queue, a Kafka topic.
     fn declare_destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), SinkError>>;

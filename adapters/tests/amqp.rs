@@ -1034,3 +1034,83 @@ async fn an_ack_lost_with_its_connection_is_not_reported_as_done() {
     conn.close(200, "bye".into()).await.expect("close");
     cleanup(&[&queue], &[]).await;
 }
+
+/// A publish that waited for a connection while its fence fell is never
+/// sent. The sink's first endpoint accepts TCP and never answers (a node
+/// behind a cut link), so the sink waits out its connect timeout there;
+/// the fence falls meanwhile (the route moved to another instance), and the
+/// second endpoint, the real broker, must not get the message. Without the
+/// check at send time it arrived: a copy beside the next owner's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_publish_is_not_sent_once_its_fence_fell_while_it_waited() {
+    use delayd_adapters::amqp::{AmqpSettings, Broker, BrokerOptions, Endpoints};
+    logs();
+    let _shared = BROKER.read().await;
+    let queue = unique("fenced");
+    let (conn, channel) = plain().await;
+    declare_queue(&channel, &queue).await;
+
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_url = format!("amqp://guest:guest@{}/%2f", silent.local_addr().unwrap());
+    let settings = AmqpSettings {
+        urls: vec![silent_url, url()],
+        ..AmqpSettings::default()
+    };
+    let mut options = BrokerOptions::named("fenced-test");
+    options.connect_timeout = Duration::from_secs(2);
+    let broker = Arc::new(Broker::with_endpoints(
+        Arc::new(Endpoints::new(&settings).unwrap()),
+        options,
+    ));
+    let sink = AmqpSink::new(broker, SinkConfig::default());
+
+    let holds = Arc::new(AtomicBool::new(true));
+    let fence: delayd_adapters::Fence = {
+        let holds = holds.clone();
+        Arc::new(move || holds.load(Ordering::SeqCst))
+    };
+    let publish = sink.publish_fenced(
+        Message::with_body(b"late".to_vec()),
+        Target::queue(&queue),
+        fence,
+    );
+    // The sink is connecting to the silent endpoint: the fence falls now.
+    let (held, _) = tokio::time::timeout(DEADLINE, silent.accept())
+        .await
+        .expect("the sink never tried the first endpoint")
+        .unwrap();
+    holds.store(false, Ordering::SeqCst);
+    let outcome = tokio::time::timeout(DEADLINE, publish)
+        .await
+        .expect("the publish never ended");
+    drop(held);
+    match outcome {
+        Err(delayd_adapters::SinkError::Transient(why)) => {
+            assert_eq!(why, delayd_adapters::FENCED)
+        }
+        other => panic!("a fenced publish ended with {other:?}"),
+    }
+    // Anything sent would be in the queue by now: the publish only ends
+    // after the broker's confirm.
+    assert_eq!(
+        queue_counts(&queue).await.0,
+        0,
+        "the fenced message was sent"
+    );
+
+    // A fence that holds publishes as usual.
+    let outcome = sink
+        .publish_fenced(
+            Message::with_body(b"on time".to_vec()),
+            Target::queue(&queue),
+            Arc::new(|| true),
+        )
+        .await;
+    assert_eq!(outcome.unwrap(), PublishOutcome::Delivered);
+    eventually("the unfenced message arrives", || async {
+        queue_counts(&queue).await.0 == 1
+    })
+    .await;
+    drop(conn);
+    cleanup(&[&queue], &[]).await;
+}

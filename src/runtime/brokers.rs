@@ -99,6 +99,24 @@ impl Brokers {
         }
     }
 
+    /// [`Brokers::publish`], sent only while `fence` holds (see
+    /// [`delayd_adapters::Sink::publish_fenced`]).
+    pub fn publish_fenced(
+        &self,
+        broker: &str,
+        message: Message,
+        target: Target,
+        fence: delayd_adapters::Fence,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        match self.sinks.get(broker) {
+            Some(sink) => sink.publish_fenced(message, target, fence),
+            None => {
+                let e = SinkError::Permanent(format!("no broker named {broker:?}"));
+                Box::pin(async move { Err(e) })
+            }
+        }
+    }
+
     /// Make sure a parking destination exists: declare the queue (AMQP) or
     /// create the topic (Kafka). Skipped when done within [`REDECLARE_AFTER`].
     pub async fn declare_queue(&self, broker: &str, queue: &str) -> anyhow::Result<()> {

@@ -69,7 +69,18 @@ impl Dispatch for Deliverer {
         let routing_key = message.routing_key.clone();
         // The message moves into the publish (no copy of its body); the
         // stored bytes stay for the rare message that must be parked.
-        let publish = brokers.publish(&route.to.broker, message, target.clone());
+        let publish = match self.stores.get(route.name()) {
+            // A broker-kept store's route: not sent once the route has
+            // moved, even if the publish waited for a reconnect meanwhile
+            // (the next owner fires it; a late copy from here is a
+            // duplicate: a cut link made 1.8 % of them).
+            Some(store) => {
+                let (store, id) = (store.clone(), fired.id);
+                let fence: delayd_adapters::Fence = Arc::new(move || store.may_fire(id));
+                brokers.publish_fenced(&route.to.broker, message, target.clone(), fence)
+            }
+            None => brokers.publish(&route.to.broker, message, target.clone()),
+        };
         let span = tracing::debug_span!("deliver", id = %fired.uid, route = %route.name());
         Box::pin(
             async move {

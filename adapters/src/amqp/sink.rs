@@ -54,7 +54,7 @@ use super::connection::{AmqpError, Broker};
 use super::convert::{message_properties, short_string, ConvertError};
 use super::topology::{ensure_queue, is_soft_error};
 use crate::message::Message;
-use crate::traits::{BoxFuture, PublishOutcome, Sink, SinkError, Target};
+use crate::traits::{BoxFuture, Fence, PublishOutcome, Sink, SinkError, Target, FENCED};
 
 /// How an [`AmqpSink`] publishes.
 #[derive(Debug, Clone)]
@@ -96,6 +96,23 @@ struct Job {
     properties: BasicProperties,
     body: Vec<u8>,
     reply: Reply,
+    /// Sent only while it holds ([`Sink::publish_fenced`]).
+    fence: Option<Fence>,
+}
+
+/// The jobs of `batch` whose fence still holds; the others are answered
+/// [`FENCED`] (a retry for the caller) and never sent.
+fn drop_fenced(batch: Vec<Job>) -> Vec<Job> {
+    let mut kept = Vec::with_capacity(batch.len());
+    for job in batch {
+        match &job.fence {
+            Some(fence) if !fence() => {
+                let _ = job.reply.send(Err(SinkError::Transient(FENCED.to_owned())));
+            }
+            _ => kept.push(job),
+        }
+    }
+    kept
 }
 
 /// Publishes waiting for one channel worker.
@@ -235,6 +252,17 @@ impl AmqpSink {
         message: Message,
         target: &Target,
     ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        self.enqueue_fenced(message, target, None)
+    }
+
+    /// [`AmqpSink::enqueue_owned`], sent only if `fence` holds once the
+    /// worker has a channel for it.
+    pub fn enqueue_fenced(
+        &self,
+        message: Message,
+        target: &Target,
+        fence: Option<Fence>,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
         let job = match self.job(&message, target) {
             Ok(job) => job,
             Err(e) => return Box::pin(async move { Err(e) }),
@@ -251,6 +279,7 @@ impl AmqpSink {
                 properties,
                 body: message.body,
                 reply,
+                fence,
             });
         }
         queue.ready.notify_one();
@@ -442,6 +471,12 @@ impl Worker {
                 return Ok(());
             }
         };
+        // Getting a channel may have taken a reconnect, long enough for the
+        // route to move to another instance.
+        let batch = drop_fenced(batch);
+        if batch.is_empty() {
+            return Ok(());
+        }
         let options = BasicPublishOptions {
             mandatory: true,
             immediate: false,
@@ -694,6 +729,15 @@ impl Sink for AmqpSink {
         target: Target,
     ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
         self.enqueue_owned(message, &target)
+    }
+
+    fn publish_fenced(
+        &self,
+        message: Message,
+        target: Target,
+        fence: Fence,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        self.enqueue_fenced(message, &target, Some(fence))
     }
 
     fn declare_destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), SinkError>> {
