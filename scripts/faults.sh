@@ -32,6 +32,9 @@
 #                          # "stream"), except handoff, which needs a queue
 #                          # (the config check refuses a stream)
 #   INGRESS=quorum ...     # RabbitMQ routes read a quorum queue
+#   KAFKA_CONSUMER='"group.protocol" = "consumer"' ...
+#                          # the Kafka routes' consumer_properties (TOML
+#                          # key = value pairs), e.g. KIP-848's protocol
 #
 # Pass: 0 lost and 0 early in every scenario, 0 duplicates under another
 # x-delayd-id than the first copy's in every scenario (a copy can only be
@@ -151,6 +154,7 @@ url = "amqp://guest:guest@127.0.0.1:5672/%2f"
 [brokers.kafka]
 kind = "kafka"
 bootstrap = "127.0.0.1:9092"
+${KAFKA_CONSUMER:+consumer_properties = { $KAFKA_CONSUMER \}}
 
 EOF
         if is_kafka "$s"; then

@@ -92,6 +92,16 @@ impl KafkaClientConfig {
         }
     }
 
+    /// Whether consumers join with KIP-848's protocol (`group.protocol =
+    /// "consumer"`): the session and heartbeat are then the broker's, and
+    /// librdkafka refuses a consumer that sets them.
+    pub fn consumer_protocol(&self) -> bool {
+        self.consumer
+            .get("group.protocol")
+            .or(self.properties.get("group.protocol"))
+            .is_some_and(|p| p.eq_ignore_ascii_case("consumer"))
+    }
+
     /// `defaults`, then the user's properties (shared, then the role's), then
     /// `required`.
     fn client_config(

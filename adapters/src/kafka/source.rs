@@ -277,6 +277,28 @@ enum Command {
     Resume,
 }
 
+/// delayd's settings of a source's consumer, under the user's properties.
+fn consumer_defaults(consumer_protocol: bool) -> Vec<(&'static str, &'static str)> {
+    let mut defaults = vec![
+        ("auto.offset.reset", "earliest"),
+        // Partitions added to a source topic are noticed (and the group
+        // rebalanced) within 10 s, not librdkafka's default 5 minutes. A
+        // Metadata request every 10 s is cheap.
+        ("topic.metadata.refresh.interval.ms", "10000"),
+    ];
+    if !consumer_protocol {
+        // An instance killed with kill -9 leaves the group only when its
+        // session times out: librdkafka's 45 s would hold its partitions,
+        // and their due messages, that long. 6 s is the brokers' default
+        // minimum (group.min.session.timeout.ms). Under KIP-848's protocol
+        // the broker sets both (`group.consumer.session.timeout.ms`), and
+        // librdkafka refuses a consumer that sets them.
+        defaults.push(("session.timeout.ms", "6000"));
+        defaults.push(("heartbeat.interval.ms", "1500"));
+    }
+    defaults
+}
+
 /// A [`Source`] over a consumer group's topics.
 pub struct KafkaSource {
     rx: mpsc::Receiver<Delivery>,
@@ -302,21 +324,7 @@ impl KafkaSource {
         let consumer: BaseConsumer<SourceContext> = client
             .client_config(
                 Role::Consumer,
-                &[
-                    ("auto.offset.reset", "earliest"),
-                    // Partitions added to a source topic are noticed (and
-                    // the group rebalanced) within 10 s, not librdkafka's
-                    // default 5 minutes. A Metadata request every 10 s is
-                    // cheap.
-                    ("topic.metadata.refresh.interval.ms", "10000"),
-                    // An instance killed with kill -9 leaves the group only
-                    // when its session times out: librdkafka's 45 s would
-                    // hold its partitions, and their due messages, that
-                    // long. 6 s is the brokers' default minimum
-                    // (group.min.session.timeout.ms).
-                    ("session.timeout.ms", "6000"),
-                    ("heartbeat.interval.ms", "1500"),
-                ],
+                &consumer_defaults(client.consumer_protocol()),
                 &[
                     ("group.id", &config.group),
                     ("enable.auto.commit", "false"),
@@ -664,5 +672,44 @@ impl AckHandle for KafkaAck {
             .unwrap_or_else(|e| e.into_inner())
             .push((self.tp.clone(), self.offset, self.epoch));
         Box::pin(async { Ok(()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::consumer::BaseConsumer;
+
+    use super::*;
+
+    /// `group.protocol = "consumer"` (KIP-848) in the user's properties
+    /// makes a consumer librdkafka accepts: delayd's session and heartbeat
+    /// are left out (it refused one with them: "`session.timeout.ms` is not
+    /// supported for `group.protocol=consumer`").
+    #[test]
+    fn a_consumer_of_the_new_group_protocol_is_accepted() {
+        let mut client = KafkaClientConfig::new("127.0.0.1:1");
+        client
+            .consumer
+            .insert("group.protocol".into(), "consumer".into());
+        assert!(client.consumer_protocol());
+        let config = client.client_config(
+            Role::Consumer,
+            &consumer_defaults(client.consumer_protocol()),
+            &[("group.id", "delayd-test")],
+        );
+        assert_eq!(config.get("session.timeout.ms"), None);
+        if let Err(e) = config.create::<BaseConsumer>() {
+            panic!("librdkafka refused the consumer: {e}");
+        }
+
+        // The classic protocol keeps delayd's 6 s session.
+        let classic = KafkaClientConfig::new("127.0.0.1:1");
+        assert!(!classic.consumer_protocol());
+        let config = classic.client_config(
+            Role::Consumer,
+            &consumer_defaults(classic.consumer_protocol()),
+            &[("group.id", "delayd-test")],
+        );
+        assert_eq!(config.get("session.timeout.ms"), Some("6000"));
     }
 }
