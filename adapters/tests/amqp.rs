@@ -1036,10 +1036,10 @@ async fn an_ack_lost_with_its_connection_is_not_reported_as_done() {
 }
 
 /// A publish that waited for a connection while its fence fell is never
-/// sent. The sink's first endpoint accepts TCP and never answers (a node
-/// behind a cut link), so the sink waits out its connect timeout there;
-/// the fence falls meanwhile (the route moved to another instance), and the
-/// second endpoint, the real broker, must not get the message. Without the
+/// sent. The sink's first endpoint accepts TCP and says nothing (a node
+/// behind a cut link), so the sink waits there; the fence falls meanwhile
+/// (the route moved to another instance), then that endpoint hangs up and
+/// the second, the real broker, must not get the message. Without the
 /// check at send time it arrived: a copy beside the next owner's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_publish_is_not_sent_once_its_fence_fell_while_it_waited() {
@@ -1057,7 +1057,8 @@ async fn a_fenced_publish_is_not_sent_once_its_fence_fell_while_it_waited() {
         ..AmqpSettings::default()
     };
     let mut options = BrokerOptions::named("fenced-test");
-    options.connect_timeout = Duration::from_secs(2);
+    // Never reached: the silent endpoint hangs up once the fence fell.
+    options.connect_timeout = DEADLINE;
     let broker = Arc::new(Broker::with_endpoints(
         Arc::new(Endpoints::new(&settings).unwrap()),
         options,
@@ -1080,10 +1081,10 @@ async fn a_fenced_publish_is_not_sent_once_its_fence_fell_while_it_waited() {
         .expect("the sink never tried the first endpoint")
         .unwrap();
     holds.store(false, Ordering::SeqCst);
+    drop(held);
     let outcome = tokio::time::timeout(DEADLINE, publish)
         .await
         .expect("the publish never ended");
-    drop(held);
     match outcome {
         Err(delayd_adapters::SinkError::Transient(why)) => {
             assert_eq!(why, delayd_adapters::FENCED)

@@ -90,13 +90,7 @@ impl Brokers {
         message: Message,
         target: Target,
     ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
-        match self.sinks.get(broker) {
-            Some(sink) => sink.publish(message, target),
-            None => {
-                let e = SinkError::Permanent(format!("no broker named {broker:?}"));
-                Box::pin(async move { Err(e) })
-            }
-        }
+        self.send(broker, message, target, None)
     }
 
     /// [`Brokers::publish`], sent only while `fence` holds (see
@@ -108,9 +102,20 @@ impl Brokers {
         target: Target,
         fence: delayd_adapters::Fence,
     ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
-        match self.sinks.get(broker) {
-            Some(sink) => sink.publish_fenced(message, target, fence),
-            None => {
+        self.send(broker, message, target, Some(fence))
+    }
+
+    fn send(
+        &self,
+        broker: &str,
+        message: Message,
+        target: Target,
+        fence: Option<delayd_adapters::Fence>,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SinkError>> {
+        match (self.sinks.get(broker), fence) {
+            (Some(sink), None) => sink.publish(message, target),
+            (Some(sink), Some(fence)) => sink.publish_fenced(message, target, fence),
+            (None, _) => {
                 let e = SinkError::Permanent(format!("no broker named {broker:?}"));
                 Box::pin(async move { Err(e) })
             }
