@@ -25,6 +25,18 @@
 #                owner sends to that node, its reconnects included; the
 #                instances run in cgroups of their own for the match), then
 #                restored; the instances' heartbeat is 5 s
+#   conn-flap    the same link cut for 1 s and up for 1 s, for FLAP seconds
+#                (default 60, 30 in the short run); heartbeat 5 s
+#   node-cut     the node the owner is connected to cut off from the other
+#                two for 15 s (Erlang distribution and stream replication,
+#                both ways) while every process lives and the owner's
+#                connection stays up: the node is in the minority. RabbitMQ
+#                4.3 keeps its metadata in Khepri (Raft), whose minority
+#                behaves like `pause_minority`: it takes no writes
+#   lock-cut     the link between the owner's node and the lock queue's
+#                leader's node cut for 15 s (the third node still reaches
+#                both); when the two are one node, the lock's leadership is
+#                first moved to another node
 #   classic-node one instance, the local store, a route on a classic ingress
 #                queue whose node is killed with kill -9: delayd waits for
 #                the queue, and resumes once its node is back
@@ -37,8 +49,12 @@
 #   LOG="info,delayd::runtime::ingest=debug"  # delayd's log level (each message's intake)
 #   LEASE=1s ...                              # store.lease of the store scenarios (default 5s)
 #
-# conn-cut needs cgroup v2 (the unified hierarchy) and iptables' cgroup
-# match; without them it is skipped, saying so.
+# The cuts (conn-cut, conn-flap, node-cut, lock-cut) need cgroup v2 (the
+# unified hierarchy) and iptables' cgroup and connmark matches; without them
+# they are skipped, saying so. The nodes and the instances all live on
+# loopback, so a link is told apart by the sending process's cgroup (each
+# instance and, for a cut, each node's VM has one of its own) and the
+# receiving side's ports.
 #
 # Pass: 0 lost and 0 early, never two owners at once, the state streams on
 # all three nodes, duplicates under another x-delayd-id than the first copy's
@@ -69,7 +85,8 @@ else
 fi
 delay_min=5000
 cycles="${CYCLES:-$default_cycles}"
-scenarios="${SCENARIOS:-conn-node lock-leader rolling conn-cut classic-node}"
+scenarios="${SCENARIOS:-conn-node lock-leader rolling conn-cut conn-flap node-cut lock-cut classic-node}"
+flap="${FLAP:-$($short && echo 30 || echo 60)}"
 ports=(5681 5682 5683)
 
 # jq reads /readyz and rabbitmqctl's JSON; ss finds a process's connections;
@@ -142,6 +159,7 @@ cleanup() {
     uncut_all
     stop_all
     for i in 1 2; do rmdir "$cgroup_root/$(cgroup_of "$i")" 2>/dev/null || true; done
+    unplace_nodes
     # Every node up again, whatever a failed scenario left down.
     for n in 1 2 3; do cluster cluster-start "$n" 2>/dev/null || true; done
     ctl rabbitmqctl list_queues name --no-table-headers | grep "^cfaults\.$tag\." |
@@ -159,7 +177,7 @@ write_config() { # scenario, instance (1 = A, 2 = B), node order...
     shift 2
     local urls="" n query=""
     # A cut link is noticed by the node only after the heartbeat timeout.
-    [ "$s" = conn-cut ] && query="?heartbeat=5"
+    case "$s" in conn-cut | conn-flap) query="?heartbeat=5" ;; esac
     for n in "$@"; do urls+="\"amqp://guest:guest@127.0.0.1:${ports[$((n - 1))]}/%2f$query\", "; done
     local store="" queue_type="quorum"
     if [ "$s" = classic-node ]; then
@@ -286,11 +304,139 @@ inject_conn-cut() {
     log "link $o-$n: back"
     sleep 10
 }
+inject_conn-flap() {
+    local o n i
+    o=$(owner "$1") || { log "no owner"; return 1; }
+    n=$(connected_node "$o") || { log "instance $o has no connection"; return 1; }
+    log "owner $o is connected to node $n: the link flaps (1 s cut, 1 s up) for $flap s"
+    for i in $(seq 1 $((flap / 2))); do
+        cut "$o" "$n" || { log "iptables refused the cut"; return 1; }
+        sleep 1
+        uncut_all
+        sleep 1
+    done
+    log "link instance $o - node $n: steady"
+    sleep 10
+}
+
+# Links between nodes. Node $1's VM listens on its distribution port; for
+# a cut it moves into a cgroup of its own, so that what it sends can be
+# told from what the other nodes send.
+node_cgroup() { echo "delayd-cfaults-$tag-node$1"; }
+node_vm() {
+    ss -tlnpH "sport = :$((25680 + $1))" 2>/dev/null | sed -n 's/.*pid=\([0-9]*\),.*/\1/p' | head -n 1
+}
+place_node() {
+    local cg pid
+    cg="$cgroup_root/$(node_cgroup "$1")"
+    pid=$(node_vm "$1")
+    [ -n "$pid" ] && mkdir -p "$cg" && echo "$pid" >"$cg/cgroup.procs"
+}
+unplace_nodes() {
+    local n cg p
+    for n in 1 2 3; do
+        cg="$cgroup_root/$(node_cgroup "$n")"
+        [ -d "$cg" ] || continue
+        while read -r p; do echo "$p" >"$cgroup_root/cgroup.procs" 2>/dev/null || true; done <"$cg/cgroup.procs"
+        rmdir "$cg" 2>/dev/null || true
+    done
+}
+# The established connections node $1's VM opened to node $2's
+# distribution port or stream replication ports: "local-port peer-port".
+node_links() { # from, to
+    local pid="$(node_vm "$1")" to="$2"
+    ss -tnpH state established 2>/dev/null | grep "pid=$pid," |
+        awk -v d=$((25680 + to)) -v lo=$((6000 + to * 100)) -v hi=$((6099 + to * 100)) '{
+            n = split($3, l, ":"); m = split($4, p, ":")
+            if (p[m] == d || (p[m] >= lo && p[m] <= hi)) print l[n], p[m]
+        }'
+}
+# Cut the link between nodes $1 and $2, both ways, silently (no reset: as
+# a partition, not a crash). Every packet of a connection between them is
+# dropped, the replies too: a connection is marked (conntrack) by the
+# first packet a rule below matches. The rules: each connection open now,
+# by its ports (a socket keeps the cgroup it was made in, so the nodes'
+# cgroups cannot tell them); and each new one, by the sending node's
+# cgroup and the other node's ports. A mark of its own per cut, so that a
+# later cut never takes connections an earlier one marked.
+marks=0
+cut_nodes() { # node, node
+    place_node "$1" && place_node "$2" || { log "node $1 or $2 has no VM to cut"; return 1; }
+    marks=$((marks + 1))
+    local mark=$((0x4400 + marks)) rule from to sport dport open=0
+    rule="-m connmark --mark $mark -j DROP"
+    # shellcheck disable=SC2086 # a rule is words
+    iptables -I OUTPUT $rule && cuts+=("$rule") || return 1
+    for from in "$1" "$2"; do
+        to=$(($1 + $2 - from))
+        rule="-p tcp -m multiport --dports $((25680 + to)),$((6000 + to * 100)):$((6099 + to * 100))"
+        rule+=" -m cgroup --path $(node_cgroup "$from") -j CONNMARK --set-mark $mark"
+        # shellcheck disable=SC2086
+        iptables -I OUTPUT $rule && cuts+=("$rule") || return 1
+        while read -r sport dport; do
+            rule="-p tcp --sport $sport --dport $dport -j CONNMARK --set-mark $mark"
+            # shellcheck disable=SC2086
+            iptables -I OUTPUT $rule && cuts+=("$rule") && open=$((open + 1)) || return 1
+        done < <(node_links "$from" "$to")
+    done
+    [ "$open" -gt 0 ] || { log "no connection between nodes $1 and $2 to cut"; return 1; }
+}
+# Packets the cuts' connmark rules dropped so far (a cut that dropped
+# nothing cut nothing, and fails its scenario).
+dropped() {
+    iptables -L OUTPUT -v -n -x 2>/dev/null | awk '$3 == "DROP" && /connmark match/ { n += $1 } END { print n + 0 }'
+}
+# Heal the cuts, once they have shown to drop something.
+heal_nodes() { # what
+    local n
+    n=$(dropped)
+    uncut_all
+    log "$1: links back ($n packets between the nodes dropped)"
+    [ "$n" -gt 0 ]
+}
+inject_node-cut() {
+    local o n m
+    o=$(owner "$1") || { log "no owner"; return 1; }
+    n=$(connected_node "$o") || { log "instance $o has no connection"; return 1; }
+    log "owner $o is connected to node $n: node $n cut off from the other two for 15 s"
+    for m in 1 2 3; do
+        [ "$m" = "$n" ] || cut_nodes "$n" "$m" || { uncut_all; return 1; }
+    done
+    sleep 15
+    heal_nodes "node $n" || return 1
+    sleep 15
+}
+inject_lock-cut() {
+    local o n l m
+    o=$(owner "$1") || { log "no owner"; return 1; }
+    n=$(connected_node "$o") || { log "instance $o has no connection"; return 1; }
+    l=$(lock_leader "$1")
+    [ -n "$l" ] || { log "no leader for the lock queue"; return 1; }
+    if [ "$l" = "$n" ]; then
+        # Another node than the owner's, and not the bench's (node 3) when
+        # there is a choice.
+        for m in 1 2 3; do [ "$m" != "$n" ] && { l=$m; break; }; done
+        log "the lock queue's leader is the owner's node $n: moving it to node $l"
+        ctl rabbitmq-queues transfer_leadership "cfaults.$tag.$1.cf-$1.lock" "$(node "$l")" >/dev/null ||
+            { log "transfer_leadership refused"; return 1; }
+        for _ in $(seq 1 50); do [ "$(lock_leader "$1")" = "$l" ] && break; sleep 0.2; done
+        [ "$(lock_leader "$1")" = "$l" ] || { log "the lock queue's leader did not move"; return 1; }
+    fi
+    log "owner $o is connected to node $n, the lock queue's leader is node $l: cutting $n-$l for 15 s"
+    cut_nodes "$n" "$l" || { uncut_all; return 1; }
+    sleep 15
+    heal_nodes "link $n-$l" || return 1
+    sleep 15
+}
 can_cut() {
     command -v iptables >/dev/null && [ -d "$cgroup_root" ] &&
         mkdir -p "$cgroup_root/$(cgroup_of probe)" 2>/dev/null &&
         iptables -I OUTPUT -p tcp --dport 1 -m cgroup --path "$(cgroup_of probe)" -j DROP 2>/dev/null &&
         iptables -D OUTPUT -p tcp --dport 1 -m cgroup --path "$(cgroup_of probe)" -j DROP &&
+        iptables -I OUTPUT -p tcp --dport 1 -j CONNMARK --set-mark 0x4400 2>/dev/null &&
+        iptables -D OUTPUT -p tcp --dport 1 -j CONNMARK --set-mark 0x4400 &&
+        iptables -I OUTPUT -p tcp --dport 1 -m connmark --mark 0x4400 -j DROP 2>/dev/null &&
+        iptables -D OUTPUT -p tcp --dport 1 -m connmark --mark 0x4400 -j DROP &&
         rmdir "$cgroup_root/$(cgroup_of probe)"
 }
 inject_lock-pause() {
@@ -325,17 +471,28 @@ inject_classic-node() {
 
 # Seconds one cycle of each fault takes (node_down is about 30 s, a cut
 # 25 s).
-fault_seconds() { if [ "$1" = rolling ]; then echo 100; else echo 35; fi; }
+fault_seconds() {
+    case "$1" in
+    rolling) echo 100 ;;
+    conn-flap) echo $((flap + 15)) ;;
+    node-cut | lock-cut) echo 40 ;;
+    *) echo 35 ;;
+    esac
+}
 
 # --- one scenario ----------------------------------------------------------
 
 run_scenario() { # scenario
     local s="$1" instances=(1 2)
     [ "$s" = classic-node ] && instances=(1)
-    if [ "$s" = conn-cut ] && ! can_cut; then
-        log "conn-cut: skipped (needs cgroup v2 at $cgroup_root and iptables' cgroup match)"
-        return 0
-    fi
+    case "$s" in
+    conn-cut | conn-flap | node-cut | lock-cut)
+        if ! can_cut; then
+            log "$s: skipped (needs cgroup v2 at $cgroup_root and iptables' cgroup and connmark matches)"
+            return 0
+        fi
+        ;;
+    esac
     write_config "$s" 1 1 2 3
     write_config "$s" 2 2 3 1
     for i in "${instances[@]}"; do start_delayd "$s" "$i" || return 1; done
@@ -347,9 +504,13 @@ run_scenario() { # scenario
     local seconds=$((cycles * $(fault_seconds "$s") + 10))
     local count=$((rate * seconds))
     local start=$SECONDS
-    timeout "$((seconds + delay_max / 1000 + 400))" "$delayd" bench --quiet --json \
-        --url "amqp://guest:guest@127.0.0.1:5681/%2f" --url "amqp://guest:guest@127.0.0.1:5682/%2f" \
-        --url "amqp://guest:guest@127.0.0.1:5683/%2f" \
+    # The bench on node 1 first; on node 3 first where a node is cut off,
+    # which is the owner's (mostly node 1 or 2): its own consumer stalled
+    # behind a cut would be counted as delayd's lateness.
+    local bench_nodes=(1 2 3) urls=() n
+    case "$s" in node-cut | lock-cut) bench_nodes=(3 2 1) ;; esac
+    for n in "${bench_nodes[@]}"; do urls+=(--url "amqp://guest:guest@127.0.0.1:${ports[$((n - 1))]}/%2f"); done
+    timeout "$((seconds + delay_max / 1000 + 400))" "$delayd" bench --quiet --json "${urls[@]}" \
         --exchange "cfaults.$tag.$s.delayed" --queue "cfaults.$tag.$s.out.q" --queue-type quorum \
         --bind-to "cfaults.$tag.$s.out" --count "$count" --rate "$rate" \
         --delay-min "$delay_min" --delay-max "$delay_max" --body-bytes 256 --in-flight 1000 \
@@ -363,6 +524,8 @@ run_scenario() { # scenario
     done
     wait "$bench" || true
     local took=$((SECONDS - start))
+    local held
+    held=$(left_behind "$s" "${instances[@]}")
     stop_all
     [ "$ok" = 0 ] || return 1
     [ -s "$work/$s.json" ] || { log "$s: the bench reported nothing:"; tail -n 20 "$work/$s.bench.log" >&2; }
@@ -379,7 +542,25 @@ run_scenario() { # scenario
     # (issue #40).
     local store=()
     [ "$s" = classic-node ] || store=(--owners "$work/$s.owners" --replicas "$members")
-    python3 scripts/faults/report.py "$s" "$cycles" "$took" "$dup_permille" "$work/$s.json" ${store[@]+"${store[@]}"}
+    python3 scripts/faults/report.py "$s" "$cycles" "$took" "$dup_permille" "$work/$s.json" ${store[@]+"${store[@]}"} || return 1
+    [ -z "$held" ] || { log "$s: messages left behind after every one arrived:$held"; return 1; }
+}
+
+# Once the bench has every message, no instance may hold one of the route's
+# (a former owner that kept one fires it again the next time it owns the
+# route). Prints what each instance still holds after 10 s, if anything.
+left_behind() { # scenario, instances...
+    local s="$1" i k
+    shift
+    for i in "$@"; do
+        for _ in $(seq 1 50); do
+            k=$(curl -s -m 1 "http://127.0.0.1:$(http_port "$i")/metrics" |
+                awk -v r="delayd_pending_messages{route=\"cf-$s\"}" '$1 == r { print $2 }')
+            [ "${k:-0}" = 0 ] && break
+            sleep 0.2
+        done
+        [ "${k:-0}" = 0 ] || echo -n " instance $i holds $k"
+    done
 }
 
 for s in $scenarios; do

@@ -40,6 +40,12 @@ pub enum Outcome {
     Done,
     /// Try again later, after back-off.
     Retry(String),
+    /// Not this instance's to fire any more: its route moved to another
+    /// instance, which holds it too (the broker-kept store). Taken out here
+    /// as [`Engine::release`](super::Engine::release) does, unsent. A
+    /// publish in flight when the route moved ends this way; retried, it
+    /// stayed pending here and fired again once the route came back.
+    Release(String),
     /// The route's target broker cannot be reached. The route's due messages
     /// wait, in due order, while one of them probes the broker now and then
     /// (250 ms, doubling to 5 s); once a probe gets through they all go at
@@ -431,8 +437,16 @@ async fn complete(
         inner.wake.notify_one();
     }
     match outcome {
-        Outcome::Done => {
+        Outcome::Done | Outcome::Release(_) => {
             state.retire(id, &flight);
+            if let Outcome::Release(reason) = &outcome {
+                // Forgotten by redelivery detection, so that a copy restored
+                // here later is stored again.
+                state.unconfirmed.remove(id);
+                tracing::debug!(id, route = %route, %reason, "released in flight");
+                metrics::counter!("delayd_released_total", "route" => route.to_string())
+                    .increment(1);
+            }
             if let Some(hash) = key {
                 state.unindex_key(hash, id);
             }

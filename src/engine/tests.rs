@@ -1976,3 +1976,77 @@ async fn what_the_engine_acknowledged_survives_a_power_loss() {
         assert!(!engine.is_pending(*id), "cancelled message {id} came back");
     }
 }
+
+/// Releases what it is given on route "moved" (the route went to another
+/// instance while the publish was in flight); delivers the rest.
+struct Mover {
+    tx: mpsc::UnboundedSender<Fired>,
+}
+
+impl Dispatch for Mover {
+    fn deliver(&self, fired: Fired) -> BoxFuture<'static, Outcome> {
+        if &*fired.route == "moved" {
+            return Box::pin(async { Outcome::Release("the route moved".into()) });
+        }
+        let _ = self.tx.send(fired);
+        Box::pin(async { Outcome::Done })
+    }
+}
+
+/// A publish that comes back because its route moved takes the message out
+/// for good: it is neither retried here nor back after a restart. (Retried,
+/// it stayed pending on the former owner, and fired again whenever that
+/// instance owned the route next: a cluster partition left 200 so.)
+#[tokio::test]
+async fn a_message_released_in_flight_leaves_and_does_not_come_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |engine: Engine| {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let shutdown = CancellationToken::new();
+        let task = {
+            let (engine, shutdown) = (engine.clone(), shutdown.clone());
+            let dispatch: Arc<dyn Dispatch> = Arc::new(Mover { tx });
+            tokio::spawn(
+                async move { engine.run(dispatch, shutdown, Duration::from_secs(5)).await },
+            )
+        };
+        (rx, shutdown, task)
+    };
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let (mut rx, shutdown, task) = run(engine.clone());
+    let due = now() + 50;
+    for i in 0..3u8 {
+        engine.schedule("moved", due, vec![i]).await.unwrap();
+    }
+    let kept = engine
+        .schedule("kept", due + 10, b"kept".to_vec())
+        .await
+        .unwrap();
+    let f = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .expect("the other route fires")
+        .unwrap();
+    assert_eq!(f.id, kept);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while engine.pending() != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} released messages still pending",
+            engine.pending()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    task.await.unwrap();
+    engine.close().await.unwrap();
+    drop(engine);
+
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    assert_eq!(
+        engine.pending(),
+        0,
+        "a released message came back after a restart"
+    );
+    engine.close().await.unwrap();
+    assert!(rx.try_recv().is_err(), "a released message was delivered");
+}

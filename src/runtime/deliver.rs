@@ -19,6 +19,9 @@ use super::store::RouteStore;
 /// is parked as unroutable (with the default back-off, about 6 s).
 const MISSING_TARGET_ATTEMPTS: u32 = 6;
 
+/// Why a message is released rather than published (broker-kept store).
+const MOVED: &str = "this instance no longer owns the route";
+
 pub struct Deliverer {
     pub routes: Arc<HashMap<String, Arc<Route>>>,
     pub brokers: Brokers,
@@ -43,9 +46,8 @@ impl Dispatch for Deliverer {
             .get(route.name())
             .is_some_and(|s| !s.may_fire(fired.id))
         {
-            // The route's lock is lost: its messages are being released.
-            let reason = "this instance no longer owns the route".to_owned();
-            return Box::pin(async move { Outcome::Retry(reason) });
+            // The route moved: the next owner fires this one.
+            return Box::pin(async move { Outcome::Release(MOVED.to_owned()) });
         }
         let decoded = delayd_adapters::decode(&fired.message);
         // Where its state record is (broker-kept store), read before the
@@ -81,6 +83,9 @@ impl Dispatch for Deliverer {
             }
             None => brokers.publish(&route.to.broker, message, target.clone()),
         };
+        let store = self.stores.get(route.name()).cloned();
+        let id = fired.id;
+        let may_fire = move || store.as_ref().is_none_or(|s| s.may_fire(id));
         let span = tracing::debug_span!("deliver", id = %fired.uid, route = %route.name());
         Box::pin(
             async move {
@@ -119,6 +124,9 @@ impl Dispatch for Deliverer {
                     Err(SinkError::UnknownTarget(e)) => {
                         Outcome::Retry(format!("unknown target: {e}"))
                     }
+                    // Not sent (its fence fell at send), or sent or not while
+                    // the route moved: the next owner has it either way.
+                    Err(SinkError::Transient(_)) if !may_fire() => Outcome::Release(MOVED.to_owned()),
                     Err(SinkError::Transient(e)) => Outcome::Retry(e),
                     Err(SinkError::Unavailable(e)) => Outcome::Unavailable(e),
                     Err(SinkError::Permanent(e)) => {

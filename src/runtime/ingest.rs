@@ -541,7 +541,9 @@ impl Intake {
                     }
                     return;
                 }
-                Outcome::Retry(reason) | Outcome::Unavailable(reason) => {
+                Outcome::Retry(reason)
+                | Outcome::Unavailable(reason)
+                | Outcome::Release(reason) => {
                     tracing::error!(route = %self.route.name(), %reason, kind, "cannot publish the message aside; holding it to try again");
                 }
             }
