@@ -60,7 +60,8 @@
 # all three nodes, duplicates under another x-delayd-id than the first copy's
 # 0 (classic-node: listed, as the README's named case of a broker node that
 # crashed just after delayd's ack), all duplicates at most 0.1 % of the
-# messages received (8 % in the short run). The bench publishes each message once
+# messages received (8 % in the short run), and no instance holding any of
+# the route's messages once every one arrived. The bench publishes each message once
 # (a publish whose confirm is lost is not sent again, only counted
 # unconfirmed), so every further copy is delayd's.
 # Lost counts only publishes the broker confirmed; early is judged against
