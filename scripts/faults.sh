@@ -35,6 +35,9 @@
 #   KAFKA_CONSUMER='"group.protocol" = "consumer"' ...
 #                          # the Kafka routes' consumer_properties (TOML
 #                          # key = value pairs), e.g. KIP-848's protocol
+#   KAFKA_PROPERTIES='"reconnect.backoff.max.ms" = "1000"' ...
+#                          # the Kafka broker's properties (producer and
+#                          # consumer alike), the same way
 #
 # Pass: 0 lost and 0 early in every scenario, 0 duplicates under another
 # x-delayd-id than the first copy's in every scenario (a copy can only be
@@ -154,6 +157,7 @@ url = "amqp://guest:guest@127.0.0.1:5672/%2f"
 [brokers.kafka]
 kind = "kafka"
 bootstrap = "127.0.0.1:9092"
+${KAFKA_PROPERTIES:+properties = { $KAFKA_PROPERTIES \}}
 ${KAFKA_CONSUMER:+consumer_properties = { $KAFKA_CONSUMER \}}
 
 EOF
