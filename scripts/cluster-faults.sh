@@ -119,7 +119,7 @@ node() { echo "delayd-c$1@localhost"; }
 cluster() { bash scripts/rabbitmq.sh "$@" >/dev/null; }
 # rabbitmqctl and friends against any node that answers.
 ctl() { # command...
-    local tool="$1"
+    local tool="$1" n
     shift
     for n in 1 2 3; do
         if "$tool" -q -n "$(node "$n")" "$@" 2>/dev/null; then return 0; fi
