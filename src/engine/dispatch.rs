@@ -440,9 +440,6 @@ async fn complete(
         Outcome::Done | Outcome::Release(_) => {
             state.retire(id, &flight);
             if let Outcome::Release(reason) = &outcome {
-                // Forgotten by redelivery detection, so that a copy restored
-                // here later is stored again.
-                state.unconfirmed.remove(id);
                 tracing::debug!(id, route = %route, %reason, "released in flight");
                 metrics::counter!("delayd_released_total", "route" => route.to_string())
                     .increment(1);

@@ -1143,12 +1143,16 @@ impl Engine {
 
     /// Take a message out because another instance now owns it (the
     /// broker-kept store gave its partition away; the state topic keeps
-    /// it): Done locally, and forgotten by redelivery detection so a
-    /// restored copy is stored again. `Ok(false)` if unknown; in flight, it
-    /// fires (the new owner may fire it too: a counted duplicate).
+    /// it): Done locally. Redelivery detection still knows it, as a record
+    /// that left: a delivery of it the broker hands back later (its ack was
+    /// in doubt when the route moved, and the route has come back here
+    /// since) is then a same-id copy, not a new message under a new id. A
+    /// restore stores its copy whatever is remembered. `Ok(false)` if
+    /// unknown; in flight, it is released when its publish comes back
+    /// ([`Outcome::Release`]).
     pub async fn release(&self, id: u64) -> Result<bool, EngineError> {
         let queued = self.retire(id, "released").await;
-        self.state().unconfirmed.remove(id);
+        self.state().unconfirmed.left(id);
         let retired = match queued {
             Ok(Some(retired)) => retired,
             Ok(None) | Err(EngineError::InFlight(_)) => return Ok(false),

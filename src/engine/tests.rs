@@ -2050,3 +2050,46 @@ async fn a_message_released_in_flight_leaves_and_does_not_come_back() {
     engine.close().await.unwrap();
     assert!(rx.try_recv().is_err(), "a released message was delivered");
 }
+
+/// A message the broker-kept store released (its route moved to another
+/// instance) stays known to redelivery detection: when the route is back
+/// here and the broker hands over the delivery whose ack was in doubt at
+/// the move, it is stored under its first identity (a same-id copy), not as
+/// a new message under a new id. (Forgotten, three partitions a minute
+/// apart in the cluster campaign sent 500 messages twice under two ids.)
+#[tokio::test]
+async fn a_released_message_redelivered_later_keeps_its_identity() {
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let due = now() + 1_000_000;
+    let uid = MessageId::mint();
+    let msg = b"stored, its ack in doubt, released".to_vec();
+    let first = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    let id = match engine
+        .store("r", due, uid, msg.clone(), first)
+        .await
+        .unwrap()
+    {
+        Stored::New(id) => id,
+        other => panic!("a first delivery was {other:?}"),
+    };
+    // Its ack was sent and never answered; then the route moved.
+    engine.ack_sending(id);
+    assert!(engine.release(id).await.unwrap());
+    assert_eq!(engine.pending(), 0);
+    let again = Arrival {
+        redelivered: true,
+        session: 2,
+    };
+    let stored = engine
+        .store("r", due, MessageId::mint(), msg, again)
+        .await
+        .unwrap();
+    assert!(
+        matches!(stored, Stored::Copy { uid: kept, .. } if kept == uid),
+        "the redelivery of a released message was {stored:?}"
+    );
+}
