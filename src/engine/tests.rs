@@ -1257,20 +1257,36 @@ async fn compaction_keeps_a_record_that_is_durable_but_not_yet_armed() {
     assert!(matches!(record, Record::Schedule { message, .. } if message == vec![7; 300]));
 }
 
-/// Answers `Unavailable` for route "down" while `down` is set; records
-/// what it delivers.
+/// Answers `answer` for route `route` while `down` is set (counting those
+/// in `refused`); records what it delivers.
 struct Outage {
     tx: mpsc::UnboundedSender<Fired>,
+    route: &'static str,
+    answer: fn() -> Outcome,
     down: std::sync::atomic::AtomicBool,
     refused: std::sync::atomic::AtomicUsize,
+}
+
+impl Outage {
+    /// Route "down"'s target refuses connections.
+    fn unavailable(tx: mpsc::UnboundedSender<Fired>) -> Self {
+        Self {
+            tx,
+            route: "down",
+            answer: || Outcome::Unavailable("connection refused".into()),
+            down: true.into(),
+            refused: 0.into(),
+        }
+    }
 }
 
 impl Dispatch for Outage {
     fn deliver(&self, fired: Fired) -> BoxFuture<'static, Outcome> {
         use std::sync::atomic::Ordering::SeqCst;
-        if &*fired.route == "down" && self.down.load(SeqCst) {
+        if &*fired.route == self.route && self.down.load(SeqCst) {
             self.refused.fetch_add(1, SeqCst);
-            return Box::pin(async { Outcome::Unavailable("connection refused".into()) });
+            let outcome = (self.answer)();
+            return Box::pin(async move { outcome });
         }
         let _ = self.tx.send(fired);
         Box::pin(async { Outcome::Done })
@@ -1283,11 +1299,7 @@ async fn an_unreachable_target_holds_its_route_in_due_order_and_not_the_others()
     let dir = tempfile::tempdir().unwrap();
     let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let outage = Arc::new(Outage {
-        tx,
-        down: true.into(),
-        refused: 0.into(),
-    });
+    let outage = Arc::new(Outage::unavailable(tx));
     let shutdown = CancellationToken::new();
     let task = {
         let (engine, dispatch, shutdown) = (engine.clone(), outage.clone(), shutdown.clone());
@@ -1977,22 +1989,6 @@ async fn what_the_engine_acknowledged_survives_a_power_loss() {
     }
 }
 
-/// Releases what it is given on route "moved" (the route went to another
-/// instance while the publish was in flight); delivers the rest.
-struct Mover {
-    tx: mpsc::UnboundedSender<Fired>,
-}
-
-impl Dispatch for Mover {
-    fn deliver(&self, fired: Fired) -> BoxFuture<'static, Outcome> {
-        if &*fired.route == "moved" {
-            return Box::pin(async { Outcome::Release("the route moved".into()) });
-        }
-        let _ = self.tx.send(fired);
-        Box::pin(async { Outcome::Done })
-    }
-}
-
 /// A publish that comes back because its route moved takes the message out
 /// for good: it is neither retried here nor back after a restart. (Retried,
 /// it stayed pending on the former owner, and fired again whenever that
@@ -2005,7 +2001,15 @@ async fn a_message_released_in_flight_leaves_and_does_not_come_back() {
         let shutdown = CancellationToken::new();
         let task = {
             let (engine, shutdown) = (engine.clone(), shutdown.clone());
-            let dispatch: Arc<dyn Dispatch> = Arc::new(Mover { tx });
+            // Route "moved" went to another instance while its publishes
+            // were in flight.
+            let dispatch: Arc<dyn Dispatch> = Arc::new(Outage {
+                tx,
+                route: "moved",
+                answer: || Outcome::Release("the route moved".into()),
+                down: true.into(),
+                refused: 0.into(),
+            });
             tokio::spawn(
                 async move { engine.run(dispatch, shutdown, Duration::from_secs(5)).await },
             )
