@@ -440,6 +440,8 @@ async fn complete(
         Outcome::Done | Outcome::Release(_) => {
             state.retire(id, &flight);
             if let Outcome::Release(reason) = &outcome {
+                // It lives on elsewhere, not left (see `Engine::release`).
+                state.unconfirmed.pending_again(id);
                 tracing::debug!(id, route = %route, %reason, "released in flight");
                 metrics::counter!("delayd_released_total", "route" => route.to_string())
                     .increment(1);

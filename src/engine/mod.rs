@@ -1143,16 +1143,16 @@ impl Engine {
 
     /// Take a message out because another instance now owns it (the
     /// broker-kept store gave its partition away; the state topic keeps
-    /// it): Done locally. Redelivery detection still knows it, as a record
-    /// that left: a delivery of it the broker hands back later (its ack was
-    /// in doubt when the route moved, and the route has come back here
-    /// since) is then a same-id copy, not a new message under a new id. A
-    /// restore stores its copy whatever is remembered. `Ok(false)` if
-    /// unknown; in flight, it is released when its publish comes back
-    /// ([`Outcome::Release`]).
+    /// it): Done locally. Redelivery detection still knows it, as a message
+    /// that lives on elsewhere (not one that left: a cancel of a copy of it
+    /// restored here covers it too): a delivery of it the broker hands back
+    /// later (its ack was in doubt when the route moved, and the route has
+    /// come back here since) is then a same-id copy, or nothing if it was
+    /// cancelled, not a new message under a new id. A restore stores its
+    /// copy whatever is remembered. `Ok(false)` if unknown; in flight, it is
+    /// released when its publish comes back ([`Outcome::Release`]).
     pub async fn release(&self, id: u64) -> Result<bool, EngineError> {
         let queued = self.retire(id, "released").await;
-        self.state().unconfirmed.left(id);
         let retired = match queued {
             Ok(Some(retired)) => retired,
             Ok(None) | Err(EngineError::InFlight(_)) => return Ok(false),

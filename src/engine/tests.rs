@@ -2097,3 +2097,50 @@ async fn a_released_message_redelivered_later_keeps_its_identity() {
         "the redelivery of a released message was {stored:?}"
     );
 }
+
+/// ... and a cancel of the copy restored here covers the released record
+/// too: the late delivery of a cancelled message is not stored again (kept
+/// as a departed record, it was stored as a same-id copy and fired).
+#[tokio::test]
+async fn a_released_message_cancelled_after_its_restore_is_not_brought_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let due = now() + 1_000_000;
+    let uid = MessageId::mint();
+    let msg = b"released, restored, cancelled".to_vec();
+    let first = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    let Stored::New(id) = engine
+        .store("r", due, uid, msg.clone(), first)
+        .await
+        .unwrap()
+    else {
+        panic!("a first delivery is new");
+    };
+    engine.ack_sending(id);
+    assert!(engine.release(id).await.unwrap());
+    // The route is back: the restore stores its copy under the same identity.
+    let Stored::New(restored) = engine
+        .store("r", due, uid, msg.clone(), false)
+        .await
+        .unwrap()
+    else {
+        panic!("a restored copy is stored");
+    };
+    assert!(engine.cancel(restored).await.unwrap());
+    let again = Arrival {
+        redelivered: true,
+        session: 2,
+    };
+    let stored = engine
+        .store("r", due, MessageId::mint(), msg, again)
+        .await
+        .unwrap();
+    assert!(
+        matches!(stored, Stored::Duplicate),
+        "the late delivery of a cancelled message was {stored:?}"
+    );
+    assert_eq!(engine.pending(), 0);
+}
