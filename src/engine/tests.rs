@@ -2055,6 +2055,47 @@ async fn a_message_released_in_flight_leaves_and_does_not_come_back() {
     assert!(rx.try_recv().is_err(), "a released message was delivered");
 }
 
+/// A message stored from a first delivery (session 1) whose ack was sent
+/// and never answered, then released because its route moved: returns the
+/// engine (its dir kept alive), the message's identity and bytes.
+async fn stored_then_released(msg: &[u8]) -> (tempfile::TempDir, Engine, MessageId) {
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let uid = MessageId::mint();
+    let first = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    let Stored::New(id) = engine
+        .store("r", released_due(), uid, msg.to_vec(), first)
+        .await
+        .unwrap()
+    else {
+        panic!("a first delivery is new");
+    };
+    engine.ack_sending(id);
+    assert!(engine.release(id).await.unwrap());
+    assert_eq!(engine.pending(), 0);
+    (dir, engine, uid)
+}
+
+/// About 17 minutes ahead: nothing fires during these tests.
+fn released_due() -> u64 {
+    now() + 1_000_000
+}
+
+/// The broker hands a delivery of `msg` over again, on a later session.
+async fn redelivered(engine: &Engine, msg: &[u8]) -> Stored {
+    let again = Arrival {
+        redelivered: true,
+        session: 2,
+    };
+    engine
+        .store("r", released_due(), MessageId::mint(), msg.to_vec(), again)
+        .await
+        .unwrap()
+}
+
 /// A message the broker-kept store released (its route moved to another
 /// instance) stays known to redelivery detection: when the route is back
 /// here and the broker hands over the delivery whose ack was in doubt at
@@ -2063,35 +2104,9 @@ async fn a_message_released_in_flight_leaves_and_does_not_come_back() {
 /// apart in the cluster campaign sent 500 messages twice under two ids.)
 #[tokio::test]
 async fn a_released_message_redelivered_later_keeps_its_identity() {
-    let dir = tempfile::tempdir().unwrap();
-    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
-    let due = now() + 1_000_000;
-    let uid = MessageId::mint();
-    let msg = b"stored, its ack in doubt, released".to_vec();
-    let first = Arrival {
-        redelivered: false,
-        session: 1,
-    };
-    let id = match engine
-        .store("r", due, uid, msg.clone(), first)
-        .await
-        .unwrap()
-    {
-        Stored::New(id) => id,
-        other => panic!("a first delivery was {other:?}"),
-    };
-    // Its ack was sent and never answered; then the route moved.
-    engine.ack_sending(id);
-    assert!(engine.release(id).await.unwrap());
-    assert_eq!(engine.pending(), 0);
-    let again = Arrival {
-        redelivered: true,
-        session: 2,
-    };
-    let stored = engine
-        .store("r", due, MessageId::mint(), msg, again)
-        .await
-        .unwrap();
+    let msg = b"stored, its ack in doubt, released";
+    let (_dir, engine, uid) = stored_then_released(msg).await;
+    let stored = redelivered(&engine, msg).await;
     assert!(
         matches!(stored, Stored::Copy { uid: kept, .. } if kept == uid),
         "the redelivery of a released message was {stored:?}"
@@ -2103,41 +2118,18 @@ async fn a_released_message_redelivered_later_keeps_its_identity() {
 /// as a departed record, it was stored as a same-id copy and fired).
 #[tokio::test]
 async fn a_released_message_cancelled_after_its_restore_is_not_brought_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
-    let due = now() + 1_000_000;
-    let uid = MessageId::mint();
-    let msg = b"released, restored, cancelled".to_vec();
-    let first = Arrival {
-        redelivered: false,
-        session: 1,
-    };
-    let Stored::New(id) = engine
-        .store("r", due, uid, msg.clone(), first)
-        .await
-        .unwrap()
-    else {
-        panic!("a first delivery is new");
-    };
-    engine.ack_sending(id);
-    assert!(engine.release(id).await.unwrap());
+    let msg = b"released, restored, cancelled";
+    let (_dir, engine, uid) = stored_then_released(msg).await;
     // The route is back: the restore stores its copy under the same identity.
     let Stored::New(restored) = engine
-        .store("r", due, uid, msg.clone(), false)
+        .store("r", released_due(), uid, msg.to_vec(), false)
         .await
         .unwrap()
     else {
         panic!("a restored copy is stored");
     };
     assert!(engine.cancel(restored).await.unwrap());
-    let again = Arrival {
-        redelivered: true,
-        session: 2,
-    };
-    let stored = engine
-        .store("r", due, MessageId::mint(), msg, again)
-        .await
-        .unwrap();
+    let stored = redelivered(&engine, msg).await;
     assert!(
         matches!(stored, Stored::Duplicate),
         "the late delivery of a cancelled message was {stored:?}"
