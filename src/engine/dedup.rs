@@ -104,6 +104,17 @@ pub fn fingerprint(route: &str, message: &[u8]) -> u64 {
 /// id).
 pub const CANCELLED_MARK: u64 = 1 << 63;
 
+/// Ids given to departed messages remembered from another owner
+/// ([`Unconfirmed::add_departed`]): above any WAL id, below
+/// [`CANCELLED_MARK`]. Never written anywhere.
+const DEPARTED_IDS: u64 = 1 << 62;
+
+/// Whether `id` names a departed message remembered from another owner
+/// (no record of it is in this WAL).
+pub fn is_departed(id: u64) -> bool {
+    (DEPARTED_IDS..CANCELLED_MARK).contains(&id)
+}
+
 /// How many records with a confirmed ack stay in doubt (see the module
 /// doc): about the last second of acks at a few thousand a second.
 pub const CONFIRMED_KEPT: usize = 4096;
@@ -165,6 +176,8 @@ pub struct Unconfirmed {
     /// in-doubt match, a far load's copy).
     by_uid: HashMap<u128, Vec<u64>>,
     capacity: usize,
+    /// Departed messages added so far (their ids count from [`DEPARTED_IDS`]).
+    departed: u64,
 }
 
 impl Unconfirmed {
@@ -176,6 +189,7 @@ impl Unconfirmed {
             by_uid: HashMap::new(),
             confirmed: VecDeque::new(),
             capacity,
+            departed: 0,
         }
     }
 
@@ -184,6 +198,45 @@ impl Unconfirmed {
     /// on source session `session` (0: not bound to one, or read back at a
     /// start).
     pub fn add(&mut self, id: u64, uid: u128, fp: u64, pos: WalPos, session: u64, ack: AckState) {
+        self.insert(
+            id,
+            Entry {
+                fp,
+                evidence: Evidence::At(pos),
+                session,
+                uid,
+                ack,
+                cancelled: false,
+                left: false,
+                consumed: false,
+            },
+        );
+    }
+
+    /// A message (identity `uid`) that left under another owner of its
+    /// route, its ack in doubt (see `runtime::store::departed`): a
+    /// redelivery equal to it is stored again under `uid`, or, if it was
+    /// `cancelled`, not at all. It counts as left: a cancel of a copy made
+    /// later does not cover it.
+    pub fn add_departed(&mut self, uid: u128, fp: u64, digest: [u8; 32], cancelled: bool) {
+        let id = DEPARTED_IDS + self.departed;
+        self.departed += 1;
+        self.insert(
+            id,
+            Entry {
+                fp,
+                evidence: Evidence::Digest(digest),
+                session: 0,
+                uid,
+                ack: AckState::InDoubt,
+                cancelled,
+                left: true,
+                consumed: false,
+            },
+        );
+    }
+
+    fn insert(&mut self, id: u64, entry: Entry) {
         if self.capacity == 0 {
             return;
         }
@@ -195,16 +248,7 @@ impl Unconfirmed {
                 None => break,
             }
         }
-        let entry = Entry {
-            fp,
-            evidence: Evidence::At(pos),
-            session,
-            uid,
-            ack,
-            cancelled: false,
-            left: false,
-            consumed: false,
-        };
+        let (fp, uid) = (entry.fp, entry.uid);
         if self.fingerprints.insert(id, entry).is_none() {
             self.ids.entry(fp).or_default().push(id);
             self.by_uid.entry(uid).or_default().push(id);

@@ -23,7 +23,7 @@ mod summary;
 mod tier;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use dedup::{fingerprint, Arrival};
+pub use dedup::{digest, fingerprint, Arrival};
 use dedup::{AckState, Candidate};
 pub use dispatch::{Dispatch, Fired, Outcome};
 pub use keys::key_hash;
@@ -936,7 +936,9 @@ impl Engine {
                     uid: stored_uid,
                     id,
                     ..
-                }) if session > 0 && !self.cancelled_by_key(id, route, &message) => {
+                }) if session > 0
+                    && (dedup::is_departed(id) || !self.cancelled_by_key(id, route, &message)) =>
+                {
                     tracing::info!(
                         route,
                         id,
@@ -1031,6 +1033,23 @@ impl Engine {
         // Unreadable: taken as cancelled (a same-id copy is then not made;
         // the redelivery is answered a duplicate, as before copies).
         tier.is_tombstoned(&store, id, key_of).unwrap_or(true)
+    }
+
+    /// A message that left under another owner of its route (see
+    /// `runtime::store::departed`), by its identity, [`fingerprint`] and
+    /// [`digest`]: a redelivery equal to it is stored again under `uid` (a
+    /// same-id copy, or its twin kept), or, if it was `cancelled`, not at
+    /// all. Evicted like any remembered record (`dedup_window`).
+    pub fn remember_departed(
+        &self,
+        uid: MessageId,
+        fingerprint: u64,
+        digest: [u8; 32],
+        cancelled: bool,
+    ) {
+        self.state()
+            .unconfirmed
+            .add_departed(uid.as_u128(), fingerprint, digest, cancelled);
     }
 
     /// Is message `id` pending here (waiting or being published)?

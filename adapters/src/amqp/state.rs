@@ -170,6 +170,18 @@ pub enum Record {
         queue: String,
         next: i64,
     },
+    /// A message that left (delivered, parked or cancelled) recently: what
+    /// a new owner needs to know a late redelivery of it (see
+    /// delayd's `runtime::store::departed`). `fingerprint` and `digest` are
+    /// the engine's (of the route and the encoded message). Written after
+    /// the message's Done, which alone decides that it left: a delayd that
+    /// does not know this record skips it.
+    Remembered {
+        id: u128,
+        fingerprint: u64,
+        digest: [u8; 32],
+        cancelled: bool,
+    },
 }
 
 const VERSION: u8 = 1;
@@ -181,6 +193,7 @@ const DONE: u8 = 2;
 const MARKER: u8 = 3;
 const GENERATION: u8 = 4;
 const OFFSET: u8 = 5;
+const REMEMBERED: u8 = 6;
 
 impl Record {
     /// Version byte, kind byte, then the fields big endian.
@@ -215,6 +228,18 @@ impl Record {
                 out.extend_from_slice(&next.to_be_bytes());
                 out.extend_from_slice(queue.as_bytes());
             }
+            Record::Remembered {
+                id,
+                fingerprint,
+                digest,
+                cancelled,
+            } => {
+                out.push(REMEMBERED);
+                out.extend_from_slice(&id.to_be_bytes());
+                out.extend_from_slice(&fingerprint.to_be_bytes());
+                out.extend_from_slice(digest);
+                out.push(u8::from(*cancelled));
+            }
         }
         out
     }
@@ -244,6 +269,12 @@ impl Record {
             OFFSET => Some(Record::Offset {
                 next: u64_at(rest)? as i64,
                 queue: String::from_utf8(rest.get(8..)?.to_vec()).ok()?,
+            }),
+            REMEMBERED if rest.len() == 57 && rest[56] <= 1 => Some(Record::Remembered {
+                id: u128_at(rest)?,
+                fingerprint: u64_at(rest.get(16..)?)?,
+                digest: rest.get(24..56)?.try_into().ok()?,
+                cancelled: rest[56] == 1,
             }),
             _ => None,
         }
@@ -1222,7 +1253,9 @@ impl StateSession {
                     let at = offsets.entry(queue).or_insert(next);
                     *at = (*at).max(next);
                 }
-                Record::Marker { .. } | Record::Generation { .. } => {}
+                Record::Marker { .. }
+                | Record::Generation { .. }
+                | Record::Remembered { .. } => {}
             }
             Ok(())
         })
@@ -1381,6 +1414,18 @@ mod tests {
                 queue: String::new(),
                 next: 0,
             },
+            Record::Remembered {
+                id: 3 << 100 | 5,
+                fingerprint: u64::MAX - 1,
+                digest: [0xa5; 32],
+                cancelled: true,
+            },
+            Record::Remembered {
+                id: 0,
+                fingerprint: 0,
+                digest: [0; 32],
+                cancelled: false,
+            },
         ];
         for record in records {
             assert_eq!(Record::decode(&record.encode()), Some(record.clone()));
@@ -1389,6 +1434,17 @@ mod tests {
         assert_eq!(Record::decode(&[2, DONE]), None, "unknown version");
         assert_eq!(Record::decode(&[VERSION, DONE, 1, 2]), None, "short Done");
         assert_eq!(Record::decode(&[VERSION, 9]), None, "unknown kind");
+        let mut remembered = Record::Remembered {
+            id: 1,
+            fingerprint: 2,
+            digest: [3; 32],
+            cancelled: false,
+        }
+        .encode();
+        *remembered.last_mut().unwrap() = 2;
+        assert_eq!(Record::decode(&remembered), None, "a flag byte not 0 or 1");
+        remembered.pop();
+        assert_eq!(Record::decode(&remembered), None, "short Remembered");
         assert_eq!(
             Record::decode(&[VERSION, SCHEDULE, 0, 0]),
             None,

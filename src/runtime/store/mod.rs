@@ -12,6 +12,7 @@
 //! * Here: [`RouteStore`], the calls the intake, the deliverer, the cancel
 //!   hook and `/readyz` make on either, and [`open_stores`].
 
+mod departed;
 mod kafka;
 mod mirrored;
 mod partitions;
@@ -103,7 +104,7 @@ impl RouteStore {
     pub fn cancelled(&self, id: u64, stored: &[u8]) -> BoxFuture<'static, Result<(), String>> {
         match self {
             RouteStore::Kafka(s) => s.cancelled(id, stored),
-            RouteStore::Stream(s) => s.cancelled(id),
+            RouteStore::Stream(s) => s.cancelled(id, stored),
         }
     }
 

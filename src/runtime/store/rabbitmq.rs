@@ -40,6 +40,8 @@ use tokio_util::sync::CancellationToken;
 use crate::engine::{Arrival, Engine, EngineError, Stored, Storing};
 use crate::id::MessageId;
 
+use super::departed::{self, Departed, Replay};
+
 use super::partitions::PartitionGroup;
 
 /// Releases in flight at once when an owner gives its messages up.
@@ -92,6 +94,8 @@ enum Write {
     Done {
         id: u128,
         record: Vec<u8>,
+        /// A cancel's [`Record::Remembered`], appended right after the Done.
+        remembered: Option<Vec<u8>>,
         /// Told once the Done is confirmed (a cancel waits for it).
         reply: Option<oneshot::Sender<Result<(), String>>>,
     },
@@ -445,19 +449,22 @@ impl StreamStore {
     }
 
     fn write_done(&self, store_id: u128) {
-        self.queue_done(store_id, None);
+        self.queue_done(store_id, None, None);
     }
 
-    /// Queue `store_id`'s Done; false if there is no writer.
+    /// Queue `store_id`'s Done (and a cancel's `remembered` record); false
+    /// if there is no writer.
     fn queue_done(
         &self,
         store_id: u128,
+        remembered: Option<Departed>,
         reply: Option<oneshot::Sender<Result<(), String>>>,
     ) -> bool {
         let record = Record::Done { id: store_id }.encode();
         let queued = self.send(Write::Done {
             id: store_id,
             record,
+            remembered: remembered.map(|d| d.record().encode()),
             reply,
         });
         if !queued {
@@ -466,10 +473,12 @@ impl StreamStore {
         queued
     }
 
-    /// Message `id` was cancelled (its local Done is durable): resolves
-    /// once its Done is confirmed in the state stream, so the cancel is
-    /// acknowledged only then.
-    pub fn cancelled(&self, id: u64) -> BoxFuture<'static, Result<(), String>> {
+    /// Message `id`, stored as `message`, was cancelled (its local Done is
+    /// durable): resolves once its Done is confirmed in the state stream,
+    /// so the cancel is acknowledged only then. A `Remembered` record
+    /// follows the Done: a late redelivery of the message to the next owner
+    /// must not bring it back (see [`departed`](super::departed)).
+    pub fn cancelled(&self, id: u64, message: &[u8]) -> BoxFuture<'static, Result<(), String>> {
         let store_id = {
             let mut ids = self.ids();
             match ids.by_engine.remove(&id) {
@@ -484,7 +493,8 @@ impl StreamStore {
             }
         };
         let (reply, confirmed) = oneshot::channel();
-        if !self.queue_done(store_id, Some(reply)) {
+        let remembered = Departed::of(&self.route, store_id, message, true);
+        if !self.queue_done(store_id, Some(remembered), Some(reply)) {
             return Box::pin(async { Err("this instance no longer owns the route".to_owned()) });
         }
         Box::pin(async move {
@@ -678,8 +688,23 @@ impl StreamStore {
         self: &Arc<Self>,
         session: &Arc<StateSession>,
     ) -> Result<(JoinHandle<()>, CancellationToken), anyhow::Error> {
-        let (generation, live, offsets) = recover(session, &self.route).await?;
+        let Recovered {
+            generation,
+            live,
+            departed,
+            offsets,
+        } = recover(session, &self.route).await?;
         *self.offsets.lock().unwrap_or_else(|e| e.into_inner()) = offsets.clone();
+        // Before anything is consumed: a late redelivery of one of them is
+        // not a new message.
+        for d in &departed {
+            self.engine.remember_departed(
+                MessageId::from_u128(d.id),
+                d.fingerprint,
+                d.digest,
+                d.cancelled,
+            );
+        }
         let skipped = session.skipped();
         if skipped > 0 {
             tracing::error!(route = %self.route, skipped, "undecodable records skipped in the route's state streams (not written by delayd)");
@@ -694,6 +719,7 @@ impl StreamStore {
             session.clone(),
             (generation, offsets),
             live.iter().map(|r| r.id).collect(),
+            departed.len() as u64,
             rx,
             failed.clone(),
         ));
@@ -827,10 +853,7 @@ async fn sleep_or_stop(wait: Duration, stop: &CancellationToken) -> bool {
 /// is missing, its records are gone (deleted by hand): restoring without
 /// them would start the route empty and report it ready, so recovery
 /// refuses ([`StateError::Missing`]).
-async fn recover(
-    session: &StateSession,
-    route: &str,
-) -> Result<(u64, Vec<LiveRecord>, HashMap<String, i64>), StateError> {
+async fn recover(session: &StateSession, route: &str) -> Result<Recovered, StateError> {
     let names = session.names().clone();
     let started = std::time::Instant::now();
     let (current, disagreed) = session.current_generation().await?;
@@ -839,9 +862,7 @@ async fn recover(
         metrics::counter!("delayd_store_pointer_repairs_total", "route" => route.to_owned())
             .increment(1);
     }
-    let mut live = HashMap::new();
-    let mut order = Vec::new();
-    let mut offsets = HashMap::new();
+    let mut replay = Replay::new(route, departed::KEPT);
     let mut read = 0;
     if let Some(g) = current {
         let stream = names.generation(g);
@@ -857,14 +878,17 @@ async fn recover(
             let stream = names.generation(n);
             session.declare_stream(&stream).await?;
             read += session
-                .read_generation(&stream, &mut live, &mut order, &mut offsets)
+                .read_all(&stream, |record| {
+                    replay.apply(record);
+                    Ok(())
+                })
                 .await?;
         }
     }
-    let live: Vec<LiveRecord> = order.iter().filter_map(|id| live.remove(id)).collect();
+    let (live, departed, offsets) = replay.finish();
     let read_ms = started.elapsed().as_millis() as u64;
     let fresh = current.map_or(0, |g| g + 2);
-    write_generation(session, fresh, &live, &offsets).await?;
+    write_generation(session, fresh, &live, &departed, &offsets).await?;
     let written_ms = started.elapsed().as_millis() as u64;
     if let Some(g) = current {
         for n in [g, g + 1] {
@@ -878,12 +902,27 @@ async fn recover(
         generation = fresh,
         read,
         live = live.len(),
+        departed = departed.len(),
         read_ms,
         written_ms,
         deleted_ms = started.elapsed().as_millis() as u64,
         "state streams recovered"
     );
-    Ok((fresh, live, offsets))
+    Ok(Recovered {
+        generation: fresh,
+        live,
+        departed,
+        offsets,
+    })
+}
+
+/// What [`recover`] read back, now in generation `generation`.
+struct Recovered {
+    generation: u64,
+    live: Vec<LiveRecord>,
+    /// The newest messages that left, oldest first (see [`departed`]).
+    departed: Vec<Departed>,
+    offsets: HashMap<String, i64>,
 }
 
 /// A stream named like a generation below the recovered one.
@@ -970,11 +1009,13 @@ async fn delete_orphans(session: &StateSession, route: &str, below: u64) {
     }
 }
 
-/// Write `live` into generation `n` (emptied first), then point at it.
+/// Write `live` and `departed` into generation `n` (emptied first), then
+/// point at it.
 async fn write_generation(
     session: &StateSession,
     n: u64,
     live: &[LiveRecord],
+    departed: &[Departed],
     offsets: &HashMap<String, i64>,
 ) -> Result<(), StateError> {
     let names = session.names().clone();
@@ -984,6 +1025,10 @@ async fn write_generation(
     let mut confirms = Vec::new();
     if !offsets.is_empty() {
         confirms.push(session.append(&stream, &offset_records(offsets)).await);
+    }
+    for chunk in departed.chunks(WRITE_BATCH) {
+        let records: Vec<Vec<u8>> = chunk.iter().map(|d| d.record().encode()).collect();
+        confirms.push(session.append(&stream, &records).await);
     }
     for chunk in live.chunks(WRITE_BATCH) {
         let records: Vec<Vec<u8>> = chunk
@@ -1022,6 +1067,7 @@ async fn write_loop(
     session: Arc<StateSession>,
     (generation, offsets): (u64, HashMap<String, i64>),
     live: HashSet<u128>,
+    carried: u64,
     rx: mpsc::UnboundedReceiver<Write>,
     failed: CancellationToken,
 ) {
@@ -1030,8 +1076,9 @@ async fn write_loop(
         next: Some(prepare(session.clone(), generation + 1)),
         session,
         generation,
-        in_generation: live.len() as u64,
+        in_generation: live.len() as u64 + carried,
         live,
+        carried,
         offsets,
         confirming: Vec::new(),
         finishing: None,
@@ -1060,11 +1107,19 @@ fn prepare(session: Arc<StateSession>, n: u64) -> JoinHandle<Result<(), StateErr
     })
 }
 
-/// A checkpoint being copied: live Schedules of the old generation arrive
-/// from its reader.
+/// A checkpoint being copied: what the old generation holds arrives from
+/// its reader.
 struct Copying {
     from: u64,
-    records: mpsc::Receiver<Result<Vec<LiveRecord>, StateError>>,
+    records: mpsc::Receiver<Result<Copied, StateError>>,
+}
+
+/// Part of a checkpoint's copy.
+enum Copied {
+    /// The old generation's newest departed messages (sent first).
+    Departed(Vec<Departed>),
+    /// Some of its live Schedules.
+    Live(Vec<LiveRecord>),
 }
 
 struct Writer {
@@ -1075,6 +1130,10 @@ struct Writer {
     in_generation: u64,
     /// Store ids whose Schedule is appended and whose Done is not.
     live: HashSet<u128>,
+    /// `Remembered` records the last checkpoint (or the restore) carried
+    /// into `generation`: they count as live for the next checkpoint's
+    /// trigger, or a carry alone would start the next one.
+    carried: u64,
     /// The highest next offset appended per stream ingress: a checkpoint
     /// carries it into the new generation first.
     offsets: HashMap<String, i64>,
@@ -1107,7 +1166,12 @@ impl Writer {
                 }
             };
             match chunk {
-                Some(Some(Ok(records))) => self.append_copies(records).await,
+                Some(Some(Ok(Copied::Live(records)))) => self.append_copies(records).await,
+                Some(Some(Ok(Copied::Departed(departed)))) => {
+                    self.carried = departed.len() as u64;
+                    let records = departed.iter().map(|d| d.record().encode()).collect();
+                    self.append(records, Vec::new(), "checkpoint", 0).await;
+                }
                 Some(Some(Err(e))) => return Err(e),
                 Some(None) => {
                     // The old generation is copied: point at the new one.
@@ -1116,7 +1180,8 @@ impl Writer {
                 }
                 None => {}
             }
-            if copying.is_none() && self.in_generation > 2 * self.live.len() as u64 + self.floor {
+            let kept = 2 * self.live.len() as u64 + self.carried + self.floor;
+            if copying.is_none() && self.in_generation > kept {
                 copying = self.start_checkpoint().await?;
             }
         }
@@ -1141,9 +1206,15 @@ impl Writer {
                     records.push(record);
                     replies.push(reply);
                 }
-                Write::Done { id, record, reply } => {
+                Write::Done {
+                    id,
+                    record,
+                    remembered,
+                    reply,
+                } => {
                     self.live.remove(&id);
                     records.push(record);
+                    records.extend(remembered);
                     replies.extend(reply);
                     dones += 1;
                 }
@@ -1164,16 +1235,22 @@ impl Writer {
         self.append(records, replies, "done", dones).await;
     }
 
-    /// Append the still-live ones of a checkpoint's copies.
+    /// Append the still-live ones of a checkpoint's copies, and a
+    /// `Remembered` record for each of the others: its Done, appended to the
+    /// new generation since the checkpoint began, follows a Schedule that
+    /// goes with the old one.
     async fn append_copies(&mut self, copies: Vec<LiveRecord>) {
         let records: Vec<Vec<u8>> = copies
             .into_iter()
-            .filter(|r| self.live.contains(&r.id))
             .map(|r| {
-                Record::Schedule {
-                    id: r.id,
-                    due_ms: r.due_ms,
-                    message: r.message,
+                if self.live.contains(&r.id) {
+                    Record::Schedule {
+                        id: r.id,
+                        due_ms: r.due_ms,
+                        message: r.message,
+                    }
+                } else {
+                    Departed::of(&self.route, r.id, &r.message, false).record()
                 }
                 .encode()
             })
@@ -1243,29 +1320,29 @@ impl Writer {
         self.next = Some(prepare(self.session.clone(), to + 1));
         let (tx, records) = mpsc::channel(4);
         let session = self.session.clone();
+        let route = self.route.clone();
         tokio::spawn(async move {
-            let mut live = HashMap::new();
-            let mut order = Vec::new();
+            let mut replay = Replay::new(&route, departed::KEPT);
             let read = session
-                .read_live(&names.generation(from), &mut live, &mut order)
+                .read_all(&names.generation(from), |record| {
+                    replay.apply(record);
+                    Ok(())
+                })
                 .await;
             if let Err(e) = read {
                 let _ = tx.send(Err(e)).await;
                 return;
             }
-            let mut chunk = Vec::with_capacity(WRITE_BATCH);
-            for id in order {
-                if let Some(record) = live.remove(&id) {
-                    chunk.push(record);
-                }
-                if chunk.len() == WRITE_BATCH
-                    && tx.send(Ok(std::mem::take(&mut chunk))).await.is_err()
-                {
+            let (live, departed, _) = replay.finish();
+            if tx.send(Ok(Copied::Departed(departed))).await.is_err() {
+                return;
+            }
+            let mut live = live.into_iter().peekable();
+            while live.peek().is_some() {
+                let chunk = live.by_ref().take(WRITE_BATCH).collect();
+                if tx.send(Ok(Copied::Live(chunk))).await.is_err() {
                     return;
                 }
-            }
-            if !chunk.is_empty() {
-                let _ = tx.send(Ok(chunk)).await;
             }
         });
         // The stream ingresses' offsets first: the old generation, which
