@@ -705,6 +705,9 @@ impl StreamStore {
                 d.cancelled,
             );
         }
+        if !departed.is_empty() {
+            tracing::info!(route = %self.route, departed = departed.len(), "messages that left the route recently are remembered: a late redelivery of one keeps its id");
+        }
         let skipped = session.skipped();
         if skipped > 0 {
             tracing::error!(route = %self.route, skipped, "undecodable records skipped in the route's state streams (not written by delayd)");
