@@ -12,7 +12,7 @@
 //! | `codec/v2-null-value.bin` | message codec version 2, a Kafka record with a null value |
 //! | `kafka-state/v1.bin` | Kafka state value version 1 (due time, message) |
 //! | `kafka-state/v2.bin` | Kafka state value version 2 (due time, uid, message) |
-//! | `rabbitmq-state/v1-{schedule,done,marker,generation}.bin` | the RabbitMQ state stream's records, version 1 |
+//! | `rabbitmq-state/v1-{schedule,done,marker,generation,remembered}.bin` | the RabbitMQ state stream's records, version 1 (`remembered`: a message that left, see docs/broker-store.md) |
 //!
 //! The tests decode the committed bytes and check every field against
 //! values spelled out here, so a change to a format (or to what a reader
@@ -262,7 +262,7 @@ fn kafka_state_value_version_2_fixture_decodes_and_is_what_delayd_writes() {
 
 // ----------------------------------------------- RabbitMQ state stream
 
-fn stream_records() -> [(&'static str, StreamRecord); 4] {
+fn stream_records() -> [(&'static str, StreamRecord); 5] {
     [
         (
             "rabbitmq-state/v1-schedule.bin",
@@ -282,6 +282,15 @@ fn stream_records() -> [(&'static str, StreamRecord); 4] {
         (
             "rabbitmq-state/v1-generation.bin",
             StreamRecord::Generation { generation: 17 },
+        ),
+        (
+            "rabbitmq-state/v1-remembered.bin",
+            StreamRecord::Remembered {
+                id: UID,
+                fingerprint: 0x0123_4567_0000_00bf,
+                digest: *b"0123456789abcdef0123456789abcdef",
+                cancelled: true,
+            },
         ),
     ]
 }
@@ -313,6 +322,23 @@ fn rabbitmq_state_stream_record_fixtures_decode_and_are_what_delayd_writes() {
             }
             (StreamRecord::Generation { generation }, StreamRecord::Generation { .. }) => {
                 assert_eq!(*generation, 17, "{name}: generation")
+            }
+            (
+                StreamRecord::Remembered {
+                    id,
+                    fingerprint,
+                    digest,
+                    cancelled,
+                },
+                StreamRecord::Remembered { .. },
+            ) => {
+                assert_eq!(*id, UID, "{name}: id");
+                assert_eq!(*fingerprint, 0x0123_4567_0000_00bf, "{name}: fingerprint");
+                assert_eq!(
+                    digest, b"0123456789abcdef0123456789abcdef",
+                    "{name}: digest"
+                );
+                assert!(*cancelled, "{name}: cancelled");
             }
             _ => panic!("{name}: decoded as {got:?}"),
         }

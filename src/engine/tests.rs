@@ -2169,7 +2169,13 @@ async fn a_message_that_left_under_another_owner_keeps_its_identity_when_redeliv
         session: 2,
     };
     let stored = engine
-        .store("r", released_due(), MessageId::mint(), fired.to_vec(), first)
+        .store(
+            "r",
+            released_due(),
+            MessageId::mint(),
+            fired.to_vec(),
+            first,
+        )
         .await
         .unwrap();
     assert!(matches!(stored, Stored::New(_)), "{stored:?}");

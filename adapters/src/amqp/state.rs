@@ -1253,9 +1253,7 @@ impl StateSession {
                     let at = offsets.entry(queue).or_insert(next);
                     *at = (*at).max(next);
                 }
-                Record::Marker { .. }
-                | Record::Generation { .. }
-                | Record::Remembered { .. } => {}
+                Record::Marker { .. } | Record::Generation { .. } | Record::Remembered { .. } => {}
             }
             Ok(())
         })
