@@ -498,6 +498,40 @@ async fn messages_that_left_under_a_former_owner_keep_their_id_when_redelivered_
     r.delete_streams().await;
 }
 
+/// A message published twice on purpose (the same bytes), whose first copy
+/// the last owner stored and acked and whose second the broker hands to
+/// the next owner as a redelivery (delivered once before, never acked),
+/// is kept: stored under its sibling's id beside the restored sibling.
+/// (Restored records counted as unacked, the twin was taken for a
+/// redelivery of its sibling, acked and lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_twin_redelivered_to_the_next_owner_is_kept_beside_its_restored_sibling() {
+    let r = StreamRoute::new("stream-twin").await;
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start_owner().await;
+    let stamp_ms = now_ms();
+    publish_stamped(&r, "twin", 600_000, stamp_ms).await;
+    r.wait_stored(&a, 1).await;
+    let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
+    publish_stamped(&r, "twin", 600_000, stamp_ms).await;
+    let mut ingress = r.client.consume(&r.names.from_queue).await;
+    ingress
+        .next_unacked(Instant::now() + DEADLINE)
+        .await
+        .expect("the twin on the ingress");
+    ingress.close().await;
+    let b = r.start_owner().await;
+    wait_for("the twin taken in", DEADLINE, || async {
+        (Client::queue_unsettled(&r.names.from_queue) == Some((0, 0))).then_some(())
+    })
+    .await;
+    assert_eq!(b.metric("delayd_store_restored_total"), 1.0);
+    assert_eq!(b.pending(), 2, "the twin was not kept");
+    assert_eq!(b.metric("delayd_redeliveries_in_doubt_total"), 1.0);
+    r.delete_streams().await;
+}
+
 /// Publishes message `id` with `x-delay` = `delay` ms and the broker's
 /// timestamps set to `stamp_ms` (it keeps given ones), so that it is
 /// byte-equal each time; returns when it was sent.

@@ -765,6 +765,12 @@ impl StreamStore {
                 match s.await {
                     Ok(Stored::New(id) | Stored::Copy { id, .. }) => {
                         self.bind(id, store_id);
+                        // The former owner's ack of it may or may not have
+                        // reached the broker: a byte-equal redelivery is
+                        // that delivery or a twin published on purpose
+                        // (taken for it, the twin was lost). It is stored
+                        // again under this identity (see `engine::dedup`).
+                        self.engine.ack_sending(id);
                         n += 1;
                     }
                     Ok(Stored::Duplicate) => {}
