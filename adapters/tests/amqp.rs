@@ -1115,3 +1115,49 @@ async fn a_fenced_publish_is_not_sent_once_its_fence_fell_while_it_waited() {
     drop(conn);
     cleanup(&[&queue], &[]).await;
 }
+
+/// `open_dedicated_from` starts at the endpoint it is given and wraps
+/// around, and says which endpoint it reached: the broker-kept store moves
+/// its next lock attempt off a node that left a registration unanswered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dedicated_connection_starts_at_the_endpoint_asked_for_and_wraps_around() {
+    use delayd_adapters::amqp::{AmqpSettings, Broker, BrokerOptions, Endpoints};
+    logs();
+    let _shared = BROKER.read().await;
+    let refused = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    // Two names of the one broker, and a port that refuses.
+    let settings = AmqpSettings {
+        urls: vec![
+            url(),
+            url().replace("127.0.0.1", "localhost"),
+            format!("amqp://guest:guest@{refused}/%2f"),
+        ],
+        ..AmqpSettings::default()
+    };
+    let broker = Broker::with_endpoints(
+        Arc::new(Endpoints::new(&settings).unwrap()),
+        BrokerOptions::named("rotate-test"),
+    );
+    for (first, reached) in [(0, 0), (1, 1), (2, 0), (3, 0), (4, 1)] {
+        let (connection, at) = broker.open_dedicated_from(first).await.unwrap();
+        assert_eq!(at, reached, "starting at endpoint {first}");
+        connection.close(200, "bye".into()).await.unwrap();
+    }
+    // Both ways round: the refused one is skipped whichever comes first.
+    let settings = AmqpSettings {
+        urls: vec![format!("amqp://guest:guest@{refused}/%2f"), url()],
+        ..AmqpSettings::default()
+    };
+    let broker = Broker::with_endpoints(
+        Arc::new(Endpoints::new(&settings).unwrap()),
+        BrokerOptions::named("rotate-test"),
+    );
+    for first in 0..3 {
+        let (connection, at) = broker.open_dedicated_from(first).await.unwrap();
+        assert_eq!(at, 1, "starting at endpoint {first}");
+        connection.close(200, "bye".into()).await.unwrap();
+    }
+}

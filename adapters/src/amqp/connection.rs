@@ -445,23 +445,46 @@ impl Broker {
         self.connect().await
     }
 
+    /// [`Broker::open_dedicated`], trying the endpoints from the `first`th
+    /// on (modulo their number, wrapping around), so that a caller can move
+    /// off a node that answers connections but not requests. Returns the
+    /// connection and the index of the endpoint it reached.
+    pub async fn open_dedicated_from(
+        &self,
+        first: usize,
+    ) -> Result<(Connection, usize), AmqpError> {
+        self.connect_from(first).await
+    }
+
     /// Tries every endpoint in order; the first that answers wins.
     async fn connect(&self) -> Result<Connection, AmqpError> {
-        let list = self.endpoints.list();
+        Ok(self.connect_from(0).await?.0)
+    }
+
+    async fn connect_from(&self, first: usize) -> Result<(Connection, usize), AmqpError> {
+        let all = self.endpoints.list();
+        let first = first % all.len().max(1);
+        let list: Vec<(usize, &Endpoint)> = all
+            .iter()
+            .enumerate()
+            .cycle()
+            .skip(first)
+            .take(all.len())
+            .collect();
         let mut failures = Vec::new();
-        for (index, endpoint) in list.iter().enumerate() {
+        for (at, &(index, endpoint)) in list.iter().enumerate() {
             match self.connect_to(endpoint).await {
                 Ok(connection) => {
                     *self.current.lock().unwrap_or_else(|e| e.into_inner()) = index;
                     info!(endpoint = %endpoint.label(), name = %self.options.connection_name,
                           "AMQP connection open");
-                    return Ok(connection);
+                    return Ok((connection, index));
                 }
                 Err(error) if list.len() == 1 => return Err(error),
                 Err(error) => {
-                    if index + 1 < list.len() {
+                    if let Some((_, next)) = list.get(at + 1) {
                         warn!(name = %self.options.connection_name, %error,
-                              next = %list[index + 1].label(), "AMQP endpoint failed; trying the next");
+                              next = %next.label(), "AMQP endpoint failed; trying the next");
                     }
                     failures.push(error.to_string());
                 }

@@ -125,6 +125,11 @@ pub enum StateError {
     /// The broker did not confirm a state write in time.
     #[error("the broker did not confirm a write to {stream} within {timeout:?}")]
     TimedOut { stream: String, timeout: Duration },
+    /// The broker did not answer a request in time (a node cut off from
+    /// the rest of its cluster takes connections and never answers a
+    /// declare).
+    #[error("the broker did not answer {what} within {timeout:?}")]
+    Unanswered { what: String, timeout: Duration },
     /// A read made no progress for too long.
     #[error("reading stream {stream} stalled after {records} records")]
     Stalled { stream: String, records: u64 },

@@ -56,6 +56,12 @@ const INTAKE_STOP: Duration = Duration::from_secs(45);
 /// How often a standby tries to take the lock.
 const LOCK_RETRY: Duration = Duration::from_secs(1);
 
+/// How long registering on the lock queue (a declare and a consume,
+/// milliseconds on a healthy cluster) may take before the attempt moves to
+/// the next node: a node cut off from the others took connections and left
+/// the declare unanswered for two minutes, while no instance stood by.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How often an owner that found the route's state incomplete looks again.
 const MISSING_RETRY: Duration = Duration::from_secs(10);
 
@@ -142,6 +148,10 @@ pub struct StreamStore {
     /// A stream ingress's next offset per queue, as the last restore read
     /// it from the state streams.
     offsets: Mutex<HashMap<String, i64>>,
+    /// The broker endpoint the last lock attempt reached, and the one the
+    /// next starts at (after a loss or a timeout, the one after it: the
+    /// node may be the cause).
+    lock_endpoint: Mutex<(usize, usize)>,
 }
 
 impl StreamStore {
@@ -168,6 +178,7 @@ impl StreamStore {
             writer_task: tokio::sync::Mutex::new(None),
             phase: AtomicU8::new(Phase::Electing as u8),
             offsets: Mutex::default(),
+            lock_endpoint: Mutex::default(),
             state_missing: Default::default(),
             checkpoint_floor,
             wal_dir,
@@ -589,6 +600,7 @@ impl StreamStore {
                         MISSING_RETRY
                     } else {
                         tracing::error!(route = %self.route, error = %e, "cannot restore the route; giving the lock up and trying again");
+                        self.move_off_lock_endpoint();
                         LOCK_RETRY
                     };
                     self.lose(session).await;
@@ -652,10 +664,23 @@ impl StreamStore {
                 tracing::info!(route = %self.route, "giving this partition to an instance below its share; releasing its messages to the next owner");
             } else {
                 tracing::error!(route = %self.route, "lost the route's lock (its connection closed or a state write failed); releasing its messages to the next owner");
+                self.move_off_lock_endpoint();
             }
             self.end_session().await;
             self.left_partition(yielding);
         }
+    }
+
+    /// (The endpoint the last lock attempt reached, the one the next
+    /// starts at.)
+    fn lock_endpoint(&self) -> (usize, usize) {
+        *self.lock_endpoint.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The next lock attempt starts at the endpoint after the last one's.
+    fn move_off_lock_endpoint(&self) {
+        let mut at = self.lock_endpoint.lock().unwrap_or_else(|e| e.into_inner());
+        at.1 = at.0 + 1;
     }
 
     /// This partition's lock is no longer held here (see `PartitionGroup`).
@@ -667,8 +692,23 @@ impl StreamStore {
 
     /// Register on the lock queue and wait until this instance is elected.
     async fn elect(&self) -> Result<StateSession, StateError> {
-        let connection = self.broker.open_dedicated().await?;
-        let candidate = Candidate::register(connection, &self.names).await?;
+        let first = self.lock_endpoint().1;
+        let (connection, reached) = self.broker.open_dedicated_from(first).await?;
+        *self.lock_endpoint.lock().unwrap_or_else(|e| e.into_inner()) = (reached, reached);
+        let registered = tokio::time::timeout(
+            REGISTER_TIMEOUT,
+            Candidate::register(connection, &self.names),
+        )
+        .await;
+        let Ok(candidate) = registered else {
+            // The connection is dropped, which closes it.
+            self.move_off_lock_endpoint();
+            return Err(StateError::Unanswered {
+                what: format!("a registration on the lock queue {}", self.names.lock()),
+                timeout: REGISTER_TIMEOUT,
+            });
+        };
+        let candidate = candidate?;
         tracing::info!(route = %self.route, lock = %self.names.lock(), "waiting to own the route (standby while another instance owns it)");
         let standby = || self.set_phase(Phase::Standby);
         match &self.group {
