@@ -50,15 +50,43 @@ impl std::fmt::Display for Failure {
 /// Operations drawn per seed.
 pub const OPS_PER_SEED: usize = 120;
 
+/// What a run may do beyond the default draw (each also turned on for
+/// every run by its variable: `SIM_SOCKET=1`, `SIM_RELEASE=1`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Mode {
+    /// Deliveries may wait unread in the process's socket.
+    pub socket: bool,
+    /// The route may move away while a message is published (the
+    /// broker-kept store's `Outcome::Release`); a redelivery of a message
+    /// released must keep its id.
+    pub release: bool,
+}
+
 /// Play `ops` with randomness from `seed`.
 pub fn run(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
-    block_on(driver::Sim::new(seed).play(ops))
+    run_in(seed, ops, Mode::default())
 }
 
 /// [`run`] with deliveries that may wait unread in the process's socket
 /// (what `SIM_SOCKET=1` turns on for every run).
 pub fn run_with_socket(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
-    block_on(driver::Sim::new(seed).with_socket().play(ops))
+    let mode = Mode {
+        socket: true,
+        ..Mode::default()
+    };
+    run_in(seed, ops, mode)
+}
+
+/// [`run`] in `mode`.
+pub fn run_in(seed: u64, ops: &[Op], mode: Mode) -> Result<Report, Failure> {
+    let mut sim = driver::Sim::new(seed);
+    if mode.socket {
+        sim = sim.with_socket();
+    }
+    if mode.release {
+        sim = sim.with_release();
+    }
+    block_on(sim.play(ops))
 }
 
 fn block_on<T>(run: impl std::future::Future<Output = T>) -> T {
@@ -76,14 +104,19 @@ pub fn run_seed(seed: u64) -> Result<Report, Failure> {
 
 /// The shortest list of operations found that still fails (delta
 /// debugging: drop chunks, halving their size, while the run still fails).
-pub fn shrink(seed: u64, mut ops: Vec<Op>) -> Vec<Op> {
+pub fn shrink(seed: u64, ops: Vec<Op>) -> Vec<Op> {
+    shrink_in(seed, ops, Mode::default())
+}
+
+/// [`shrink`] in `mode`.
+pub fn shrink_in(seed: u64, mut ops: Vec<Op>, mode: Mode) -> Vec<Op> {
     let mut chunk = ops.len() / 2;
     while chunk >= 1 {
         let mut start = 0;
         while start < ops.len() {
             let mut fewer = ops.clone();
             fewer.drain(start..(start + chunk).min(ops.len()));
-            if run(seed, &fewer).is_err() {
+            if run_in(seed, &fewer, mode).is_err() {
                 ops = fewer;
             } else {
                 start += chunk;
@@ -94,15 +127,16 @@ pub fn shrink(seed: u64, mut ops: Vec<Op>) -> Vec<Op> {
     ops
 }
 
-/// Run seeds `from..from + count`; the first failure, shrunk.
-pub fn run_seeds(from: u64, count: u64) -> Result<Vec<Report>, (Failure, Vec<Op>)> {
+/// Run seeds `from..from + count` in `mode`; the first failure, shrunk.
+pub fn run_seeds_in(from: u64, count: u64, mode: Mode) -> Result<Vec<Report>, (Failure, Vec<Op>)> {
     let mut reports = Vec::new();
     for seed in from..from + count {
-        match run_seed(seed) {
+        let ops = ops::draw(seed, OPS_PER_SEED);
+        match run_in(seed, &ops, mode) {
             Ok(r) => reports.push(r),
             Err(f) => {
-                let ops = shrink(seed, ops::draw(seed, OPS_PER_SEED));
-                let f = run(seed, &ops).err().unwrap_or(f);
+                let ops = shrink_in(seed, ops, mode);
+                let f = run_in(seed, &ops, mode).err().unwrap_or(f);
                 return Err((f, ops));
             }
         }

@@ -241,6 +241,11 @@ impl Model {
         Ok(())
     }
 
+    /// The messages stored under `uid`.
+    pub fn owners(&self, uid: u128) -> Vec<usize> {
+        self.owner.get(&uid).cloned().unwrap_or_default()
+    }
+
     /// Copies beyond the first: (under the same id, under another id).
     pub fn duplicates(&self) -> (u64, u64) {
         let mut same = 0;
