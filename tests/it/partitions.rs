@@ -161,6 +161,7 @@ async fn three_instances_share_six_partitions_through_a_kill_and_an_addition() {
     let mut receiver = r.client.consume(&r.names.target_queue).await;
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut first: HashMap<String, String> = HashMap::new();
+    let mut copies: HashMap<String, u32> = HashMap::new();
     let (mut duplicates, mut other_id) = (0, 0);
     while first.len() < sent.len() {
         let m = receiver
@@ -185,6 +186,7 @@ async fn three_instances_share_six_partitions_through_a_kill_and_an_addition() {
                 if *earlier != uid {
                     other_id += 1;
                 }
+                *copies.entry(id).or_default() += 1;
             }
         }
     }
@@ -194,10 +196,17 @@ async fn three_instances_share_six_partitions_through_a_kill_and_an_addition() {
         sent.len()
     );
     assert_eq!(other_id, 0, "a message stored twice");
+    // One kill costs a message at most one copy: the killed instance's
+    // delivery whose ack it never sent comes back, and the next owner,
+    // which restored the message, stores it again under its id (it may be
+    // a twin published on purpose: dropped, a twin was lost). So the count
+    // is bounded by what the killed instance held unacknowledged, not by
+    // a rate.
+    let most = copies.values().max().copied().unwrap_or(0);
     assert!(
-        duplicates * 1000 <= sent.len(),
-        "{duplicates} duplicates of {}",
-        sent.len()
+        most <= 1,
+        "a message arrived {} times after one kill",
+        most + 1
     );
     drop((a, b, c, d));
     drop(cleanup);
