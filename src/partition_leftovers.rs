@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
-use delayd_adapters::amqp::state::{StateError, StateNames, StateSession};
+use delayd_adapters::amqp::state::{LiveSet, StateError, StateNames, StateSession};
 use delayd_adapters::amqp::topology::{self, QueueState};
 use delayd_adapters::amqp::{AmqpError, Broker, BrokerOptions, Endpoints, ExchangeType};
 
@@ -507,14 +507,14 @@ async fn pending(broker: &Broker, found: &Found) -> Result<u64, StateError> {
                 generation: g,
             });
         }
-        let (mut live, mut order) = (HashMap::new(), Vec::new());
+        let mut set = LiveSet::default();
         for n in [g, g + 1] {
             let stream = names.generation(n);
             if session.exists(&stream).await? {
-                session.read_live(&stream, &mut live, &mut order).await?;
+                session.read_into(&stream, &mut set).await?;
             }
         }
-        Ok(live.len() as u64)
+        Ok(set.len() as u64)
     }
     .await;
     session.close().await;

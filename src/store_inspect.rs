@@ -136,7 +136,7 @@ fn inspect_streams(
     settings: &delayd_adapters::amqp::AmqpSettings,
     pointer: &str,
 ) -> anyhow::Result<RouteReport> {
-    use delayd_adapters::amqp::state::{StateNames, StateSession};
+    use delayd_adapters::amqp::state::{LiveSet, StateNames, StateSession};
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -155,13 +155,12 @@ fn inspect_streams(
             streams: true,
         };
         if let (Some(generation), _) = session.current_generation().await? {
-            let mut live = std::collections::HashMap::new();
-            let mut order = Vec::new();
+            let mut set = LiveSet::default();
             session
-                .read_live(&names.generation(generation), &mut live, &mut order)
+                .read_into(&names.generation(generation), &mut set)
                 .await?;
             let mut p = PartitionReport::default();
-            for record in live.values() {
+            for record in set.live() {
                 p.add(Some(record.due_ms), record.message.len());
             }
             r.pending = p.pending;

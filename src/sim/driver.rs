@@ -960,8 +960,8 @@ impl Sim {
     /// message this process stored and released (the route moved; its next
     /// owner fires it under its id), which stays known to redelivery
     /// detection, unless a byte-equal message could have taken its record.
-    /// (Across a restart it may be forgotten: see
-    /// `tests::open_a_restart_forgets_an_in_doubt_record_compaction_removed`.)
+    /// (Across a restart it may be forgotten: an open hole, see
+    /// docs/testing.md, "Open: copies under another id after a restart".)
     fn check_not_forgotten(&self, msg: usize) -> Result<(), Failure> {
         let Some(&(uid, process)) = self.released.get(&msg) else {
             return Ok(());

@@ -294,6 +294,70 @@ pub struct LiveRecord {
     pub message: Vec<u8>,
 }
 
+/// A generation's records applied in stream order: the live Schedules
+/// (a Done removes its Schedule) and the highest [`Record::Offset`] of each
+/// stream ingress.
+#[derive(Debug, Default)]
+pub struct LiveSet {
+    live: HashMap<u128, LiveRecord>,
+    /// Ids in the order first written.
+    order: Vec<u128>,
+    offsets: HashMap<String, i64>,
+}
+
+impl LiveSet {
+    /// Apply one record; a Done returns the Schedule it ended.
+    pub fn apply(&mut self, record: Record) -> Option<LiveRecord> {
+        match record {
+            Record::Schedule {
+                id,
+                due_ms,
+                message,
+            } => {
+                let record = LiveRecord {
+                    id,
+                    due_ms,
+                    message,
+                };
+                if self.live.insert(id, record).is_none() {
+                    self.order.push(id);
+                }
+                None
+            }
+            Record::Done { id } => self.live.remove(&id),
+            Record::Offset { queue, next } => {
+                let at = self.offsets.entry(queue).or_insert(next);
+                *at = (*at).max(next);
+                None
+            }
+            Record::Marker { .. } | Record::Generation { .. } | Record::Remembered { .. } => None,
+        }
+    }
+
+    /// The live records, in no particular order.
+    pub fn live(&self) -> impl Iterator<Item = &LiveRecord> {
+        self.live.values()
+    }
+
+    pub fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    /// The live records in the order first written, and the offsets.
+    pub fn finish(mut self) -> (Vec<LiveRecord>, HashMap<String, i64>) {
+        let live = self
+            .order
+            .iter()
+            .filter_map(|id| self.live.remove(id))
+            .collect();
+        (live, self.offsets)
+    }
+}
+
 /// The names of one route's lock and streams, and how streams are created
 /// and written.
 #[derive(Debug, Clone)]
@@ -1208,58 +1272,11 @@ impl StateSession {
         result
     }
 
-    /// The live Schedules of generation stream `stream`, in stream order
-    /// (Schedules applied, Dones removing them), added to `live`.
-    pub async fn read_live(
-        &self,
-        stream: &str,
-        live: &mut HashMap<u128, LiveRecord>,
-        order: &mut Vec<u128>,
-    ) -> Result<u64, StateError> {
-        let mut offsets = HashMap::new();
-        self.read_generation(stream, live, order, &mut offsets)
-            .await
-    }
-
-    /// [`StateSession::read_live`], and the highest [`Record::Offset`] of
-    /// each stream ingress, merged into `offsets`.
-    pub async fn read_generation(
-        &self,
-        stream: &str,
-        live: &mut HashMap<u128, LiveRecord>,
-        order: &mut Vec<u128>,
-        offsets: &mut HashMap<String, i64>,
-    ) -> Result<u64, StateError> {
+    /// Apply generation stream `stream`'s records to `set`, in stream
+    /// order; returns how many were read.
+    pub async fn read_into(&self, stream: &str, set: &mut LiveSet) -> Result<u64, StateError> {
         self.read_all(stream, |record| {
-            match record {
-                Record::Schedule {
-                    id,
-                    due_ms,
-                    message,
-                } => {
-                    if live
-                        .insert(
-                            id,
-                            LiveRecord {
-                                id,
-                                due_ms,
-                                message,
-                            },
-                        )
-                        .is_none()
-                    {
-                        order.push(id);
-                    }
-                }
-                Record::Done { id } => {
-                    live.remove(&id);
-                }
-                Record::Offset { queue, next } => {
-                    let at = offsets.entry(queue).or_insert(next);
-                    *at = (*at).max(next);
-                }
-                Record::Marker { .. } | Record::Generation { .. } | Record::Remembered { .. } => {}
-            }
+            set.apply(record);
             Ok(())
         })
         .await

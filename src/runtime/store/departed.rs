@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use delayd_adapters::amqp::state::{LiveRecord, Record};
+use delayd_adapters::amqp::state::{LiveRecord, LiveSet, Record, StateError, StateSession};
 
 use crate::engine::{digest, fingerprint};
 
@@ -111,9 +111,7 @@ impl Newest {
 #[derive(Debug)]
 pub struct Replay {
     route: String,
-    live: HashMap<u128, LiveRecord>,
-    order: Vec<u128>,
-    pub offsets: HashMap<String, i64>,
+    live: LiveSet,
     departed: Newest,
 }
 
@@ -121,63 +119,46 @@ impl Replay {
     pub fn new(route: &str, kept: usize) -> Self {
         Self {
             route: route.to_owned(),
-            live: HashMap::new(),
-            order: Vec::new(),
-            offsets: HashMap::new(),
+            live: LiveSet::default(),
             departed: Newest::new(kept),
         }
     }
 
     pub fn apply(&mut self, record: Record) {
-        match record {
-            Record::Schedule {
-                id,
-                due_ms,
-                message,
-            } => {
-                let record = LiveRecord {
-                    id,
-                    due_ms,
-                    message,
-                };
-                if self.live.insert(id, record).is_none() {
-                    self.order.push(id);
-                }
-            }
-            Record::Done { id } => {
-                if let Some(left) = self.live.remove(&id) {
-                    self.departed
-                        .note(Departed::of(&self.route, id, &left.message, false));
-                }
-            }
-            Record::Remembered {
+        if let Record::Remembered {
+            id,
+            fingerprint,
+            digest,
+            cancelled,
+        } = record
+        {
+            self.departed.note(Departed {
                 id,
                 fingerprint,
                 digest,
                 cancelled,
-            } => self.departed.note(Departed {
-                id,
-                fingerprint,
-                digest,
-                cancelled,
-            }),
-            Record::Offset { queue, next } => {
-                let at = self.offsets.entry(queue).or_insert(next);
-                *at = (*at).max(next);
-            }
-            Record::Marker { .. } | Record::Generation { .. } => {}
+            });
+        } else if let Some(left) = self.live.apply(record) {
+            let departed = Departed::of(&self.route, left.id, &left.message, false);
+            self.departed.note(departed);
         }
     }
 
-    /// The live set in the order first written, and the departed, oldest
-    /// first.
-    pub fn finish(mut self) -> (Vec<LiveRecord>, Vec<Departed>, HashMap<String, i64>) {
-        let live = self
-            .order
-            .iter()
-            .filter_map(|id| self.live.remove(id))
-            .collect();
-        (live, self.departed.into_vec(), self.offsets)
+    /// Apply generation stream `stream`'s records; returns how many were read.
+    pub async fn read(&mut self, session: &StateSession, stream: &str) -> Result<u64, StateError> {
+        session
+            .read_all(stream, |record| {
+                self.apply(record);
+                Ok(())
+            })
+            .await
+    }
+
+    /// The live set in the order first written, the departed (oldest
+    /// first), and the offsets.
+    pub fn finish(self) -> (Vec<LiveRecord>, Vec<Departed>, HashMap<String, i64>) {
+        let (live, offsets) = self.live.finish();
+        (live, self.departed.into_vec(), offsets)
     }
 }
 

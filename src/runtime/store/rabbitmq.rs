@@ -926,12 +926,7 @@ async fn recover(session: &StateSession, route: &str) -> Result<Recovered, State
             // before it was made), and both are deleted below.
             let stream = names.generation(n);
             session.declare_stream(&stream).await?;
-            read += session
-                .read_all(&stream, |record| {
-                    replay.apply(record);
-                    Ok(())
-                })
-                .await?;
+            read += replay.read(session, &stream).await?;
         }
     }
     let (live, departed, offsets) = replay.finish();
@@ -1372,12 +1367,7 @@ impl Writer {
         let route = self.route.clone();
         tokio::spawn(async move {
             let mut replay = Replay::new(&route, departed::KEPT);
-            let read = session
-                .read_all(&names.generation(from), |record| {
-                    replay.apply(record);
-                    Ok(())
-                })
-                .await;
+            let read = replay.read(&session, &names.generation(from)).await;
             if let Err(e) = read {
                 let _ = tx.send(Err(e)).await;
                 return;
