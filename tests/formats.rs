@@ -6,7 +6,9 @@
 //! |---|---|
 //! | `wal/v1.log` | WAL segment version 1 (no salt, no Commit), Schedule type 1, Done |
 //! | `wal/v2-type1.log` | WAL segment version 2 (salted, Commit per batch), Schedule type 1 (no uid), Done |
-//! | `wal/v2.log` | WAL segment version 2 as delayd writes it now: Schedule type 4 (uid), Done, Commit |
+//! | `wal/v2.log` | WAL segment version 2: Schedule type 4 (uid), Done, Commit |
+//! | `wal/v3.log` | WAL segment version 3: an Acked frame as well |
+//! | `wal/v4.log` | WAL segment version 4 as delayd writes it now: a Remembered frame as well |
 //! | `codec/v1.bin` | message codec version 1 (no flags byte) |
 //! | `codec/v2.bin` | message codec version 2, every field, every header type, a Kafka offset |
 //! | `codec/v2-null-value.bin` | message codec version 2, a Kafka record with a null value |
@@ -29,7 +31,7 @@
 
 use std::path::{Path, PathBuf};
 
-use delayd::wal::{OnCorruption, RecordRef, Wal, WalConfig};
+use delayd::wal::{OnCorruption, RecordRef, Remembered, Wal, WalConfig};
 use delayd_adapters::amqp::state::Record as StreamRecord;
 use delayd_adapters::kafka::state::{decode_value, encode_value, StateValue};
 use delayd_adapters::{decode, encode, FieldTable, Message, Properties, Value};
@@ -369,6 +371,10 @@ enum Replayed {
         seq: u64,
         id: u64,
     },
+    Remembered {
+        seq: u64,
+        remembered: Remembered,
+    },
 }
 
 /// Recover a WAL whose only segment is the fixture `name` (its first seq
@@ -400,6 +406,7 @@ fn replay(name: &str) -> Vec<Replayed> {
             },
             RecordRef::Done { seq, id, segment } => Replayed::Done { seq, id, segment },
             RecordRef::Acked { seq, id } => Replayed::Acked { seq, id },
+            RecordRef::Remembered { seq, remembered } => Replayed::Remembered { seq, remembered },
         })
     })
     .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -516,6 +523,42 @@ fn wal_segment_version_3_fixture_replays() {
     );
 }
 
+/// What the version 4 fixture remembers of the first message.
+fn remembered_first() -> Remembered {
+    Remembered {
+        id: 1,
+        uid: UID,
+        fp: 0x0123_4567_89ab_cdef,
+        digest: [0xd1; 32],
+        flags: 3,
+    }
+}
+
+#[test]
+fn wal_segment_version_4_fixture_replays() {
+    let bytes = fixture("wal/v4.log");
+    assert_eq!(&bytes[..12], b"DELAYDWL\x04\x00\x00\x00");
+    assert_eq!(
+        replay("wal/v4.log"),
+        vec![
+            first(1, 1, UID),
+            second(3, 3, UID + 1),
+            Replayed::Acked { seq: 5, id: 1 },
+            Replayed::Done {
+                seq: 6,
+                id: 1,
+                segment: 1
+            },
+            // What redelivery detection remembers of the first message once
+            // its Schedule's segment goes: cancelled (1) and left (2).
+            Replayed::Remembered {
+                seq: 8,
+                remembered: remembered_first(),
+            },
+        ]
+    );
+}
+
 // --------------------------------------------------------- the generator
 
 /// Writes the fixture files that are missing; never overwrites one.
@@ -586,7 +629,11 @@ fn write_fixtures() {
     // WAL version 2 (wal/v2.log) was what the writer wrote until version
     // 3 (Acked frames): the same as version 3 below without the Acked.
 
-    // WAL version 3 today: what the writer writes.
+    // WAL version 3 (wal/v3.log) was what the writer wrote until version
+    // 4 (Remembered frames): the same as version 4 below without the
+    // Remembered frame.
+
+    // WAL version 4 today: what the writer writes.
     let dir = tempfile::tempdir().unwrap();
     let (wal, _) = Wal::open(WalConfig::new(dir.path()), |_, _| {}).unwrap();
     let append = |due, uid, route: &str, message: &[u8]| {
@@ -604,9 +651,14 @@ fn write_fixtures() {
         .blocking_recv()
         .unwrap()
         .unwrap();
+    wal.append_remembered(remembered_first())
+        .unwrap()
+        .blocking_recv()
+        .unwrap()
+        .unwrap();
     wal.close().unwrap();
     write(
-        "wal/v3.log",
+        "wal/v4.log",
         std::fs::read(dir.path().join(SEGMENT)).unwrap(),
     );
 }

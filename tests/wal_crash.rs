@@ -133,7 +133,7 @@ fn sigkill_mid_stream_loses_no_acknowledged_record() {
             RecordRef::Done { id, .. } => {
                 live.remove(&id);
             }
-            RecordRef::Acked { .. } => {}
+            RecordRef::Acked { .. } | RecordRef::Remembered { .. } => {}
         })
         .unwrap();
         assert!(

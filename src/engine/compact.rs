@@ -5,9 +5,13 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::wal::{Record, WalPos};
+use tokio::sync::oneshot;
 
-use super::{dedup, EngineError, Inner};
+use crate::wal::frame::{REMEMBERED_CANCELLED, REMEMBERED_LEFT};
+use crate::wal::{Appended, Record, Remembered, WalError, WalPos};
+
+use super::dedup::{self, Evidence};
+use super::{EngineError, Inner};
 
 pub(crate) async fn run(inner: Arc<Inner>, shutdown: CancellationToken) {
     let mut tick = tokio::time::interval(inner.config.gc_interval);
@@ -82,34 +86,83 @@ async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
     let inner = inner.clone();
     tokio::task::spawn_blocking(move || {
         let wal = inner.wal.clone();
-        wal.collect_garbage_after(|segments| digest_remembered(&inner, segments))
+        wal.collect_garbage_after(|segments| {
+            for (id, written) in remember_departing(&inner, segments) {
+                settle_remembered(&inner, id, written.blocking_recv());
+            }
+        })
     })
     .await
     .map_err(|_| EngineError::WriterGone)??;
     Ok(())
 }
 
+type Written = Result<Appended, WalError>;
+
 /// Before `segments` are deleted: remembered records whose ack is
-/// unconfirmed and that were written there are compared by digest from now
-/// on (see `dedup`). Blocking reads, usually none.
-fn digest_remembered(inner: &Inner, segments: &[u32]) {
-    let wanted = inner.state().unconfirmed.written_in(segments);
-    for (id, pos) in wanted {
-        match inner.wal.read(pos) {
-            Ok(Record::Schedule {
-                id: stored,
-                route,
-                message,
-                ..
-            }) if stored == id => {
-                let digest = super::dedup::digest(&route, &message);
-                inner.state().unconfirmed.set_digest(id, digest);
-            }
-            other => {
-                tracing::warn!(id, error = ?other.err(), "cannot read a remembered record before its segment goes; a redelivery of it will be stored again")
-            }
+/// unconfirmed and that were written there (a Schedule, or a Remembered
+/// frame) are compared by digest from now on, and get a Remembered frame
+/// for a restart to read (see `dedup::Unconfirmed::departing`). Returns
+/// the frames' writes, to wait for before the segments go and to hand to
+/// [`settle_remembered`]. Blocking reads, usually none.
+fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<(u64, oneshot::Receiver<Written>)> {
+    let departing = inner.state().unconfirmed.departing(segments);
+    let mut writes = Vec::new();
+    for d in departing {
+        let digest = match d.evidence {
+            Evidence::Digest(digest) => digest,
+            Evidence::At(pos) => match inner.wal.read(pos) {
+                Ok(Record::Schedule {
+                    id: stored,
+                    route,
+                    message,
+                    ..
+                }) if stored == d.id => {
+                    let digest = dedup::digest(&route, &message);
+                    inner.state().unconfirmed.set_digest(d.id, digest);
+                    digest
+                }
+                other => {
+                    tracing::warn!(id = d.id, error = ?other.err(), "cannot read a remembered record before its segment goes; a redelivery of it will be stored again");
+                    continue;
+                }
+            },
+        };
+        if !d.durable {
+            inner.state().unconfirmed.set_frame(d.id, None);
+            continue;
+        }
+        let flags = if d.cancelled { REMEMBERED_CANCELLED } else { 0 }
+            | if d.left { REMEMBERED_LEFT } else { 0 };
+        let frame = Remembered {
+            id: d.id,
+            uid: d.uid,
+            fp: d.fp,
+            digest,
+            flags,
+        };
+        match inner.wal.append_remembered(frame) {
+            Ok(written) => writes.push((d.id, written)),
+            Err(e) => settle_remembered(inner, d.id, Ok(Err(e))),
         }
     }
+    writes
+}
+
+/// Where `id`'s Remembered frame now is, or that it has none: refused on a
+/// full disk (see `wal`), it is remembered in memory only, and a restart
+/// will take its redelivery for a new message (a copy under another id,
+/// never a loss).
+fn settle_remembered(inner: &Inner, id: u64, written: Result<Written, oneshot::error::RecvError>) {
+    let frame = match written {
+        Ok(Ok(appended)) => Some(appended.pos.segment),
+        Ok(Err(e)) => {
+            tracing::debug!(id, error = %e, "no Remembered frame: remembered in memory only");
+            None
+        }
+        Err(_) => None,
+    };
+    inner.state().unconfirmed.set_frame(id, frame);
 }
 
 /// Copy a segment's live records to the head, repoint the index, delete it.
@@ -211,6 +264,8 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                     done_copies.push(inner.wal.append_acked_now(id)?);
                 }
                 Record::Acked { .. } => {}
+                // Written again by `remember_departing` if still remembered.
+                Record::Remembered { .. } => {}
             }
         }
     }
@@ -231,6 +286,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
         for (id, old, new) in placed {
             let still_here = state.locate(id).is_some_and(|(slot, _, _)| slot.pos == old);
             if still_here && state.relocate(id, new) {
+                state.unconfirmed.moved(id, old, new);
                 inner.wal.mark_dead(old);
                 // Should the removal below not happen (a crash), the copy's
                 // segment must outlive the original's (see `Wal::keep_after`).
@@ -244,7 +300,9 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
     for rx in late_dones {
         rx.await.map_err(|_| EngineError::WriterGone)??;
     }
-    digest_remembered(inner, &[segment]);
+    for (id, written) in remember_departing(inner, &[segment]) {
+        settle_remembered(inner, id, written.await);
+    }
     inner.wal.remove_compacted(segment)?;
     tracing::info!(segment = first_seq, moved, "compacted WAL segment");
     metrics::counter!("delayd_wal_compactions_total").increment(1);

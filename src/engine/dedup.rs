@@ -71,7 +71,8 @@ use std::collections::{HashMap, VecDeque};
 
 use sha2::{Digest as _, Sha256};
 
-use crate::wal::WalPos;
+use crate::wal::frame::{REMEMBERED_CANCELLED, REMEMBERED_LEFT};
+use crate::wal::{Remembered, WalPos};
 
 /// What a remembered record's bytes are compared with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,6 +158,27 @@ struct Entry {
     /// It matched a redelivery already (one to one): no candidate any
     /// more, but kept so that compaction still moves its cancel mark on.
     consumed: bool,
+    /// Its ack was confirmed (kept in doubt in this process only).
+    confirmed: bool,
+    /// The segment of its Remembered frame, once its Schedule's is gone
+    /// (see [`Unconfirmed::departing`]).
+    frame: Option<u32>,
+}
+
+/// A remembered record whose Schedule or Remembered frame is in a segment
+/// about to be deleted.
+#[derive(Debug, Clone, Copy)]
+pub struct Departing {
+    pub id: u64,
+    pub uid: u128,
+    pub fp: u64,
+    pub evidence: Evidence,
+    pub cancelled: bool,
+    pub left: bool,
+    /// A restart needs it: a Remembered frame is written for it. Not for a
+    /// record whose ack was confirmed (a restart knows it only by its
+    /// Acked mark, as before) or that matched its redelivery already.
+    pub durable: bool,
 }
 
 /// Bounded set of stored, unconfirmed messages (by id), oldest evicted first.
@@ -209,6 +231,8 @@ impl Unconfirmed {
                 cancelled: false,
                 left: false,
                 consumed: false,
+                confirmed: false,
+                frame: None,
             },
         );
     }
@@ -232,6 +256,29 @@ impl Unconfirmed {
                 cancelled,
                 left: true,
                 consumed: false,
+                confirmed: false,
+                frame: None,
+            },
+        );
+    }
+
+    /// A record read back at a start (see [`Recent::unacked`]): its ack in
+    /// doubt, compared at its Schedule or, if that is gone, by the digest
+    /// of its Remembered frame.
+    pub fn restore(&mut self, r: &ReadBack) {
+        self.insert(
+            r.id,
+            Entry {
+                fp: r.fp,
+                evidence: r.evidence,
+                session: 0,
+                uid: r.uid,
+                ack: AckState::InDoubt,
+                cancelled: false,
+                left: false,
+                consumed: false,
+                confirmed: false,
+                frame: r.frame,
             },
         );
     }
@@ -280,14 +327,29 @@ impl Unconfirmed {
         true
     }
 
-    /// Remembered records whose Schedule was written in one of `segments`
-    /// and that have no digest yet.
-    pub fn written_in(&self, segments: &[u32]) -> Vec<(u64, WalPos)> {
+    /// Remembered records whose Schedule, or Remembered frame, was
+    /// written in one of `segments`: before those go, each is compared by
+    /// digest from then on ([`Unconfirmed::set_digest`]), and those a
+    /// restart needs get a new Remembered frame
+    /// ([`Unconfirmed::set_frame`]). Without the frame, a restart after the
+    /// segment went forgot a message that fired with its ack in doubt, and
+    /// its late redelivery was stored under a new id (sim seed 3).
+    pub fn departing(&self, segments: &[u32]) -> Vec<Departing> {
         self.fingerprints
             .iter()
-            .filter_map(|(&id, entry)| match entry.evidence {
-                Evidence::At(pos) if segments.contains(&pos.segment) => Some((id, pos)),
-                _ => None,
+            .filter(|(_, entry)| {
+                let schedule =
+                    matches!(entry.evidence, Evidence::At(pos) if segments.contains(&pos.segment));
+                schedule || entry.frame.is_some_and(|s| segments.contains(&s))
+            })
+            .map(|(&id, entry)| Departing {
+                id,
+                uid: entry.uid,
+                fp: entry.fp,
+                evidence: entry.evidence,
+                cancelled: entry.cancelled,
+                left: entry.left,
+                durable: !entry.confirmed && !entry.consumed,
             })
             .collect()
     }
@@ -296,6 +358,24 @@ impl Unconfirmed {
     pub fn set_digest(&mut self, id: u64, digest: [u8; 32]) {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.evidence = Evidence::Digest(digest);
+        }
+    }
+
+    /// `id`'s Remembered frame is now in segment `frame` (`None`: it has
+    /// none, and a restart will not know it).
+    pub fn set_frame(&mut self, id: u64, frame: Option<u32>) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.frame = frame;
+        }
+    }
+
+    /// Compaction copied `id`'s Schedule from `old` to `new`: compare it
+    /// there (while still remembered at `old`).
+    pub fn moved(&mut self, id: u64, old: WalPos, new: WalPos) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            if entry.evidence == Evidence::At(old) {
+                entry.evidence = Evidence::At(new);
+            }
         }
     }
 
@@ -318,6 +398,7 @@ impl Unconfirmed {
             return self.remove(id);
         }
         entry.ack = AckState::InDoubt;
+        entry.confirmed = true;
         self.confirmed.push_back(id);
         while self.confirmed.len() > CONFIRMED_KEPT {
             if let Some(old) = self.confirmed.pop_front() {
@@ -462,7 +543,11 @@ struct RecentEntry {
     id: u64,
     uid: u128,
     fp: u64,
-    pos: WalPos,
+    evidence: Evidence,
+    /// Read from a Remembered frame in this segment: its Schedule is gone.
+    frame: Option<u32>,
+    /// The frame says it left (fired or parked).
+    left: bool,
     acked: bool,
     cancelled: bool,
     /// When its Done was read (see [`Recent::retire`]).
@@ -476,7 +561,10 @@ pub struct ReadBack {
     pub id: u64,
     pub uid: u128,
     pub fp: u64,
-    pub pos: WalPos,
+    /// Its Schedule, or the digest of its Remembered frame.
+    pub evidence: Evidence,
+    /// The segment of that frame.
+    pub frame: Option<u32>,
     pub cancelled: bool,
     /// Its Done was read and no record of its identity is live: it fired,
     /// was cancelled, or waits in the far tier (which the load that brings
@@ -520,6 +608,36 @@ impl Recent {
 
     /// A Schedule, read in log order.
     pub fn push(&mut self, id: u64, uid: u128, fp: u64, pos: WalPos) {
+        self.push_entry(RecentEntry {
+            id,
+            uid,
+            fp,
+            evidence: Evidence::At(pos),
+            frame: None,
+            left: false,
+            acked: false,
+            cancelled: false,
+            retired_at: None,
+        });
+    }
+
+    /// A Remembered frame at `pos`, read in log order: a record whose
+    /// Schedule is gone, compared by digest.
+    pub fn push_remembered(&mut self, r: &Remembered, pos: WalPos) {
+        self.push_entry(RecentEntry {
+            id: r.id,
+            uid: r.uid,
+            fp: r.fp,
+            evidence: Evidence::Digest(r.digest),
+            frame: Some(pos.segment),
+            left: r.flags & REMEMBERED_LEFT != 0,
+            acked: false,
+            cancelled: r.flags & REMEMBERED_CANCELLED != 0,
+            retired_at: None,
+        });
+    }
+
+    fn push_entry(&mut self, entry: RecentEntry) {
         if self.capacity == 0 {
             return;
         }
@@ -533,16 +651,8 @@ impl Recent {
             self.first += 1;
         }
         self.index
-            .insert(id, self.first + self.entries.len() as u64);
-        self.entries.push_back(RecentEntry {
-            id,
-            uid,
-            fp,
-            pos,
-            acked: false,
-            cancelled: false,
-            retired_at: None,
-        });
+            .insert(entry.id, self.first + self.entries.len() as u64);
+        self.entries.push_back(entry);
     }
 
     /// A Done, read in log order.
@@ -585,11 +695,12 @@ impl Recent {
     pub fn unacked(self) -> impl Iterator<Item = ReadBack> {
         let cancelled_at = self.cancelled_at;
         // A far load's copy is a new id under the same identity: the spilled
-        // record's Done was no departure (seed 733).
+        // record's Done was no departure (seed 733). A Remembered frame is
+        // no record at all.
         let live: std::collections::HashSet<u128> = self
             .entries
             .iter()
-            .filter(|e| e.retired_at.is_none())
+            .filter(|e| e.retired_at.is_none() && e.frame.is_none())
             .map(|e| e.uid)
             .collect();
         let mut newest: HashMap<u128, u64> = HashMap::new();
@@ -598,16 +709,21 @@ impl Recent {
             *id = (*id).max(e.id);
         }
         self.entries.into_iter().filter(|e| !e.acked).map(move |e| {
-            let covered = cancelled_at
-                .get(&e.uid)
-                .is_some_and(|&at| e.retired_at.is_none_or(|r| r > at));
+            // One that left is owed nothing by a later cancel.
+            let covered = !e.left
+                && cancelled_at
+                    .get(&e.uid)
+                    .is_some_and(|&at| e.retired_at.is_none_or(|r| r > at));
+            // A frame's Schedule was retired (or it would not be written).
+            let retired = e.retired_at.is_some() || e.frame.is_some();
             ReadBack {
                 id: e.id,
                 uid: e.uid,
                 fp: e.fp,
-                pos: e.pos,
+                evidence: e.evidence,
+                frame: e.frame,
                 cancelled: e.cancelled || covered,
-                left: e.retired_at.is_some() && !live.contains(&e.uid),
+                left: e.left || (retired && !live.contains(&e.uid)),
                 newest: newest.get(&e.uid).copied().unwrap_or(e.id),
             }
         })
@@ -795,7 +911,7 @@ mod tests {
     }
 
     #[test]
-    fn records_in_going_segments_get_a_digest_once() {
+    fn records_in_going_segments_get_a_digest_once_and_their_frame_is_followed() {
         let mut u = Unconfirmed::new(10);
         let in_0 = P;
         let in_1 = WalPos {
@@ -804,11 +920,24 @@ mod tests {
         };
         u.add(1, 0, 10, in_0, 0, AckState::Unsent);
         u.add(2, 0, 20, in_1, 0, AckState::Unsent);
-        u.add(3, 0, 30, in_1, 0, AckState::Unsent);
-        let mut going = u.written_in(&[1]);
-        going.sort_unstable();
-        assert_eq!(going, vec![(2, in_1), (3, in_1)]);
+        u.add(3, 0, 30, in_1, 1, AckState::Unsent);
+        u.confirm(3);
+        let going = |u: &Unconfirmed, segments: &[u32]| {
+            let mut ids: Vec<(u64, bool)> = u
+                .departing(segments)
+                .into_iter()
+                .map(|d| (d.id, d.durable))
+                .collect();
+            ids.sort_unstable();
+            ids
+        };
+        assert_eq!(
+            going(&u, &[1]),
+            vec![(2, true), (3, false)],
+            "a confirmed ack needs no frame"
+        );
         u.set_digest(2, [7; 32]);
+        u.set_frame(2, Some(5));
         assert_eq!(
             u.candidates(20, 0)
                 .into_iter()
@@ -816,13 +945,15 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![(2, Evidence::Digest([7; 32]))]
         );
-        assert_eq!(
-            u.written_in(&[1]),
-            vec![(3, in_1)],
-            "a digested record is not digested again"
-        );
-        assert_eq!(u.written_in(&[0]), vec![(1, in_0)]);
-        assert!(u.written_in(&[2]).is_empty());
+        assert_eq!(going(&u, &[1]), vec![(3, false)], "2 left segment 1");
+        assert_eq!(going(&u, &[5]), vec![(2, true)], "its frame's segment");
+        u.set_frame(2, None);
+        assert!(going(&u, &[5]).is_empty(), "no frame any more");
+        assert_eq!(going(&u, &[0]), vec![(1, true)]);
+        assert!(going(&u, &[2]).is_empty());
+        // A compaction copy is compared where it was copied to.
+        u.moved(1, in_0, in_1);
+        assert_eq!(going(&u, &[1]), vec![(1, true), (3, false)]);
         // An id no longer remembered gets no digest (and is not brought back).
         u.remove(3);
         u.set_digest(3, [9; 32]);

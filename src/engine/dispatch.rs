@@ -344,10 +344,9 @@ impl Dispatcher {
                     attempt,
                 })
             }
-            Ok(Record::Done { .. } | Record::Acked { .. }) => failed(format!(
-                "WAL position {:?} holds no Schedule",
-                entry.data.pos
-            )),
+            Ok(Record::Done { .. } | Record::Acked { .. } | Record::Remembered { .. }) => failed(
+                format!("WAL position {:?} holds no Schedule", entry.data.pos),
+            ),
             Err(e) => failed(format!("cannot read message from the WAL: {e}")),
         };
         let settle = Settle {

@@ -684,6 +684,7 @@ impl Engine {
                 }
             }
             RecordRef::Acked { id, .. } => recent.mark(id),
+            RecordRef::Remembered { remembered, .. } => recent.push_remembered(&remembered, pos),
         })?;
         if too_many_routes {
             return Err(EngineError::TooManyRoutes);
@@ -717,9 +718,7 @@ impl Engine {
         let far_min_id = far.as_ref().map_or(u64::MAX, |t| t.store().min_id());
         // Their acks may have been sent before the restart, or not.
         for r in recent.unacked() {
-            state
-                .unconfirmed
-                .add(r.id, r.uid, r.fp, r.pos, 0, AckState::InDoubt);
+            state.unconfirmed.restore(&r);
             if r.cancelled {
                 state.unconfirmed.cancel(r.id);
             }

@@ -452,7 +452,7 @@ impl FarStore {
             Some(meta) => (meta.clone(), false),
             None => {
                 let salt = Salt::random();
-                file.append(&frame::segment_header(salt.value()))
+                file.append(&frame::bucket_header(salt.value()))
                     .map_err(|e| WalError::io(&path, e))?;
                 (BucketMeta::new(salt.value()), true)
             }

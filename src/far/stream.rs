@@ -215,7 +215,7 @@ impl BucketIndex {
                 }
                 // Never written in a bucket.
                 Item::Frame {
-                    record: RecordRef::Acked { .. },
+                    record: RecordRef::Acked { .. } | RecordRef::Remembered { .. },
                     ..
                 } => {}
                 Item::Bad { offset, reason } => bad(offset, &reason),

@@ -1333,3 +1333,27 @@ fn seed_733_a_cancel_after_a_restart_covers_a_copy_read_back_retired() {
         panic!("{f}");
     }
 }
+
+/// Seed 3: a message whose ack was in doubt at a kill is read back and
+/// remembered, fires, and compaction removes its Schedule; the digest taken
+/// before the segment went lived in memory only, so the next restart (here
+/// the stop a failed fsync brings) knew nothing of it, and its late
+/// redelivery was stored under a new id and fired again. A Remembered frame
+/// now carries it through the WAL.
+#[test]
+fn seed_3_a_departed_message_keeps_its_id_across_a_compaction_and_a_restart() {
+    use ops::{Loss, Op};
+    let ops = [
+        deliver(0, 3, 774, 1124, None, true),
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::Clock { ms: 19_774 },
+        Op::Compact,
+        Op::SyncFails,
+    ];
+    match run(3, &ops) {
+        Ok(report) => assert_eq!(report.other_id_copies, 0, "{report:?}"),
+        Err(f) => panic!("{f}"),
+    }
+}

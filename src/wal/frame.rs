@@ -12,9 +12,11 @@ const SCHEDULE_V1_OVERHEAD: usize = 8 + 8 + 2;
 
 pub const SEGMENT_MAGIC: &[u8; 8] = b"DELAYDWL";
 /// Version 2 salts every frame's CRC and ends each batch with a Commit frame;
-/// version 3 adds Acked frames (the same layout otherwise). Versions 1 (no
-/// salt, no Commit) and 2 are still read.
-pub const SEGMENT_VERSION: u32 = 3;
+/// version 3 adds Acked frames and version 4 Remembered frames (the same
+/// layout otherwise). Versions 1 (no salt, no Commit) to 3 are still read;
+/// a delayd that predates a version refuses its segments (an unknown frame
+/// type would read as corruption).
+pub const SEGMENT_VERSION: u32 = 4;
 pub const SEGMENT_HEADER_BYTES: u64 = 16;
 
 /// A Schedule without a uid (written before identities existed; read only).
@@ -25,6 +27,15 @@ const TYPE_COMMIT: u8 = 3;
 const TYPE_SCHEDULE: u8 = 4;
 /// The source's ack of a stored message was confirmed (version 3).
 const TYPE_ACKED: u8 = 5;
+/// What redelivery detection keeps of a message whose Schedule's segment
+/// goes (version 4).
+const TYPE_REMEMBERED: u8 = 6;
+/// A Remembered payload: id, uid, fingerprint, digest, flags.
+const REMEMBERED_PAYLOAD: usize = 8 + 16 + 8 + 32 + 1;
+/// [`Remembered::flags`]: it was cancelled.
+pub const REMEMBERED_CANCELLED: u8 = 1;
+/// [`Remembered::flags`]: it left (fired or parked).
+pub const REMEMBERED_LEFT: u8 = 2;
 
 /// The segment's CRC salt: a random `u32` from the header of a version 2
 /// segment, mixed into every frame's CRC so that bytes a producer wrote into
@@ -90,6 +101,25 @@ pub enum Record {
         seq: u64,
         id: u64,
     },
+    Remembered {
+        seq: u64,
+        remembered: Remembered,
+    },
+}
+
+/// A message redelivery detection still remembers after its Schedule's
+/// segment is gone (see `engine::dedup`): a restart compares a redelivery
+/// with its digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Remembered {
+    pub id: u64,
+    pub uid: u128,
+    /// `engine::dedup::fingerprint` of its route and bytes.
+    pub fp: u64,
+    /// `engine::dedup::digest` of its route and bytes.
+    pub digest: [u8; 32],
+    /// [`REMEMBERED_CANCELLED`], [`REMEMBERED_LEFT`].
+    pub flags: u8,
 }
 
 /// A record borrowed from a read buffer (recovery avoids copying payloads).
@@ -114,6 +144,11 @@ pub enum RecordRef<'a> {
         seq: u64,
         id: u64,
     },
+    /// A departed message's identity and digest, carried while remembered.
+    Remembered {
+        seq: u64,
+        remembered: Remembered,
+    },
 }
 
 impl RecordRef<'_> {
@@ -121,7 +156,8 @@ impl RecordRef<'_> {
         match self {
             RecordRef::Schedule { seq, .. }
             | RecordRef::Done { seq, .. }
-            | RecordRef::Acked { seq, .. } => *seq,
+            | RecordRef::Acked { seq, .. }
+            | RecordRef::Remembered { seq, .. } => *seq,
         }
     }
 
@@ -144,6 +180,7 @@ impl RecordRef<'_> {
             },
             RecordRef::Done { seq, id, segment } => Record::Done { seq, id, segment },
             RecordRef::Acked { seq, id } => Record::Acked { seq, id },
+            RecordRef::Remembered { seq, remembered } => Record::Remembered { seq, remembered },
         }
     }
 }
@@ -190,6 +227,22 @@ pub fn put_done(out: &mut Vec<u8>, salt: Salt, seq: u64, id: u64, segment: u64) 
 pub fn put_acked(out: &mut Vec<u8>, salt: Salt, seq: u64, id: u64) {
     let start = begin(out, MIN_LEN as usize + 8, TYPE_ACKED, seq);
     out.extend_from_slice(&id.to_le_bytes());
+    finish(out, start, salt);
+}
+
+/// Append a Remembered frame to `out`.
+pub fn put_remembered(out: &mut Vec<u8>, salt: Salt, seq: u64, r: &Remembered) {
+    let start = begin(
+        out,
+        MIN_LEN as usize + REMEMBERED_PAYLOAD,
+        TYPE_REMEMBERED,
+        seq,
+    );
+    out.extend_from_slice(&r.id.to_le_bytes());
+    out.extend_from_slice(&r.uid.to_le_bytes());
+    out.extend_from_slice(&r.fp.to_le_bytes());
+    out.extend_from_slice(&r.digest);
+    out.push(r.flags);
     finish(out, start, salt);
 }
 
@@ -310,6 +363,21 @@ pub fn parse(buf: &[u8], max_len: u32, salt: Salt) -> Result<(Parsed<'_>, usize)
                 id: u64::from_le_bytes(payload.try_into().expect("8 bytes")),
             })
         }
+        TYPE_REMEMBERED if salt.is_salted() => {
+            if payload.len() != REMEMBERED_PAYLOAD {
+                return Err(FrameError::BadPayload("Remembered payload is not 65 bytes"));
+            }
+            Parsed::Record(RecordRef::Remembered {
+                seq,
+                remembered: Remembered {
+                    id: u64::from_le_bytes(payload[0..8].try_into().expect("8 bytes")),
+                    uid: u128::from_le_bytes(payload[8..24].try_into().expect("16 bytes")),
+                    fp: u64::from_le_bytes(payload[24..32].try_into().expect("8 bytes")),
+                    digest: payload[32..64].try_into().expect("32 bytes"),
+                    flags: payload[64],
+                },
+            })
+        }
         TYPE_COMMIT if salt.is_salted() => {
             if payload.len() != 8 {
                 return Err(FrameError::BadPayload("Commit payload is not 8 bytes"));
@@ -359,10 +427,23 @@ fn parse_schedule(seq: u64, payload: &[u8], with_uid: bool) -> Result<RecordRef<
     })
 }
 
+/// The far tier's buckets hold no Remembered frames: they stay at version
+/// 3, which a delayd one version back still reads.
+pub const BUCKET_VERSION: u32 = 3;
+
 pub fn segment_header(salt: u32) -> [u8; SEGMENT_HEADER_BYTES as usize] {
+    header(SEGMENT_VERSION, salt)
+}
+
+/// A far bucket's header (see [`BUCKET_VERSION`]).
+pub fn bucket_header(salt: u32) -> [u8; SEGMENT_HEADER_BYTES as usize] {
+    header(BUCKET_VERSION, salt)
+}
+
+fn header(version: u32, salt: u32) -> [u8; SEGMENT_HEADER_BYTES as usize] {
     let mut h = [0u8; SEGMENT_HEADER_BYTES as usize];
     h[..8].copy_from_slice(SEGMENT_MAGIC);
-    h[8..12].copy_from_slice(&SEGMENT_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     h[12..16].copy_from_slice(&salt.to_le_bytes());
     h
 }
@@ -376,7 +457,7 @@ pub fn header_salt(buf: &[u8]) -> Option<Salt> {
     let word = |at: usize| u32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
     match word(8) {
         1 => Some(Salt::UNSALTED),
-        2 | 3 => Some(Salt::new(word(12))),
+        2..=4 => Some(Salt::new(word(12))),
         _ => None,
     }
 }

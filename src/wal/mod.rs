@@ -43,12 +43,22 @@
 //!   it must not be stored again. Written just before the cancel's Done in its
 //!   batch, so in its segment (or durably, for a far message, before the
 //!   far tier's cancel), and copied with that Done by compaction.
+//! - `6 Remembered` (version 4): `id u64 | uid u128 | fingerprint u64 |
+//!   digest [32] | flags u8` (1: cancelled, 2: left): a message redelivery
+//!   detection still remembers (its ack in doubt) whose Schedule's segment
+//!   is being deleted. Written, durably, before that segment goes, and again
+//!   before its own segment goes, for as long as the engine remembers the
+//!   message; a restart reads it back like a Schedule compared by digest
+//!   (see `engine::dedup`). Best effort: a full disk refuses it (the
+//!   reserve's room is not its), and the message is then remembered in
+//!   memory only, as before version 4.
 //!
-//! Version 1 segments (no salt: the CRC starts at `len`; no Commit frames)
-//! and version 2 segments (no Acked frames) are still read; a start goes on
-//! writing only a segment of the current version. A delayd older than
-//! version 3 cannot read a version 3 segment: to go back to one, drain the
-//! WAL first (or hand the messages off, `engine.handoff`).
+//! Version 1 segments (no salt: the CRC starts at `len`; no Commit frames),
+//! version 2 segments (no Acked frames) and version 3 (no Remembered) are
+//! still read; a start goes on writing only a segment of the current
+//! version. A delayd older than a version cannot read a segment of it: to
+//! go back to one, drain the WAL first (or hand the messages off,
+//! `engine.handoff`).
 //!
 //! # Writing
 //!
@@ -139,7 +149,7 @@ pub(crate) mod sim;
 mod writer;
 
 pub use claims::{Claim, Claims};
-pub use frame::{Record, RecordRef, SCHEDULE_OVERHEAD};
+pub use frame::{Record, RecordRef, Remembered, SCHEDULE_OVERHEAD};
 pub use fs::{FileSystem, StdFs, WalFile};
 pub use halt::Halt;
 pub use lock::{live_holder, LOCK_FILE};
@@ -573,6 +583,20 @@ impl Wal {
         self.shared
             .writer
             .send(AppendRequest::Acked { id, lazy: false })
+    }
+
+    /// Write what redelivery detection remembers of a message whose
+    /// Schedule's (or previous Remembered frame's) segment is about to go;
+    /// durable when the receiver answers. Refused on a full disk (see the
+    /// module doc): the caller goes on without it.
+    pub fn append_remembered(
+        &self,
+        remembered: Remembered,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        self.admit()?;
+        self.shared
+            .writer
+            .send(AppendRequest::Remembered(remembered))
     }
 
     /// Re-append a Done copied out of a segment being compacted.

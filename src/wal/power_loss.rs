@@ -71,7 +71,7 @@ fn open(cfg: WalConfig) -> Result<Opened, WalError> {
         RecordRef::Done { id, .. } => {
             live.remove(&id);
         }
-        RecordRef::Acked { .. } => {}
+        RecordRef::Acked { .. } | RecordRef::Remembered { .. } => {}
     })?;
     Ok(Opened { wal, live, report })
 }

@@ -378,7 +378,10 @@ pub fn inspect_segment(path: &Path, max_len: u32, is_last: bool) -> Result<Segme
             ScanItem::Frame { offset, record } => {
                 let next = scan_end(&buf, offset as usize, max_len, salt);
                 let size = (next - offset as usize) as u32;
-                if matches!(record, RecordRef::Acked { .. }) {
+                if matches!(
+                    record,
+                    RecordRef::Acked { .. } | RecordRef::Remembered { .. }
+                ) {
                     continue;
                 }
                 scan.frames.push(match record {
@@ -398,7 +401,9 @@ pub fn inspect_segment(path: &Path, max_len: u32, is_last: bool) -> Result<Segme
                         route: String::new(),
                         done: Some(segment),
                     },
-                    RecordRef::Acked { .. } => unreachable!("skipped above"),
+                    RecordRef::Acked { .. } | RecordRef::Remembered { .. } => {
+                        unreachable!("skipped above")
+                    }
                 });
             }
             ScanItem::Commit { .. } => {}

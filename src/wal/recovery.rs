@@ -156,7 +156,7 @@ pub fn recover(
                             report.dones += 1;
                             table.record_done(ordinal, segment);
                         }
-                        RecordRef::Acked { .. } => {}
+                        RecordRef::Acked { .. } | RecordRef::Remembered { .. } => {}
                     }
                     visit(record, pos);
                 }

@@ -35,7 +35,7 @@ fn open_live(cfg: WalConfig) -> Result<(Wal, Live, RecoveryReport), WalError> {
         RecordRef::Done { id, .. } => {
             live.remove(&id);
         }
-        RecordRef::Acked { .. } => {}
+        RecordRef::Acked { .. } | RecordRef::Remembered { .. } => {}
     })?;
     Ok((wal, live, report))
 }
@@ -543,7 +543,7 @@ fn compact(wal: &Wal, model: &mut Model) -> bool {
                     done_copies.push(wal.append_done_copy(id, target).unwrap());
                 }
             }
-            Record::Acked { .. } => {}
+            Record::Acked { .. } | Record::Remembered { .. } => {}
         }
     }
     for (id, old, copy) in copies {
@@ -582,7 +582,7 @@ fn reopen_and_compare(
         RecordRef::Done { id, .. } => {
             positions.remove(&id);
         }
-        RecordRef::Acked { .. } => {}
+        RecordRef::Acked { .. } | RecordRef::Remembered { .. } => {}
     })
     .unwrap();
     prop_assert!(report.corruptions.is_empty());

@@ -72,6 +72,11 @@ pub enum AppendRequest {
     /// asked: losing an ack's mark to a crash only leaves the message among
     /// those a restart compares redeliveries with.
     Acked { id: u64, lazy: bool },
+    /// What redelivery detection keeps of a departing message (see
+    /// `Wal::append_remembered`). Like a new message, never written on the
+    /// disk reserve's room: it is evidence, not a message, and a full disk
+    /// must still free what it holds.
+    Remembered(frame::Remembered),
 }
 
 impl AppendRequest {
@@ -92,8 +97,13 @@ impl AppendRequest {
         }
     }
 
+    /// A record the disk reserve's room is not for: a new message, a
+    /// Remembered frame (see `Remembered`).
     fn is_new_message(&self) -> bool {
-        matches!(self, AppendRequest::Schedule { new: true, .. })
+        matches!(
+            self,
+            AppendRequest::Schedule { new: true, .. } | AppendRequest::Remembered(_)
+        )
     }
 
     /// A new message's Schedule, from an intake.
@@ -149,6 +159,7 @@ impl AppendRequest {
             AppendRequest::Schedule { route, message, .. } => 64 + route.len() + message.len(),
             AppendRequest::Done { marks, .. } => 40 + 32 * marks.len(),
             AppendRequest::Acked { .. } => 32,
+            AppendRequest::Remembered(_) => 96,
         }
     }
 }
@@ -555,6 +566,10 @@ impl WriterState {
                 AppendRequest::Acked { id, .. } => {
                     frame::put_acked(&mut self.buf, salt, seq, id);
                     (id, Kind::Mark, 0, None)
+                }
+                AppendRequest::Remembered(remembered) => {
+                    frame::put_remembered(&mut self.buf, salt, seq, &remembered);
+                    (remembered.id, Kind::Mark, 0, None)
                 }
             };
             pending.push(Pending {
