@@ -1,6 +1,7 @@
 //! Background space management: delete dead segments, compact sparse ones.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
@@ -87,9 +88,17 @@ async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
     tokio::task::spawn_blocking(move || {
         let wal = inner.wal.clone();
         wal.collect_garbage_after(|segments| {
-            for (id, written) in remember_departing(&inner, segments) {
-                settle_remembered(&inner, id, written.blocking_recv());
-            }
+            let reserve_held = inner.wal.reserve_is_held();
+            let written = remember_departing(&inner, segments)
+                .into_iter()
+                .map(|w| {
+                    let result = w
+                        .written
+                        .and_then(|rx| rx.blocking_recv().unwrap_or(Err(WalError::Stopped)));
+                    (w.id, w.from, result)
+                })
+                .collect();
+            settle_remembered(&inner, written, reserve_held)
         })
     })
     .await
@@ -97,7 +106,12 @@ async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
     Ok(())
 }
 
-type Written = Result<Appended, WalError>;
+/// A Remembered frame on its way, for record `id` leaving segment `from`.
+struct FrameWrite {
+    id: u64,
+    from: u32,
+    written: Result<oneshot::Receiver<Result<Appended, WalError>>, WalError>,
+}
 
 /// Before `segments` are deleted: remembered records whose ack is
 /// unconfirmed and that were written there (a Schedule, or a Remembered
@@ -105,7 +119,7 @@ type Written = Result<Appended, WalError>;
 /// for a restart to read (see `dedup::Unconfirmed::departing`). Returns
 /// the frames' writes, to wait for before the segments go and to hand to
 /// [`settle_remembered`]. Blocking reads, usually none.
-fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<(u64, oneshot::Receiver<Written>)> {
+fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<FrameWrite> {
     let departing = inner.state().unconfirmed.departing(segments);
     let mut writes = Vec::new();
     for d in departing {
@@ -141,28 +155,64 @@ fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<(u64, oneshot::Rec
             digest,
             flags,
         };
-        match inner.wal.append_remembered(frame) {
-            Ok(written) => writes.push((d.id, written)),
-            Err(e) => settle_remembered(inner, d.id, Ok(Err(e))),
-        }
+        writes.push(FrameWrite {
+            id: d.id,
+            from: d.from,
+            written: inner.wal.append_remembered(frame),
+        });
     }
     writes
 }
 
-/// Where `id`'s Remembered frame now is, or that it has none: refused on a
-/// full disk (see `wal`), it is remembered in memory only, and a restart
-/// will take its redelivery for a new message (a copy under another id,
-/// never a loss).
-fn settle_remembered(inner: &Inner, id: u64, written: Result<Written, oneshot::error::RecvError>) {
-    let frame = match written {
-        Ok(Ok(appended)) => Some(appended.pos.segment),
-        Ok(Err(e)) => {
-            tracing::debug!(id, error = %e, "no Remembered frame: remembered in memory only");
-            None
+/// Record where each Remembered frame went; returns the segments to keep
+/// for now. A frame that failed (a full disk) while the disk reserve was
+/// held keeps the segment it leaves: its record is still read back there,
+/// and the next round tries again on the reserve's room (the failure gave
+/// it out). Once the reserve is out, or past
+/// [`crate::wal::Wal::hold_back_limit`] bytes of such segments, a segment
+/// goes all the same, since a full disk must still empty (sim seed 420
+/// stayed full for good): its records are then remembered in memory only,
+/// and a restart takes a late redelivery of one for a new message (a copy
+/// under another id, never a loss; counted, see
+/// [`super::Engine::remembered_dropped`]).
+fn settle_remembered(
+    inner: &Inner,
+    written: Vec<(u64, u32, Result<Appended, WalError>)>,
+    reserve_held: bool,
+) -> Vec<u32> {
+    let mut failed: Vec<u32> = written
+        .iter()
+        .filter(|(_, _, result)| reserve_held && result.is_err())
+        .map(|&(_, from, _)| from)
+        .collect();
+    failed.sort_unstable();
+    failed.dedup();
+    let mut keep = Vec::new();
+    let mut held_back = 0;
+    for segment in failed {
+        held_back += inner.wal.segment_size(segment);
+        if held_back > inner.wal.hold_back_limit() {
+            break;
         }
-        Err(_) => None,
-    };
-    inner.state().unconfirmed.set_frame(id, frame);
+        keep.push(segment);
+    }
+    let mut state = inner.state();
+    for (id, from, result) in written {
+        match result {
+            Ok(appended) => state.unconfirmed.set_frame(id, Some(appended.pos.segment)),
+            Err(e) if keep.contains(&from) => {
+                tracing::debug!(id, error = %e, "no Remembered frame yet: its segment is kept for a later round");
+                state.unconfirmed.set_frame(id, Some(from));
+            }
+            Err(e) => {
+                tracing::warn!(id, error = %e, "no Remembered frame (the disk is full): a redelivery of this message after a restart will be stored again");
+                state.unconfirmed.set_frame(id, None);
+                inner.remembered_dropped.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("delayd_wal_remembered_dropped_total").increment(1);
+            }
+        }
+    }
+    keep
 }
 
 /// Copy a segment's live records to the head, repoint the index, delete it.
@@ -300,10 +350,25 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
     for rx in late_dones {
         rx.await.map_err(|_| EngineError::WriterGone)??;
     }
-    for (id, written) in remember_departing(inner, &[segment]) {
-        settle_remembered(inner, id, written.await);
+    let reserve_held = inner.wal.reserve_is_held();
+    let mut written = Vec::new();
+    for w in remember_departing(inner, &[segment]) {
+        let result = match w.written {
+            Ok(rx) => rx.await.unwrap_or(Err(WalError::Stopped)),
+            Err(e) => Err(e),
+        };
+        written.push((w.id, w.from, result));
     }
-    inner.wal.remove_compacted(segment)?;
+    if settle_remembered(inner, written, reserve_held).is_empty() {
+        inner.wal.remove_compacted(segment)?;
+    } else {
+        // Dead now: collected once its Remembered frames are written.
+        tracing::debug!(
+            segment = first_seq,
+            "compacted segment kept for its Remembered frames"
+        );
+        return Ok(());
+    }
     tracing::info!(segment = first_seq, moved, "compacted WAL segment");
     metrics::counter!("delayd_wal_compactions_total").increment(1);
     Ok(())

@@ -170,6 +170,8 @@ struct Entry {
 #[derive(Debug, Clone, Copy)]
 pub struct Departing {
     pub id: u64,
+    /// The going segment it is in.
+    pub from: u32,
     pub uid: u128,
     pub fp: u64,
     pub evidence: Evidence,
@@ -335,15 +337,22 @@ impl Unconfirmed {
     /// segment went forgot a message that fired with its ack in doubt, and
     /// its late redelivery was stored under a new id (sim seed 3).
     pub fn departing(&self, segments: &[u32]) -> Vec<Departing> {
-        self.fingerprints
+        let mut departing: Vec<Departing> = self
+            .fingerprints
             .iter()
-            .filter(|(_, entry)| {
-                let schedule =
-                    matches!(entry.evidence, Evidence::At(pos) if segments.contains(&pos.segment));
-                schedule || entry.frame.is_some_and(|s| segments.contains(&s))
+            .filter_map(|(&id, entry)| {
+                let schedule = match entry.evidence {
+                    Evidence::At(pos) => Some(pos.segment),
+                    Evidence::Digest(_) => None,
+                };
+                let from = schedule
+                    .filter(|s| segments.contains(s))
+                    .or(entry.frame.filter(|s| segments.contains(s)))?;
+                Some((id, from, entry))
             })
-            .map(|(&id, entry)| Departing {
+            .map(|(id, from, entry)| Departing {
                 id,
+                from,
                 uid: entry.uid,
                 fp: entry.fp,
                 evidence: entry.evidence,
@@ -351,7 +360,10 @@ impl Unconfirmed {
                 left: entry.left,
                 durable: !entry.confirmed && !entry.consumed,
             })
-            .collect()
+            .collect();
+        // In log order, whatever the map's: a run is the same every time.
+        departing.sort_unstable_by_key(|d| d.id);
+        departing
     }
 
     /// Compare `id` by this digest from now on (its segment is going).
@@ -412,6 +424,14 @@ impl Unconfirmed {
     pub fn consume(&mut self, id: u64) {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.consumed = true;
+        }
+    }
+
+    /// The redelivery `id` matched was not stored after all: a candidate
+    /// again.
+    pub fn unconsume(&mut self, id: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.consumed = false;
         }
     }
 

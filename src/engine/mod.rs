@@ -575,6 +575,8 @@ pub(crate) struct Inner {
     missing_dones: Mutex<Vec<(u64, u64)>>,
     /// See [`Engine::on_cancel`].
     cancel_hook: std::sync::OnceLock<CancelHook>,
+    /// See [`Engine::remembered_dropped`].
+    remembered_dropped: AtomicU64,
     /// The far tier, when configured (see `tier`).
     far: Option<tier::Tier>,
     /// Tests only: where the dispatcher waits once, after planning an idle
@@ -739,6 +741,7 @@ impl Engine {
                 compacting: tokio::sync::Mutex::new(()),
                 missing_dones: Mutex::new(missing_dones),
                 cancel_hook: std::sync::OnceLock::new(),
+                remembered_dropped: AtomicU64::new(0),
                 far,
                 #[cfg(test)]
                 idle_gate: StdMutex::new(None),
@@ -927,6 +930,8 @@ impl Engine {
         } = arrival.into();
         let fp = fingerprint(route, &message);
         let mut copy_of = None;
+        // The record a copy is stored for: matched again if the store fails.
+        let mut taken = None;
         if redelivered {
             match self.take_stored_copy(route, fp, &message, session) {
                 Some(Candidate {
@@ -947,6 +952,7 @@ impl Engine {
                     metrics::counter!("delayd_redeliveries_in_doubt_total", "route" => route.to_owned())
                         .increment(1);
                     copy_of = Some(MessageId::from_u128(stored_uid));
+                    taken = Some(id);
                 }
                 Some(_) => {
                     metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route.to_owned())
@@ -959,8 +965,20 @@ impl Engine {
         let uid = copy_of.unwrap_or(uid);
         let writing = WritingGuard::begin(self, fp);
         let scheduled = self.schedule_at(route, due_ms, uid, message);
+        let engine = self.clone();
         Storing::New(async move {
-            let (id, pos) = scheduled.await?;
+            let (id, pos) = match scheduled.await {
+                Ok(stored) => stored,
+                Err(e) => {
+                    // Not stored: the broker redelivers it again, and that
+                    // redelivery must match the record again (sim seed 5:
+                    // a full disk, and the next one was stored as new).
+                    if let Some(taken) = taken {
+                        engine.state().unconfirmed.unconsume(taken);
+                    }
+                    return Err(e);
+                }
+            };
             Ok(Written {
                 id,
                 copy_of,
@@ -1049,6 +1067,13 @@ impl Engine {
         self.state()
             .unconfirmed
             .add_departed(uid.as_u128(), fingerprint, digest, cancelled);
+    }
+
+    /// Messages whose Remembered frame a full disk refused for good (see
+    /// `compact::settle_remembered`): a restart no longer knows them, and
+    /// a late redelivery of one is stored under a new id.
+    pub fn remembered_dropped(&self) -> u64 {
+        self.inner.remembered_dropped.load(Ordering::Relaxed)
     }
 
     /// Is message `id` pending here (waiting or being published)?

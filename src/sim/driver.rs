@@ -49,6 +49,9 @@ pub struct Report {
     pub faults: u32,
     pub same_id_copies: u64,
     pub other_id_copies: u64,
+    /// Of those, copies of messages with no byte-equal twin (see
+    /// `Model::lone_other_id_copies`).
+    pub lone_other_id_copies: u64,
     /// A hash of every operation's outcome and every message handed out:
     /// equal for two runs of one seed.
     pub trace: u64,
@@ -146,6 +149,8 @@ pub struct Sim {
     sync_fault: bool,
     /// Failed syncs the last check saw (see `after_op`).
     failed_syncs: u64,
+    /// Remembered frames dropped by the engines that ended so far.
+    remembered_dropped: u64,
     /// Far rounds and compactions failed since the disk had room again.
     failed_since_space: u32,
     next_uid: u64,
@@ -204,6 +209,7 @@ impl Sim {
             sync_fault: false,
             failed_since_space: 0,
             failed_syncs: 0,
+            remembered_dropped: 0,
             next_uid: 0,
             session: 0,
             released: Default::default(),
@@ -409,6 +415,7 @@ impl Sim {
         // The disk first: nothing the old process still does reaches it.
         self.fs = self.fs.power_loss(power);
         if let Some(node) = self.node.take() {
+            self.remembered_dropped += node.engine.remembered_dropped();
             node.shutdown.cancel();
             node.task.abort();
             let _ = node.task.await;
@@ -456,6 +463,7 @@ impl Sim {
     async fn stop_cleanly(&mut self) {
         self.requeue_socket();
         if let Some(node) = self.node.take() {
+            self.remembered_dropped += node.engine.remembered_dropped();
             node.shutdown.cancel();
             let _ = node.task.await;
             let _ = node.engine.close().await;
@@ -556,8 +564,39 @@ impl Sim {
         self.report.messages = self.model.msgs.len();
         self.report.fires = self.model.fires;
         (self.report.same_id_copies, self.report.other_id_copies) = self.model.duplicates();
+        self.check_one_identity()?;
         self.report.trace = self.trace.finish();
         Ok(self.report)
+    }
+
+    /// A message with no byte-equal twin fires under one id. The one way
+    /// allowed around it: a full disk made an engine drop a Remembered
+    /// frame (`Engine::remembered_dropped`), so a restart forgot a message
+    /// that had left, and its late redelivery was stored as new.
+    fn check_one_identity(&mut self) -> Result<(), Failure> {
+        let lone = self.model.lone_other_id_copies();
+        self.report.lone_other_id_copies = lone
+            .iter()
+            .map(|&i| self.model.msgs[i].fired.len() as u64 - 1)
+            .sum();
+        let dropped = self.remembered_dropped
+            + self
+                .node
+                .as_ref()
+                .map_or(0, |n| n.engine.remembered_dropped());
+        match lone.first() {
+            Some(&i) if dropped == 0 => {
+                let m = &self.model.msgs[i];
+                Err(self.fail(format!(
+                    "message {i} ({} due {}, no byte-equal twin) fired under {} ids: {:?}",
+                    m.route,
+                    m.due,
+                    m.fired.len(),
+                    m.fired
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     async fn apply(&mut self, op: &Op) -> Result<(), Failure> {

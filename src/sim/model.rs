@@ -256,4 +256,20 @@ impl Model {
         }
         (same, other)
     }
+
+    /// Copies under another id of messages with no byte-equal twin: the
+    /// model's attribution of a fire to one of several byte-equal messages
+    /// is a guess, so only these are certain.
+    pub fn lone_other_id_copies(&self) -> Vec<usize> {
+        let twinned = |i: usize| {
+            let m = &self.msgs[i];
+            self.msgs
+                .iter()
+                .enumerate()
+                .any(|(j, o)| j != i && o.route == m.route && o.bytes == m.bytes)
+        };
+        (0..self.msgs.len())
+            .filter(|&i| self.msgs[i].fired.len() > 1 && !twinned(i))
+            .collect()
+    }
 }

@@ -12,7 +12,7 @@ const RELEASE_SEEDS: u64 = 300;
 fn report(reports: &[Report]) -> String {
     let sum = |f: fn(&Report) -> u64| reports.iter().map(f).sum::<u64>();
     format!(
-        "{} seeds, {} ops, {} messages, {} fired, {} restarts, {} faults, copies: {} same id, {} other id",
+        "{} seeds, {} ops, {} messages, {} fired, {} restarts, {} faults, copies: {} same id, {} other id ({} of messages without a twin)",
         reports.len(),
         sum(|r| r.ops as u64),
         sum(|r| r.messages as u64),
@@ -21,6 +21,7 @@ fn report(reports: &[Report]) -> String {
         sum(|r| u64::from(r.faults)),
         sum(|r| r.same_id_copies),
         sum(|r| r.other_id_copies),
+        sum(|r| r.lone_other_id_copies),
     )
 }
 
@@ -1353,6 +1354,388 @@ fn seed_3_a_departed_message_keeps_its_id_across_a_compaction_and_a_restart() {
         Op::SyncFails,
     ];
     match run(3, &ops) {
+        Ok(report) => assert_eq!(report.other_id_copies, 0, "{report:?}"),
+        Err(f) => panic!("{f}"),
+    }
+}
+
+/// Seed 5 (the strict identity check): a message in doubt at a kill, a
+/// full disk, and its redelivery.
+#[test]
+fn seed_5_a_redelivery_after_a_kill_on_a_full_disk_keeps_its_id() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(1, 1, 545, 334, None, true),
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::DiskFull { scope: Scope::Wal },
+        Op::Redeliver,
+    ];
+    match run(5, &ops) {
+        Ok(report) => assert_eq!(report.other_id_copies, 0, "{report:?}"),
+        Err(f) => panic!("{f}"),
+    }
+}
+
+/// Seed 5 again (the strict identity check): a message in doubt fires, a
+/// full disk, a compaction, a kill, and its late redelivery.
+#[test]
+fn seed_5_a_departed_message_keeps_its_id_through_a_full_disk() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::SyncFails,
+        deliver(0, 1, 452, 1136, None, true),
+        deliver(0, 3, 185, 7173, None, false),
+        deliver(1, 2, 732, 4394, Some(2_957_730_896), true),
+        deliver(1, 0, 576, 11_202, None, false),
+        deliver(0, 1, 452, 2188, None, false),
+        Op::Clock { ms: 178_059 },
+        Op::Redeliver,
+        Op::DiskFull { scope: Scope::Both },
+        Op::Compact,
+        Op::Kill {
+            loss: Loss::Process,
+        },
+    ];
+    match run(5, &ops) {
+        Ok(report) => assert_eq!(report.other_id_copies, 0, "{report:?}"),
+        Err(f) => panic!("{f}"),
+    }
+}
+
+/// Seed 5, a third time: a cancelled message fired (found while holding
+/// back segments for their Remembered frames).
+#[test]
+fn seed_5_a_cancel_holds_with_segments_held_back() {
+    #[allow(unused_imports)]
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::SyncFails,
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 849,
+            delay_ms: 36880,
+            twin: Some(1163028180),
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 340,
+            delay_ms: 4437346,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 452,
+            delay_ms: 1136,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Redeliver,
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 185,
+            delay_ms: 7173,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 195,
+            delay_ms: 130907,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 486,
+            delay_ms: 7638,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 0,
+            body: 427,
+            delay_ms: 1573,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 961,
+            delay_ms: 340456,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Cancel { pick: 1414654080 },
+        Op::Clock { ms: 1797 },
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 832,
+            delay_ms: 1910,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::CrashAfter { n: 3 },
+        Op::Restart { horizon: 1 },
+        Op::FarRound,
+        Op::SyncFails,
+        Op::CancelKey { route: 1, key: 3 },
+        Op::CancelKey { route: 0, key: 2 },
+        Op::CrashAfter { n: 4 },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 88,
+            delay_ms: 1395,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::SyncFails,
+        Op::DiskFull { scope: Scope::Both },
+        Op::Compact,
+    ];
+    if let Err(f) = run(5, &ops) {
+        panic!("{f}");
+    }
+}
+// PROBE
+#[test]
+fn probe() {
+    #[allow(unused_imports)]
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::SyncFails,
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 835,
+            delay_ms: 1080,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::CrashAfter { n: 6 },
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 860,
+            delay_ms: 1016,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 636,
+            delay_ms: 1293,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 329,
+            delay_ms: 187883,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 481,
+            delay_ms: 177,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Redeliver,
+        Op::Redeliver,
+        Op::CrashAfter { n: 10 },
+        Op::FarRound,
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 511,
+            delay_ms: 308604,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 754,
+            delay_ms: 11533,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 494,
+            delay_ms: 5893,
+            twin: Some(1680757756),
+            ack_in_doubt: false,
+        },
+        Op::CrashAfter { n: 8 },
+        Op::PublishFails { n: 1 },
+        Op::Redeliver,
+        Op::Kill { loss: Loss::Torn },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 627,
+            delay_ms: 2306,
+            twin: Some(3096416025),
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 661,
+            delay_ms: 27053,
+            twin: Some(809508069),
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 200,
+            delay_ms: 1060,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 338,
+            delay_ms: 14624,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::DiskFull { scope: Scope::Both },
+        Op::DiskSpace,
+        Op::FarRound,
+        Op::FarRound,
+        Op::Clock { ms: 1433 },
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 656,
+            delay_ms: 828,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Clock { ms: 1043 },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 39,
+            delay_ms: 262294,
+            twin: Some(1623354133),
+            ack_in_doubt: false,
+        },
+        Op::FarRound,
+        Op::Redeliver,
+        Op::PublishFails { n: 1 },
+        Op::Compact,
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 280,
+            delay_ms: 36896,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Clock { ms: 978 },
+        Op::Cancel { pick: 1754544353 },
+        Op::Compact,
+        Op::Redeliver,
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 609,
+            delay_ms: 11068,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::DiskFull { scope: Scope::Both },
+        Op::Redeliver,
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 693,
+            delay_ms: 2519,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::CancelKey { route: 1, key: 3 },
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 194,
+            delay_ms: 78456,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Compact,
+        Op::Redeliver,
+        Op::CrashAfter { n: 5 },
+        Op::Clock { ms: 6513 },
+        Op::PublishFails { n: 3 },
+        Op::Clock { ms: 14858 },
+        Op::Compact,
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 953,
+            delay_ms: 77207,
+            twin: Some(2889248696),
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 1,
+            body: 90,
+            delay_ms: 10508,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 342,
+            delay_ms: 286269,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 1,
+            body: 595,
+            delay_ms: 0,
+            twin: Some(741417559),
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 231,
+            delay_ms: 255,
+            twin: None,
+            ack_in_doubt: false,
+        },
+    ];
+    match run(420, &ops) {
         Ok(report) => assert_eq!(report.other_id_copies, 0, "{report:?}"),
         Err(f) => panic!("{f}"),
     }

@@ -49,9 +49,10 @@
 //!   is being deleted. Written, durably, before that segment goes, and again
 //!   before its own segment goes, for as long as the engine remembers the
 //!   message; a restart reads it back like a Schedule compared by digest
-//!   (see `engine::dedup`). Best effort: a full disk refuses it (the
-//!   reserve's room is not its), and the message is then remembered in
-//!   memory only, as before version 4.
+//!   (see `engine::dedup`). It may take the disk reserve's room, like a
+//!   Done: the deletion it precedes frees more. If even that fails, the
+//!   message is remembered in memory only, as before version 4, and the
+//!   segment goes all the same (a full disk must still empty).
 //!
 //! Version 1 segments (no salt: the CRC starts at `len`; no Commit frames),
 //! version 2 segments (no Acked frames) and version 3 (no Remembered) are
@@ -436,6 +437,24 @@ impl Wal {
         self.shared.reserve.restore()
     }
 
+    /// How many bytes of dead segments may wait for their Remembered frames
+    /// (see `engine::compact`): a segment's or the disk reserve's worth,
+    /// whichever is more, so a full disk still empties.
+    pub fn hold_back_limit(&self) -> u64 {
+        let config = &self.shared.config;
+        config.reserve_bytes.max(config.segment_bytes)
+    }
+
+    /// The size of segment `ordinal` (0 if it is gone).
+    pub fn segment_size(&self, ordinal: u32) -> u64 {
+        self.segments().bytes(ordinal).unwrap_or(0)
+    }
+
+    /// Whether the disk reserve is held (not given out to a full disk).
+    pub fn reserve_is_held(&self) -> bool {
+        self.shared.reserve.is_held()
+    }
+
     /// The room the disk reserve gives the writes that free space when a
     /// full disk releases it (0: no reserve is kept).
     pub fn reserve_size(&self) -> u64 {
@@ -587,13 +606,13 @@ impl Wal {
 
     /// Write what redelivery detection remembers of a message whose
     /// Schedule's (or previous Remembered frame's) segment is about to go;
-    /// durable when the receiver answers. Refused on a full disk (see the
-    /// module doc): the caller goes on without it.
+    /// durable when the receiver answers. On the disk reserve's room if need
+    /// be, like a Done (the segment's deletion frees more); if even that
+    /// fails, the caller goes on without it (see the module doc).
     pub fn append_remembered(
         &self,
         remembered: Remembered,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
-        self.admit()?;
         self.shared
             .writer
             .send(AppendRequest::Remembered(remembered))
@@ -675,15 +694,24 @@ impl Wal {
     /// Delete every sealed segment that no longer holds anything needed.
     /// Returns how many were deleted.
     pub fn collect_garbage(&self) -> Result<usize, WalError> {
-        self.collect_garbage_after(|_| {})
+        self.collect_garbage_after(|_| Vec::new())
     }
 
     /// [`Wal::collect_garbage`], calling `before` with the segments about to
-    /// be deleted while they are still readable.
-    pub fn collect_garbage_after(&self, before: impl FnOnce(&[u32])) -> Result<usize, WalError> {
-        let deletable = self.segments().deletable();
+    /// be deleted while they are still readable; it returns those to keep
+    /// for now.
+    pub fn collect_garbage_after(
+        &self,
+        before: impl FnOnce(&[u32]) -> Vec<u32>,
+    ) -> Result<usize, WalError> {
+        let mut deletable = self.segments().deletable();
         if !deletable.is_empty() {
-            before(&deletable);
+            let keep = before(&deletable);
+            if !keep.is_empty() {
+                // Not only those: a segment whose Dones retire Schedules in
+                // a kept one stays as long (else they would come back).
+                deletable = self.segments().deletable_keeping(&keep);
+            }
         }
         let mut deleted = 0;
         for ordinal in deletable {

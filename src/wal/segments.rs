@@ -193,13 +193,21 @@ impl SegmentTable {
 
     /// Sealed segments with no live Schedule whose Dones are no longer needed.
     pub fn deletable(&self) -> Vec<u32> {
+        self.deletable_keeping(&[])
+    }
+
+    /// [`SegmentTable::deletable`] with the segments `keep` kept: a segment
+    /// that must outlive one of them is kept too (its Dones may be all that
+    /// retires a Schedule there).
+    pub fn deletable_keeping(&self, keep: &[u32]) -> Vec<u32> {
         // Deleting one segment can free another (its refs), so iterate to a fixpoint.
         let mut gone: BTreeSet<u64> = BTreeSet::new();
         let mut out = Vec::new();
         loop {
             let before = out.len();
             for (&ordinal, s) in &self.segments {
-                if !s.sealed || s.live > 0 || gone.contains(&s.first_seq) {
+                if !s.sealed || s.live > 0 || gone.contains(&s.first_seq) || keep.contains(&ordinal)
+                {
                     continue;
                 }
                 let refs_ok = s
@@ -314,6 +322,21 @@ mod tests {
         let mut d = t.deletable();
         d.sort();
         assert_eq!(d, vec![0, 1]);
+    }
+
+    #[test]
+    fn a_segment_whose_dones_retire_schedules_in_a_kept_one_is_kept_too() {
+        // Sim seed 5: segment 0 kept back for its Remembered frames, and
+        // segment 1, whose Done alone retired a cancelled message's
+        // Schedule there, deleted: the message came back and fired.
+        let (mut t, _dir) = table_with(3);
+        t.seal(0);
+        t.seal(1);
+        t.record_schedule(0);
+        t.mark_dead(0);
+        t.record_done(1, 1);
+        assert_eq!(t.deletable_keeping(&[0]), Vec::<u32>::new());
+        assert_eq!(t.deletable_keeping(&[1]), vec![0]);
     }
 
     #[test]

@@ -73,9 +73,9 @@ pub enum AppendRequest {
     /// those a restart compares redeliveries with.
     Acked { id: u64, lazy: bool },
     /// What redelivery detection keeps of a departing message (see
-    /// `Wal::append_remembered`). Like a new message, never written on the
-    /// disk reserve's room: it is evidence, not a message, and a full disk
-    /// must still free what it holds.
+    /// `Wal::append_remembered`). Written, like a Done, on the disk
+    /// reserve's room: it goes just before a segment that holds more is
+    /// deleted, so it frees space too.
     Remembered(frame::Remembered),
 }
 
@@ -97,13 +97,8 @@ impl AppendRequest {
         }
     }
 
-    /// A record the disk reserve's room is not for: a new message, a
-    /// Remembered frame (see `Remembered`).
     fn is_new_message(&self) -> bool {
-        matches!(
-            self,
-            AppendRequest::Schedule { new: true, .. } | AppendRequest::Remembered(_)
-        )
+        matches!(self, AppendRequest::Schedule { new: true, .. })
     }
 
     /// A new message's Schedule, from an intake.
