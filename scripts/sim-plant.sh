@@ -13,12 +13,16 @@
 # forgets the far tier), loadid (a load that keeps the old id), session (a
 # redelivery compared with records of its own channel session: twins
 # redelivered together are taken for one), indoubt (a redelivery equal to a
-# record whose ack was in doubt taken for it: its twin is lost).
+# record whose ack was in doubt taken for it: its twin is lost), noframe
+# (no Remembered frame when a remembered record's segment goes: a restart
+# forgets a message that left, and its late redelivery gets a new id),
+# consumed (a redelivery whose copy failed to store stays matched: the next
+# one gets a new id).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
 bugs=("$@")
-[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt)
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed)
 
 # plant NAME: edit the source; each edit must apply exactly once.
 plant() {
@@ -51,8 +55,14 @@ edits = {
         "let repeatable = session == 0 || entry.session < session;",
         "let repeatable = session == 0 || entry.session <= session;")],
     "indoubt": [("src/engine/mod.rs",
-        "}) if session > 0 && !self.cancelled_by_key(id, route, &message) => {",
-        "}) if false => {")],
+        "}) if session > 0\n                    && (dedup::is_departed(id) || !self.cancelled_by_key(id, route, &message)) =>",
+        "}) if false =>")],
+    "noframe": [("src/engine/dedup.rs",
+        "durable: !entry.confirmed && !entry.consumed,",
+        "durable: false,")],
+    "consumed": [("src/engine/mod.rs",
+        "engine.state().unconfirmed.unconsume(taken);",
+        "let _ = taken;")],
 }
 for path, old, new in edits[bug]:
     text = open(path).read()

@@ -1,7 +1,6 @@
 //! Background space management: delete dead segments, compact sparse ones.
 
 use std::collections::HashSet;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
@@ -48,7 +47,24 @@ pub(crate) async fn once(inner: &Arc<Inner>) -> Result<(), EngineError> {
         compact(inner, segment).await?;
         collect_garbage(inner).await?;
     }
+    write_owed_frames(inner).await;
     Ok(())
+}
+
+/// The Remembered frames a full disk refused while their segments went:
+/// the room those segments left is theirs now.
+async fn write_owed_frames(inner: &Inner) {
+    let mut written = Vec::new();
+    for w in remember_departing(inner, &[]) {
+        let result = match w.written {
+            Ok(rx) => rx.await.unwrap_or(Err(WalError::Stopped)),
+            Err(e) => Err(e),
+        };
+        written.push((w.id, w.from, result));
+    }
+    if !written.is_empty() {
+        settle_remembered(inner, written, false);
+    }
 }
 
 /// Write the Dones recovery found missing (see `engine::missing_dones`)
@@ -106,10 +122,11 @@ async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// A Remembered frame on its way, for record `id` leaving segment `from`.
+/// A Remembered frame on its way, for record `id` leaving segment `from`
+/// (`None`: it owes one).
 struct FrameWrite {
     id: u64,
-    from: u32,
+    from: Option<u32>,
     written: Result<oneshot::Receiver<Result<Appended, WalError>>, WalError>,
 }
 
@@ -173,17 +190,18 @@ fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<FrameWrite> {
 /// goes all the same, since a full disk must still empty (sim seed 420
 /// stayed full for good): its records are then remembered in memory only,
 /// and a restart takes a late redelivery of one for a new message (a copy
-/// under another id, never a loss; counted, see
-/// [`super::Engine::remembered_dropped`]).
+/// under another id, never a loss). It owes its frame, written by the next
+/// round that has room ([`write_owed_frames`]); see
+/// [`super::Engine::frames_owed`].
 fn settle_remembered(
     inner: &Inner,
-    written: Vec<(u64, u32, Result<Appended, WalError>)>,
+    written: Vec<(u64, Option<u32>, Result<Appended, WalError>)>,
     reserve_held: bool,
 ) -> Vec<u32> {
     let mut failed: Vec<u32> = written
         .iter()
         .filter(|(_, _, result)| reserve_held && result.is_err())
-        .map(|&(_, from, _)| from)
+        .filter_map(|&(_, from, _)| from)
         .collect();
     failed.sort_unstable();
     failed.dedup();
@@ -200,16 +218,19 @@ fn settle_remembered(
     for (id, from, result) in written {
         match result {
             Ok(appended) => state.unconfirmed.set_frame(id, Some(appended.pos.segment)),
-            Err(e) if keep.contains(&from) => {
-                tracing::debug!(id, error = %e, "no Remembered frame yet: its segment is kept for a later round");
-                state.unconfirmed.set_frame(id, Some(from));
-            }
-            Err(e) => {
-                tracing::warn!(id, error = %e, "no Remembered frame (the disk is full): a redelivery of this message after a restart will be stored again");
-                state.unconfirmed.set_frame(id, None);
-                inner.remembered_dropped.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("delayd_wal_remembered_dropped_total").increment(1);
-            }
+            Err(e) => match from.filter(|from| keep.contains(from)) {
+                Some(from) => {
+                    tracing::debug!(id, error = %e, "no Remembered frame yet: its segment is kept for a later round");
+                    state.unconfirmed.set_frame(id, Some(from));
+                }
+                None => {
+                    if from.is_some() {
+                        tracing::warn!(id, error = %e, "no Remembered frame (the disk is full): written once there is room; a restart before that takes a late redelivery of this message for a new one");
+                        metrics::counter!("delayd_wal_remembered_owed_total").increment(1);
+                    }
+                    state.unconfirmed.owe_frame(id);
+                }
+            },
         }
     }
     keep

@@ -163,6 +163,10 @@ struct Entry {
     /// The segment of its Remembered frame, once its Schedule's is gone
     /// (see [`Unconfirmed::departing`]).
     frame: Option<u32>,
+    /// Its segment went before its Remembered frame could be written (a
+    /// full disk): written as soon as there is room, and until then only
+    /// memory knows it.
+    owed: bool,
 }
 
 /// A remembered record whose Schedule or Remembered frame is in a segment
@@ -170,8 +174,9 @@ struct Entry {
 #[derive(Debug, Clone, Copy)]
 pub struct Departing {
     pub id: u64,
-    /// The going segment it is in.
-    pub from: u32,
+    /// The going segment it is in; `None` if it owes a frame and is in
+    /// none (see [`Unconfirmed::owe_frame`]).
+    pub from: Option<u32>,
     pub uid: u128,
     pub fp: u64,
     pub evidence: Evidence,
@@ -235,6 +240,7 @@ impl Unconfirmed {
                 consumed: false,
                 confirmed: false,
                 frame: None,
+                owed: false,
             },
         );
     }
@@ -260,6 +266,7 @@ impl Unconfirmed {
                 consumed: false,
                 confirmed: false,
                 frame: None,
+                owed: false,
             },
         );
     }
@@ -281,6 +288,7 @@ impl Unconfirmed {
                 consumed: false,
                 confirmed: false,
                 frame: r.frame,
+                owed: false,
             },
         );
     }
@@ -335,7 +343,8 @@ impl Unconfirmed {
     /// restart needs get a new Remembered frame
     /// ([`Unconfirmed::set_frame`]). Without the frame, a restart after the
     /// segment went forgot a message that fired with its ack in doubt, and
-    /// its late redelivery was stored under a new id (sim seed 3).
+    /// its late redelivery was stored under a new id (sim seed 3). Those
+    /// that owe a frame come too.
     pub fn departing(&self, segments: &[u32]) -> Vec<Departing> {
         let mut departing: Vec<Departing> = self
             .fingerprints
@@ -347,8 +356,8 @@ impl Unconfirmed {
                 };
                 let from = schedule
                     .filter(|s| segments.contains(s))
-                    .or(entry.frame.filter(|s| segments.contains(s)))?;
-                Some((id, from, entry))
+                    .or(entry.frame.filter(|s| segments.contains(s)));
+                (from.is_some() || entry.owed).then_some((id, from, entry))
             })
             .map(|(id, from, entry)| Departing {
                 id,
@@ -378,7 +387,23 @@ impl Unconfirmed {
     pub fn set_frame(&mut self, id: u64, frame: Option<u32>) {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.frame = frame;
+            entry.owed = false;
         }
+    }
+
+    /// `id`'s segment goes without its Remembered frame (a full disk):
+    /// it is written once there is room (see [`Unconfirmed::departing`]).
+    pub fn owe_frame(&mut self, id: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.frame = None;
+            entry.owed = true;
+        }
+    }
+
+    /// How many remembered records owe a Remembered frame: a restart now
+    /// would forget them.
+    pub fn frames_owed(&self) -> usize {
+        self.fingerprints.values().filter(|e| e.owed).count()
     }
 
     /// Compaction copied `id`'s Schedule from `old` to `new`: compare it

@@ -575,8 +575,6 @@ pub(crate) struct Inner {
     missing_dones: Mutex<Vec<(u64, u64)>>,
     /// See [`Engine::on_cancel`].
     cancel_hook: std::sync::OnceLock<CancelHook>,
-    /// See [`Engine::remembered_dropped`].
-    remembered_dropped: AtomicU64,
     /// The far tier, when configured (see `tier`).
     far: Option<tier::Tier>,
     /// Tests only: where the dispatcher waits once, after planning an idle
@@ -741,7 +739,6 @@ impl Engine {
                 compacting: tokio::sync::Mutex::new(()),
                 missing_dones: Mutex::new(missing_dones),
                 cancel_hook: std::sync::OnceLock::new(),
-                remembered_dropped: AtomicU64::new(0),
                 far,
                 #[cfg(test)]
                 idle_gate: StdMutex::new(None),
@@ -1069,11 +1066,12 @@ impl Engine {
             .add_departed(uid.as_u128(), fingerprint, digest, cancelled);
     }
 
-    /// Messages whose Remembered frame a full disk refused for good (see
-    /// `compact::settle_remembered`): a restart no longer knows them, and
-    /// a late redelivery of one is stored under a new id.
-    pub fn remembered_dropped(&self) -> u64 {
-        self.inner.remembered_dropped.load(Ordering::Relaxed)
+    /// Messages whose segment went before a full disk let their
+    /// Remembered frame be written (see `compact::settle_remembered`): a
+    /// restart now would forget them, and store a late redelivery of one
+    /// under a new id.
+    pub fn frames_owed(&self) -> usize {
+        self.state().unconfirmed.frames_owed()
     }
 
     /// Is message `id` pending here (waiting or being published)?

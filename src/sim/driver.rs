@@ -149,7 +149,7 @@ pub struct Sim {
     sync_fault: bool,
     /// Failed syncs the last check saw (see `after_op`).
     failed_syncs: u64,
-    /// Remembered frames dropped by the engines that ended so far.
+    /// Remembered frames the engines that ended so far still owed.
     remembered_dropped: u64,
     /// Far rounds and compactions failed since the disk had room again.
     failed_since_space: u32,
@@ -415,7 +415,7 @@ impl Sim {
         // The disk first: nothing the old process still does reaches it.
         self.fs = self.fs.power_loss(power);
         if let Some(node) = self.node.take() {
-            self.remembered_dropped += node.engine.remembered_dropped();
+            self.remembered_dropped += node.engine.frames_owed() as u64;
             node.shutdown.cancel();
             node.task.abort();
             let _ = node.task.await;
@@ -463,7 +463,7 @@ impl Sim {
     async fn stop_cleanly(&mut self) {
         self.requeue_socket();
         if let Some(node) = self.node.take() {
-            self.remembered_dropped += node.engine.remembered_dropped();
+            self.remembered_dropped += node.engine.frames_owed() as u64;
             node.shutdown.cancel();
             let _ = node.task.await;
             let _ = node.engine.close().await;
@@ -570,22 +570,18 @@ impl Sim {
     }
 
     /// A message with no byte-equal twin fires under one id. The one way
-    /// allowed around it: a full disk made an engine drop a Remembered
-    /// frame (`Engine::remembered_dropped`), so a restart forgot a message
-    /// that had left, and its late redelivery was stored as new.
+    /// allowed around it: an engine ended while a full disk still kept it
+    /// from writing a Remembered frame (`Engine::frames_owed`), so a
+    /// restart forgot a message that had left, and its late redelivery
+    /// was stored as new.
     fn check_one_identity(&mut self) -> Result<(), Failure> {
         let lone = self.model.lone_other_id_copies();
         self.report.lone_other_id_copies = lone
             .iter()
             .map(|&i| self.model.msgs[i].fired.len() as u64 - 1)
             .sum();
-        let dropped = self.remembered_dropped
-            + self
-                .node
-                .as_ref()
-                .map_or(0, |n| n.engine.remembered_dropped());
         match lone.first() {
-            Some(&i) if dropped == 0 => {
+            Some(&i) if self.remembered_dropped == 0 => {
                 let m = &self.model.msgs[i];
                 Err(self.fail(format!(
                     "message {i} ({} due {}, no byte-equal twin) fired under {} ids: {:?}",
