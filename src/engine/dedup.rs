@@ -139,6 +139,9 @@ pub struct Candidate {
     pub ack: AckState,
     /// It was cancelled: a redelivery must not bring it back.
     pub cancelled: bool,
+    /// Its Schedule's segment is gone (it is known by its digest): it
+    /// left long ago, and yields to a cancelled record.
+    pub left_long_ago: bool,
 }
 
 /// One remembered record.
@@ -548,11 +551,24 @@ impl Unconfirmed {
                     uid: entry.uid,
                     ack: entry.ack,
                     cancelled: entry.cancelled,
+                    left_long_ago: matches!(entry.evidence, Evidence::Digest(_)),
                 })
             })
             .collect();
-        // A cancelled one last: a twin then repeats a live record if any.
-        found.sort_by_key(|c| (c.cancelled, c.ack == AckState::InDoubt));
+        // A cancelled one last but for one that left long ago: a twin then
+        // repeats a live record if any (or one that fired lately, seed
+        // 40028); a message known by its Remembered frame alone yields to
+        // a cancel (sim seed 2152: the one redelivery of a message that
+        // fired as a far load's copy and was cancelled later under its
+        // first id went with the fired copy and fired again).
+        found.sort_by_key(|c| {
+            let rank = match (c.cancelled, c.left_long_ago) {
+                (false, false) => 0,
+                (true, _) => 1,
+                (false, true) => 2,
+            };
+            (rank, c.ack == AckState::InDoubt)
+        });
         found
     }
 
@@ -618,6 +634,9 @@ pub struct ReadBack {
     /// The newest id read under its identity (a far tier whose buckets all
     /// hold larger ids holds none of them).
     pub newest: u64,
+    /// Its Remembered frame says it left (fired or parked): the far tier
+    /// cannot hold it.
+    pub surely_left: bool,
 }
 
 /// The newest Schedules a restart reads, to seed [`Unconfirmed`] with: the
@@ -769,6 +788,7 @@ impl Recent {
                 frame: e.frame,
                 cancelled: e.cancelled || covered,
                 left: e.left || (retired && !live.contains(&e.uid)),
+                surely_left: e.left,
                 newest: newest.get(&e.uid).copied().unwrap_or(e.id),
             }
         })

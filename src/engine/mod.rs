@@ -722,7 +722,7 @@ impl Engine {
             if r.cancelled {
                 state.unconfirmed.cancel(r.id);
             }
-            if r.left && r.newest < far_min_id {
+            if r.surely_left || (r.left && r.newest < far_min_id) {
                 state.unconfirmed.left(r.id);
             }
         }

@@ -1510,9 +1510,350 @@ fn seed_5_a_cancel_holds_with_segments_held_back() {
         panic!("{f}");
     }
 }
-// PROBE
+/// Seed 2152 (a long run, 2026-11-30): message 5 fired as a far load's
+/// copy, came back under its first id after a crash, and was cancelled
+/// there. Once the fired copy was remembered across restarts (its
+/// Remembered frame), the one late redelivery of message 5 was taken for
+/// the fired copy rather than the cancelled record, stored again under its
+/// identity and fired after the cancel. A record known by its digest alone
+/// now yields to a cancelled one.
 #[test]
-fn probe() {
+fn seed_2152_a_cancelled_message_is_not_brought_back_by_a_fired_copy_remembered() {
+    #[allow(unused_imports)]
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::Clock { ms: 1290 },
+        Op::Kill { loss: Loss::Torn },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 896,
+            delay_ms: 19750,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 651,
+            delay_ms: 0,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 447,
+            delay_ms: 1118,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 672,
+            delay_ms: 309617,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::Cancel { pick: 3048523896 },
+        Op::Redeliver,
+        Op::CrashAfter { n: 5 },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 365,
+            delay_ms: 3286,
+            twin: Some(175650872),
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 964,
+            delay_ms: 29320,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 71,
+            delay_ms: 2056215,
+            twin: Some(2809932070),
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 174,
+            delay_ms: 0,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 495,
+            delay_ms: 1763,
+            twin: Some(3366706484),
+            ack_in_doubt: false,
+        },
+        Op::FarRound,
+        Op::Kill { loss: Loss::Torn },
+        Op::Compact,
+        Op::Deliver {
+            route: 1,
+            key: 1,
+            body: 293,
+            delay_ms: 18998,
+            twin: Some(1171791150),
+            ack_in_doubt: false,
+        },
+        Op::CrashAfter { n: 11 },
+        Op::Compact,
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 715,
+            delay_ms: 25897,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 497,
+            delay_ms: 17101,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 685,
+            delay_ms: 2150,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Redeliver,
+        Op::Deliver {
+            route: 1,
+            key: 1,
+            body: 136,
+            delay_ms: 1535,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::CrashAfter { n: 5 },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 728,
+            delay_ms: 329676,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 490,
+            delay_ms: 37341,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 890,
+            delay_ms: 0,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Clock { ms: 12559 },
+        Op::Deliver {
+            route: 0,
+            key: 0,
+            body: 354,
+            delay_ms: 241992,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::FarRound,
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 399,
+            delay_ms: 29312,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 0,
+            body: 378,
+            delay_ms: 9,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 3,
+            body: 788,
+            delay_ms: 195606,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Cancel { pick: 3682502835 },
+        Op::Deliver {
+            route: 1,
+            key: 1,
+            body: 384,
+            delay_ms: 0,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 695,
+            delay_ms: 29235,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 127,
+            delay_ms: 2407,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Redeliver,
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::Compact,
+        Op::FarRound,
+        Op::Purge {
+            route: 1,
+            from_ms: 11152,
+            width_ms: 24882,
+        },
+        Op::Compact,
+        Op::Redeliver,
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 46,
+            delay_ms: 1858,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::CrashAfter { n: 4 },
+        Op::Clock { ms: 1402 },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::Clock { ms: 497 },
+        Op::Deliver {
+            route: 0,
+            key: 0,
+            body: 341,
+            delay_ms: 117,
+            twin: Some(2323997175),
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 440,
+            delay_ms: 39993,
+            twin: Some(1119346315),
+            ack_in_doubt: false,
+        },
+        Op::CrashAfter { n: 3 },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 173,
+            delay_ms: 37280,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Compact,
+        Op::Cancel { pick: 2615048967 },
+        Op::Redeliver,
+        Op::Deliver {
+            route: 0,
+            key: 0,
+            body: 370,
+            delay_ms: 2676,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 368,
+            delay_ms: 197109,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 845,
+            delay_ms: 1946,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 296,
+            delay_ms: 34223,
+            twin: Some(3581888208),
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 248,
+            delay_ms: 224,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 731,
+            delay_ms: 36414,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Clock { ms: 88953 },
+        Op::Compact,
+        Op::Kill {
+            loss: Loss::Process,
+        },
+    ];
+    if let Err(f) = run(2152, &ops) {
+        panic!("{f}");
+    }
+}
+
+/// Seed 420 (the fixed budget, 2026-11-30): segments held back for their
+/// Remembered frames on a full disk kept it full for good (4 messages never
+/// left). A segment is held back only while the disk reserve is held.
+#[test]
+fn seed_420_segments_held_back_for_their_frames_do_not_keep_a_disk_full() {
     #[allow(unused_imports)]
     use ops::{Loss, Op, Scope};
     let ops = [
@@ -1735,8 +2076,7 @@ fn probe() {
             ack_in_doubt: false,
         },
     ];
-    match run(420, &ops) {
-        Ok(report) => assert_eq!(report.other_id_copies, 0, "{report:?}"),
-        Err(f) => panic!("{f}"),
+    if let Err(f) = run(420, &ops) {
+        panic!("{f}");
     }
 }
