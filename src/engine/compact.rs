@@ -60,7 +60,7 @@ async fn write_owed_frames(inner: &Inner) {
             Ok(rx) => rx.await.unwrap_or(Err(WalError::Stopped)),
             Err(e) => Err(e),
         };
-        written.push((w.id, w.from, result));
+        written.push((w.frame, result));
     }
     if !written.is_empty() {
         settle_remembered(inner, written, false);
@@ -111,7 +111,7 @@ async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
                     let result = w
                         .written
                         .and_then(|rx| rx.blocking_recv().unwrap_or(Err(WalError::Stopped)));
-                    (w.id, w.from, result)
+                    (w.frame, result)
                 })
                 .collect();
             settle_remembered(&inner, written, reserve_held)
@@ -122,11 +122,19 @@ async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// A Remembered frame on its way, for record `id` leaving segment `from`
-/// (`None`: it owes one).
-struct FrameWrite {
+/// A Remembered frame for record `id` leaving segment `from` (`None`: it
+/// owes one, or its cancel is newer than its frame).
+#[derive(Debug, Clone, Copy)]
+struct Frame {
     id: u64,
     from: Option<u32>,
+    /// The frame says it was cancelled.
+    cancelled: bool,
+}
+
+/// A Remembered frame on its way.
+struct FrameWrite {
+    frame: Frame,
     written: Result<oneshot::Receiver<Result<Appended, WalError>>, WalError>,
 }
 
@@ -173,8 +181,11 @@ fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<FrameWrite> {
             flags,
         };
         writes.push(FrameWrite {
-            id: d.id,
-            from: d.from,
+            frame: Frame {
+                id: d.id,
+                from: d.from,
+                cancelled: d.cancelled,
+            },
             written: inner.wal.append_remembered(frame),
         });
     }
@@ -195,13 +206,13 @@ fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<FrameWrite> {
 /// [`super::Engine::frames_owed`].
 fn settle_remembered(
     inner: &Inner,
-    written: Vec<(u64, Option<u32>, Result<Appended, WalError>)>,
+    written: Vec<(Frame, Result<Appended, WalError>)>,
     reserve_held: bool,
 ) -> Vec<u32> {
     let mut failed: Vec<u32> = written
         .iter()
-        .filter(|(_, _, result)| reserve_held && result.is_err())
-        .filter_map(|&(_, from, _)| from)
+        .filter(|(_, result)| reserve_held && result.is_err())
+        .filter_map(|(frame, _)| frame.from)
         .collect();
     failed.sort_unstable();
     failed.dedup();
@@ -215,9 +226,19 @@ fn settle_remembered(
         keep.push(segment);
     }
     let mut state = inner.state();
-    for (id, from, result) in written {
+    for (
+        Frame {
+            id,
+            from,
+            cancelled,
+        },
+        result,
+    ) in written
+    {
         match result {
-            Ok(appended) => state.unconfirmed.set_frame(id, Some(appended.pos.segment)),
+            Ok(appended) => state
+                .unconfirmed
+                .frame_written(id, appended.pos.segment, cancelled),
             Err(e) => match from.filter(|from| keep.contains(from)) {
                 Some(from) => {
                     tracing::debug!(id, error = %e, "no Remembered frame yet: its segment is kept for a later round");
@@ -378,7 +399,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
             Ok(rx) => rx.await.unwrap_or(Err(WalError::Stopped)),
             Err(e) => Err(e),
         };
-        written.push((w.id, w.from, result));
+        written.push((w.frame, result));
     }
     if settle_remembered(inner, written, reserve_held).is_empty() {
         inner.wal.remove_compacted(segment)?;

@@ -170,6 +170,11 @@ struct Entry {
     /// full disk): written as soon as there is room, and until then only
     /// memory knows it.
     owed: bool,
+    /// Its Remembered frame says it was cancelled. A cancel after the frame
+    /// was written is durable only by its cancel mark, whose segment can go
+    /// before the frame's (nothing retires a Schedule there any more): so
+    /// the frame is written again (sim seed 3123).
+    frame_cancelled: bool,
 }
 
 /// A remembered record whose Schedule or Remembered frame is in a segment
@@ -244,6 +249,7 @@ impl Unconfirmed {
                 confirmed: false,
                 frame: None,
                 owed: false,
+                frame_cancelled: false,
             },
         );
     }
@@ -270,6 +276,7 @@ impl Unconfirmed {
                 confirmed: false,
                 frame: None,
                 owed: false,
+                frame_cancelled: false,
             },
         );
     }
@@ -292,6 +299,7 @@ impl Unconfirmed {
                 confirmed: false,
                 frame: r.frame,
                 owed: false,
+                frame_cancelled: r.frame_cancelled,
             },
         );
     }
@@ -360,7 +368,8 @@ impl Unconfirmed {
                 let from = schedule
                     .filter(|s| segments.contains(s))
                     .or(entry.frame.filter(|s| segments.contains(s)));
-                (from.is_some() || entry.owed).then_some((id, from, entry))
+                let stale = entry.frame.is_some() && entry.cancelled && !entry.frame_cancelled;
+                (from.is_some() || entry.owed || stale).then_some((id, from, entry))
             })
             .map(|(id, from, entry)| Departing {
                 id,
@@ -391,6 +400,16 @@ impl Unconfirmed {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.frame = frame;
             entry.owed = false;
+        }
+    }
+
+    /// `id`'s Remembered frame was written in segment `frame`, saying
+    /// whether it was `cancelled`.
+    pub fn frame_written(&mut self, id: u64, frame: u32, cancelled: bool) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.frame = Some(frame);
+            entry.owed = false;
+            entry.frame_cancelled = cancelled;
         }
     }
 
@@ -609,6 +628,8 @@ struct RecentEntry {
     frame: Option<u32>,
     /// The frame says it left (fired or parked).
     left: bool,
+    /// The frame says it was cancelled.
+    frame_cancelled: bool,
     acked: bool,
     cancelled: bool,
     /// When its Done was read (see [`Recent::retire`]).
@@ -626,6 +647,8 @@ pub struct ReadBack {
     pub evidence: Evidence,
     /// The segment of that frame.
     pub frame: Option<u32>,
+    /// That frame says it was cancelled.
+    pub frame_cancelled: bool,
     pub cancelled: bool,
     /// Its Done was read and no record of its identity is live: it fired,
     /// was cancelled, or waits in the far tier (which the load that brings
@@ -679,6 +702,7 @@ impl Recent {
             evidence: Evidence::At(pos),
             frame: None,
             left: false,
+            frame_cancelled: false,
             acked: false,
             cancelled: false,
             retired_at: None,
@@ -695,6 +719,7 @@ impl Recent {
             evidence: Evidence::Digest(r.digest),
             frame: Some(pos.segment),
             left: r.flags & REMEMBERED_LEFT != 0,
+            frame_cancelled: r.flags & REMEMBERED_CANCELLED != 0,
             acked: false,
             cancelled: r.flags & REMEMBERED_CANCELLED != 0,
             retired_at: None,
@@ -786,6 +811,7 @@ impl Recent {
                 fp: e.fp,
                 evidence: e.evidence,
                 frame: e.frame,
+                frame_cancelled: e.frame_cancelled,
                 cancelled: e.cancelled || covered,
                 left: e.left || (retired && !live.contains(&e.uid)),
                 surely_left: e.left,

@@ -2080,3 +2080,167 @@ fn seed_420_segments_held_back_for_their_frames_do_not_keep_a_disk_full() {
         panic!("{f}");
     }
 }
+/// Seed 3123 (a long run, 2026-11-30): a message's Remembered frame was
+/// written, then the message was cancelled by key; the cancel mark's
+/// segment went (nothing there retired a Schedule any more) while the
+/// older frame stayed, so a restart knew the message as not cancelled and
+/// its late redelivery fired. A cancel newer than the frame writes the
+/// frame again.
+#[test]
+fn seed_3123_a_cancel_outlives_its_mark_through_a_newer_remembered_frame() {
+    #[allow(unused_imports)]
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 776,
+            delay_ms: 27939,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 11,
+            delay_ms: 81669,
+            twin: Some(129955861),
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 0,
+            body: 363,
+            delay_ms: 2878,
+            twin: Some(322454742),
+            ack_in_doubt: true,
+        },
+        Op::Clock { ms: 18216 },
+        Op::Clock { ms: 16550 },
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 233,
+            delay_ms: 12498,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 1,
+            body: 25,
+            delay_ms: 0,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 55,
+            delay_ms: 1986,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 3,
+            body: 665,
+            delay_ms: 30312,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 803,
+            delay_ms: 2609,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 1,
+            body: 590,
+            delay_ms: 152,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 96,
+            delay_ms: 37103,
+            twin: None,
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 1,
+            body: 709,
+            delay_ms: 11823,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Clock { ms: 760 },
+        Op::Deliver {
+            route: 0,
+            key: 0,
+            body: 832,
+            delay_ms: 1754,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Clock { ms: 844 },
+        Op::Clock { ms: 1515 },
+        Op::FarRound,
+        Op::Deliver {
+            route: 1,
+            key: 0,
+            body: 204,
+            delay_ms: 1304,
+            twin: Some(3430662935),
+            ack_in_doubt: true,
+        },
+        Op::Deliver {
+            route: 1,
+            key: 1,
+            body: 418,
+            delay_ms: 10203565,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Clock { ms: 22211 },
+        Op::Deliver {
+            route: 0,
+            key: 2,
+            body: 547,
+            delay_ms: 18111,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::Compact,
+        Op::Deliver {
+            route: 1,
+            key: 2,
+            body: 894,
+            delay_ms: 13587431,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::FarRound,
+        Op::CancelKey { route: 0, key: 2 },
+        Op::Clock { ms: 152691 },
+        Op::FarRound,
+        Op::Kill { loss: Loss::Torn },
+        Op::Compact,
+        Op::Kill {
+            loss: Loss::Process,
+        },
+    ];
+    if let Err(f) = run(3123, &ops) {
+        panic!("{f}");
+    }
+}
