@@ -422,10 +422,14 @@ impl Unconfirmed {
         }
     }
 
-    /// How many remembered records owe a Remembered frame: a restart now
-    /// would forget them.
-    pub fn frames_owed(&self) -> usize {
-        self.fingerprints.values().filter(|e| e.owed).count()
+    /// The identities of the remembered records that owe a Remembered
+    /// frame: a restart now would forget them.
+    pub fn frames_owed(&self) -> Vec<u128> {
+        self.fingerprints
+            .values()
+            .filter(|e| e.owed)
+            .map(|e| e.uid)
+            .collect()
     }
 
     /// Compaction copied `id`'s Schedule from `old` to `new`: compare it

@@ -1070,8 +1070,13 @@ impl Engine {
     /// Remembered frame be written (see `compact::settle_remembered`): a
     /// restart now would forget them, and store a late redelivery of one
     /// under a new id.
-    pub fn frames_owed(&self) -> usize {
-        self.state().unconfirmed.frames_owed()
+    pub fn frames_owed(&self) -> Vec<MessageId> {
+        self.state()
+            .unconfirmed
+            .frames_owed()
+            .into_iter()
+            .map(MessageId::from_u128)
+            .collect()
     }
 
     /// Is message `id` pending here (waiting or being published)?

@@ -150,7 +150,7 @@ pub struct Sim {
     /// Failed syncs the last check saw (see `after_op`).
     failed_syncs: u64,
     /// Remembered frames the engines that ended so far still owed.
-    remembered_dropped: u64,
+    remembered_dropped: std::collections::HashSet<u128>,
     /// Far rounds and compactions failed since the disk had room again.
     failed_since_space: u32,
     next_uid: u64,
@@ -209,7 +209,7 @@ impl Sim {
             sync_fault: false,
             failed_since_space: 0,
             failed_syncs: 0,
-            remembered_dropped: 0,
+            remembered_dropped: Default::default(),
             next_uid: 0,
             session: 0,
             released: Default::default(),
@@ -415,7 +415,8 @@ impl Sim {
         // The disk first: nothing the old process still does reaches it.
         self.fs = self.fs.power_loss(power);
         if let Some(node) = self.node.take() {
-            self.remembered_dropped += node.engine.frames_owed() as u64;
+            self.remembered_dropped
+                .extend(node.engine.frames_owed().iter().map(|id| id.as_u128()));
             node.shutdown.cancel();
             node.task.abort();
             let _ = node.task.await;
@@ -463,7 +464,8 @@ impl Sim {
     async fn stop_cleanly(&mut self) {
         self.requeue_socket();
         if let Some(node) = self.node.take() {
-            self.remembered_dropped += node.engine.frames_owed() as u64;
+            self.remembered_dropped
+                .extend(node.engine.frames_owed().iter().map(|id| id.as_u128()));
             node.shutdown.cancel();
             let _ = node.task.await;
             let _ = node.engine.close().await;
@@ -580,8 +582,14 @@ impl Sim {
             .iter()
             .map(|&i| self.model.msgs[i].fired.len() as u64 - 1)
             .sum();
-        match lone.first() {
-            Some(&i) if self.remembered_dropped == 0 => {
+        let forgotten = |i: &usize| {
+            self.model.msgs[*i]
+                .uids
+                .iter()
+                .any(|uid| self.remembered_dropped.contains(uid))
+        };
+        match lone.into_iter().find(|i| !forgotten(i)) {
+            Some(i) => {
                 let m = &self.model.msgs[i];
                 Err(self.fail(format!(
                     "message {i} ({} due {}, no byte-equal twin) fired under {} ids: {:?}",
