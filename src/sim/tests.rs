@@ -2244,3 +2244,42 @@ fn seed_3123_a_cancel_outlives_its_mark_through_a_newer_remembered_frame() {
         panic!("{f}");
     }
 }
+/// Seed 1701, routes moving away (a long run, 2026-11-30): message 0's
+/// store fails, its twin (message 1) is stored with its ack unsent, and
+/// the channel closes. Both redeliveries come: message 0's is taken for
+/// message 1's record (answered "duplicate"), message 1's is stored as new.
+/// Two messages with these bytes fire under two ids, as two were published;
+/// the model no longer calls message 0 lost.
+#[test]
+fn seed_1701_twins_redelivered_after_a_release_both_fire() {
+    #[allow(unused_imports)]
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::DiskFull { scope: Scope::Wal },
+        Op::Deliver {
+            route: 0,
+            key: 0,
+            body: 255,
+            delay_ms: 353721,
+            twin: None,
+            ack_in_doubt: false,
+        },
+        Op::DiskFull { scope: Scope::Far },
+        Op::Deliver {
+            route: 0,
+            key: 1,
+            body: 3,
+            delay_ms: 346597,
+            twin: Some(3634775859),
+            ack_in_doubt: true,
+        },
+        Op::PublishFails { n: 3 },
+    ];
+    let mode = Mode {
+        release: true,
+        ..Mode::default()
+    };
+    if let Err(f) = run_in(1701, &ops, mode) {
+        panic!("{f}");
+    }
+}
