@@ -142,6 +142,8 @@ pub struct Candidate {
     /// Its Schedule's segment is gone (it is known by its digest): it
     /// left long ago, and yields to a cancelled record.
     pub left_long_ago: bool,
+    /// It left (fired or parked): it yields to a live record.
+    pub left: bool,
 }
 
 /// One remembered record.
@@ -575,20 +577,26 @@ impl Unconfirmed {
                     ack: entry.ack,
                     cancelled: entry.cancelled,
                     left_long_ago: matches!(entry.evidence, Evidence::Digest(_)),
+                    left: entry.left,
                 })
             })
             .collect();
-        // A cancelled one last but for one that left long ago: a twin then
-        // repeats a live record if any (or one that fired lately, seed
-        // 40028); a message known by its Remembered frame alone yields to
-        // a cancel (sim seed 2152: the one redelivery of a message that
-        // fired as a far load's copy and was cancelled later under its
-        // first id went with the fired copy and fired again).
+        // A live record first, then one that fired lately, then a
+        // cancelled one, then one known by its digest alone: a twin
+        // repeats a live record if any (sim seed 5232 with sockets: a
+        // twin's redelivery was taken for a fired record of a cancelled
+        // identity rather than for its own record, and fired after the
+        // cancel), or one that fired lately (seed 40028); a message known
+        // by its Remembered frame alone yields to a cancel (seed 2152: the
+        // one redelivery of a message that fired as a far load's copy and
+        // was cancelled later under its first id went with the fired copy
+        // and fired again).
         found.sort_by_key(|c| {
-            let rank = match (c.cancelled, c.left_long_ago) {
-                (false, false) => 0,
-                (true, _) => 1,
-                (false, true) => 2,
+            let rank = match (c.cancelled, c.left_long_ago, c.left) {
+                (false, false, false) => 0,
+                (false, false, true) => 1,
+                (true, _, _) => 2,
+                (false, true, _) => 3,
             };
             (rank, c.ack == AckState::InDoubt)
         });
