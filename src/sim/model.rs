@@ -212,7 +212,8 @@ impl Model {
     /// its ack in doubt, and this one's redelivery, which may have been the
     /// twin's, was answered "duplicate" (`engine::dedup`: it goes with the
     /// cancel); or it was answered "duplicate" and its byte-equal group
-    /// fired under as many ids as it has messages owed.
+    /// delivered as many messages as it owes (fires per id counted up to
+    /// the messages stored under that id).
     pub fn check_complete(&self) -> Result<(), String> {
         for (i, m) in self.msgs.iter().enumerate() {
             if !m.acked || m.cancelled || !m.fired.is_empty() {
@@ -232,22 +233,38 @@ impl Model {
                 continue;
             }
             // Its redelivery was taken for a twin's record whose ack was
-            // never sent, and the twin's own redelivery then stored as new
-            // (release mode, seed 1701): the route got as many messages
-            // with these bytes, under as many ids, as were published. The
-            // consumer cannot tell them apart; the model's attribution is
-            // the guess.
-            let group: Vec<&Msg> = self
-                .msgs
-                .iter()
-                .enumerate()
-                .filter(|(j, t)| *j == i || byte_equal(&(*j, *t)))
-                .map(|(_, t)| t)
+            // never sent, and the twin's own redelivery then stored as new,
+            // or as a copy under another twin's id (release mode, seeds
+            // 1701 and 3031): the route got as many messages with these
+            // bytes as were published. The consumer cannot tell them
+            // apart; the model's attribution is the guess. Fires count
+            // per id up to the messages stored under it, so a same-id
+            // copy never stands in for a lost twin.
+            let group: Vec<usize> = (0..self.msgs.len())
+                .filter(|&j| j == i || byte_equal(&(j, &self.msgs[j])))
                 .collect();
-            let owed = group.iter().filter(|t| t.acked && !t.cancelled).count();
-            let ids: std::collections::BTreeSet<u128> =
-                group.iter().flat_map(|t| t.fired.keys().copied()).collect();
-            if !m.duplicate_on.is_empty() && ids.len() >= owed {
+            let owed = group
+                .iter()
+                .filter(|&&j| self.msgs[j].acked && !self.msgs[j].cancelled)
+                .count();
+            let mut fires: BTreeMap<u128, usize> = BTreeMap::new();
+            for &j in &group {
+                for (&uid, &n) in &self.msgs[j].fired {
+                    *fires.entry(uid).or_default() += n as usize;
+                }
+            }
+            let delivered: usize = fires
+                .iter()
+                .map(|(uid, &n)| {
+                    let stored = self
+                        .owners(*uid)
+                        .iter()
+                        .filter(|o| group.contains(o))
+                        .count();
+                    n.min(stored)
+                })
+                .sum();
+            if !m.duplicate_on.is_empty() && delivered >= owed {
                 continue;
             }
             return Err(format!(
