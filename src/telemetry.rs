@@ -179,6 +179,12 @@ pub const METRICS: &[MetricDef] = &[
     def("delayd_wal_fsyncs_total", Counter, &[], "Group commits (fdatasync) of the WAL."),
     def("delayd_wal_written_bytes_total", Counter, &[], "Bytes written to the WAL."),
     def("delayd_wal_compactions_total", Counter, &[], "WAL segments compacted."),
+    def(
+        "delayd_wal_remembered_owed_total",
+        Counter,
+        &[],
+        "Remembered frames a full disk kept from being written before their segment went.",
+    ),
     def("delayd_wal_corrupt_frames_total", Counter, &[], "Damaged WAL frames found by recovery."),
     def("delayd_disk_reserve_held", Gauge, &[], "1 while the disk reserve (<wal.dir>/reserve) is on disk; 0 after a full disk released it (no new message is taken in meanwhile)."),
     def("delayd_disk_reserve_released_total", Counter, &[], "Times a full disk released the disk reserve to the writes that free space."),
