@@ -10,6 +10,13 @@
 #   bash scripts/bench-partitions.sh
 #   BROKER=kafka CPU=10 RATE=4000 bash scripts/bench-partitions.sh
 #
+# STORES="broker local" (RabbitMQ) runs the instance counts once per store:
+# `broker` is the broker-kept store with `partitions = PARTS`, `local` the
+# same route on each instance's own WAL (no [store], no partitions; the
+# instances share the ingress queue). So one run compares the broker-kept
+# store with the local one and the relay floor:
+#   INSTANCES=1 PARTS=1 STORES="broker local" RATE=10000 bash scripts/bench-partitions.sh
+#
 # RESULTS=file.jsonl appends one JSON line per instance count, for
 # scripts/bench-partitions-plot.py (docs/scale-out.svg).
 #   INSTANCES="1 2 3" PARTS=6 RATE=20000 SECONDS_EACH=10 bash scripts/bench-partitions.sh
@@ -37,6 +44,8 @@ count=$((rate * secs))
 cpu_cap="${CPU:-}"
 results="${RESULTS:-}"
 broker="${BROKER:-rabbitmq}"
+stores="${STORES:-broker}"
+[ "$broker" = rabbitmq ] || stores=local
 bootstrap=127.0.0.1:9092
 kafka_props=(--kafka-property fetch.wait.max.ms=100 --kafka-property linger.ms=1
     --kafka-property socket.nagle.disable=true)
@@ -49,7 +58,10 @@ esac
 bash scripts/build-deps.sh
 cargo build --release --quiet
 cargo build --release --quiet --example relay
-delayd="$PWD/target/release/delayd"
+# BIN: another build to run as the instances (A/B runs); BENCH: the build
+# that drives the load (default: the one measured).
+delayd="$(realpath "${BIN:-$PWD/target/release/delayd}")"
+bench="$(realpath "${BENCH:-$delayd}")"
 work="$(mktemp -d /var/tmp/delayd-bench-partitions.XXXXXX)"
 pids=()
 stop_all() {
@@ -85,7 +97,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-config() { # run, instance
+config() { # run, instance, store
     cat <<EOF
 [wal]
 dir = "$work/wal-$1-$2"
@@ -105,6 +117,16 @@ producer_properties = { "linger.ms" = "1" }
 name = "scale"
 from = { broker = "kafka", topics = ["bench.part.$1"], group = "delayd-part-$1" }
 to = { broker = "kafka", topic = "bench.part.out.$1" }
+EOF
+    elif [ "$3" = local ]; then
+        cat <<EOF
+[brokers.rabbit]
+kind = "amqp"
+url = "amqp://guest:guest@127.0.0.1:5672/%2f"
+[[routes]]
+name = "scale"
+from = { broker = "rabbit", queue = "delayd.scale.$1", exchange = "bench.part.$1", prefetch = 1000 }
+to = { broker = "rabbit", exchange = "bench.part.out" }
 EOF
     else
         cat <<EOF
@@ -146,10 +168,10 @@ bench() {
     local run="$1"
     shift
     if [ "$broker" = kafka ]; then
-        "$delayd" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json \
+        "$bench" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json \
             --topic "bench.part.$run" --target-topic "bench.part.out.$run" "$@"
     else
-        "$delayd" bench --quiet --json --exchange "bench.part.$run" --queue bench.part.q \
+        "$bench" bench --quiet --json --exchange "bench.part.$run" --queue bench.part.q \
             --routing-keys 64 --bind-to bench.part.out "$@"
     fi
 }
@@ -158,6 +180,9 @@ line() {
     jq -r '"in \(.publish_rate | round)/s, delivered \(.delivery_rate | round)/s | lateness p50 \(.lateness_p50_ms) p99 \(.lateness_p99_ms) max \(.lateness_max_ms) ms | lost \(.lost) early \(.early) dup \(.duplicates) (other id \(.duplicates_different_id))"'
 }
 
+for store in $stores; do
+want=$parts
+[ "$store" = broker ] || want=1
 for k in $instances_list; do
     run="k$k.$(date +%s)"
     if [ "$broker" = kafka ]; then
@@ -167,7 +192,7 @@ for k in $instances_list; do
             --delay-min 3600000 --delay-max 3600000 >/dev/null
     fi
     for i in $(seq 1 "$k"); do
-        config "$run" "$i" >"$work/delayd-$k-$i.toml"
+        config "$run" "$i" "$store" >"$work/delayd-$k-$i.toml"
         procs=""
         [ -z "$cpu_cap" ] || make_cgroup "delayd-bench-$k-$i"
         (cd "$work" && { [ -z "$procs" ] || echo "$BASHPID" >"$procs"; } &&
@@ -181,7 +206,11 @@ for k in $instances_list; do
         read -r total shares < <(owners "$k")
         # Every partition owned, and by every instance (a group that is
         # still forming gives all of them to its first member for a while).
-        if [ "$total" -eq "$parts" ] && { [ "$k" -gt "$parts" ] || [[ "/$shares/" != */0/* ]]; }; then
+        if [ "$store" = local ] && [ "$broker" = rabbitmq ] && [ "$total" -ge "$k" ]; then
+            settled="$shares"
+            break
+        fi
+        if [ "$total" -eq "$want" ] && { [ "$k" -gt "$want" ] || [[ "/$shares/" != */0/* ]]; }; then
             settled="$shares"
             break
         fi
@@ -190,25 +219,26 @@ for k in $instances_list; do
     [ -n "$settled" ] || { echo "$k instance(s): the partitions never all had an owner" >&2; exit 1; }
     report=$(bench "$run" --rate "$rate" --count "$count" --delay-min 2000 --delay-max 4000 \
         --drain-timeout 60s)
-    printf '%s instance(s)%s, partitions %s: %s\n' "$k" "${cpu_cap:+ at $cpu_cap % CPU each}" \
-        "$settled" "$(echo "$report" | line)"
+    printf '%s instance(s)%s, %s store, partitions %s: %s\n' "$k" "${cpu_cap:+ at $cpu_cap % CPU each}" \
+        "$store" "$settled" "$(echo "$report" | line)"
     if [ -n "$results" ]; then
-        echo "$report" | jq -c --arg broker "$broker" --arg cpu "${cpu_cap:-100}" --argjson k "$k" \
-            '{broker: $broker, cpu: ($cpu | tonumber), instances: $k,
+        echo "$report" | jq -c --arg broker "$broker" --arg store "$store" --arg cpu "${cpu_cap:-100}" --argjson k "$k" \
+            '{broker: $broker, store: $store, cpu: ($cpu | tonumber), instances: $k,
               delivered: (.delivery_rate | round), intake: (.publish_rate | round),
               p99_ms: .lateness_p99_ms, lost, early, duplicates}' >>"$results"
     fi
     stop_all
     [ "$broker" = kafka ] || rabbitmqctl -q purge_queue bench.part.q >/dev/null 2>&1 || true
 done
+done
 
 if [ "$broker" = kafka ]; then
     # The floor: Kafka alone through one produce+consume hop, same load.
     run="hop.$(date +%s)"
-    "$delayd" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json --topic "bench.part.$run" \
+    "$bench" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json --topic "bench.part.$run" \
         --target-topic "bench.part.$run" --create-topics "$parts" --publish-only --count 1 --rate 1 \
         --delay-min 3600000 --delay-max 3600000 >/dev/null
-    report=$("$delayd" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json \
+    report=$("$bench" bench --kafka "$bootstrap" "${kafka_props[@]}" --quiet --json \
         --topic "bench.part.$run" --target-topic "bench.part.$run" --rate "$rate" --count "$count" \
         --delay-min 0 --delay-max 0)
     printf 'Kafka alone, one hop (floor): %s\n' "$(echo "$report" | line)"
@@ -224,7 +254,7 @@ for _ in $(seq 1 100); do
         awk '$1 == "relay.part" && $2 > 0 {found = 1} END {exit !found}' && break
     sleep 0.2
 done
-report=$("$delayd" bench --quiet --json --exchange bench.part.relay --queue bench.part.q \
+report=$("$bench" bench --quiet --json --exchange bench.part.relay --queue bench.part.q \
     --bind-to bench.part.out --rate "$rate" --count "$count" --delay-min 0 --delay-max 0)
 kill -INT "$relay" 2>/dev/null || true
 wait "$relay" 2>/dev/null || true

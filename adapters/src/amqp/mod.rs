@@ -39,6 +39,7 @@
 pub mod connection;
 pub mod convert;
 pub mod endpoints;
+pub mod packed;
 pub mod sink;
 pub mod source;
 pub mod state;

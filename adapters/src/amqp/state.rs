@@ -91,6 +91,7 @@ use tracing::debug;
 
 use super::connection::AmqpError;
 use super::convert::short_string;
+use super::packed::PACKED_VERSION;
 use crate::traits::BoxFuture;
 
 /// Errors of the RabbitMQ state streams.
@@ -136,7 +137,7 @@ pub enum StateError {
     /// A record written by a newer delayd (a format version this one does
     /// not know): refused rather than skipped, since skipping a Schedule
     /// would lose its message.
-    #[error("stream {stream}: the record at offset {offset} has format version {version}, newer than this delayd reads ({VERSION}); run the delayd version that wrote it")]
+    #[error("stream {stream}: the record at offset {offset} has format version {version}, in a form this delayd does not read (it writes version {VERSION} records, packed as version {PACKED_VERSION}); run the delayd version that wrote it")]
     NewerFormat {
         stream: String,
         offset: i64,
@@ -1107,9 +1108,11 @@ impl StateSession {
                 return Box::pin(async move { Err(e) });
             }
         };
+        // A round's records in few messages (see `super::packed`).
+        let messages = super::packed::pack(records);
         // Polled together, in order (see the sink): frames are queued on
         // the first poll, so the order on the wire is the order here.
-        let sends = records.iter().map(|body| {
+        let sends = messages.iter().map(|body| {
             self.writer.basic_publish(
                 "".into(),
                 key.clone(),
@@ -1231,45 +1234,55 @@ impl StateSession {
                     unacked = 0;
                 }
                 let offset = stream_offset(&delivery.properties);
-                let Some(record) = Record::decode(&delivery.data) else {
-                    match delivery.data.first() {
-                        Some(&version @ 2..=NEWEST_PLAUSIBLE_VERSION) => {
-                            return Err(StateError::NewerFormat {
-                                stream: stream.to_owned(),
-                                offset,
-                                version,
-                            })
-                        }
-                        _ => {
-                            // Not ours (stream names are predictable): one
-                            // such record must not wedge the route for good.
-                            tracing::error!(
-                                stream,
-                                offset,
-                                bytes = delivery.data.len(),
-                                "skipping an undecodable record in a state stream"
-                            );
-                            self.skipped.fetch_add(1, Ordering::Relaxed);
-                            continue;
-                        }
-                    }
+                let Some(packed) = super::packed::unpack(&delivery.data) else {
+                    self.skip(stream, offset, delivery.data.len());
+                    continue;
                 };
-                if record == (Record::Marker { nonce }) {
-                    let _ = channel
-                        .basic_cancel(
-                            short_string(&tag, "consumer tag").map_err(AmqpError::from)?,
-                            BasicCancelOptions::default(),
-                        )
-                        .await;
-                    return Ok(read);
+                for bytes in packed {
+                    let Some(record) = Record::decode(bytes) else {
+                        match bytes.first() {
+                            Some(&version @ 2..=NEWEST_PLAUSIBLE_VERSION) => {
+                                return Err(StateError::NewerFormat {
+                                    stream: stream.to_owned(),
+                                    offset,
+                                    version,
+                                })
+                            }
+                            _ => {
+                                self.skip(stream, offset, bytes.len());
+                                continue;
+                            }
+                        }
+                    };
+                    if record == (Record::Marker { nonce }) {
+                        let _ = channel
+                            .basic_cancel(
+                                short_string(&tag, "consumer tag").map_err(AmqpError::from)?,
+                                BasicCancelOptions::default(),
+                            )
+                            .await;
+                        return Ok(read);
+                    }
+                    read += 1;
+                    each(record)?;
                 }
-                read += 1;
-                each(record)?;
             }
         }
         .await;
         let _ = channel.close(200, "OK".into()).await;
         result
+    }
+
+    /// A stream message that is not ours (stream names are predictable):
+    /// one such record must not wedge the route for good.
+    fn skip(&self, stream: &str, offset: i64, bytes: usize) {
+        tracing::error!(
+            stream,
+            offset,
+            bytes,
+            "skipping an undecodable record in a state stream"
+        );
+        self.skipped.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Apply generation stream `stream`'s records to `set`, in stream
