@@ -15,6 +15,7 @@
 //! | `kafka-state/v1.bin` | Kafka state value version 1 (due time, message) |
 //! | `kafka-state/v2.bin` | Kafka state value version 2 (due time, uid, message) |
 //! | `rabbitmq-state/v1-{schedule,done,marker,generation,remembered}.bin` | the RabbitMQ state stream's records, version 1 (`remembered`: a message that left, see docs/broker-store.md) |
+//! | `rabbitmq-state/v2-packed.bin` | a RabbitMQ state stream message version 2: a round of version-1 records packed in one message |
 //!
 //! The tests decode the committed bytes and check every field against
 //! values spelled out here, so a change to a format (or to what a reader
@@ -349,6 +350,34 @@ fn rabbitmq_state_stream_record_fixtures_decode_and_are_what_delayd_writes() {
     }
 }
 
+/// The records `rabbitmq-state/v2-packed.bin` packs, and the packed bytes
+/// today's writer makes of them.
+fn packed_records() -> (Vec<StreamRecord>, Vec<u8>) {
+    let records: Vec<StreamRecord> = stream_records()
+        .into_iter()
+        .filter(|(name, _)| name.contains("schedule") || name.contains("done"))
+        .map(|(_, r)| r)
+        .collect();
+    let encoded: Vec<Vec<u8>> = records.iter().map(StreamRecord::encode).collect();
+    let mut messages = delayd_adapters::amqp::packed::pack(&encoded);
+    assert_eq!(messages.len(), 1);
+    (records, messages.remove(0))
+}
+
+#[test]
+fn rabbitmq_state_stream_packed_fixture_unpacks_and_is_what_delayd_writes() {
+    let bytes = fixture("rabbitmq-state/v2-packed.bin");
+    assert_eq!(&bytes[..2], &[2, 1], "version and kind bytes");
+    let (want, today) = packed_records();
+    let got: Vec<StreamRecord> = delayd_adapters::amqp::packed::unpack(&bytes)
+        .expect("unpacks")
+        .into_iter()
+        .map(|r| StreamRecord::decode(r).expect("a version-1 record"))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(today, bytes, "today's writer");
+}
+
 // -------------------------------------------------------------- the WAL
 
 /// A record as recovery replays it.
@@ -594,6 +623,7 @@ fn write_fixtures() {
     );
     write("kafka-state/v2.bin", encode_value(DUE_MS, UID, &message));
 
+    write("rabbitmq-state/v2-packed.bin", packed_records().1);
     for (name, record) in stream_records() {
         write(name, record.encode());
     }

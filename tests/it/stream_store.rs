@@ -918,6 +918,75 @@ async fn an_owner_whose_lock_queue_is_deleted_writes_nothing_more() {
     r.delete_streams().await;
 }
 
+/// A writer's round of records goes to a state stream packed into one
+/// message (version 2), and a read gives every record back, in order. A
+/// packed message cut short is skipped and counted like any record that is
+/// not ours; one that holds a record of a newer format stops the read
+/// (never skipped: it may be a Schedule).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_packed_in_one_message_reads_back_record_by_record() {
+    use delayd_adapters::amqp::packed::pack;
+    use delayd_adapters::amqp::state::{Record, StateError};
+    let r = StreamRoute::new("stream-packed").await;
+    let (names, session) = elected_session(&r).await;
+    let stream = names.generation(0);
+    session.declare_stream(&stream).await.expect("declare");
+    let round: Vec<Vec<u8>> = (0..300u128)
+        .map(|id| match id % 3 {
+            0 => Record::Done { id }.encode(),
+            _ => Record::Schedule {
+                id,
+                due_ms: id as u64,
+                message: vec![id as u8; 1000],
+            }
+            .encode(),
+        })
+        .collect();
+    assert_eq!(pack(&round).len(), 1, "the round fits one message");
+    session
+        .append(&stream, &round)
+        .await
+        .await
+        .expect("a round");
+    // One message each goes bare: the writer publishes these as they are.
+    let packed_two = pack(&round[..2]).remove(0);
+    let cut = packed_two[..packed_two.len() - 1].to_vec();
+    session
+        .append(&stream, &[cut])
+        .await
+        .await
+        .expect("a pack cut short");
+
+    let mut read = Vec::new();
+    let n = session
+        .read_all(&stream, |record| {
+            read.push(record.encode());
+            Ok(())
+        })
+        .await
+        .expect("read");
+    assert_eq!(n, 300);
+    assert!(read == round, "the records read back differ from the round");
+    assert_eq!(session.skipped(), 1, "the pack cut short");
+
+    let mut newer = Record::Done { id: 7 }.encode();
+    newer[0] = 3;
+    let packed = pack(&[Record::Done { id: 8 }.encode(), newer]);
+    assert_eq!(packed.len(), 1);
+    session
+        .append(&stream, &packed)
+        .await
+        .await
+        .expect("a pack with a newer record");
+    let refused = session.read_all(&stream, |_| Ok(())).await;
+    assert!(
+        matches!(refused, Err(StateError::NewerFormat { version: 3, .. })),
+        "{refused:?}"
+    );
+    session.close().await;
+    r.delete_streams().await;
+}
+
 /// The pointer stream is deleted while the owner holds messages, and the
 /// owner is killed with its disk: the next owner finds the generation
 /// through the pointer's copy and restores every message. (It once
