@@ -118,27 +118,20 @@ name = "scale"
 from = { broker = "kafka", topics = ["bench.part.$1"], group = "delayd-part-$1" }
 to = { broker = "kafka", topic = "bench.part.out.$1" }
 EOF
-    elif [ "$3" = local ]; then
-        cat <<EOF
-[brokers.rabbit]
-kind = "amqp"
-url = "amqp://guest:guest@127.0.0.1:5672/%2f"
-[[routes]]
-name = "scale"
-from = { broker = "rabbit", queue = "delayd.scale.$1", exchange = "bench.part.$1", prefetch = 1000 }
-to = { broker = "rabbit", exchange = "bench.part.out" }
-EOF
     else
-        cat <<EOF
+        # The broker-kept store and its partitions; the local store has neither.
+        [ "$3" = local ] || cat <<EOF
 [store]
 kind = "broker"
 topic_prefix = "bench-part.$1."
+EOF
+        cat <<EOF
 [brokers.rabbit]
 kind = "amqp"
 url = "amqp://guest:guest@127.0.0.1:5672/%2f"
 [[routes]]
 name = "scale"
-partitions = $parts
+$([ "$3" = local ] || echo "partitions = $parts")
 from = { broker = "rabbit", queue = "delayd.scale.$1", exchange = "bench.part.$1", prefetch = 1000 }
 to = { broker = "rabbit", exchange = "bench.part.out" }
 EOF
