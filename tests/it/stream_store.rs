@@ -937,7 +937,7 @@ async fn a_round_packed_in_one_message_reads_back_record_by_record() {
             _ => Record::Schedule {
                 id,
                 due_ms: id as u64,
-                message: vec![id as u8; 1000],
+                message: vec![id as u8; 40],
             }
             .encode(),
         })

@@ -19,9 +19,12 @@
 pub const PACKED_VERSION: u8 = 2;
 /// Its kind byte (the only kind of version 2).
 const PACKED: u8 = 1;
-/// At most this many bytes of records share one message (RabbitMQ's
-/// `max_message_size` is 16 MiB by default; a stream chunk holds many).
-pub const PACK_BYTES: usize = 512 << 10;
+/// At most this many bytes of records share one message: about a hundred
+/// Schedules of small messages, so a round costs a publish or two. Kept
+/// small because a reader's prefetch counts messages, not bytes (AMQP
+/// 0-9-1 has no byte limit RabbitMQ honours): 2,000 packs in flight to a
+/// restore are 64 MiB at most.
+pub const PACK_BYTES: usize = 32 << 10;
 
 /// `records` (each one encoded) as the messages to publish, in order.
 pub fn pack(records: &[Vec<u8>]) -> Vec<Vec<u8>> {
