@@ -113,8 +113,10 @@ pub struct BenchArgs {
     /// Only publish (e.g. to fill delayd with pending messages); no consumer.
     #[arg(long)]
     pub publish_only: bool,
-    /// A burst: every message due at the same instant (`x-deliver-at`),
-    /// `--delay-min` ms after the last one is published. The report's
+    /// A burst: every message due at the same instant (`x-deliver-at`;
+    /// with `--delaying-exchange`, which knows only `x-delay`, the delay
+    /// left until that instant), `--delay-min` ms after the last one is
+    /// published. The report's
     /// `delivery_rate` is then the release rate, and `out_of_order` counts
     /// arrivals that overtook an earlier-published message (equal due
     /// times leave in arrival order).
@@ -533,6 +535,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         // before that (waiting for a permit, a task to be scheduled) is the
         // bench's, not the lateness of what it measures.
         let (due, when) = match burst_at {
+            // The plugin counts `x-delay` from when it receives the message.
+            Some(at) if args.delaying_exchange => {
+                (at, When::After(at.saturating_sub(SystemClock.now_ms())))
+            }
             Some(at) => (at, When::At(at)),
             None => (SystemClock.now_ms() + delay, When::After(delay)),
         };
