@@ -8,9 +8,11 @@
 #
 # Each run:
 #   1. the floor: `delayd bench --publish-only` publishes COUNT messages
-#      with confirms to an exchange with a bound queue (no delayd, no
-#      consumer; the queue is purged after): the rate the broker takes
-#      publishes at, alone;
+#      with confirms to an exchange of its own with a bound queue (no
+#      delayd, no consumer; the queue is deleted after): the rate the
+#      broker takes publishes at, alone. Before 2026-11-30 that queue was
+#      bound to the burst's target exchange, so it also took a copy of
+#      every release (and kept them until the next run's purge);
 #   2. delayd (release build, config/examples/bench.toml, an empty WAL)
 #      takes COUNT messages in at RATE, every one with the same
 #      `x-deliver-at` (`delayd bench --burst`), and releases them when that
@@ -55,11 +57,13 @@ cleanup() {
 trap cleanup EXIT
 
 for run in $(seq 1 "$runs"); do
-    # 1. The broker alone: publishes with confirms into a bound queue.
-    floor=$("$delayd" bench --quiet --publish-only --exchange bench.out --queue burst.floor.q \
-        --bind-to bench.out --count "$count" --rate 1000000 --in-flight 1000 \
+    # 1. The broker alone: publishes with confirms into a bound queue, on
+    # an exchange of their own (deleting the queue drops any binding of it
+    # an older run left on bench.out, which copied every release).
+    floor=$("$delayd" bench --quiet --publish-only --exchange bench.floor --queue burst.floor.q \
+        --bind-to bench.floor --count "$count" --rate 1000000 --in-flight 1000 \
         --delay-min 0 --delay-max 0 | sed -n 's/^published [0-9]* (\([0-9]*\) msg\/s).*/\1/p')
-    rabbitmqctl -q purge_queue burst.floor.q >/dev/null
+    rabbitmqctl -q delete_queue burst.floor.q >/dev/null
     # 2. Through delayd, all due at once.
     rm -rf "$work/wal"
     (cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \

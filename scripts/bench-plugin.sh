@@ -29,6 +29,10 @@ cd "$(dirname "$0")/.."
 count="${COUNT:-200000}"
 rate="${RATE:-25000}"
 runs="${RUNS:-1}"
+# The instant is DELAY_MS after the last publish was planned (at RATE): make
+# it long enough that both systems have taken every message in by then, or
+# the release overlaps the intake.
+delay="${DELAY_MS:-5000}"
 plugin=rabbitmq_delayed_message_exchange
 plugin_version=3.10.2
 exchange=bench.plugin.delayed
@@ -86,11 +90,13 @@ burst_line() { # name, report json
 
 echo "RabbitMQ $($rabbitmqctl -q version 2>/dev/null || echo 3.10), plugin $plugin_version, $count messages of 256 B, offered at $rate msg/s"
 for run in $(seq 1 "$runs"); do
-    # 1. Publishes with confirms alone.
-    floor=$("$delayd" bench --quiet --publish-only --exchange bench.out --queue burst.floor.q \
-        --bind-to bench.out --count "$count" --rate 1000000 --in-flight 1000 \
+    # 1. Publishes with confirms alone, to an exchange of their own: a queue
+    # bound to the target exchange would take a copy of every release. The
+    # queue is deleted after (and with it any binding an older run left).
+    floor=$("$delayd" bench --quiet --publish-only --exchange bench.floor --queue burst.floor.q \
+        --bind-to bench.floor --count "$count" --rate 1000000 --in-flight 1000 \
         --delay-min 0 --delay-max 0 | sed -n 's/^published [0-9]* (\([0-9]*\) msg\/s).*/\1/p')
-    $rabbitmqctl -q purge_queue burst.floor.q >/dev/null
+    $rabbitmqctl -q delete_queue burst.floor.q >/dev/null
     # 2. The broker alone, one hop.
     hop=$("$delayd" bench --quiet --json --exchange bench.hop --queue burst.hop.q \
         --bind-to bench.hop --count "$count" --rate 1000000 --in-flight 1000 \
@@ -108,7 +114,7 @@ for run in $(seq 1 "$runs"); do
     done
     report=$("$delayd" bench --quiet --json --burst --exchange bench.delayed --queue bench.q \
         --bind-to bench.out --count "$count" --rate "$rate" --in-flight 1000 \
-        --delay-min 5000 --delay-max 5000 --drain-timeout 600s)
+        --delay-min "$delay" --delay-max "$delay" --drain-timeout 600s)
     kill -TERM "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
     pid=""
@@ -116,6 +122,6 @@ for run in $(seq 1 "$runs"); do
     # 4. The plugin: its exchange routes to the bench's queue when due.
     report=$("$delayd" bench --quiet --json --burst --delaying-exchange --exchange "$exchange" \
         --queue burst.plugin.q --bind-to "$exchange" --count "$count" --rate "$rate" --in-flight 1000 \
-        --delay-min 5000 --delay-max 5000 --drain-timeout 600s)
+        --delay-min "$delay" --delay-max "$delay" --drain-timeout 600s)
     burst_line "run $run: plugin" "$report"
 done
