@@ -28,6 +28,7 @@
 # then the side route's rate, lost, early and lateness.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/bench-lib.sh
 count="${COUNT:-200000}"
 rate="${RATE:-25000}"
 runs="${RUNS:-3}"
@@ -66,13 +67,7 @@ for run in $(seq 1 "$runs"); do
     rabbitmqctl -q delete_queue burst.floor.q >/dev/null
     # 2. Through delayd, all due at once.
     rm -rf "$work/wal"
-    (cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \
-        exec "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
-    pid=$!
-    for _ in $(seq 1 150); do
-        curl -sf http://127.0.0.1:9464/readyz >/dev/null && break
-        sleep 0.2
-    done
+    start_delayd "$work" "$config"
     # The side load starts at the burst's due instant (5 s after its first publish).
     (sleep 5 && exec "$delayd" bench --quiet --json --exchange bench.side.delayed \
         --queue bench.side.q --bind-to bench.side.out --count $((side_rate * side_seconds)) \

@@ -12,6 +12,7 @@
 #   COUNT=100000 SIZE=1024 RATE=5000 bash scripts/bench-far-bucket.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/bench-lib.sh
 count="${COUNT:-400000}"
 size="${SIZE:-4096}"
 rate="${RATE:-4000}"
@@ -37,13 +38,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-(cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \
-    exec "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
-pid=$!
-for _ in $(seq 1 150); do
-    curl -sf http://127.0.0.1:9464/readyz >/dev/null && break
-    sleep 0.2
-done
+start_delayd "$work" "$config"
 # The far tier's peak, sampled while the bench runs.
 (
     peak_far=0

@@ -13,6 +13,7 @@
 #   SEGMENT_BYTES=8388608 bash scripts/bench-far-full-disk.sh   # wal.segment_bytes
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/bench-lib.sh
 count="${COUNT:-30000}"
 rate="${RATE:-2000}"
 fill_mib="${FILL_MIB:-72}"
@@ -42,13 +43,7 @@ metric() {
 }
 
 [ -n "${SEGMENT_BYTES:-}" ] && export DELAYD_WAL__SEGMENT_BYTES="$SEGMENT_BYTES"
-(cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \
-    exec "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
-pid=$!
-for _ in $(seq 1 150); do
-    curl -sf http://127.0.0.1:9464/readyz >/dev/null && break
-    sleep 0.2
-done
+start_delayd "$work" "$config"
 dd if=/dev/zero of="$work/wal/filler" bs=1M count="$fill_mib" status=none
 (
     sleep 15

@@ -26,6 +26,7 @@
 # the last. Its "last" is how late the last message arrived.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/bench-lib.sh
 count="${COUNT:-200000}"
 rate="${RATE:-25000}"
 runs="${RUNS:-1}"
@@ -105,13 +106,7 @@ for run in $(seq 1 "$runs"); do
         "$run" "$floor" "$hop"
     # 3. delayd.
     rm -rf "$work/wal"
-    (cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \
-        exec "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
-    pid=$!
-    for _ in $(seq 1 150); do
-        curl -sf http://127.0.0.1:9464/readyz >/dev/null && break
-        sleep 0.2
-    done
+    start_delayd "$work" "$config"
     report=$("$delayd" bench --quiet --json --burst --exchange bench.delayed --queue bench.q \
         --bind-to bench.out --count "$count" --rate "$rate" --in-flight 1000 \
         --delay-min "$delay" --delay-max "$delay" --drain-timeout 600s)

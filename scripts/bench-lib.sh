@@ -1,0 +1,21 @@
+# Sourced by the bench scripts (not run on its own).
+
+# start_delayd WORK CONFIG: start "$delayd" on CONFIG in the background,
+# its WAL in WORK/wal and its log appended to WORK/delayd.log, and wait up
+# to 30 s for /readyz. Sets `pid`. Fails with the end of the log if delayd
+# exits or does not become ready, rather than letting the bench run against
+# nothing.
+start_delayd() {
+    local work=$1 config=$2
+    (cd "$work" && DELAYD_WAL__DIR="$work/wal" RUST_LOG=warn \
+        exec "$delayd" run --config "$config" >>"$work/delayd.log" 2>&1) &
+    pid=$!
+    for _ in $(seq 1 150); do
+        curl -sf http://127.0.0.1:9464/readyz >/dev/null && return 0
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.2
+    done
+    echo "delayd did not become ready; the end of its log ($work/delayd.log):" >&2
+    tail -n 20 "$work/delayd.log" >&2
+    return 1
+}
