@@ -5,6 +5,8 @@
 #
 #   bash scripts/bench-burst.sh                  # 200,000 messages, 3 runs
 #   COUNT=1000000 RATE=25000 RUNS=1 bash scripts/bench-burst.sh
+#   COUNT=1000000 DELAY_MS=60000 RUNS=1 bash scripts/bench-burst.sh
+#                                  # the intake done before the instant
 #
 # Each run:
 #   1. the floor: `delayd bench --publish-only` publishes COUNT messages
@@ -32,6 +34,11 @@ cd "$(dirname "$0")/.."
 count="${COUNT:-200000}"
 rate="${RATE:-25000}"
 runs="${RUNS:-3}"
+# The instant is DELAY_MS after the last publish was planned (at RATE). At
+# the default the release overlaps the intake of the burst's tail (delayd
+# takes it in slower than RATE); a longer one measures the intake alone,
+# then the release alone.
+delay="${DELAY_MS:-5000}"
 
 bash scripts/rabbitmq.sh >/dev/null
 bash scripts/build-deps.sh
@@ -76,7 +83,7 @@ for run in $(seq 1 "$runs"); do
     side=$!
     report=$("$delayd" bench --quiet --json --burst --exchange bench.delayed --queue bench.q \
         --bind-to bench.out --count "$count" --rate "$rate" --in-flight 1000 \
-        --delay-min 5000 --delay-max 5000 --drain-timeout 300s \
+        --delay-min "$delay" --delay-max "$delay" --drain-timeout 300s \
         --metrics http://127.0.0.1:9464/metrics)
     wait "$side" || echo "the side load failed: $(tail -3 "$work/side.log")" >&2
     # delayd's own lateness for the side route (due to handed to the sink),
