@@ -21,10 +21,11 @@
 #      instant comes: the report's delivery rate is the release rate,
 #      `out_of_order` counts messages that overtook an earlier one (equal
 #      due times leave in arrival order).
-#   3. meanwhile, from the burst's due instant on, a second route (its own
-#      queue and exchanges, same delayd) takes SIDE_RATE msg/s (default
-#      500) for SIDE_SECONDS (default 20) with x-delay 1-2 s: the intake
-#      that goes on while the burst is released, with its own lateness.
+#   3. meanwhile, from 5 s after the burst's first publish on, a second
+#      route (its own queue and exchanges, same delayd) takes SIDE_RATE
+#      msg/s (default 500) for SIDE_SECONDS (default 20) with x-delay
+#      1-2 s: another route's traffic while the burst is taken in and (at
+#      the default DELAY_MS) released, with its own lateness.
 # One line per run: intake rate, release rate, release / floor, lost,
 # early, duplicates, out of order, the last message's lateness, delayd's RSS;
 # then the side route's rate, lost, early and lateness.
@@ -75,7 +76,8 @@ for run in $(seq 1 "$runs"); do
     # 2. Through delayd, all due at once.
     rm -rf "$work/wal"
     start_delayd "$work" "$config"
-    # The side load starts at the burst's due instant (5 s after its first publish).
+    # The side load starts 5 s after the burst's first publish: it overlaps
+    # the burst's intake and, at the default DELAY_MS, its release.
     (sleep 5 && exec "$delayd" bench --quiet --json --exchange bench.side.delayed \
         --queue bench.side.q --bind-to bench.side.out --count $((side_rate * side_seconds)) \
         --rate "$side_rate" --delay-min 1000 --delay-max 2000 --drain-timeout 300s \

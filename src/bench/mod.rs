@@ -535,11 +535,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         // before that (waiting for a permit, a task to be scheduled) is the
         // bench's, not the lateness of what it measures.
         let (due, when) = match burst_at {
-            // The plugin counts `x-delay` from when it receives the message.
-            Some(at) if args.delaying_exchange => {
-                (at, When::After(at.saturating_sub(SystemClock.now_ms())))
-            }
-            Some(at) => (at, When::At(at)),
+            Some(at) => (
+                at,
+                burst_timing(at, SystemClock.now_ms(), args.delaying_exchange),
+            ),
             None => (SystemClock.now_ms() + delay, When::After(delay)),
         };
         last_due = last_due.max(due);
@@ -797,7 +796,19 @@ fn summarise(
     }
 }
 
+/// A burst message's due instant `at`, as sent at `now`: `x-deliver-at`,
+/// or for an exchange that delays by itself (the plugin, which reads only
+/// `x-delay` and counts it from when it receives the message) the delay
+/// left until `at`.
+fn burst_timing(at: u64, now: u64, delaying_exchange: bool) -> When {
+    match delaying_exchange {
+        true => When::After(at.saturating_sub(now)),
+        false => When::At(at),
+    }
+}
+
 /// How a bench message says when it is due.
+#[derive(Debug, PartialEq)]
 enum When {
     /// `x-delay`, ms.
     After(u64),
@@ -825,6 +836,19 @@ fn bench_message(run_id: &str, seq: u64, when: When, due: u64, body_bytes: usize
             ..Properties::default()
         },
         ..Message::default()
+    }
+}
+
+#[cfg(test)]
+mod timing_tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_to_a_delaying_exchange_counts_its_delay_to_the_instant() {
+        assert_eq!(burst_timing(10_000, 4_000, true), When::After(6_000));
+        // Sent after the instant: due at once, never a wrapped delay.
+        assert_eq!(burst_timing(10_000, 12_000, true), When::After(0));
+        assert_eq!(burst_timing(10_000, 4_000, false), When::At(10_000));
     }
 }
 
