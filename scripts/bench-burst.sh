@@ -66,13 +66,8 @@ cleanup() {
 trap cleanup EXIT
 
 for run in $(seq 1 "$runs"); do
-    # 1. The broker alone: publishes with confirms into a bound queue, on
-    # an exchange of their own (deleting the queue drops any binding of it
-    # an older run left on bench.out, which copied every release).
-    floor=$("$delayd" bench --quiet --publish-only --exchange bench.floor --queue burst.floor.q \
-        --bind-to bench.floor --count "$count" --rate 1000000 --in-flight 1000 \
-        --delay-min 0 --delay-max 0 | sed -n 's/^published [0-9]* (\([0-9]*\) msg\/s).*/\1/p')
-    rabbitmqctl -q delete_queue burst.floor.q >/dev/null
+    # 1. The broker alone: publishes with confirms (scripts/bench-lib.sh).
+    floor=$(floor_rate "$count" rabbitmqctl)
     # 2. Through delayd, all due at once.
     rm -rf "$work/wal"
     start_delayd "$work" "$config"

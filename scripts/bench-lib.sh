@@ -19,3 +19,17 @@ start_delayd() {
     tail -n 20 "$work/delayd.log" >&2
     return 1
 }
+
+# floor_rate COUNT RABBITMQCTL: the broker's publish-with-confirms rate
+# alone (msg/s): COUNT messages into a queue of its own exchange, no
+# consumer, no delayd. The exchange is not a target of any route: a queue
+# bound to a target would take a copy of every release. The queue is
+# deleted after, and with it any binding an older run left.
+floor_rate() {
+    local count=$1 rabbitmqctl=$2 rate
+    rate=$("$delayd" bench --quiet --publish-only --exchange bench.floor --queue burst.floor.q \
+        --bind-to bench.floor --count "$count" --rate 1000000 --in-flight 1000 \
+        --delay-min 0 --delay-max 0 | sed -n 's/^published [0-9]* (\([0-9]*\) msg\/s).*/\1/p')
+    "$rabbitmqctl" -q delete_queue burst.floor.q >/dev/null
+    echo "$rate"
+}

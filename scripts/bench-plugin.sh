@@ -103,13 +103,8 @@ burst_line() { # name, report json
 
 echo "RabbitMQ $($rabbitmqctl -q version 2>/dev/null || echo 3.10), plugin $plugin_version, $count messages of 256 B, offered at $rate msg/s"
 for run in $(seq 1 "$runs"); do
-    # 1. Publishes with confirms alone, to an exchange of their own: a queue
-    # bound to the target exchange would take a copy of every release. The
-    # queue is deleted after (and with it any binding an older run left).
-    floor=$("$delayd" bench --quiet --publish-only --exchange bench.floor --queue burst.floor.q \
-        --bind-to bench.floor --count "$count" --rate 1000000 --in-flight 1000 \
-        --delay-min 0 --delay-max 0 | sed -n 's/^published [0-9]* (\([0-9]*\) msg\/s).*/\1/p')
-    $rabbitmqctl -q delete_queue burst.floor.q >/dev/null
+    # 1. The broker alone: publishes with confirms (scripts/bench-lib.sh).
+    floor=$(floor_rate "$count" "$rabbitmqctl")
     # 2. The broker alone, one hop.
     hop=$("$delayd" bench --quiet --json --exchange bench.hop --queue burst.hop.q \
         --bind-to bench.hop --count "$count" --rate 1000000 --in-flight 1000 \
