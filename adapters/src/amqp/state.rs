@@ -15,9 +15,9 @@
 //!
 //! The lock can thus move while the old owner's connection stays up, so
 //! the owner holds it as a lease ([`Lease`]): it counts the lock lost when
-//! its consumer is cancelled or no ping reached it for its lease
-//! (`store.lease`, [`LOCK_LEASE`] by default), then
-//! closes its connection at once, and it checks the lease before every
+//! its consumer is cancelled or none of its own pings sent within its lease
+//! (`store.lease`, [`LOCK_LEASE`] by default) came back, then closes its
+//! connection at once, and it checks the lease before every
 //! write and again once the write is confirmed (a write confirmed after the
 //! lease ran out does not count: its delivery is not acked). A new owner
 //! waits the lease and a margin after its election, and checks that
@@ -392,9 +392,10 @@ impl StateNames {
         self
     }
 
-    /// What a new owner waits beyond the lease before it reads.
+    /// What a new owner waits beyond the lease before it reads: a clock
+    /// drift allowance (see [`Lease::renew_from`] for why no transit time).
     pub fn margin(&self) -> Duration {
-        LEASE_MARGIN.min(self.lease / 2)
+        self.lease / LEASE_MARGIN_DIVISOR
     }
 
     /// How often to ping the lock queue.
@@ -451,9 +452,11 @@ const READ_PREFETCH: u16 = 2000;
 /// before it reads anything: by then the former owner has stopped writing.
 pub const LOCK_LEASE: Duration = Duration::from_secs(5);
 
-/// What a new owner waits beyond the lease (a ping's transit time), at
-/// most; half the lease if that is less.
-const LEASE_MARGIN: Duration = Duration::from_secs(1);
+/// A new owner waits the lease and a twentieth of it: two monotonic clocks
+/// run at rates that differ by parts per million (500 at most while NTP
+/// slews one), and a twentieth is 50,000. No transit time is needed: an
+/// owner's lease runs from when its ping was sent ([`Lease::renew_from`]).
+const LEASE_MARGIN_DIVISOR: u32 = 20;
 
 /// How often an owner and its candidates ping the lock queue, at most; a
 /// fifth of the lease if that is less, so a late ping or two never ends it.
@@ -538,7 +541,7 @@ impl Candidate {
         mut standby: impl FnMut(),
     ) -> Result<StateSession, StateError> {
         match self.wait_elected(every, &mut standby).await {
-            Ok(()) => self.into_session(every).await,
+            Ok(held_from) => self.into_session(every, held_from).await,
             Err(e) => {
                 // Not elected: this connection is of no further use.
                 self.close().await;
@@ -561,7 +564,7 @@ impl Candidate {
             _ = stand_down => None,
         };
         match waited {
-            Some(Ok(())) => self.into_session(every).await,
+            Some(Ok(held_from)) => self.into_session(every, held_from).await,
             Some(Err(e)) => {
                 self.close().await;
                 Err(e)
@@ -575,33 +578,38 @@ impl Candidate {
         }
     }
 
+    /// Returns when this candidate's own ping, the one that proved it
+    /// active, was first sent: its lease runs from there.
     async fn wait_elected(
         &mut self,
         every: Duration,
         standby: &mut impl FnMut(),
-    ) -> Result<(), StateError> {
+    ) -> Result<std::time::Instant, StateError> {
         loop {
             self.wait_for_ping(every, standby, None).await?;
             tokio::time::sleep(self.names.lease + self.names.margin()).await;
             let nonce = fresh_nonce().to_be_bytes();
-            if self.wait_for_ping(every, standby, Some(&nonce)).await? {
-                return Ok(());
+            if let Some(sent) = self.wait_for_ping(every, standby, Some(&nonce)).await? {
+                return Ok(sent);
             }
         }
     }
 
     /// Ping until a ping reaches this consumer (`own`: until that ping,
-    /// within two rounds; returns whether it came).
+    /// within two rounds). Returns when the ping that came was first sent
+    /// (`own`), or when the round began; None if `own` did not come.
     async fn wait_for_ping(
         &mut self,
         every: Duration,
         standby: &mut impl FnMut(),
         own: Option<&[u8]>,
-    ) -> Result<bool, StateError> {
+    ) -> Result<Option<std::time::Instant>, StateError> {
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
         let mut rounds = 0;
+        let mut first_sent = None;
         loop {
             let body = own.unwrap_or(b"ping");
+            let sent = *first_sent.get_or_insert_with(std::time::Instant::now);
             self.lock
                 .basic_publish(
                     "".into(),
@@ -617,8 +625,8 @@ impl Candidate {
                 match tokio::time::timeout_at(deadline, self.consumer.next()).await {
                     Err(_) => break, // no ping this round
                     Ok(Some(Ok(d))) => match own {
-                        None => return Ok(true),
-                        Some(own) if d.data == own => return Ok(true),
+                        None => return Ok(Some(sent)),
+                        Some(own) if d.data == own => return Ok(Some(sent)),
                         Some(_) => {} // an older ping, or a standby's
                     },
                     Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
@@ -632,14 +640,19 @@ impl Candidate {
             }
             rounds += 1;
             if own.is_some() && rounds >= 2 {
-                return Ok(false); // the lock moved on while this one waited
+                return Ok(None); // the lock moved on while this one waited
             }
             standby(); // not active: another instance owns the route
         }
     }
 
-    /// Elected: open the writer channel on the lock connection.
-    async fn into_session(self, every: Duration) -> Result<StateSession, StateError> {
+    /// Elected: open the writer channel on the lock connection. The lease
+    /// is held from `held_from`, when the ping that proved it was sent.
+    async fn into_session(
+        self,
+        every: Duration,
+        held_from: std::time::Instant,
+    ) -> Result<StateSession, StateError> {
         let opened = async {
             let writer = self
                 .connection
@@ -660,7 +673,7 @@ impl Candidate {
             }
         };
         let connection = Arc::new(self.connection);
-        let lease = Arc::new(Lease::new(self.names.lease));
+        let lease = Arc::new(Lease::new(self.names.lease, held_from));
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
         let drain = tokio::spawn(hold(
             lease.clone(),
@@ -831,36 +844,71 @@ async fn declare_lock_queue(
 #[derive(Debug)]
 pub struct Lease {
     started: Instant,
-    /// Milliseconds after `started` of the last ping received.
+    /// Milliseconds after `started` at which the last ping that came back
+    /// was sent.
     last_ping_ms: AtomicU64,
     lost: AtomicBool,
     lease: Duration,
+    /// Marks this owner's own pings, the only ones that renew it.
+    nonce: [u8; 8],
 }
 
 impl Lease {
-    fn new(lease: Duration) -> Self {
+    /// Held from `held_from`: when the ping that proved the lock was sent.
+    fn new(lease: Duration, held_from: Instant) -> Self {
         Self {
-            started: Instant::now(),
+            started: held_from,
             last_ping_ms: AtomicU64::new(0),
             lost: AtomicBool::new(false),
             lease,
+            nonce: (fresh_nonce() as u64).to_be_bytes(),
         }
     }
 
-    fn renew(&self) {
+    /// A ping of this owner's, stamped with when it is sent.
+    fn ping(&self) -> [u8; 16] {
+        let mut body = [0; 16];
+        body[..8].copy_from_slice(&self.nonce);
         let ms = self.started.elapsed().as_millis() as u64;
-        self.last_ping_ms.fetch_max(ms, Ordering::AcqRel);
+        body[8..].copy_from_slice(&ms.to_be_bytes());
+        body
+    }
+
+    /// A ping came back: renew from when it was *sent*, not when it
+    /// arrived. Only the active consumer receives pings, so the broker
+    /// handed the lock over after it delivered this one, and this one was
+    /// sent before it was delivered: a lease counted from the send runs out
+    /// no later than the lease after the hand-over, however long the ping
+    /// then took to arrive (a queue behind a stalled link, a paused
+    /// process). That is what lets the next owner wait only a drift margin
+    /// beyond the lease (docs/broker-store.md). A ping of another instance
+    /// renews nothing: its send time is not on this clock.
+    fn renew_from(&self, ping: &[u8]) {
+        if ping.len() != 16 || ping[..8] != self.nonce {
+            return;
+        }
+        let sent_ms = u64::from_be_bytes(ping[8..].try_into().expect("8 bytes"));
+        self.last_ping_ms.fetch_max(sent_ms, Ordering::AcqRel);
+    }
+
+    /// Renew as of now (an observer, which owns nothing).
+    fn renew_now(&self) {
+        self.renew_from(&self.ping());
     }
 
     fn lose(&self) {
         self.lost.store(true, Ordering::Release);
     }
 
-    /// Held: not given up, and a ping arrived within the lease. Read
-    /// at every write, so a process that was paused past its lease finds
-    /// out before it writes, not after.
+    /// Held: not given up, and a ping that came back was sent within the
+    /// lease. Read at every write, so a process that was paused past its
+    /// lease finds out before it writes, not after.
     pub fn held(&self) -> bool {
-        let since = (self.started.elapsed().as_millis() as u64)
+        self.held_at(Instant::now())
+    }
+
+    fn held_at(&self, now: Instant) -> bool {
+        let since = (now.saturating_duration_since(self.started).as_millis() as u64)
             .saturating_sub(self.last_ping_ms.load(Ordering::Acquire));
         !self.lost.load(Ordering::Acquire) && since <= self.lease.as_millis() as u64
     }
@@ -868,11 +916,11 @@ impl Lease {
 
 /// The owner's side of its lock, until it is lost: ping the lock queue
 /// every `every` (only the active consumer receives pings, anyone's), and
-/// drop the pings that arrive. The lock is lost when the broker cancels the
-/// consumer (the lock queue was deleted, its node restarted), the channel
-/// closes, or no ping arrives for the lease (the consumer was moved
-/// without a word). Then the connection is closed at once: every state
-/// write goes over it, so none can follow.
+/// renew the lease by the own pings that come back. The lock is lost when
+/// the broker cancels the consumer (the lock queue was deleted, its node
+/// restarted), the channel closes, or no own ping sent within the lease
+/// came back (the consumer was moved without a word). Then the connection
+/// is closed at once: every state write goes over it, so none can follow.
 async fn hold(
     lease: Arc<Lease>,
     connection: Arc<Connection>,
@@ -888,11 +936,12 @@ async fn hold(
                 if !lease.held() {
                     break "no ping reached this instance for the lock's lease";
                 }
+                let body = lease.ping();
                 let ping = lock.basic_publish(
                     "".into(),
                     queue.clone(),
                     BasicPublishOptions::default(),
-                    b"ping",
+                    &body,
                     BasicProperties::default(),
                 );
                 if ping.await.is_err() {
@@ -900,7 +949,7 @@ async fn hold(
                 }
             }
             next = consumer.next() => match next {
-                Some(Ok(_)) => lease.renew(),
+                Some(Ok(delivery)) => lease.renew_from(&delivery.data),
                 Some(Err(_)) => break "the lock channel closed",
                 None => break "the broker cancelled the lock consumer (the lock queue was deleted or its node restarted)",
             }
@@ -951,13 +1000,13 @@ impl StateSession {
             .await
             .map_err(protocol("confirm.select"))?;
         // Never expires: an observer writes only read markers.
-        let lease = Arc::new(Lease::new(names.lease));
+        let lease = Arc::new(Lease::new(names.lease, std::time::Instant::now()));
         let every = names.ping_every();
         let drain = tokio::spawn({
             let lease = lease.clone();
             async move {
                 loop {
-                    lease.renew();
+                    lease.renew_now();
                     tokio::time::sleep(every).await;
                 }
             }
@@ -1417,10 +1466,10 @@ mod tests {
         let default = StateNames::new("r");
         assert_eq!(default.lease, LOCK_LEASE);
         assert_eq!(default.ping_every(), Duration::from_secs(1));
-        assert_eq!(default.margin(), Duration::from_secs(1));
+        assert_eq!(default.margin(), Duration::from_millis(250));
         let short = StateNames::new("r").with_lease(Duration::from_secs(1));
         assert_eq!(short.ping_every(), Duration::from_millis(200));
-        assert_eq!(short.margin(), Duration::from_millis(500));
+        assert_eq!(short.margin(), Duration::from_millis(50));
     }
 
     #[test]
@@ -1487,18 +1536,52 @@ mod tests {
 
     #[test]
     fn a_lease_runs_out_without_pings_and_once_lost_stays_lost() {
-        let lease = Lease::new(Duration::from_millis(50));
+        let lease = Lease::new(Duration::from_millis(50), Instant::now());
         assert!(lease.held(), "a fresh lease");
         std::thread::sleep(Duration::from_millis(80));
         assert!(!lease.held(), "no ping for longer than the lease");
-        lease.renew();
+        lease.renew_now();
         assert!(lease.held(), "a ping renews it");
         lease.lose();
-        lease.renew();
+        lease.renew_now();
         assert!(
             !lease.held(),
             "given up: a late ping does not bring it back"
         );
+    }
+
+    /// The next owner waits only a drift margin past the lease, counted
+    /// from the hand-over; a ping that reached the former owner late must
+    /// not stretch its lease past that (a lease counted from arrival did).
+    #[test]
+    fn a_ping_that_arrives_late_renews_the_lease_only_from_when_it_was_sent() {
+        let t0 = Instant::now();
+        let lease = Lease::new(Duration::from_millis(1000), t0);
+        let ping = lease.ping(); // sent at about t0
+        std::thread::sleep(Duration::from_millis(30)); // in transit
+        lease.renew_from(&ping);
+        let sent_ms = u64::from_be_bytes(ping[8..].try_into().unwrap());
+        assert!(sent_ms < 30, "stamped when sent: {sent_ms} ms");
+        let expiry = t0 + Duration::from_millis(sent_ms + 1000);
+        assert!(lease.held_at(expiry));
+        assert!(
+            !lease.held_at(expiry + Duration::from_millis(1)),
+            "held past the lease counted from the ping's send"
+        );
+    }
+
+    #[test]
+    fn only_the_owners_own_pings_renew_its_lease() {
+        let t0 = Instant::now();
+        let lease = Lease::new(Duration::from_millis(100), t0);
+        let other = Lease::new(Duration::from_millis(100), t0);
+        std::thread::sleep(Duration::from_millis(20));
+        let late = t0 + Duration::from_millis(110); // the own ping below is sent at 20 ms or later
+        lease.renew_from(b"ping"); // a standby's
+        lease.renew_from(&other.ping()); // another owner's, on another clock
+        assert!(!lease.held_at(late), "renewed by a ping not its own");
+        lease.renew_from(&lease.ping());
+        assert!(lease.held_at(late), "its own ping renews it");
     }
 
     #[test]
