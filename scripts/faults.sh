@@ -129,6 +129,7 @@ write_config() { # scenario, wal dir
     # WAL_COMMIT_DELAY="0ms": compare duplicates per kill with and without
     # the group commit's wait (docs/fault-campaign.md).
     [ -n "${WAL_COMMIT_DELAY:-}" ] && segment+="commit_delay = \"$WAL_COMMIT_DELAY\""$'\n'
+    [ -n "${WAL_DONE_WAIT:-}" ] && segment+="done_wait = \"$WAL_DONE_WAIT\""$'\n'
     [ "$s" = handoff ] && engine=$'[engine]\nhandoff = true\n'
     local store=""
     case "$s" in store | store-amqp*)

@@ -918,6 +918,125 @@ async fn an_owner_whose_lock_queue_is_deleted_writes_nothing_more() {
     r.delete_streams().await;
 }
 
+/// A session on `names` that owns nothing, on a connection of its own (what
+/// a candidate reads ahead with while it waits out a former owner's lease).
+async fn observer_session(
+    names: &delayd_adapters::amqp::state::StateNames,
+) -> delayd_adapters::amqp::state::StateSession {
+    use delayd_adapters::amqp::{Broker, BrokerOptions};
+    let broker = Broker::new(
+        &common::amqp_url(),
+        BrokerOptions::named("delayd-it-observer"),
+    )
+    .expect("broker");
+    let connection = broker.open_dedicated().await.expect("connect");
+    delayd_adapters::amqp::state::StateSession::observe(connection, names)
+        .await
+        .expect("observe")
+}
+
+/// #39's warm standby, first step: a candidate reads the current
+/// generation while it waits out the former owner's lease, and once it owns
+/// the route reads only what was written since. The live set it ends with
+/// must be the one a cold read of the whole generation builds, including
+/// Dones of records it read ahead and Schedules written after; and it must
+/// refuse to read ahead while a checkpoint has begun the next generation
+/// (its records would apply out of order).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_read_ahead_and_caught_up_is_the_live_set_a_cold_read_builds() {
+    use delayd_adapters::amqp::state::{LiveSet, Record};
+    let r = StreamRoute::new("stream-read-ahead").await;
+    let (names, owner) = elected_session(&r).await;
+    let observer = observer_session(&names).await;
+    assert!(
+        observer
+            .read_ahead(LiveSet::default())
+            .await
+            .expect("read ahead")
+            .is_none(),
+        "no state yet: nothing to read ahead"
+    );
+    let stream = names.generation(0);
+    owner.declare_stream(&stream).await.expect("declare");
+    owner.point_at(0).await.expect("point at 0");
+    let schedule = |id: u128| {
+        Record::Schedule {
+            id,
+            due_ms: id as u64 * 10,
+            message: format!("message {id}").into_bytes(),
+        }
+        .encode()
+    };
+    let done = |id: u128| Record::Done { id }.encode();
+    let mut before: Vec<Vec<u8>> = (0..200).map(schedule).collect();
+    before.extend((0..200).step_by(5).map(done));
+    owner.append(&stream, &before).await.await.expect("before");
+
+    let ahead = observer
+        .read_ahead(LiveSet::default())
+        .await
+        .expect("read ahead")
+        .expect("generation 0 read ahead");
+    assert_eq!(ahead.generation, 0);
+    assert_eq!(ahead.read, 240);
+    assert_eq!(ahead.state.len(), 160);
+
+    // Written while the candidate waited: Dones of records it read ahead,
+    // new Schedules, one of them done too, and an ingress offset.
+    let mut after: Vec<Vec<u8>> = (1..200).step_by(3).map(done).collect();
+    after.extend((200..260).map(schedule));
+    after.push(done(230));
+    after.push(
+        Record::Offset {
+            queue: "ingress".into(),
+            next: 42,
+        }
+        .encode(),
+    );
+    owner.append(&stream, &after).await.await.expect("after");
+
+    let (caught_up, _) = owner.catch_up(ahead).await.expect("catch up");
+    let mut cold = LiveSet::default();
+    owner
+        .read_into(&stream, &mut cold)
+        .await
+        .expect("cold read");
+    assert!(
+        cold.len() > 100,
+        "a live set worth comparing: {}",
+        cold.len()
+    );
+    let (caught_up, caught_up_offsets) = caught_up.finish();
+    let (cold, cold_offsets) = cold.finish();
+    assert!(
+        caught_up == cold,
+        "read ahead and caught up: {} live, cold: {} live",
+        caught_up.len(),
+        cold.len()
+    );
+    assert_eq!(caught_up_offsets, cold_offsets);
+
+    // A checkpoint has begun generation 1: not read ahead.
+    let next = names.generation(1);
+    owner.declare_stream(&next).await.expect("declare 1");
+    owner
+        .append(&next, &[schedule(1000)])
+        .await
+        .await
+        .expect("a checkpoint's first write");
+    assert!(
+        observer
+            .read_ahead(LiveSet::default())
+            .await
+            .expect("read ahead")
+            .is_none(),
+        "read ahead while the writes move to the next generation"
+    );
+    observer.close().await;
+    owner.close().await;
+    r.delete_streams().await;
+}
+
 /// A writer's round of records goes to a state stream packed into one
 /// message (version 2), and a read gives every record back, in order. A
 /// packed message cut short is skipped and counted like any record that is

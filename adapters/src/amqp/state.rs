@@ -287,6 +287,32 @@ impl Record {
     }
 }
 
+/// What a read of the state streams applies each record to, in stream
+/// order.
+pub trait ApplyRecord {
+    fn apply(&mut self, record: Record);
+}
+
+impl ApplyRecord for LiveSet {
+    fn apply(&mut self, record: Record) {
+        LiveSet::apply(self, record);
+    }
+}
+
+/// A generation read before its reader owned the route
+/// ([`StateSession::read_ahead`]).
+#[derive(Debug)]
+pub struct ReadAhead<S> {
+    /// The generation read.
+    pub generation: u64,
+    /// The offset after the read's marker: where [`StateSession::catch_up`]
+    /// goes on.
+    resume_at: i64,
+    pub state: S,
+    /// Records read.
+    pub read: u64,
+}
+
 /// A pending message read back from a generation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveRecord {
@@ -473,6 +499,17 @@ pub const APPEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// election.
 pub const POINTER_ROTATE: u64 = 1000;
 
+/// What a candidate saw while it waited ([`Candidate::elected`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waiting {
+    /// A round without a ping: another instance owns the route.
+    Standby,
+    /// A ping came: the lock is this candidate's, and it now waits out a
+    /// former owner's lease before it reads (time to read ahead:
+    /// [`StateSession::read_ahead`]).
+    Chosen,
+}
+
 /// An instance that wants to own a route: its consumer on the route's lock
 /// queue (`x-single-active-consumer`) waits its turn. See the module doc.
 pub struct Candidate {
@@ -538,9 +575,9 @@ impl Candidate {
     pub async fn elected(
         mut self,
         every: Duration,
-        mut standby: impl FnMut(),
+        mut seen: impl FnMut(Waiting),
     ) -> Result<StateSession, StateError> {
-        match self.wait_elected(every, &mut standby).await {
+        match self.wait_elected(every, &mut seen).await {
             Ok(held_from) => self.into_session(every, held_from).await,
             Err(e) => {
                 // Not elected: this connection is of no further use.
@@ -556,11 +593,11 @@ impl Candidate {
     pub async fn elected_unless(
         mut self,
         every: Duration,
-        mut standby: impl FnMut(),
+        mut seen: impl FnMut(Waiting),
         stand_down: impl std::future::Future<Output = ()>,
     ) -> Result<StateSession, StateError> {
         let waited = tokio::select! {
-            w = self.wait_elected(every, &mut standby) => Some(w),
+            w = self.wait_elected(every, &mut seen) => Some(w),
             _ = stand_down => None,
         };
         match waited {
@@ -583,13 +620,14 @@ impl Candidate {
     async fn wait_elected(
         &mut self,
         every: Duration,
-        standby: &mut impl FnMut(),
+        seen: &mut impl FnMut(Waiting),
     ) -> Result<std::time::Instant, StateError> {
         loop {
-            self.wait_for_ping(every, standby, None).await?;
+            self.wait_for_ping(every, seen, None).await?;
+            seen(Waiting::Chosen);
             tokio::time::sleep(self.names.lease + self.names.margin()).await;
             let nonce = fresh_nonce().to_be_bytes();
-            if let Some(sent) = self.wait_for_ping(every, standby, Some(&nonce)).await? {
+            if let Some(sent) = self.wait_for_ping(every, seen, Some(&nonce)).await? {
                 return Ok(sent);
             }
         }
@@ -601,7 +639,7 @@ impl Candidate {
     async fn wait_for_ping(
         &mut self,
         every: Duration,
-        standby: &mut impl FnMut(),
+        seen: &mut impl FnMut(Waiting),
         own: Option<&[u8]>,
     ) -> Result<Option<std::time::Instant>, StateError> {
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
@@ -642,7 +680,7 @@ impl Candidate {
             if own.is_some() && rounds >= 2 {
                 return Ok(None); // the lock moved on while this one waited
             }
-            standby(); // not active: another instance owns the route
+            seen(Waiting::Standby); // not active: another instance owns the route
         }
     }
 
@@ -1234,8 +1272,20 @@ impl StateSession {
     pub async fn read_all(
         &self,
         stream: &str,
-        mut each: impl FnMut(Record) -> Result<(), StateError>,
+        each: impl FnMut(Record) -> Result<(), StateError>,
     ) -> Result<u64, StateError> {
+        Ok(self.read_from(stream, None, each).await?.0)
+    }
+
+    /// [`StateSession::read_all`] from offset `from` (None: the first
+    /// record). Returns how many records were read and the offset of the
+    /// marker that ended the read (-1 if the broker did not say).
+    async fn read_from(
+        &self,
+        stream: &str,
+        from: Option<i64>,
+        mut each: impl FnMut(Record) -> Result<(), StateError>,
+    ) -> Result<(u64, i64), StateError> {
         let nonce = fresh_nonce();
         self.append(stream, &[Record::Marker { nonce }.encode()])
             .await
@@ -1249,7 +1299,10 @@ impl StateSession {
             let mut args = FieldTable::default();
             args.insert(
                 "x-stream-offset".into(),
-                AMQPValue::LongString(LongString::from("first")),
+                match from {
+                    Some(offset) => AMQPValue::LongLongInt(offset),
+                    None => AMQPValue::LongString(LongString::from("first")),
+                },
             );
             let tag = format!("delayd-state-read-{nonce:x}");
             let mut consumer = channel
@@ -1310,7 +1363,7 @@ impl StateSession {
                                 BasicCancelOptions::default(),
                             )
                             .await;
-                        return Ok(read);
+                        return Ok((read, offset));
                     }
                     read += 1;
                     each(record)?;
@@ -1342,6 +1395,67 @@ impl StateSession {
             Ok(())
         })
         .await
+    }
+
+    /// Read the route's current generation into `state` before owning the
+    /// route: what a candidate does on an observer session while it waits
+    /// out the former owner's lease, so that once elected it reads only
+    /// what was written since ([`StateSession::catch_up`]). None when
+    /// there is nothing to read ahead: no state yet, or a checkpoint is
+    /// moving the writes to the next generation (read cold instead).
+    pub async fn read_ahead<S: ApplyRecord>(
+        &self,
+        mut state: S,
+    ) -> Result<Option<ReadAhead<S>>, StateError> {
+        let (Some(generation), _) = self.current_generation().await? else {
+            return Ok(None);
+        };
+        let stream = self.names.generation(generation);
+        if !self.exists(&stream).await? {
+            return Ok(None);
+        }
+        let (read, marker) = self
+            .read_from(&stream, None, |record| {
+                state.apply(record);
+                Ok(())
+            })
+            .await?;
+        // Checked after the read: a checkpoint that starts later sends no
+        // write to `generation` after its first one to the next, so what
+        // is appended to `generation` past the marker comes before every
+        // record of the next one, the order a cold read applies them in.
+        if marker < 0 || self.exists(&self.names.generation(generation + 1)).await? {
+            return Ok(None);
+        }
+        Ok(Some(ReadAhead {
+            generation,
+            resume_at: marker + 1,
+            state,
+            read,
+        }))
+    }
+
+    /// Apply to `ahead`'s state what its generation got after it was read
+    /// ahead. The caller has checked that the generation is still the
+    /// current one. Returns the state and the records read in all.
+    pub async fn catch_up<S: ApplyRecord>(
+        &self,
+        ahead: ReadAhead<S>,
+    ) -> Result<(S, u64), StateError> {
+        let ReadAhead {
+            generation,
+            resume_at,
+            mut state,
+            read,
+        } = ahead;
+        let stream = self.names.generation(generation);
+        let (more, _) = self
+            .read_from(&stream, Some(resume_at), |record| {
+                state.apply(record);
+                Ok(())
+            })
+            .await?;
+        Ok((state, read + more))
     }
 
     /// The current generation: the highest that either pointer stream

@@ -21,7 +21,9 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use delayd_adapters::amqp::state::{LiveRecord, LiveSet, Record, StateError, StateSession};
+use delayd_adapters::amqp::state::{
+    ApplyRecord, LiveRecord, LiveSet, Record, StateError, StateSession,
+};
 
 use crate::engine::{digest, fingerprint};
 
@@ -159,6 +161,12 @@ impl Replay {
     pub fn finish(self) -> (Vec<LiveRecord>, Vec<Departed>, HashMap<String, i64>) {
         let (live, offsets) = self.live.finish();
         (live, self.departed.into_vec(), offsets)
+    }
+}
+
+impl ApplyRecord for Replay {
+    fn apply(&mut self, record: Record) {
+        Replay::apply(self, record);
     }
 }
 

@@ -23,12 +23,12 @@
 //! delay): its Done is then remembered and written once the id is.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use delayd_adapters::amqp::state::{
-    Candidate, LiveRecord, Record, StateError, StateNames, StateSession,
+    Candidate, LiveRecord, ReadAhead, Record, StateError, StateNames, StateSession, Waiting,
 };
 use delayd_adapters::amqp::stream::{CheckpointError, OffsetStore};
 use delayd_adapters::amqp::Broker;
@@ -554,12 +554,12 @@ impl StreamStore {
                 s = self.elect() => s,
                 _ = shutdown.cancelled() => return,
             };
-            let session = match elected {
-                Ok(s) => {
+            let (session, ahead) = match elected {
+                Ok((s, ahead)) => {
                     if let Some(group) = &self.group {
                         group.took();
                     }
-                    Arc::new(s)
+                    (Arc::new(s), ahead)
                 }
                 Err(StateError::StoodDown { .. }) => continue,
                 Err(e) => {
@@ -574,7 +574,7 @@ impl StreamStore {
             tracing::info!(route = %self.route, "this instance owns the route now; restoring its pending messages");
             let started = std::time::Instant::now();
             let restored = tokio::select! {
-                r = self.restore(&session) => Some(r),
+                r = self.restore(&session, ahead) => Some(r),
                 _ = shutdown.cancelled() => None,
             };
             let (writer, failed) = match restored {
@@ -690,8 +690,9 @@ impl StreamStore {
         }
     }
 
-    /// Register on the lock queue and wait until this instance is elected.
-    async fn elect(&self) -> Result<StateSession, StateError> {
+    /// Register on the lock queue and wait until this instance is elected;
+    /// with the state as read ahead meanwhile.
+    async fn elect(&self) -> Result<(StateSession, Option<ReadAhead<Replay>>), StateError> {
         let first = self.lock_endpoint().1;
         let (connection, reached) = self.broker.open_dedicated_from(first).await?;
         *self.lock_endpoint.lock().unwrap_or_else(|e| e.into_inner()) = (reached, reached);
@@ -710,15 +711,83 @@ impl StreamStore {
         };
         let candidate = candidate?;
         tracing::info!(route = %self.route, lock = %self.names.lock(), "waiting to own the route (standby while another instance owns it)");
-        let standby = || self.set_phase(Phase::Standby);
-        match &self.group {
-            // Owning its share already, this instance leaves the lock queue.
-            Some(group) => {
-                candidate
-                    .elected_unless(self.names.ping_every(), standby, group.full())
-                    .await
+        // Once chosen, the candidate waits out a former owner's lease
+        // before it may read as the owner: the state is read ahead
+        // meanwhile, and only what was written since is read once owned.
+        let chosen = tokio::sync::Notify::new();
+        let was_chosen = AtomicBool::new(false);
+        let seen = |waiting| match waiting {
+            Waiting::Standby => self.set_phase(Phase::Standby),
+            Waiting::Chosen => {
+                was_chosen.store(true, Ordering::Release);
+                chosen.notify_one();
             }
-            None => candidate.elected(self.names.ping_every(), standby).await,
+        };
+        let election = async {
+            match &self.group {
+                // Owning its share already, this instance leaves the lock queue.
+                Some(group) => {
+                    candidate
+                        .elected_unless(self.names.ping_every(), seen, group.full())
+                        .await
+                }
+                None => candidate.elected(self.names.ping_every(), seen).await,
+            }
+        };
+        let reading_ahead = async {
+            chosen.notified().await;
+            self.read_ahead().await
+        };
+        tokio::pin!(election, reading_ahead);
+        let mut ahead = None;
+        let session = loop {
+            tokio::select! {
+                elected = &mut election => break elected?,
+                read = &mut reading_ahead, if ahead.is_none() => ahead = Some(read),
+            }
+        };
+        let ahead = match ahead {
+            Some(read) => read,
+            // Still reading: what it has read counts, so it is let finish,
+            // unless it is stuck (a node that does not answer): then the
+            // owner reads cold.
+            None if was_chosen.load(Ordering::Acquire) => {
+                let bound = 2 * self.names.lease;
+                tokio::time::timeout(bound, reading_ahead)
+                    .await
+                    .unwrap_or(None)
+            }
+            None => None,
+        };
+        Ok((session, ahead))
+    }
+
+    /// The route's current generation read on a connection of its own, as
+    /// an observer (see [`StateSession::read_ahead`]); None if there is
+    /// nothing to read ahead or the read failed (the owner reads cold).
+    async fn read_ahead(&self) -> Option<ReadAhead<Replay>> {
+        let started = std::time::Instant::now();
+        let read = async {
+            let (connection, _) = self
+                .broker
+                .open_dedicated_from(self.lock_endpoint().1)
+                .await?;
+            let observer = StateSession::observe(connection, &self.names).await?;
+            let ahead = observer
+                .read_ahead(Replay::new(&self.route, departed::KEPT))
+                .await;
+            observer.close().await;
+            ahead
+        };
+        match read.await {
+            Ok(ahead) => {
+                tracing::debug!(route = %self.route, generation = ahead.as_ref().map(|a| a.generation), read = ahead.as_ref().map_or(0, |a| a.read), read_ms = started.elapsed().as_millis() as u64, "state read ahead while waiting out the former owner's lease");
+                ahead
+            }
+            Err(error) => {
+                tracing::debug!(route = %self.route, %error, "could not read the state ahead; it is read once the route is owned");
+                None
+            }
         }
     }
 
@@ -727,13 +796,14 @@ impl StreamStore {
     async fn restore(
         self: &Arc<Self>,
         session: &Arc<StateSession>,
+        ahead: Option<ReadAhead<Replay>>,
     ) -> Result<(JoinHandle<()>, CancellationToken), anyhow::Error> {
         let Recovered {
             generation,
             live,
             departed,
             offsets,
-        } = recover(session, &self.route).await?;
+        } = recover(session, &self.route, ahead).await?;
         *self.offsets.lock().unwrap_or_else(|e| e.into_inner()) = offsets.clone();
         // Before anything is consumed: a late redelivery of one of them is
         // not a new message.
@@ -902,7 +972,15 @@ async fn sleep_or_stop(wait: Duration, stop: &CancellationToken) -> bool {
 /// is missing, its records are gone (deleted by hand): restoring without
 /// them would start the route empty and report it ready, so recovery
 /// refuses ([`StateError::Missing`]).
-async fn recover(session: &StateSession, route: &str) -> Result<Recovered, StateError> {
+///
+/// `ahead`, the generation as read before this instance owned the route,
+/// saves reading it again when it is still the current one: only what was
+/// written to it since is read.
+async fn recover(
+    session: &StateSession,
+    route: &str,
+    ahead: Option<ReadAhead<Replay>>,
+) -> Result<Recovered, StateError> {
     let names = session.names().clone();
     let started = std::time::Instant::now();
     let (current, disagreed) = session.current_generation().await?;
@@ -913,6 +991,7 @@ async fn recover(session: &StateSession, route: &str) -> Result<Recovered, State
     }
     let mut replay = Replay::new(route, departed::KEPT);
     let mut read = 0;
+    let mut read_before = 0;
     if let Some(g) = current {
         let stream = names.generation(g);
         if !session.exists(&stream).await? {
@@ -921,13 +1000,20 @@ async fn recover(session: &StateSession, route: &str) -> Result<Recovered, State
                 generation: g,
             });
         }
-        for n in [g, g + 1] {
-            // g + 1 is declared if missing (a checkpoint may have stopped
-            // before it was made), and both are deleted below.
-            let stream = names.generation(n);
-            session.declare_stream(&stream).await?;
-            read += replay.read(session, &stream).await?;
+        match ahead.filter(|a| a.generation == g) {
+            Some(ahead) => {
+                read_before = ahead.read;
+                let (caught_up, total) = session.catch_up(ahead).await?;
+                replay = caught_up;
+                read += total;
+            }
+            None => read += replay.read(session, &stream).await?,
         }
+        // g + 1 is declared if missing (a checkpoint may have stopped
+        // before it was made), and both are deleted below.
+        let next = names.generation(g + 1);
+        session.declare_stream(&next).await?;
+        read += replay.read(session, &next).await?;
     }
     let (live, departed, offsets) = replay.finish();
     let read_ms = started.elapsed().as_millis() as u64;
@@ -945,6 +1031,7 @@ async fn recover(session: &StateSession, route: &str) -> Result<Recovered, State
     tracing::debug!(
         generation = fresh,
         read,
+        read_before,
         live = live.len(),
         departed = departed.len(),
         read_ms,

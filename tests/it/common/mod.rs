@@ -1247,7 +1247,7 @@ pub async fn elected_state_session(
     let candidate = Candidate::register(broker.open_dedicated().await.expect("connect"), names)
         .await
         .expect("register on the lock queue");
-    tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), || {}))
+    tokio::time::timeout(DEADLINE, candidate.elected(Duration::from_secs(1), |_| {}))
         .await
         .expect("elected in time")
         .expect("elected")
