@@ -1424,7 +1424,10 @@ impl StateSession {
         // write to `generation` after its first one to the next, so what
         // is appended to `generation` past the marker comes before every
         // record of the next one, the order a cold read applies them in.
-        if marker < 0 || self.exists(&self.names.generation(generation + 1)).await? {
+        // (The next generation exists, empty, as soon as an owner's writer
+        // has prepared it: what counts is whether it holds a record.)
+        let next = self.names.generation(generation + 1);
+        if marker < 0 || (self.exists(&next).await? && self.holds_records(&next).await?) {
             return Ok(None);
         }
         Ok(Some(ReadAhead {
@@ -1433,6 +1436,17 @@ impl StateSession {
             state,
             read,
         }))
+    }
+
+    /// Whether `stream` holds a record other than read markers.
+    async fn holds_records(&self, stream: &str) -> Result<bool, StateError> {
+        let mut holds = false;
+        self.read_all(stream, |record| {
+            holds |= !matches!(record, Record::Marker { .. });
+            Ok(())
+        })
+        .await?;
+        Ok(holds)
     }
 
     /// Apply to `ahead`'s state what its generation got after it was read
