@@ -818,16 +818,11 @@ impl Presence {
     }
 }
 
-/// Declare the route's lock queue: a quorum queue, which outlives the loss
-/// of a node, with `x-single-active-consumer`, and a consumer on a lost node
-/// given up after the lease rather than RabbitMQ 4's 60 s. One declared
-/// otherwise by an older delayd (classic, or without the timeout) is used as
-/// it is: redeclaring it with other arguments fails.
 /// The arguments of a quorum queue whose consumers on a lost node are
-/// given up after `lease` (RabbitMQ 4's default is 60 s). A presence queue
+/// given up after `timeout` (RabbitMQ 4's default is 60 s). A presence queue
 /// keeps [`LOCK_LEASE`]: its count is no lock, and redeclaring it with
 /// another timeout would fail.
-fn quorum_leased(lease: Duration) -> FieldTable {
+fn quorum_leased(timeout: Duration) -> FieldTable {
     let mut args = FieldTable::default();
     args.insert(
         "x-queue-type".into(),
@@ -835,19 +830,41 @@ fn quorum_leased(lease: Duration) -> FieldTable {
     );
     args.insert(
         "x-consumer-disconnected-timeout".into(),
-        AMQPValue::LongLongInt(lease.as_millis() as i64),
+        AMQPValue::LongLongInt(timeout.as_millis() as i64),
     );
     args
 }
 
+/// A lock queue gives a consumer on a lost node up after a quarter of the
+/// lease. Safety does not rest on it: a new owner waits a whole lease (and
+/// the margin) after it is chosen, whatever moved the lock. It is time
+/// without an owner after a node dies, and it was the whole lease until
+/// 2026-11-30. RabbitMQ suspects a node only when its distribution link
+/// drops (a closed connection, or `net_ticktime`, 60 s), which a healthy
+/// node does not do for a quarter of a second.
+const LOCK_TAKEOVER_DIVISOR: u32 = 4;
+
+/// The route's lock queue: a quorum queue, which outlives the loss of a
+/// node, with `x-single-active-consumer`, and a consumer on a lost node
+/// given up after a quarter of the lease ([`LOCK_TAKEOVER_DIVISOR`]) rather
+/// than RabbitMQ 4's 60 s.
+fn lock_queue_arguments(lease: Duration) -> FieldTable {
+    let mut args = quorum_leased(lease / LOCK_TAKEOVER_DIVISOR);
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    args
+}
+
+/// Declare the route's lock queue ([`lock_queue_arguments`]). One declared
+/// otherwise (by an older delayd: classic, without the timeout, or with
+/// another; or under another `store.lease`) is used as it is, with a
+/// warning: redeclaring it with other arguments fails.
 async fn declare_lock_queue(
     connection: &Connection,
     channel: Channel,
     queue: &lapin::types::ShortString,
     lease: Duration,
 ) -> Result<Channel, StateError> {
-    let mut args = quorum_leased(lease);
-    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    let args = lock_queue_arguments(lease);
     let declared = channel
         .queue_declare(queue.clone(), QueueDeclareOptions::durable(), args)
         .await
@@ -869,7 +886,7 @@ async fn declare_lock_queue(
         .await
     {
         Ok(_) => {
-            tracing::warn!(lock = %queue, lease_ms = lease.as_millis() as u64, "the route's lock queue exists with other arguments (an older delayd declared it classic, or quorum without x-consumer-disconnected-timeout, or store.lease was another): a classic one is unavailable while its node is down, and the lock moves off a lost node only after the x-consumer-disconnected-timeout it was declared with (RabbitMQ's default: 60 s); delete it while no delayd runs to have it declared again");
+            tracing::warn!(lock = %queue, lease_ms = lease.as_millis() as u64, "the route's lock queue exists with other arguments (an older delayd declared it classic, or quorum without x-consumer-disconnected-timeout, or with the whole lease as that timeout as delayd did before 2026-11-30, or store.lease was another): a classic one is unavailable while its node is down, and the lock moves off a lost node only after the x-consumer-disconnected-timeout it was declared with (RabbitMQ's default: 60 s); delete it while no delayd runs to have it declared again");
             Ok(channel)
         }
         Err(_) => Err(inequivalent),
@@ -1598,6 +1615,24 @@ mod tests {
         let short = StateNames::new("r").with_lease(Duration::from_secs(1));
         assert_eq!(short.ping_every(), Duration::from_millis(200));
         assert_eq!(short.margin(), Duration::from_millis(50));
+    }
+
+    #[test]
+    fn a_lock_queue_gives_a_lost_consumer_up_after_a_quarter_of_the_lease() {
+        let args = lock_queue_arguments(Duration::from_secs(1));
+        let args = args.inner();
+        assert_eq!(
+            args.get("x-consumer-disconnected-timeout"),
+            Some(&AMQPValue::LongLongInt(250))
+        );
+        assert_eq!(
+            args.get("x-single-active-consumer"),
+            Some(&AMQPValue::Boolean(true))
+        );
+        assert_eq!(
+            args.get("x-queue-type"),
+            Some(&AMQPValue::LongString(LongString::from("quorum")))
+        );
     }
 
     #[test]
