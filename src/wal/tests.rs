@@ -1080,3 +1080,54 @@ fn a_segment_cut_inside_its_header_is_removed_as_torn() {
     assert!(live.contains_key(&a.id));
     close(wal);
 }
+
+/// A Done's wait is what a kill -9 turns into same-id copies: the writer,
+/// asleep through a Schedule's commit delay, must still write a Done that
+/// joins within the Done's own wait (`lazy_done_wait`), not at the end of
+/// the Schedule's delay (#39's kill loop, docs/fault-campaign.md).
+#[test]
+fn a_done_joining_a_schedules_batch_waits_only_the_dones_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = {
+        let (wal, _, _) = open_live(config(dir.path())).unwrap();
+        let a = schedule(&wal, 10, b"a");
+        close(wal);
+        a
+    };
+    let cfg = WalConfig {
+        // Only a Done can end this batch's wait within the test's deadline.
+        commit_delay: std::time::Duration::from_secs(3600),
+        ..config(dir.path())
+    };
+    let mut a_pos = None;
+    let (wal, _) = Wal::open(cfg, |rec, pos| {
+        if let RecordRef::Schedule { id, .. } = rec {
+            if id == a.id {
+                a_pos = Some(pos);
+            }
+        }
+    })
+    .unwrap();
+    let fsyncs = wal.fsyncs();
+    let mut b = wal
+        .append_schedule(20, uid_of(20), "r", b"b".to_vec())
+        .unwrap();
+    // Give the writer time to take the Schedule alone and fall asleep in
+    // its delay. Were the Done to arrive first, both would be taken at once
+    // and the test would pass without showing anything; it cannot fail
+    // for that reason.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    wal.append_fired(a.id, a_pos.expect("a replayed")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while wal.fsyncs() == fsyncs {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the Done waited out the Schedule's commit delay"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    b.try_recv()
+        .expect("the Schedule rode the Done's batch")
+        .unwrap();
+    close(wal);
+}

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
@@ -345,6 +345,10 @@ enum Kind {
     Mark,
 }
 
+/// The writer's shortest sleep while a batch waits (`lazy_done_wait` = 0
+/// must not make it spin).
+const MIN_SLEEP_STEP: Duration = Duration::from_micros(500);
+
 impl WriterState {
     fn run(mut self, rx: mpsc::Receiver<Command>) {
         // Requests in arrival order; lazy Dones stay here until a batch is
@@ -363,15 +367,18 @@ impl WriterState {
                     Ok(cmd) => cmd,
                     Err(_) => break,
                 },
-                // Sleep out the wait, in steps of `commit_delay` at most,
-                // rather than waking for every record that joins the batch:
-                // one wake-up per batch instead of one per record. A record
-                // that may not wait as long as the batch (a Schedule joining
-                // lazy Dones) is found within one step, and its own wait
-                // counts from when it was sent.
+                // Sleep out the wait, in steps of `commit_delay` or
+                // `lazy_done_wait` at most, whichever is shorter, rather than
+                // waking for every record that joins the batch: a wake-up
+                // per step instead of one per record. A record that may not
+                // wait as long as the batch (a Done joining Schedules) is
+                // found within one step, and its own wait counts from when
+                // it was sent. A Done's wait is what a kill -9 turns into
+                // same-id copies (docs/fault-campaign.md), so it is not left
+                // behind a Schedule's longer commit delay.
                 Some(at) if !self.config.commit_delay.is_zero() => {
                     let left = at.saturating_duration_since(Instant::now());
-                    std::thread::sleep(left.min(self.config.commit_delay));
+                    std::thread::sleep(left.min(self.sleep_step()));
                     match rx.try_recv() {
                         Ok(cmd) => cmd,
                         Err(mpsc::TryRecvError::Empty) => {
@@ -434,6 +441,12 @@ impl WriterState {
             }
         }
         self.write_batch(&mut batch);
+    }
+
+    /// The longest the writer sleeps at once while a batch waits.
+    fn sleep_step(&self) -> Duration {
+        let done_wait = self.config.lazy_done_wait.max(MIN_SLEEP_STEP);
+        self.config.commit_delay.min(done_wait)
     }
 
     fn is_stopped(&self) -> bool {
