@@ -748,15 +748,12 @@ impl StreamStore {
         };
         let ahead = match ahead {
             Some(read) => read,
-            // Still reading: what it has read counts, so it is let finish,
-            // unless it is stuck (a node that does not answer): then the
-            // owner reads cold.
-            None if was_chosen.load(Ordering::Acquire) => {
-                let bound = 2 * self.names.lease;
-                tokio::time::timeout(bound, reading_ahead)
-                    .await
-                    .unwrap_or(None)
-            }
+            // Still reading: it is let finish. What holds it up (a stream
+            // whose leader died electing another) would hold a cold read up
+            // as long, and it has a head start; a read that stalls for good
+            // fails on its own (`READ_STALL`), and the owner reads cold.
+            // Cutting it short at two leases cost a conn-node run 2 s.
+            None if was_chosen.load(Ordering::Acquire) => reading_ahead.await,
             None => None,
         };
         Ok((session, ahead))
