@@ -182,10 +182,10 @@ pub struct StoreSection {
     #[serde(with = "duration")]
     pub write_timeout: Duration,
     /// RabbitMQ routes: how long an owner holds the route's lock past the
-    /// last ping that reached it, and what a new owner waits (plus a
-    /// margin) before it reads; also the lock queue's
-    /// `x-consumer-disconnected-timeout`. Sets the time a route has no
-    /// owner after its owner or the owner's node dies.
+    /// sending of its last ping that came back, and what a new owner waits
+    /// (plus a twentieth) before it reads; a quarter of it is the lock
+    /// queue's `x-consumer-disconnected-timeout`. Sets the time a route has
+    /// no owner after its owner or the owner's node dies.
     #[serde(with = "duration")]
     pub lease: Duration,
 }
