@@ -255,6 +255,10 @@ impl Retired {
 pub enum Storing<F> {
     Duplicate,
     New(F),
+    /// Stored under this identity, a sibling's, not the caller's (see
+    /// [`Stored::Copy`]): known before the record is written, for a store
+    /// that must say so in its own record.
+    Copy(F, MessageId),
 }
 
 /// A record durable in the WAL and armed, whose store may not be complete
@@ -869,7 +873,7 @@ impl Engine {
             };
             match storing {
                 Storing::Duplicate => Ok(Stored::Duplicate),
-                Storing::New(stored) => Ok(stored.await?.commit()),
+                Storing::New(stored) | Storing::Copy(stored, _) => Ok(stored.await?.commit()),
             }
         }
     }
@@ -963,7 +967,7 @@ impl Engine {
         let writing = WritingGuard::begin(self, fp);
         let scheduled = self.schedule_at(route, due_ms, uid, message);
         let engine = self.clone();
-        Storing::New(async move {
+        let written = async move {
             let (id, pos) = match scheduled.await {
                 Ok(stored) => stored,
                 Err(e) => {
@@ -985,7 +989,11 @@ impl Engine {
                 uid,
                 writing,
             })
-        })
+        };
+        match copy_of {
+            Some(sibling) => Storing::Copy(written, sibling),
+            None => Storing::New(written),
+        }
     }
 
     /// Is `message`, redelivered on source session `session`, byte-equal to

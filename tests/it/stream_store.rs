@@ -533,6 +533,70 @@ async fn a_twin_redelivered_to_the_next_owner_is_kept_beside_its_restored_siblin
     r.delete_streams().await;
 }
 
+/// A twin stored as a copy under its restored sibling's identity (its
+/// sibling's ack was in doubt) must keep that identity when the route moves
+/// once more before it fires: the next owner restores it from the state
+/// streams and must publish it under the sibling's `x-delayd-id`, as the
+/// instance that stored it would have. Found by the long `rolling` run of
+/// scripts/cluster-faults.sh (163 messages under two ids, 2026-11-30): the
+/// copy's state record is keyed by the delivery's own new identity, and a
+/// restore arms a record under its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_under_its_siblings_identity_keeps_it_after_another_hand_over() {
+    let mut r = StreamRoute::new("stream-copy-id").await;
+    r.store_extra = "lease = \"1s\"\n".into();
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start_owner().await;
+    let stamp_ms = now_ms();
+    // Due after three hand-overs at a 1 s lease, well before the deadline.
+    let sent_at = publish_stamped(&r, "twin", 30_000, stamp_ms).await;
+    r.wait_stored(&a, 1).await;
+    let status = a.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
+    publish_stamped(&r, "twin", 30_000, stamp_ms).await;
+    let mut ingress = r.client.consume(&r.names.from_queue).await;
+    ingress
+        .next_unacked(Instant::now() + DEADLINE)
+        .await
+        .expect("the twin on the ingress");
+    ingress.close().await;
+    let mut b = r.start_owner().await;
+    wait_for("the twin taken in", DEADLINE, || async {
+        (Client::queue_unsettled(&r.names.from_queue) == Some((0, 0))).then_some(())
+    })
+    .await;
+    assert_eq!(
+        b.pending(),
+        2,
+        "the twin was not kept; log:\n{}",
+        b.log_tail(40)
+    );
+    assert_eq!(b.metric("delayd_redeliveries_in_doubt_total"), 1.0);
+    let status = b.sigterm_and_wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", b.log_tail(40));
+    let c = r.start_owner().await;
+    assert_eq!(c.pending(), 2, "both restored by the third owner");
+
+    let mut receiver = r.client.consume(&r.names.target_queue).await;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut ids = Vec::new();
+    while ids.len() < 2 {
+        let received = receiver
+            .next(deadline)
+            .await
+            .unwrap_or_else(|| panic!("only {} of the 2 arrived", ids.len()));
+        assert_eq!(received.message_id(), Some("twin"));
+        assert!(received.at_ms >= sent_at + 30_000, "arrived early");
+        ids.push(received.header_text("x-delayd-id"));
+    }
+    receiver.close().await;
+    assert_eq!(
+        ids[0], ids[1],
+        "the copy went out under another identity than its sibling's"
+    );
+    r.delete_streams().await;
+}
+
 /// Publishes message `id` with `x-delay` = `delay` ms and the broker's
 /// timestamps set to `stamp_ms` (it keeps given ones), so that it is
 /// byte-equal each time; returns when it was sent.

@@ -159,6 +159,17 @@ pub enum Record {
         due_ms: u64,
         message: Vec<u8>,
     },
+    /// A Schedule whose message goes out under `identity`, not under its
+    /// key `id`: a redelivery stored again under a sibling's identity (its
+    /// ack was in doubt), keyed by its own so that a twin is never one key
+    /// with its sibling. Written with version byte 3, so that a delayd that
+    /// does not know it refuses the stream rather than skip a Schedule.
+    Copy {
+        id: u128,
+        identity: u128,
+        due_ms: u64,
+        message: Vec<u8>,
+    },
     Done {
         id: u128,
     },
@@ -191,6 +202,9 @@ pub enum Record {
 }
 
 const VERSION: u8 = 1;
+/// The version byte of a [`Record::Copy`] (2 begins a packed message:
+/// `super::packed::PACKED_VERSION`).
+const COPY_VERSION: u8 = 3;
 /// Version bytes above [`VERSION`] up to this are a newer delayd's formats;
 /// any other undecodable record is garbage, skipped and counted.
 const NEWEST_PLAUSIBLE_VERSION: u8 = 15;
@@ -206,6 +220,20 @@ impl Record {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = vec![VERSION];
         match self {
+            Record::Copy {
+                id,
+                identity,
+                due_ms,
+                message,
+            } => {
+                out[0] = COPY_VERSION;
+                out.reserve(42 + message.len());
+                out.push(SCHEDULE);
+                out.extend_from_slice(&id.to_be_bytes());
+                out.extend_from_slice(&identity.to_be_bytes());
+                out.extend_from_slice(&due_ms.to_be_bytes());
+                out.extend_from_slice(message);
+            }
             Record::Schedule {
                 id,
                 due_ms,
@@ -254,11 +282,19 @@ impl Record {
     pub fn decode(bytes: &[u8]) -> Option<Record> {
         let (&version, rest) = bytes.split_first()?;
         let (&kind, rest) = rest.split_first()?;
+        let u128_at = |b: &[u8]| Some(u128::from_be_bytes(b.get(..16)?.try_into().ok()?));
+        let u64_at = |b: &[u8]| Some(u64::from_be_bytes(b.get(..8)?.try_into().ok()?));
+        if version == COPY_VERSION && kind == SCHEDULE {
+            return Some(Record::Copy {
+                id: u128_at(rest)?,
+                identity: u128_at(rest.get(16..)?)?,
+                due_ms: u64_at(rest.get(32..)?)?,
+                message: rest.get(40..)?.to_vec(),
+            });
+        }
         if version != VERSION {
             return None;
         }
-        let u128_at = |b: &[u8]| Some(u128::from_be_bytes(b.get(..16)?.try_into().ok()?));
-        let u64_at = |b: &[u8]| Some(u64::from_be_bytes(b.get(..8)?.try_into().ok()?));
         match kind {
             SCHEDULE => Some(Record::Schedule {
                 id: u128_at(rest)?,
@@ -316,9 +352,32 @@ pub struct ReadAhead<S> {
 /// A pending message read back from a generation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveRecord {
+    /// The record's key: what its Done names.
     pub id: u128,
+    /// The identity it goes out under: `id`, but for a [`Record::Copy`].
+    pub identity: u128,
     pub due_ms: u64,
     pub message: Vec<u8>,
+}
+
+impl LiveRecord {
+    /// The record that writes it again (a restore's, a checkpoint's copy).
+    pub fn record(&self) -> Record {
+        if self.identity == self.id {
+            Record::Schedule {
+                id: self.id,
+                due_ms: self.due_ms,
+                message: self.message.clone(),
+            }
+        } else {
+            Record::Copy {
+                id: self.id,
+                identity: self.identity,
+                due_ms: self.due_ms,
+                message: self.message.clone(),
+            }
+        }
+    }
 }
 
 /// A generation's records applied in stream order: the live Schedules
@@ -340,17 +399,23 @@ impl LiveSet {
                 id,
                 due_ms,
                 message,
-            } => {
-                let record = LiveRecord {
-                    id,
-                    due_ms,
-                    message,
-                };
-                if self.live.insert(id, record).is_none() {
-                    self.order.push(id);
-                }
-                None
-            }
+            } => self.schedule(LiveRecord {
+                id,
+                identity: id,
+                due_ms,
+                message,
+            }),
+            Record::Copy {
+                id,
+                identity,
+                due_ms,
+                message,
+            } => self.schedule(LiveRecord {
+                id,
+                identity,
+                due_ms,
+                message,
+            }),
             Record::Done { id } => self.live.remove(&id),
             Record::Offset { queue, next } => {
                 let at = self.offsets.entry(queue).or_insert(next);
@@ -359,6 +424,14 @@ impl LiveSet {
             }
             Record::Marker { .. } | Record::Generation { .. } | Record::Remembered { .. } => None,
         }
+    }
+
+    fn schedule(&mut self, record: LiveRecord) -> Option<LiveRecord> {
+        let id = record.id;
+        if self.live.insert(id, record).is_none() {
+            self.order.push(id);
+        }
+        None
     }
 
     /// The live records, in no particular order.
@@ -1675,6 +1748,20 @@ mod tests {
         for record in records {
             assert_eq!(Record::decode(&record.encode()), Some(record.clone()));
         }
+        let copy = Record::Copy {
+            id: 5,
+            identity: u128::MAX - 1,
+            due_ms: 9,
+            message: b"copy".to_vec(),
+        };
+        let bytes = copy.encode();
+        assert_eq!(bytes[0], COPY_VERSION, "an older delayd refuses it");
+        assert_eq!(
+            super::super::packed::unpack(&bytes),
+            Some(vec![&bytes[..]]),
+            "taken for a packed message"
+        );
+        assert_eq!(Record::decode(&bytes), Some(copy));
         assert_eq!(Record::decode(b""), None);
         assert_eq!(Record::decode(&[2, DONE]), None, "unknown version");
         assert_eq!(Record::decode(&[VERSION, DONE, 1, 2]), None, "short Done");

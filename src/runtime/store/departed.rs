@@ -141,7 +141,7 @@ impl Replay {
                 cancelled,
             });
         } else if let Some(left) = self.live.apply(record) {
-            let departed = Departed::of(&self.route, left.id, &left.message, false);
+            let departed = Departed::of(&self.route, left.identity, &left.message, false);
             self.departed.note(departed);
         }
     }

@@ -196,7 +196,10 @@ impl KafkaStore {
             .begin_store(&self.route, due_ms, uid, encoded, arrival)
         {
             Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
-            Storing::New(wal) => wal,
+            // The state value carries the delivery's own identity; a copy's
+            // restore elsewhere goes out under it (the RabbitMQ store's
+            // `Record::Copy` is not carried over yet).
+            Storing::New(wal) | Storing::Copy(wal, _) => wal,
         };
         // Queued before the message can be armed (see the module doc).
         let put = self.state.put(partition, &key, &value);

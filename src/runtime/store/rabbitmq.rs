@@ -278,14 +278,6 @@ impl StreamStore {
         encoded: Vec<u8>,
         arrival: Arrival,
     ) -> BoxFuture<'static, Result<Stored, EngineError>> {
-        let record_of = |id| {
-            Record::Schedule {
-                id,
-                due_ms,
-                message: encoded.clone(),
-            }
-            .encode()
-        };
         if self
             .writer
             .lock()
@@ -304,14 +296,32 @@ impl StreamStore {
         // WAL keeps it under another's (a redelivery whose sibling's ack was
         // in doubt: `Stored::Copy`), so two messages are never one key here.
         let store_id = uid.as_u128();
-        let record = record_of(store_id);
-        let wal = match self
-            .engine
-            .begin_store(&self.route, due_ms, uid, encoded, arrival)
-        {
-            Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
-            Storing::New(wal) => wal,
-        };
+        let message = encoded.clone();
+        let (wal, sibling) =
+            match self
+                .engine
+                .begin_store(&self.route, due_ms, uid, encoded, arrival)
+            {
+                Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
+                Storing::New(wal) => (wal, None),
+                Storing::Copy(wal, sibling) => (wal, Some(sibling)),
+            };
+        let record = match sibling {
+            None => Record::Schedule {
+                id: store_id,
+                due_ms,
+                message,
+            },
+            // Goes out under its sibling's identity: a restore elsewhere
+            // must publish it so too.
+            Some(sibling) => Record::Copy {
+                id: store_id,
+                identity: sibling.as_u128(),
+                due_ms,
+                message,
+            },
+        }
+        .encode();
         // Queued before the message can be armed (see the module doc).
         let (reply, written) = oneshot::channel();
         let queued = self.send(Write::Schedule {
@@ -860,7 +870,9 @@ impl StreamStore {
             let stored: Vec<_> = chunk
                 .iter()
                 .map(|r| {
-                    let uid = MessageId::from_u128(r.id);
+                    // Its identity, not its key: a copy goes out under
+                    // its sibling's, as where it was stored.
+                    let uid = MessageId::from_u128(r.identity);
                     let s = self
                         .engine
                         .store(&self.route, r.due_ms, uid, r.message.clone(), false);
@@ -1159,17 +1171,7 @@ async fn write_generation(
         confirms.push(session.append(&stream, &records).await);
     }
     for chunk in live.chunks(WRITE_BATCH) {
-        let records: Vec<Vec<u8>> = chunk
-            .iter()
-            .map(|r| {
-                Record::Schedule {
-                    id: r.id,
-                    due_ms: r.due_ms,
-                    message: r.message.clone(),
-                }
-                .encode()
-            })
-            .collect();
+        let records: Vec<Vec<u8>> = chunk.iter().map(|r| r.record().encode()).collect();
         confirms.push(session.append(&stream, &records).await);
     }
     for confirm in confirms {
@@ -1372,13 +1374,9 @@ impl Writer {
             .into_iter()
             .map(|r| {
                 if self.live.contains(&r.id) {
-                    Record::Schedule {
-                        id: r.id,
-                        due_ms: r.due_ms,
-                        message: r.message,
-                    }
+                    r.record()
                 } else {
-                    Departed::of(&self.route, r.id, &r.message, false).record()
+                    Departed::of(&self.route, r.identity, &r.message, false).record()
                 }
                 .encode()
             })
