@@ -196,10 +196,16 @@ impl KafkaStore {
             .begin_store(&self.route, due_ms, uid, encoded, arrival)
         {
             Storing::Duplicate => return Box::pin(async { Ok(Stored::Duplicate) }),
-            // The state value carries the delivery's own identity; a copy's
-            // restore elsewhere goes out under it (the RabbitMQ store's
-            // `Record::Copy` is not carried over yet).
-            Storing::New(wal) | Storing::Copy(wal, _) => wal,
+            // The state value carries the delivery's own identity, which is
+            // a copy's sibling's too: a Kafka record's identity follows from
+            // its coordinates, and its stored bytes carry its offset, so
+            // only a record read again equals a stored one (no
+            // `Record::Copy` needed, unlike the RabbitMQ store).
+            Storing::New(wal) => wal,
+            Storing::Copy(wal, sibling) => {
+                debug_assert_eq!(sibling, uid, "a Kafka copy of another record");
+                wal
+            }
         };
         // Queued before the message can be armed (see the module doc).
         let put = self.state.put(partition, &key, &value);

@@ -113,10 +113,24 @@ enum Write {
     },
 }
 
+/// A message's state record key and the identity it goes out under: the
+/// same but for a copy (`Record::Copy`), which keeps its sibling's.
+#[derive(Debug, Clone, Copy)]
+struct StateKey {
+    id: u128,
+    identity: u128,
+}
+
+impl StateKey {
+    fn own(id: u128) -> Self {
+        Self { id, identity: id }
+    }
+}
+
 #[derive(Default)]
 struct Ids {
-    /// Engine id → store id, for the messages this owner holds.
-    by_engine: HashMap<u64, u128>,
+    /// Engine id → its state key, for the messages this owner holds.
+    by_engine: HashMap<u64, StateKey>,
     /// Engine ids that fired before their store id was recorded.
     early_done: HashSet<u64>,
     /// Messages kept locally from before the route used this store: they
@@ -341,7 +355,14 @@ impl StreamStore {
                 }
             };
             let id = written_here.id;
-            this.bind(id, store_id);
+            let identity = sibling.map_or(store_id, |s| s.as_u128());
+            this.bind(
+                id,
+                StateKey {
+                    id: store_id,
+                    identity,
+                },
+            );
             let written = if queued {
                 written
                     .await
@@ -365,20 +386,20 @@ impl StreamStore {
         })
     }
 
-    /// Record that engine id `id` is store id `store_id` (writing its Done
+    /// Record that engine id `id` is kept under `key` (writing its Done
     /// now if it already fired).
-    fn bind(&self, id: u64, store_id: u128) {
+    fn bind(&self, id: u64, key: StateKey) {
         let fired = {
             let mut ids = self.ids();
             if ids.early_done.remove(&id) {
                 true
             } else {
-                ids.by_engine.insert(id, store_id);
+                ids.by_engine.insert(id, key);
                 false
             }
         };
         if fired {
-            self.write_done(store_id);
+            self.write_done(key.id);
         }
     }
 
@@ -434,7 +455,7 @@ impl StreamStore {
                 .map_err(|e| anyhow::anyhow!("writing a local message to the state stream: {e}"))?;
             let still_local = self.ids().local_only.remove(&id);
             if still_local {
-                self.bind(id, uid);
+                self.bind(id, StateKey::own(uid));
             } else {
                 // Fired while its Schedule was being written.
                 self.write_done(uid);
@@ -459,7 +480,7 @@ impl StreamStore {
                 return;
             }
             match ids.by_engine.remove(&id) {
-                Some(s) => s,
+                Some(key) => key.id,
                 None => {
                     ids.early_done.insert(id);
                     return;
@@ -500,7 +521,7 @@ impl StreamStore {
     /// follows the Done: a late redelivery of the message to the next owner
     /// must not bring it back (see [`departed`](super::departed)).
     pub fn cancelled(&self, id: u64, message: &[u8]) -> BoxFuture<'static, Result<(), String>> {
-        let store_id = {
+        let key = {
             let mut ids = self.ids();
             match ids.by_engine.remove(&id) {
                 Some(s) => s,
@@ -514,8 +535,10 @@ impl StreamStore {
             }
         };
         let (reply, confirmed) = oneshot::channel();
-        let remembered = Departed::of(&self.route, store_id, message, true);
-        if !self.queue_done(store_id, Some(remembered), Some(reply)) {
+        // Under its identity, so a restore notes the cancel on the entry its
+        // Done leaves (one per identity, see `departed::Newest`).
+        let remembered = Departed::of(&self.route, key.identity, message, true);
+        if !self.queue_done(key.id, Some(remembered), Some(reply)) {
             return Box::pin(async { Err("this instance no longer owns the route".to_owned()) });
         }
         Box::pin(async move {
@@ -876,14 +899,20 @@ impl StreamStore {
                     let s = self
                         .engine
                         .store(&self.route, r.due_ms, uid, r.message.clone(), false);
-                    (r.id, s)
+                    (
+                        StateKey {
+                            id: r.id,
+                            identity: r.identity,
+                        },
+                        s,
+                    )
                 })
                 .collect();
             let mut n = 0;
-            for (store_id, s) in stored {
+            for (key, s) in stored {
                 match s.await {
                     Ok(Stored::New(id) | Stored::Copy { id, .. }) => {
-                        self.bind(id, store_id);
+                        self.bind(id, key);
                         // The former owner's ack of it may or may not have
                         // reached the broker: a byte-equal redelivery is
                         // that delivery or a twin published on purpose
