@@ -15,6 +15,13 @@
 #   lock-leader  kill -9 of the node that leads the route's lock queue,
 #                then the node started again
 #   rolling      each node in turn stopped cleanly and started again
+#   rolling-drain
+#                the same, each node first put in maintenance mode
+#                (`rabbitmq-upgrade drain`, as the Kubernetes cluster
+#                operator's preStop hook does): its quorum leaders and the
+#                stream coordinator's leadership move off it, and its
+#                clients are disconnected, before it stops. Not among the
+#                default scenarios
 #   lock-pause   the node that leads the lock queue frozen (SIGSTOP) for
 #                PAUSE seconds (default 2), then resumed: a stall, not a
 #                death. Logs how many times an instance gave the lock up (a
@@ -460,6 +467,17 @@ inject_lock-leader() {
 inject_rolling() {
     for n in 1 2 3; do node_down "$n" stop; done
 }
+inject_rolling-drain() {
+    for n in 1 2 3; do
+        log "node $n: drain"
+        rabbitmq-upgrade -q -n "$(node "$n")" drain >/dev/null ||
+            { log "node $n: drain refused"; return 1; }
+        node_down "$n" stop
+        # A drained node stays in maintenance across its restart.
+        rabbitmq-upgrade -q -n "$(node "$n")" revive >/dev/null ||
+            { log "node $n: revive refused"; return 1; }
+    done
+}
 inject_classic-node() {
     # The classic queue lives on the node delayd declared it through.
     local n
@@ -474,7 +492,7 @@ inject_classic-node() {
 # 25 s).
 fault_seconds() {
     case "$1" in
-    rolling) echo 100 ;;
+    rolling | rolling-drain) echo 100 ;;
     conn-flap) echo $((flap + 15)) ;;
     node-cut | lock-cut) echo 40 ;;
     *) echo 35 ;;

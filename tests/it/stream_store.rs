@@ -155,6 +155,49 @@ impl StreamRoute {
         sent
     }
 
+    /// Publishes `count` messages due from `first_due_ms` (wall clock) on,
+    /// evenly over `span_ms`, without waiting for each confirm; returns
+    /// (send time, delay, index) by message id, as [`StreamRoute::send`].
+    async fn send_spread(
+        &self,
+        tag: &str,
+        count: usize,
+        first_due_ms: u64,
+        span_ms: u64,
+    ) -> BTreeMap<String, (u64, u64, usize)> {
+        let mut sent = BTreeMap::new();
+        let mut confirms = Vec::with_capacity(count);
+        for i in 0..count {
+            let now = now_ms();
+            let due = first_due_ms + i as u64 * span_ms / count as u64;
+            let delay = due.saturating_sub(now);
+            let mut headers = FieldTable::default();
+            headers.insert(
+                ShortString::from("x-delay"),
+                AMQPValue::LongLongInt(delay as i64),
+            );
+            let id = format!("{tag}-{i}");
+            let props = BasicProperties::default()
+                .with_message_id(id.as_str().into())
+                .with_headers(headers);
+            sent.insert(id.clone(), (now, delay, i));
+            confirms.push(
+                self.client
+                    .publish_unconfirmed(
+                        &self.names.from_exchange,
+                        "k",
+                        format!("body {id}").as_bytes(),
+                        props,
+                    )
+                    .await,
+            );
+        }
+        for confirm in confirms {
+            common::assert_confirmed(confirm).await;
+        }
+        sent
+    }
+
     /// Reads the target queue until every sent message arrived: none early,
     /// bodies byte-equal. Returns the number of duplicates.
     async fn receive_all(
@@ -698,6 +741,53 @@ async fn an_owner_that_loses_its_connections_gives_the_route_up_and_loses_nothin
         (r.count_in(&both, "consuming") == 1 && r.count_in(&both, "standby") == 1).then_some(())
     })
     .await;
+    r.delete_streams().await;
+}
+
+/// An owner whose state connection closes while it fires (its node was
+/// stopped, say) still owes Dones: appended but not confirmed, queued, and
+/// those of publishes on the wire that are confirmed after the close. It
+/// writes them on a connection of its own before the next owner (itself,
+/// here, after a lease) reads the stream, so nothing fires twice. Before,
+/// every one of them was lost and its message fired again: the rolling
+/// restart's same-id copies (#39, item 3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_former_owners_dones_reach_the_next_owner() {
+    const COUNT: usize = 8000;
+    let r = StreamRoute::new("stream-owed").await;
+    let _cleanup = r.names.cleanup();
+    let a = r.start_owner().await;
+    // Due over 4 s from 5 s on: 2,000 a second, so that Dones are always
+    // on their way when the connection closes.
+    let sent = r.send_spread("owed", COUNT, now_ms() + 5_000, 4_000).await;
+    r.wait_stored(&a, COUNT).await;
+    wait_for("the owner to be firing", DEADLINE, || async {
+        let ready = r.client.queue_counts(&r.names.target_queue).await;
+        ready
+            .is_some_and(|(n, _)| n >= (COUNT / 8) as u32)
+            .then_some(())
+    })
+    .await;
+    let closed = a.close_broker_connections_named(Some(&format!("delayd-state-{}", r.names.route)));
+    assert!(closed >= 1, "no state connection closed");
+    wait_for(
+        "the former owner to write the Dones it owed",
+        DEADLINE,
+        || async { (a.metric("delayd_store_dones_after_session_total") > 0.0).then_some(()) },
+    )
+    .await;
+    let duplicates = r.receive_all(&sent, Duration::from_secs(90)).await;
+    eprintln!(
+        "Dones written after the session: {}",
+        a.metric("delayd_store_dones_after_session_total")
+    );
+    assert_eq!(
+        duplicates,
+        0,
+        "messages fired again after the state connection closed; log:\n{}",
+        a.log_tail(40)
+    );
+    r.wait_owner(&a).await;
     r.delete_streams().await;
 }
 

@@ -9,12 +9,14 @@
 //!   state streams in generations; its wire format and I/O are
 //!   `delayd_adapters::amqp::state`.
 //! * [`mirrored`]: which routes a WAL directory last kept in the broker.
+//! * [`owed`]: the Dones a RabbitMQ route's former owner still writes.
 //! * Here: [`RouteStore`], the calls the intake, the deliverer, the cancel
 //!   hook and `/readyz` make on either, and [`open_stores`].
 
 mod departed;
 mod kafka;
 mod mirrored;
+mod owed;
 mod partitions;
 mod rabbitmq;
 

@@ -41,6 +41,7 @@ use crate::engine::{Arrival, Engine, EngineError, Stored, Storing};
 use crate::id::MessageId;
 
 use super::departed::{self, Departed, Replay};
+use super::owed::Owed;
 
 use super::partitions::PartitionGroup;
 
@@ -49,6 +50,9 @@ const RELEASE_CONCURRENCY: usize = 256;
 
 /// Records appended per publish batch.
 const WRITE_BATCH: usize = 1000;
+
+/// How often a former owner looks for Dones it owes (see [`owed`](super::owed)).
+const OWED_POLL: Duration = Duration::from_millis(20);
 
 /// How long the intake may take to stop when the lock is lost.
 const INTAKE_STOP: Duration = Duration::from_secs(45);
@@ -166,6 +170,10 @@ pub struct StreamStore {
     /// next starts at (after a loss or a timeout, the one after it: the
     /// node may be the cause).
     lock_endpoint: Mutex<(usize, usize)>,
+    /// Dones an ended session still owes (see [`owed`](super::owed)).
+    owed: Arc<Mutex<Owed>>,
+    /// A task writes them.
+    writing_owed: AtomicBool,
 }
 
 impl StreamStore {
@@ -193,6 +201,8 @@ impl StreamStore {
             phase: AtomicU8::new(Phase::Electing as u8),
             offsets: Mutex::default(),
             lock_endpoint: Mutex::default(),
+            owed: Arc::default(),
+            writing_owed: AtomicBool::new(false),
             state_missing: Default::default(),
             checkpoint_floor,
             wal_dir,
@@ -228,6 +238,10 @@ impl StreamStore {
         self.state_missing.store(missing, Ordering::Release);
         metrics::gauge!("delayd_store_state_missing", "route" => self.route.clone())
             .set(if missing { 1.0 } else { 0.0 });
+    }
+
+    fn owed(&self) -> MutexGuard<'_, Owed> {
+        self.owed.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn ids(&self) -> MutexGuard<'_, Ids> {
@@ -482,7 +496,17 @@ impl StreamStore {
             match ids.by_engine.remove(&id) {
                 Some(key) => key.id,
                 None => {
-                    ids.early_done.insert(id);
+                    let mut owed = self.owed();
+                    match (owed.left(id), owed.stream().map(str::to_owned)) {
+                        // On the wire when the session ended: its Done is
+                        // written by the former owner (see `owed`).
+                        (Some(store_id), Some(stream)) => {
+                            owed.owe(&stream, Record::Done { id: store_id }.encode())
+                        }
+                        _ => {
+                            ids.early_done.insert(id);
+                        }
+                    }
                     return;
                 }
             }
@@ -503,14 +527,27 @@ impl StreamStore {
         reply: Option<oneshot::Sender<Result<(), String>>>,
     ) -> bool {
         let record = Record::Done { id: store_id }.encode();
+        let remembered = remembered.map(|d| d.record().encode());
         let queued = self.send(Write::Done {
             id: store_id,
-            record,
-            remembered: remembered.map(|d| d.record().encode()),
+            record: record.clone(),
+            remembered: remembered.clone(),
             reply,
         });
         if !queued {
-            tracing::warn!(route = %self.route, "no state writer for a Done: the message fires again after a restore");
+            // The session ended: the former owner writes it (see `owed`).
+            let mut owed = self.owed();
+            match owed.stream().map(str::to_owned) {
+                Some(stream) => {
+                    owed.owe(&stream, record);
+                    if let Some(r) = remembered {
+                        owed.owe(&stream, r);
+                    }
+                }
+                None => {
+                    tracing::warn!(route = %self.route, "no state writer for a Done: the message fires again after a restore");
+                }
+            }
         }
         queued
     }
@@ -934,14 +971,75 @@ impl StreamStore {
         Ok(())
     }
 
-    /// Stop writing, release what this owner held, give the lock up.
-    async fn end_session(&self) {
+    /// Stop writing, release what this owner held, give the lock up, and
+    /// write the Dones still owed on a connection of their own.
+    async fn end_session(self: &Arc<Self>) {
         *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let task = self.writer_task.lock().await.take();
         if let Some((writer, session)) = task {
             let _ = writer.await;
             self.lose(session).await;
+            if !self.writing_owed.swap(true, Ordering::SeqCst) {
+                tokio::spawn(self.clone().write_owed());
+            }
         }
+    }
+
+    /// Write what ended sessions owe (see [`owed`](super::owed)) until
+    /// their time is over, into the streams they wrote to, as an observer:
+    /// no lock is needed for a Done.
+    async fn write_owed(self: Arc<Self>) {
+        let mut session: Option<StateSession> = None;
+        let (mut written, mut unwritten) = (0u64, 0u64);
+        loop {
+            let (owed, over) = self.owed().take(std::time::Instant::now());
+            for (stream, records) in owed {
+                let n = records.len() as u64;
+                match self.append_owed(&mut session, &stream, &records).await {
+                    Ok(()) => written += n,
+                    Err(e) => {
+                        unwritten += n;
+                        tracing::debug!(route = %self.route, stream, error = %e, "a former owner's Dones were not written; those messages fire again");
+                        // The next round opens another connection.
+                        if let Some(s) = session.take() {
+                            s.close().await;
+                        }
+                    }
+                }
+            }
+            if over {
+                break;
+            }
+            tokio::time::sleep(OWED_POLL).await;
+        }
+        if let Some(s) = session {
+            s.close().await;
+        }
+        self.writing_owed.store(false, Ordering::SeqCst);
+        if written + unwritten > 0 {
+            metrics::counter!("delayd_store_dones_after_session_total", "route" => self.route.clone())
+                .increment(written);
+            tracing::info!(route = %self.route, written, unwritten, "a former owner's Dones written after its session ended");
+        }
+    }
+
+    async fn append_owed(
+        &self,
+        session: &mut Option<StateSession>,
+        stream: &str,
+        records: &[Vec<u8>],
+    ) -> Result<(), StateError> {
+        if session.is_none() {
+            let (connection, _) = self
+                .broker
+                .open_dedicated_from(self.lock_endpoint().1)
+                .await?;
+            *session = Some(StateSession::observe(connection, &self.names).await?);
+        }
+        let Some(s) = session.as_ref() else {
+            unreachable!("opened above")
+        };
+        s.append(stream, records).await.await
     }
 
     /// Close the session, so that the lock goes to the next owner at once,
@@ -950,11 +1048,13 @@ impl StreamStore {
     async fn lose(&self, session: Arc<StateSession>) {
         use futures_util::StreamExt as _;
         session.close().await;
-        let ids: Vec<u64> = {
+        let held: Vec<(u64, StateKey)> = {
             let mut ids = self.ids();
             ids.early_done.clear();
-            ids.by_engine.drain().map(|(id, _)| id).collect()
+            ids.by_engine.drain().collect()
         };
+        let keys: HashMap<u64, u128> = held.iter().map(|&(id, key)| (id, key.id)).collect();
+        let ids = held.into_iter().map(|(id, _)| id);
         // Concurrently: one group commit covers many releases (one at a
         // time, 100,000 messages took minutes).
         let outcomes: Vec<(u64, Result<bool, EngineError>)> = futures_util::stream::iter(ids)
@@ -969,7 +1069,8 @@ impl StreamStore {
         for (id, outcome) in outcomes {
             match outcome {
                 Ok(true) => released += 1,
-                Ok(false) => {}
+                // Being published: if it is confirmed, its Done is owed.
+                Ok(false) => self.owed().leaving(id, keys[&id]),
                 Err(e) => {
                     tracing::error!(route = %self.route, id, error = %e, "cannot release a message; it may fire here too")
                 }
@@ -1227,11 +1328,12 @@ async fn write_loop(
     (generation, offsets): (u64, HashMap<String, i64>),
     live: HashSet<u128>,
     carried: u64,
-    rx: mpsc::UnboundedReceiver<Write>,
+    mut rx: mpsc::UnboundedReceiver<Write>,
     failed: CancellationToken,
 ) {
     let mut writer = Writer {
         route: store.route.clone(),
+        owed: store.owed.clone(),
         next: Some(prepare(session.clone(), generation + 1)),
         session,
         generation,
@@ -1244,12 +1346,33 @@ async fn write_loop(
         failed,
         floor: store.checkpoint_floor,
     };
-    if let Err(e) = writer.run(rx).await {
+    let stream = writer.session.names().generation(writer.generation);
+    writer.owed().writing(stream);
+    if let Err(e) = writer.run(&mut rx).await {
         tracing::error!(route = %writer.route, error = %e, "a state write failed; ending this owner's session");
         writer.failed.cancel();
     }
     for task in writer.confirming.drain(..) {
         let _ = task.await;
+    }
+    // What is still queued, and whatever comes once the channel is closed
+    // (`StreamStore::queue_done`), is owed: the former owner writes its
+    // Dones after the session (see `owed`).
+    let stream = writer.session.names().generation(writer.generation);
+    let until = std::time::Instant::now() + writer.session.names().lease;
+    writer.owed().ended(stream.clone(), until);
+    rx.close();
+    while let Ok(write) = rx.try_recv() {
+        if let Write::Done {
+            record, remembered, ..
+        } = write
+        {
+            let mut owed = writer.owed();
+            owed.owe(&stream, record);
+            if let Some(r) = remembered {
+                owed.owe(&stream, r);
+            }
+        }
     }
     if let Some(task) = writer.finishing.take() {
         let _ = task.await;
@@ -1283,6 +1406,8 @@ enum Copied {
 
 struct Writer {
     route: String,
+    /// Where Dones whose append failed go (see `owed`).
+    owed: Arc<Mutex<Owed>>,
     session: Arc<StateSession>,
     generation: u64,
     /// Records appended to `generation` so far.
@@ -1306,7 +1431,11 @@ struct Writer {
 }
 
 impl Writer {
-    async fn run(&mut self, mut rx: mpsc::UnboundedReceiver<Write>) -> Result<(), StateError> {
+    fn owed(&self) -> MutexGuard<'_, Owed> {
+        self.owed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Write>) -> Result<(), StateError> {
         let mut copying: Option<Copying> = None;
         loop {
             if self.failed.is_cancelled() {
@@ -1315,7 +1444,7 @@ impl Writer {
             let chunk = tokio::select! {
                 write = rx.recv() => match write {
                     Some(first) => {
-                        self.append_writes(first, &mut rx).await;
+                        self.append_writes(first, rx).await;
                         None
                     }
                     None => return Ok(()),
@@ -1329,7 +1458,8 @@ impl Writer {
                 Some(Some(Ok(Copied::Departed(departed)))) => {
                     self.carried = departed.len() as u64;
                     let records = departed.iter().map(|d| d.record().encode()).collect();
-                    self.append(records, Vec::new(), "checkpoint", 0).await;
+                    self.append(records, Vec::new(), ("checkpoint", 0), Vec::new())
+                        .await;
                 }
                 Some(Some(Err(e))) => return Err(e),
                 Some(None) => {
@@ -1358,6 +1488,8 @@ impl Writer {
         let mut records = Vec::with_capacity(batch.len());
         let mut replies = Vec::new();
         let mut dones = 0u64;
+        // Kept until confirmed: owed if the append fails.
+        let mut done_records = Vec::new();
         for write in batch {
             match write {
                 Write::Schedule { id, record, reply } => {
@@ -1372,6 +1504,8 @@ impl Writer {
                     reply,
                 } => {
                     self.live.remove(&id);
+                    done_records.push(record.clone());
+                    done_records.extend(remembered.clone());
                     records.push(record);
                     records.extend(remembered);
                     replies.extend(reply);
@@ -1391,7 +1525,8 @@ impl Writer {
                 }
             }
         }
-        self.append(records, replies, "done", dones).await;
+        self.append(records, replies, ("done", dones), done_records)
+            .await;
     }
 
     /// Append the still-live ones of a checkpoint's copies, and a
@@ -1412,7 +1547,8 @@ impl Writer {
             .collect();
         if !records.is_empty() {
             let n = records.len() as u64;
-            self.append(records, Vec::new(), "checkpoint", n).await;
+            self.append(records, Vec::new(), ("checkpoint", n), Vec::new())
+                .await;
         }
     }
 
@@ -1420,13 +1556,14 @@ impl Writer {
         &mut self,
         records: Vec<Vec<u8>>,
         replies: Vec<oneshot::Sender<Result<(), String>>>,
-        kind: &'static str,
-        counted: u64,
+        (kind, counted): (&'static str, u64),
+        dones: Vec<Vec<u8>>,
     ) {
         let stream = self.session.names().generation(self.generation);
         let confirm = self.session.append(&stream, &records).await;
         self.in_generation += records.len() as u64;
         let failed = self.failed.clone();
+        let owed = self.owed.clone();
         let route = self.route.clone();
         let total = records.len() as u64;
         self.confirming.retain(|t| !t.is_finished());
@@ -1442,6 +1579,11 @@ impl Writer {
                     metrics::counter!("delayd_store_write_failures_total", "route" => route.clone()).increment(total);
                     tracing::error!(route = %route, error = %e, "a state write failed; ending this owner's session");
                     failed.cancel();
+                    // Written or not: the former owner writes them again.
+                    let mut owed = owed.lock().unwrap_or_else(|e| e.into_inner());
+                    for record in dones {
+                        owed.owe(&stream, record);
+                    }
                 }
             }
             for reply in replies {
@@ -1471,6 +1613,8 @@ impl Writer {
         let to = from + 1;
         let names = self.session.names().clone();
         self.generation = to;
+        let stream = self.session.names().generation(to);
+        self.owed().writing(stream);
         self.in_generation = 0;
         self.next = Some(prepare(self.session.clone(), to + 1));
         let (tx, records) = mpsc::channel(4);
@@ -1499,7 +1643,8 @@ impl Writer {
         // holds them, goes once the pointer moves.
         let offsets = offset_records(&self.offsets);
         if !offsets.is_empty() {
-            self.append(offsets, Vec::new(), "checkpoint", 0).await;
+            self.append(offsets, Vec::new(), ("checkpoint", 0), Vec::new())
+                .await;
         }
         tracing::debug!(route = %self.route, from, to, "state checkpoint started");
         Ok(Some(Copying { from, records }))

@@ -653,6 +653,12 @@ impl Delayd {
     /// found in `/proc/<pid>/fd`, their ports in `/proc/<pid>/net/tcp*`, and
     /// matched with `peer_port` of `rabbitmqctl list_connections`.
     pub fn close_broker_connections(&self) -> usize {
+        self.close_broker_connections_named(None)
+    }
+
+    /// [`Delayd::close_broker_connections`], only those whose client-given
+    /// name (`connection_name`) is `name`, if given.
+    pub fn close_broker_connections_named(&self, name: Option<&str>) -> usize {
         let ports = amqp_client_ports(self.pid());
         assert!(
             !ports.is_empty(),
@@ -664,6 +670,7 @@ impl Delayd {
                 "list_connections",
                 "pid",
                 "peer_port",
+                "client_properties",
                 "-q",
                 "--no-table-headers",
             ])
@@ -681,7 +688,9 @@ impl Delayd {
                 let mut fields = line.split_whitespace();
                 let pid = fields.next()?;
                 let port: u16 = fields.next()?.parse().ok()?;
-                ports.contains(&port).then(|| pid.to_owned())
+                let named =
+                    name.is_none_or(|n| line.contains(&format!("{{\"connection_name\",\"{n}\"}}")));
+                (ports.contains(&port) && named).then(|| pid.to_owned())
             })
             .collect();
         let closers: Vec<Child> = pids
