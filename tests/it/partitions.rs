@@ -99,15 +99,8 @@ impl Partitioned {
         let mut confirms = Vec::with_capacity(PER_BATCH);
         for i in 0..PER_BATCH {
             let delay = 3_000 + (i as u64 * 7919) % 5_000;
-            let mut headers = FieldTable::default();
-            headers.insert(
-                ShortString::from("x-delay"),
-                AMQPValue::LongLongInt(delay as i64),
-            );
             let id = format!("{tag}-{i}");
-            let props = BasicProperties::default()
-                .with_message_id(id.as_str().into())
-                .with_headers(headers);
+            let props = common::delayed(&id, delay);
             sent.insert(id.clone(), (now_ms(), delay));
             confirms.push(
                 self.client

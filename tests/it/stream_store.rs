@@ -171,15 +171,8 @@ impl StreamRoute {
             let now = now_ms();
             let due = first_due_ms + i as u64 * span_ms / count as u64;
             let delay = due.saturating_sub(now);
-            let mut headers = FieldTable::default();
-            headers.insert(
-                ShortString::from("x-delay"),
-                AMQPValue::LongLongInt(delay as i64),
-            );
             let id = format!("{tag}-{i}");
-            let props = BasicProperties::default()
-                .with_message_id(id.as_str().into())
-                .with_headers(headers);
+            let props = common::delayed(&id, delay);
             sent.insert(id.clone(), (now, delay, i));
             confirms.push(
                 self.client

@@ -978,10 +978,12 @@ impl StreamStore {
         let task = self.writer_task.lock().await.take();
         if let Some((writer, session)) = task {
             let _ = writer.await;
-            self.lose(session).await;
+            // At once: the next owner reads a lease after the end, and
+            // releasing what this owner held can take seconds.
             if !self.writing_owed.swap(true, Ordering::SeqCst) {
                 tokio::spawn(self.clone().write_owed());
             }
+            self.lose(session).await;
         }
     }
 
@@ -1048,13 +1050,21 @@ impl StreamStore {
     async fn lose(&self, session: Arc<StateSession>) {
         use futures_util::StreamExt as _;
         session.close().await;
-        let held: Vec<(u64, StateKey)> = {
+        let ids: Vec<u64> = {
             let mut ids = self.ids();
             ids.early_done.clear();
-            ids.by_engine.drain().collect()
+            // Each one may be on the wire: if its publish is confirmed, its
+            // Done is owed (see `owed`). Known as leaving before the ids go,
+            // or a confirm meanwhile would find neither.
+            let mut owed = self.owed();
+            ids.by_engine
+                .drain()
+                .map(|(id, key)| {
+                    owed.leaving(id, key.id);
+                    id
+                })
+                .collect()
         };
-        let keys: HashMap<u64, u128> = held.iter().map(|&(id, key)| (id, key.id)).collect();
-        let ids = held.into_iter().map(|(id, _)| id);
         // Concurrently: one group commit covers many releases (one at a
         // time, 100,000 messages took minutes).
         let outcomes: Vec<(u64, Result<bool, EngineError>)> = futures_util::stream::iter(ids)
@@ -1068,9 +1078,11 @@ impl StreamStore {
         let mut released = 0u64;
         for (id, outcome) in outcomes {
             match outcome {
-                Ok(true) => released += 1,
-                // Being published: if it is confirmed, its Done is owed.
-                Ok(false) => self.owed().leaving(id, keys[&id]),
+                Ok(true) => {
+                    released += 1;
+                    self.owed().left(id); // not published: nothing owed
+                }
+                Ok(false) => {} // being published (see `owed`)
                 Err(e) => {
                     tracing::error!(route = %self.route, id, error = %e, "cannot release a message; it may fire here too")
                 }

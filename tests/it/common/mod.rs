@@ -58,6 +58,18 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
+/// Properties of a test message: `message_id` = `id`, `x-delay` = `delay_ms`.
+pub fn delayed(id: &str, delay_ms: u64) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        ShortString::from("x-delay"),
+        AMQPValue::LongLongInt(delay_ms as i64),
+    );
+    BasicProperties::default()
+        .with_message_id(id.into())
+        .with_headers(headers)
+}
+
 /// Wall-clock milliseconds since the epoch, truncated (the clock delayd uses).
 pub fn now_ms() -> u64 {
     SystemTime::now()
