@@ -906,6 +906,11 @@ impl StreamStore {
         let gauge =
             metrics::gauge!("delayd_store_restoring_partitions", "route" => self.route.clone());
         gauge.set(1.0);
+        // Soonest due first: those due while the route had no owner fire
+        // as soon as they are armed, not after the whole set (60,000
+        // messages take about a second to arm).
+        let mut live = live;
+        live.sort_by_key(|r| r.due_ms);
         let result = match self.arm(live).await {
             Ok(()) => self.adopt_local().await.map(|n| {
                 if n > 0 {
