@@ -750,9 +750,10 @@ async fn a_former_owners_dones_reach_the_next_owner() {
     let r = StreamRoute::new("stream-owed").await;
     let _cleanup = r.names.cleanup();
     let a = r.start_owner().await;
-    // Due over 4 s from 5 s on: 2,000 a second, so that Dones are always
-    // on their way when the connection closes.
-    let sent = r.send_spread("owed", COUNT, now_ms() + 5_000, 4_000).await;
+    // Due over 4 s from 12 s on (every one stored first, even on a busy
+    // machine): 2,000 a second, so that Dones are always on their way
+    // when the connection closes.
+    let sent = r.send_spread("owed", COUNT, now_ms() + 12_000, 4_000).await;
     r.wait_stored(&a, COUNT).await;
     wait_for("the owner to be firing", DEADLINE, || async {
         let ready = r.client.queue_counts(&r.names.target_queue).await;
