@@ -153,6 +153,7 @@ pub const METRICS: &[MetricDef] = &[
     def("delayd_store_restoring_partitions", Gauge, ROUTE, "Broker-kept store: partitions (Kafka) or routes (RabbitMQ) being restored now."),
     def("delayd_store_writes_total", Counter, &["route", "kind"], "Broker-kept store: state records written, per kind (schedule; tombstone on Kafka, done on RabbitMQ)."),
     def("delayd_store_write_failures_total", Counter, ROUTE, "Broker-kept store: state writes that failed."),
+    def("delayd_store_dones_after_session_total", Counter, ROUTE, "RabbitMQ broker-kept store: Dones a former owner wrote after its session ended."),
     scraped("delayd_store_owner", ROUTE, "Broker-kept store: 1 while this instance owns the route (RabbitMQ) or consumes it in the group (Kafka), 0 while it is a standby or starting."),
     def("delayd_publish_retries_total", Counter, ROUTE, "Publishes that failed and were re-armed with back-off."),
     def("delayd_store_failures_total", Counter, ROUTE, "Deliveries that could not be stored (held, not acked)."),

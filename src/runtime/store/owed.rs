@@ -70,6 +70,11 @@ impl Owed {
         self.leaving.remove(&id)
     }
 
+    /// Whether anything is still to be written, or may come, at `now`.
+    pub fn outstanding(&self, now: Instant) -> bool {
+        !self.records.is_empty() || self.until.is_some_and(|u| now < u)
+    }
+
     /// The records owed, by stream (in the order owed), and whether the
     /// time to write them is over (then the publishes still leaving are
     /// forgotten: their Dones would come too late to matter).
@@ -128,7 +133,11 @@ mod tests {
         owed.ended("h".into(), now + Duration::from_millis(500));
         assert_eq!(owed.stream(), Some("h"));
         assert!(!owed.take(now + Duration::from_millis(900)).1);
+        assert!(owed.outstanding(now + Duration::from_millis(900)));
         assert!(owed.take(now + Duration::from_secs(1)).1);
         assert_eq!(owed.left(8), None, "forgotten once the time is over");
+        assert!(!owed.outstanding(now + Duration::from_secs(1)));
+        owed.owe("h", vec![9]);
+        assert!(owed.outstanding(now + Duration::from_secs(1)));
     }
 }

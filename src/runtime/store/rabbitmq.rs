@@ -996,6 +996,19 @@ impl StreamStore {
     /// their time is over, into the streams they wrote to, as an observer:
     /// no lock is needed for a Done.
     async fn write_owed(self: Arc<Self>) {
+        loop {
+            self.write_owed_until_over().await;
+            self.writing_owed.store(false, Ordering::SeqCst);
+            // A session that ended while the last round finished found the
+            // flag still set: its records are this task's.
+            let outstanding = self.owed().outstanding(std::time::Instant::now());
+            if !outstanding || self.writing_owed.swap(true, Ordering::SeqCst) {
+                return;
+            }
+        }
+    }
+
+    async fn write_owed_until_over(&self) {
         let mut session: Option<StateSession> = None;
         let (mut written, mut unwritten) = (0u64, 0u64);
         loop {
@@ -1022,7 +1035,6 @@ impl StreamStore {
         if let Some(s) = session {
             s.close().await;
         }
-        self.writing_owed.store(false, Ordering::SeqCst);
         if written + unwritten > 0 {
             metrics::counter!("delayd_store_dones_after_session_total", "route" => self.route.clone())
                 .increment(written);
