@@ -23,6 +23,12 @@ if ! command -v docker-compose >/dev/null; then
     $SUDO apt-get install -y -qq docker-compose >/dev/null 2>&1 ||
         { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq docker-compose >/dev/null; }
 fi
+# ss (iproute2) cuts a connection at once in an integration test (`ss -K`).
+if ! command -v ss >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get install -y -qq iproute2 >/dev/null 2>&1 ||
+        { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq iproute2 >/dev/null; }
+fi
 cargo test --workspace --all-features --no-fail-fast -- --test-threads=2 "$@"
 if [ "$#" -eq 0 ]; then
     python3 scripts/faults/report_test.py  # the campaigns' verdict can fail

@@ -58,6 +58,34 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
+/// Aborts this machine's TCP connection from local port `port` to the
+/// broker's AMQP port (`ss -K`, which needs `CAP_NET_ADMIN`): the process
+/// and the broker both see it reset at once, as when a node goes away,
+/// where `rabbitmqctl close_connection` takes a second or more to start.
+pub fn abort_broker_connection(port: u16) {
+    let sport = port.to_string();
+    let output = Command::new("ss")
+        .args([
+            "-K",
+            "-t",
+            "dst",
+            "127.0.0.1",
+            "dport",
+            "=",
+            "5672",
+            "sport",
+            "=",
+            &sport,
+        ])
+        .output()
+        .expect("cannot run ss (iproute2)");
+    assert!(
+        output.status.success(),
+        "ss -K failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Properties of a test message: `message_id` = `id`, `x-delay` = `delay_ms`.
 pub fn delayed(id: &str, delay_ms: u64) -> BasicProperties {
     let mut headers = FieldTable::default();
@@ -665,45 +693,10 @@ impl Delayd {
     /// found in `/proc/<pid>/fd`, their ports in `/proc/<pid>/net/tcp*`, and
     /// matched with `peer_port` of `rabbitmqctl list_connections`.
     pub fn close_broker_connections(&self) -> usize {
-        self.close_broker_connections_named(None)
-    }
-
-    /// [`Delayd::close_broker_connections`], only those whose client-given
-    /// name (`connection_name`) is `name`, if given.
-    pub fn close_broker_connections_named(&self, name: Option<&str>) -> usize {
-        let ports = amqp_client_ports(self.pid());
-        assert!(
-            !ports.is_empty(),
-            "delayd (pid {}) has no connection to port 5672",
-            self.pid()
-        );
-        let output = Command::new("rabbitmqctl")
-            .args([
-                "list_connections",
-                "pid",
-                "peer_port",
-                "client_properties",
-                "-q",
-                "--no-table-headers",
-            ])
-            .output()
-            .expect("cannot run rabbitmqctl list_connections");
-        assert!(
-            output.status.success(),
-            "rabbitmqctl list_connections failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let listing = String::from_utf8_lossy(&output.stdout);
-        let pids: Vec<String> = listing
-            .lines()
-            .filter_map(|line| {
-                let mut fields = line.split_whitespace();
-                let pid = fields.next()?;
-                let port: u16 = fields.next()?.parse().ok()?;
-                let named =
-                    name.is_none_or(|n| line.contains(&format!("{{\"connection_name\",\"{n}\"}}")));
-                (ports.contains(&port) && named).then(|| pid.to_owned())
-            })
+        let pids: Vec<String> = self
+            .broker_connections(None)
+            .into_iter()
+            .map(|(pid, _)| pid)
             .collect();
         let closers: Vec<Child> = pids
             .iter()
@@ -728,6 +721,54 @@ impl Delayd {
             );
         }
         pids.len()
+    }
+
+    /// The local ports of this delayd's broker connections whose client-given
+    /// name (`connection_name`) is `name`.
+    pub fn broker_connection_ports_named(&self, name: &str) -> Vec<u16> {
+        self.broker_connections(Some(name))
+            .into_iter()
+            .map(|(_, port)| port)
+            .collect()
+    }
+
+    /// This delayd's broker connections (named `name`, if given): the
+    /// broker's connection pid and the client port of each, from
+    /// `rabbitmqctl list_connections` matched with the ports of its sockets.
+    fn broker_connections(&self, name: Option<&str>) -> Vec<(String, u16)> {
+        let ports = amqp_client_ports(self.pid());
+        assert!(
+            !ports.is_empty(),
+            "delayd (pid {}) has no connection to port 5672",
+            self.pid()
+        );
+        let output = Command::new("rabbitmqctl")
+            .args([
+                "list_connections",
+                "pid",
+                "peer_port",
+                "client_properties",
+                "-q",
+                "--no-table-headers",
+            ])
+            .output()
+            .expect("cannot run rabbitmqctl list_connections");
+        assert!(
+            output.status.success(),
+            "rabbitmqctl list_connections failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter_map(|line| {
+                let mut fields = line.split_whitespace();
+                let pid = fields.next()?;
+                let port: u16 = fields.next()?.parse().ok()?;
+                let named =
+                    name.is_none_or(|n| line.contains(&format!("{{\"connection_name\",\"{n}\"}}")));
+                (ports.contains(&port) && named).then(|| (pid.to_owned(), port))
+            })
+            .collect()
     }
 }
 
