@@ -787,6 +787,82 @@ async fn a_former_owners_dones_reach_the_next_owner() {
     r.delete_streams().await;
 }
 
+/// A new owner arms what it restored while it writes the live set into a
+/// fresh generation (#39: the write took 0.3-1.3 s before anything fired).
+/// If that write fails, what fired meanwhile must not fire again: its Dones
+/// are owed to the generation after the one read, which the next restore
+/// reads last. Here the fresh generation's name is taken by another
+/// connection's exclusive queue, so every restore fails until the test
+/// frees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_that_cannot_write_its_fresh_generation_fires_nothing_twice() {
+    const COUNT: usize = 4000;
+    let mut r = StreamRoute::new("stream-fresh").await;
+    r.store_extra = "lease = \"1s\"\n".into();
+    let _cleanup = r.names.cleanup();
+    let mut a = r.start_owner().await;
+    let b = r.start_standby().await;
+    // Due after the kill (every one stored first, even on a busy machine),
+    // over 2 s: the standby's restores arm them due and fire them.
+    let sent = r
+        .send_spread("fresh", COUNT, now_ms() + 12_000, 2_000)
+        .await;
+    r.wait_stored(&a, COUNT).await;
+    let read = *listed_generations(&r)
+        .first()
+        .expect("the owner's generation");
+    let fresh = format!("{}.{}", r.pointer(), read + 2);
+    r.client
+        .channel
+        .queue_declare(
+            fresh.as_str().into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare the exclusive queue in the fresh generation's place");
+    a.kill_9();
+    // Only restores that failed fire while the queue is there.
+    wait_for(
+        "failed restores to fire a tenth of the messages",
+        Duration::from_secs(60),
+        || async {
+            let fired = r.client.queue_counts(&r.names.target_queue).await;
+            fired
+                .is_some_and(|(n, _)| n >= (COUNT / 10) as u32)
+                .then_some(())
+        },
+    )
+    .await;
+    wait_for(
+        "the failed restores' Dones to be written",
+        DEADLINE,
+        || async { (b.metric("delayd_store_dones_after_session_total") > 0.0).then_some(()) },
+    )
+    .await;
+    assert!(
+        b.full_log()
+            .contains("cannot write the restored messages into a fresh generation"),
+        "the fresh generation was written; log:\n{}",
+        b.log_tail(40)
+    );
+    let owed = b.metric("delayd_store_dones_after_session_total");
+    delete_queue(&r, &fresh).await;
+    let duplicates = r.receive_all(&sent, Duration::from_secs(90)).await;
+    eprintln!("Dones owed by failed restores and written: {owed}; duplicates {duplicates}");
+    assert_eq!(
+        duplicates,
+        0,
+        "messages fired by a failed restore fired again; log:\n{}",
+        b.log_tail(40)
+    );
+    r.wait_owner(&b).await;
+    r.delete_streams().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scaling_down_leaves_the_route_to_the_instance_left() {
     const COUNT: usize = 600;

@@ -15,6 +15,11 @@
 //! key, and no later owner writes to that generation (a restore writes a
 //! fresh one). One that lands after the next owner read the stream changes
 //! nothing; a stream deleted meanwhile returns it, and it is dropped.
+//!
+//! A restore arms and fires before its fresh generation is written. If that
+//! write fails, the pointer still names the generation read, so what fired
+//! meanwhile owes its Done to the one after it, which the next restore
+//! reads last (after every Schedule it could end).
 
 use std::collections::HashMap;
 use std::time::Instant;
