@@ -621,6 +621,7 @@ impl StreamStore {
                     return;
                 }
             }
+            let attempt = std::time::Instant::now();
             let elected = tokio::select! {
                 s = self.elect() => s,
                 _ = shutdown.cancelled() => return,
@@ -635,7 +636,12 @@ impl StreamStore {
                 Err(StateError::StoodDown { .. }) => continue,
                 Err(e) => {
                     tracing::warn!(route = %self.route, error = %e, "cannot wait for the route's lock; trying again");
-                    if sleep_or_stop(LOCK_RETRY, &shutdown).await {
+                    // At most one attempt a second, but a wait that lasted
+                    // is tried again at once: its node went away (a drain
+                    // closes every connection on it), and a standby that
+                    // paused here added a second to the hand-over.
+                    let pause = LOCK_RETRY.saturating_sub(attempt.elapsed());
+                    if sleep_or_stop(pause, &shutdown).await {
                         return;
                     }
                     continue;
