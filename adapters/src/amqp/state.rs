@@ -698,10 +698,32 @@ impl Candidate {
         loop {
             self.wait_for_ping(every, seen, None).await?;
             seen(Waiting::Chosen);
-            tokio::time::sleep(self.names.lease + self.names.margin()).await;
+            self.watch_until(tokio::time::Instant::now() + self.names.lease + self.names.margin())
+                .await?;
             let nonce = fresh_nonce().to_be_bytes();
             if let Some(sent) = self.wait_for_ping(every, seen, Some(&nonce)).await? {
                 return Ok(sent);
+            }
+        }
+    }
+
+    /// Wait until `deadline`, but fail as soon as the lock consumer does:
+    /// a drained node closes a standby's connection just as the route comes
+    /// to it, and a plain sleep noticed that only at the next ping, a lease
+    /// later. Pings that arrive meanwhile are older than the one the wait
+    /// ends with, and would be passed over anyway.
+    async fn watch_until(&mut self, deadline: tokio::time::Instant) -> Result<(), StateError> {
+        loop {
+            match tokio::time::timeout_at(deadline, self.consumer.next()).await {
+                Err(_) => return Ok(()),
+                Ok(Some(Ok(_))) => {}
+                Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
+                Ok(None) => {
+                    return Err(StateError::Refused {
+                        stream: self.names.lock(),
+                        why: "the lock consumer was cancelled",
+                    })
+                }
             }
         }
     }
