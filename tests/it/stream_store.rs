@@ -802,10 +802,11 @@ async fn a_restore_that_cannot_write_its_fresh_generation_fires_nothing_twice() 
     let _cleanup = r.names.cleanup();
     let mut a = r.start_owner().await;
     let b = r.start_standby().await;
-    // Due after the kill (every one stored first, even on a busy machine),
-    // over 2 s: the standby's restores arm them due and fire them.
+    // Due well after the kill (every one stored first, even on a busy
+    // machine: one the owner fired before the kill may fire again), over
+    // 2 s: the standby's restores arm them due and fire them.
     let sent = r
-        .send_spread("fresh", COUNT, now_ms() + 12_000, 2_000)
+        .send_spread("fresh", COUNT, now_ms() + 25_000, 2_000)
         .await;
     r.wait_stored(&a, COUNT).await;
     let read = *listed_generations(&r)
@@ -824,6 +825,11 @@ async fn a_restore_that_cannot_write_its_fresh_generation_fires_nothing_twice() 
         )
         .await
         .expect("declare the exclusive queue in the fresh generation's place");
+    assert_eq!(
+        r.client.queue_counts(&r.names.target_queue).await,
+        Some((0, 0)),
+        "the owner fired before the kill (too slow a machine for this test's delays)"
+    );
     a.kill_9();
     // Only restores that failed fire while the queue is there.
     wait_for(

@@ -1048,7 +1048,13 @@ impl StreamStore {
             for (stream, records) in owed {
                 let n = records.len() as u64;
                 match self.append_owed(&mut session, &stream, &records).await {
-                    Ok(()) => written += n,
+                    Ok(()) => {
+                        written += n;
+                        // As written, not when the round ends: each session
+                        // that ends meanwhile extends it.
+                        metrics::counter!("delayd_store_dones_after_session_total", "route" => self.route.clone())
+                            .increment(n);
+                    }
                     Err(e) => {
                         unwritten += n;
                         tracing::debug!(route = %self.route, stream, error = %e, "a former owner's Dones were not written; those messages fire again");
@@ -1068,8 +1074,6 @@ impl StreamStore {
             s.close().await;
         }
         if written + unwritten > 0 {
-            metrics::counter!("delayd_store_dones_after_session_total", "route" => self.route.clone())
-                .increment(written);
             tracing::info!(route = %self.route, written, unwritten, "a former owner's Dones written after its session ended");
         }
     }
