@@ -1272,6 +1272,137 @@ async fn a_generation_read_ahead_and_caught_up_is_the_live_set_a_cold_read_build
     r.delete_streams().await;
 }
 
+/// #39's warm standby: a candidate keeps the current generation read round
+/// by round while another instance owns the route, reading only what was
+/// written since its last round. Across a checkpoint (held as read while
+/// the writes move to the next generation, read whole once the pointer
+/// names it), what it holds, completed the way a restore completes it,
+/// must be the live set a cold restore builds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_kept_up_round_by_round_and_over_a_checkpoint_holds_what_a_cold_restore_builds() {
+    use delayd_adapters::amqp::state::{LiveSet, ReadAhead, Record, StateSession};
+    let r = StreamRoute::new("stream-warm-standby").await;
+    let (names, owner) = elected_session(&r).await;
+    let observer = observer_session(&names).await;
+    let schedule = |id: u128| {
+        Record::Schedule {
+            id,
+            due_ms: id as u64 * 10,
+            message: format!("message {id}").into_bytes(),
+        }
+        .encode()
+    };
+    let done = |id: u128| Record::Done { id }.encode();
+    let keep_up = |ahead: Option<ReadAhead<LiveSet>>| {
+        let observer = &observer;
+        async move {
+            observer
+                .keep_up(ahead, LiveSet::default)
+                .await
+                .expect("keep up")
+        }
+    };
+    // What a restore does with it: the rest of the generation read, then
+    // the next one whole.
+    let completed = |ahead: ReadAhead<LiveSet>, next: String| {
+        let owner = &owner;
+        async move {
+            let (mut state, _) = owner.catch_up(ahead).await.expect("catch up");
+            owner.read_into(&next, &mut state).await.expect("read next");
+            state.finish()
+        }
+    };
+    let cold = |generation: u64| {
+        let (owner, names) = (&owner, &names);
+        async move {
+            let mut state = LiveSet::default();
+            for g in [generation, generation + 1] {
+                owner
+                    .read_into(&names.generation(g), &mut state)
+                    .await
+                    .expect("cold read");
+            }
+            state.finish()
+        }
+    };
+    async fn rounds(
+        owner: &StateSession,
+        stream: &str,
+        ids: std::ops::Range<u128>,
+        schedule: impl Fn(u128) -> Vec<u8>,
+        done: impl Fn(u128) -> Vec<u8>,
+    ) -> u64 {
+        // New Schedules, and Dones of older ones (some read in earlier
+        // rounds, some never written: a Done may come first).
+        let mut records: Vec<Vec<u8>> = ids.clone().map(&schedule).collect();
+        records.extend(ids.step_by(3).map(|id| done(id.saturating_sub(70))));
+        let n = records.len() as u64;
+        owner.append(stream, &records).await.await.expect("append");
+        n
+    }
+
+    let (g0, g1, g2) = (names.generation(0), names.generation(1), names.generation(2));
+    assert!(keep_up(None).await.is_none(), "no state yet: nothing held");
+    owner.declare_stream(&g0).await.expect("declare 0");
+    owner.point_at(0).await.expect("point at 0");
+    owner.declare_stream(&g1).await.expect("declare 1");
+    let mut ahead = None;
+    let mut written = 0;
+    for round in 0..5u128 {
+        written += rounds(&owner, &g0, round * 100..round * 100 + 100, schedule, done).await;
+        let kept = keep_up(ahead.take()).await.expect("generation 0 kept up");
+        assert_eq!(kept.generation, 0);
+        assert_eq!(kept.read, written, "round {round}: each record read once");
+        ahead = Some(kept);
+    }
+    // A checkpoint begins: its copies and the new writes go to generation 1.
+    let mut copies = LiveSet::default();
+    owner.read_into(&g0, &mut copies).await.expect("copy");
+    let (copies, _) = copies.finish();
+    let mut records: Vec<Vec<u8>> = copies.iter().map(|c| c.record().encode()).collect();
+    records.push(done(480));
+    records.extend((500..520).map(schedule));
+    owner.append(&g1, &records).await.await.expect("checkpoint");
+    let held = keep_up(ahead.take()).await.expect("held over the checkpoint");
+    assert_eq!(
+        (held.generation, held.read),
+        (0, written),
+        "unread while the writes move"
+    );
+    let (live, offsets) = completed(held.clone(), g1.clone()).await;
+    assert!(live.len() > 300, "a live set worth comparing: {}", live.len());
+    assert!(live == cold(0).await.0 && offsets == cold(0).await.1);
+
+    // The pointer moves: generation 1 is read whole, then kept up.
+    owner.point_at(1).await.expect("point at 1");
+    owner.declare_stream(&g2).await.expect("declare 2");
+    let whole = keep_up(Some(held)).await.expect("generation 1");
+    let in_g1 = whole.read;
+    assert_eq!(whole.generation, 1);
+    // Whole: what was appended, and the read markers the reads above left.
+    assert!(
+        (records.len() as u64..records.len() as u64 + 20).contains(&in_g1),
+        "generation 1 read whole: {in_g1} records, {} appended",
+        records.len()
+    );
+    let more = rounds(&owner, &g1, 520..600, schedule, done).await;
+    let kept = keep_up(Some(whole)).await.expect("generation 1 kept up");
+    assert_eq!((kept.generation, kept.read), (1, in_g1 + more));
+    rounds(&owner, &g1, 600..650, schedule, done).await;
+    let (live, offsets) = completed(kept, g2).await;
+    let (cold_live, cold_offsets) = cold(1).await;
+    assert!(
+        live == cold_live,
+        "kept up: {} live, cold: {} live",
+        live.len(),
+        cold_live.len()
+    );
+    assert_eq!(offsets, cold_offsets);
+    observer.close().await;
+    owner.close().await;
+    r.delete_streams().await;
+}
+
 /// A writer's round of records goes to a state stream packed into one
 /// message (version 2), and a read gives every record back, in order. A
 /// packed message cut short is skipped and counted like any record that is

@@ -337,7 +337,7 @@ impl ApplyRecord for LiveSet {
 
 /// A generation read before its reader owned the route
 /// ([`StateSession::read_ahead`]).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ReadAhead<S> {
     /// The generation read.
     pub generation: u64,
@@ -383,12 +383,14 @@ impl LiveRecord {
 /// A generation's records applied in stream order: the live Schedules
 /// (a Done removes its Schedule) and the highest [`Record::Offset`] of each
 /// stream ingress.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct LiveSet {
     live: HashMap<u128, LiveRecord>,
     /// Ids in the order first written.
     order: Vec<u128>,
     offsets: HashMap<String, i64>,
+    /// The live records' message bytes.
+    bytes: usize,
 }
 
 impl LiveSet {
@@ -416,7 +418,13 @@ impl LiveSet {
                 due_ms,
                 message,
             }),
-            Record::Done { id } => self.live.remove(&id),
+            Record::Done { id } => {
+                let ended = self.live.remove(&id);
+                if let Some(ended) = &ended {
+                    self.bytes -= ended.message.len();
+                }
+                ended
+            }
             Record::Offset { queue, next } => {
                 let at = self.offsets.entry(queue).or_insert(next);
                 *at = (*at).max(next);
@@ -428,10 +436,17 @@ impl LiveSet {
 
     fn schedule(&mut self, record: LiveRecord) -> Option<LiveRecord> {
         let id = record.id;
-        if self.live.insert(id, record).is_none() {
-            self.order.push(id);
+        self.bytes += record.message.len();
+        match self.live.insert(id, record) {
+            Some(replaced) => self.bytes -= replaced.message.len(),
+            None => self.order.push(id),
         }
         None
+    }
+
+    /// The live records' message bytes: what holding the set costs.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     /// The live records, in no particular order.
@@ -1547,6 +1562,55 @@ impl StateSession {
             resume_at: marker + 1,
             state,
             read,
+        }))
+    }
+
+    /// Bring `ahead` up to the route's current generation, as a warm
+    /// standby does while another instance owns the route: only what was
+    /// written since its last read is read, unless the generation moved
+    /// (a checkpoint finished), when the new one is read whole into
+    /// `fresh()`. While a checkpoint is moving the writes to the next
+    /// generation, `ahead` is returned as it is, unread: a read then would
+    /// be refused (see [`StateSession::read_ahead`]), and what was read
+    /// before stays a prefix of its generation, which
+    /// [`StateSession::catch_up`] completes. None: nothing worth holding.
+    pub async fn keep_up<S: ApplyRecord>(
+        &self,
+        ahead: Option<ReadAhead<S>>,
+        fresh: impl FnOnce() -> S,
+    ) -> Result<Option<ReadAhead<S>>, StateError> {
+        let (Some(generation), _) = self.current_generation().await? else {
+            return Ok(None);
+        };
+        let Some(ahead) = ahead.filter(|a| a.generation == generation) else {
+            return self.read_ahead(fresh()).await;
+        };
+        let next = self.names.generation(generation + 1);
+        if self.exists(&next).await? && self.holds_records(&next).await? {
+            return Ok(Some(ahead));
+        }
+        let ReadAhead {
+            resume_at,
+            mut state,
+            read,
+            ..
+        } = ahead;
+        let stream = self.names.generation(generation);
+        let (more, marker) = self
+            .read_from(&stream, Some(resume_at), |record| {
+                state.apply(record);
+                Ok(())
+            })
+            .await?;
+        // The same check as `read_ahead`'s, after the read.
+        if marker < 0 || (self.exists(&next).await? && self.holds_records(&next).await?) {
+            return Ok(None);
+        }
+        Ok(Some(ReadAhead {
+            generation,
+            resume_at: marker + 1,
+            state,
+            read: read + more,
         }))
     }
 

@@ -146,6 +146,16 @@ impl Replay {
         }
     }
 
+    /// Live messages.
+    pub fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    /// The live messages' bytes.
+    pub fn bytes(&self) -> usize {
+        self.live.bytes()
+    }
+
     /// Apply generation stream `stream`'s records; returns how many were read.
     pub async fn read(&mut self, session: &StateSession, stream: &str) -> Result<u64, StateError> {
         session

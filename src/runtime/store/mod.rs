@@ -10,6 +10,7 @@
 //!   `delayd_adapters::amqp::state`.
 //! * [`mirrored`]: which routes a WAL directory last kept in the broker.
 //! * [`owed`]: the Dones a RabbitMQ route's former owner still writes.
+//! * [`warm`]: a RabbitMQ route's state as a standby keeps it read.
 //! * Here: [`RouteStore`], the calls the intake, the deliverer, the cancel
 //!   hook and `/readyz` make on either, and [`open_stores`].
 
@@ -19,6 +20,7 @@ mod mirrored;
 mod owed;
 mod partitions;
 mod rabbitmq;
+mod warm;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -45,6 +45,7 @@ use super::departed::{self, Departed, Replay};
 use super::owed::Owed;
 
 use super::partitions::PartitionGroup;
+use super::warm::{self, Warm};
 
 /// Releases in flight at once when an owner gives its messages up.
 const RELEASE_CONCURRENCY: usize = 256;
@@ -789,8 +790,9 @@ impl StreamStore {
         let candidate = candidate?;
         tracing::info!(route = %self.route, lock = %self.names.lock(), "waiting to own the route (standby while another instance owns it)");
         // Once chosen, the candidate waits out a former owner's lease
-        // before it may read as the owner: the state is read ahead
-        // meanwhile, and only what was written since is read once owned.
+        // before it may read as the owner: the state is read ahead, kept
+        // up while on standby, and only what was written since is read
+        // once owned.
         let chosen = tokio::sync::Notify::new();
         let was_chosen = AtomicBool::new(false);
         let seen = |waiting| match waiting {
@@ -811,9 +813,19 @@ impl StreamStore {
                 None => candidate.elected(self.names.ping_every(), seen).await,
             }
         };
+        // A standby keeps the state read (see `warm`) until chosen.
         let reading_ahead = async {
-            chosen.notified().await;
-            self.read_ahead().await
+            let mut warm = Warm::new(&self.route);
+            loop {
+                tokio::select! {
+                    biased;
+                    () = chosen.notified() => break,
+                    () = tokio::time::sleep(warm::KEEP_UP_EVERY) => {
+                        warm.keep_up(|| self.open_observer()).await;
+                    }
+                }
+            }
+            warm.finish(|| self.open_observer()).await
         };
         tokio::pin!(election, reading_ahead);
         let mut ahead = None;
@@ -836,33 +848,14 @@ impl StreamStore {
         Ok((session, ahead))
     }
 
-    /// The route's current generation read on a connection of its own, as
-    /// an observer (see [`StateSession::read_ahead`]); None if there is
-    /// nothing to read ahead or the read failed (the owner reads cold).
-    async fn read_ahead(&self) -> Option<ReadAhead<Replay>> {
-        let started = std::time::Instant::now();
-        let read = async {
-            let (connection, _) = self
-                .broker
-                .open_dedicated_from(self.lock_endpoint().1)
-                .await?;
-            let observer = StateSession::observe(connection, &self.names).await?;
-            let ahead = observer
-                .read_ahead(Replay::new(&self.route, departed::KEPT))
-                .await;
-            observer.close().await;
-            ahead
-        };
-        match read.await {
-            Ok(ahead) => {
-                tracing::debug!(route = %self.route, generation = ahead.as_ref().map(|a| a.generation), read = ahead.as_ref().map_or(0, |a| a.read), read_ms = started.elapsed().as_millis() as u64, "state read ahead while waiting out the former owner's lease");
-                ahead
-            }
-            Err(error) => {
-                tracing::debug!(route = %self.route, %error, "could not read the state ahead; it is read once the route is owned");
-                None
-            }
-        }
+    /// A session of its own that owns nothing, to read the state ahead
+    /// with (see [`StateSession::read_ahead`]).
+    async fn open_observer(&self) -> Result<StateSession, StateError> {
+        let (connection, _) = self
+            .broker
+            .open_dedicated_from(self.lock_endpoint().1)
+            .await?;
+        StateSession::observe(connection, &self.names).await
     }
 
     /// Read the live set back, arm it here, and write it into a fresh
