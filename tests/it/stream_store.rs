@@ -1272,15 +1272,15 @@ async fn a_generation_read_ahead_and_caught_up_is_the_live_set_a_cold_read_build
     r.delete_streams().await;
 }
 
-/// #39's warm standby: a candidate keeps the current generation read round
-/// by round while another instance owns the route, reading only what was
-/// written since its last round. Across a checkpoint (held as read while
-/// the writes move to the next generation, read whole once the pointer
-/// names it), what it holds, completed the way a restore completes it,
-/// must be the live set a cold restore builds.
+/// #39's warm standby: a candidate reads the current generation once and
+/// then follows it, applying each record as the owner writes it and
+/// writing nothing itself. Held over a checkpoint (the writes move to the
+/// next generation), ended when the checkpoint deletes its generation, then
+/// following the next: at each point, what it holds, completed the way a
+/// restore completes it, must be the live set a cold restore builds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_standby_kept_up_round_by_round_and_over_a_checkpoint_holds_what_a_cold_restore_builds() {
-    use delayd_adapters::amqp::state::{LiveSet, ReadAhead, Record, StateSession};
+async fn a_standby_following_the_state_over_a_checkpoint_holds_what_a_cold_restore_builds() {
+    use delayd_adapters::amqp::state::{Following, LiveSet, ReadAhead, Record, StateSession};
     let r = StreamRoute::new("stream-warm-standby").await;
     let (names, owner) = elected_session(&r).await;
     let observer = observer_session(&names).await;
@@ -1293,15 +1293,6 @@ async fn a_standby_kept_up_round_by_round_and_over_a_checkpoint_holds_what_a_col
         .encode()
     };
     let done = |id: u128| Record::Done { id }.encode();
-    let keep_up = |ahead: Option<ReadAhead<LiveSet>>| {
-        let observer = &observer;
-        async move {
-            observer
-                .keep_up(ahead, LiveSet::default)
-                .await
-                .expect("keep up")
-        }
-    };
     // What a restore does with it: the rest of the generation read, then
     // the next one whole.
     let completed = |ahead: ReadAhead<LiveSet>, next: String| {
@@ -1325,35 +1316,61 @@ async fn a_standby_kept_up_round_by_round_and_over_a_checkpoint_holds_what_a_col
             state.finish()
         }
     };
-    async fn rounds(
+    // New Schedules, and Dones of older ones (some applied in earlier
+    // rounds, some never written: a Done may come first).
+    async fn round(
         owner: &StateSession,
         stream: &str,
         ids: std::ops::Range<u128>,
         schedule: impl Fn(u128) -> Vec<u8>,
         done: impl Fn(u128) -> Vec<u8>,
     ) -> u64 {
-        // New Schedules, and Dones of older ones (some read in earlier
-        // rounds, some never written: a Done may come first).
         let mut records: Vec<Vec<u8>> = ids.clone().map(&schedule).collect();
         records.extend(ids.step_by(3).map(|id| done(id.saturating_sub(70))));
         let n = records.len() as u64;
         owner.append(stream, &records).await.await.expect("append");
         n
     }
+    async fn applied(following: &Following<LiveSet>, records: u64) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while following.with(|a| a.read) != Some(records) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{:?} of {records} records applied",
+                following.with(|a| a.read)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 
-    let (g0, g1, g2) = (names.generation(0), names.generation(1), names.generation(2));
-    assert!(keep_up(None).await.is_none(), "no state yet: nothing held");
+    let (g0, g1, g2) = (
+        names.generation(0),
+        names.generation(1),
+        names.generation(2),
+    );
+    assert!(
+        observer
+            .read_ahead(LiveSet::default())
+            .await
+            .expect("read")
+            .is_none(),
+        "no state yet: nothing to follow"
+    );
     owner.declare_stream(&g0).await.expect("declare 0");
     owner.point_at(0).await.expect("point at 0");
     owner.declare_stream(&g1).await.expect("declare 1");
-    let mut ahead = None;
-    let mut written = 0;
-    for round in 0..5u128 {
-        written += rounds(&owner, &g0, round * 100..round * 100 + 100, schedule, done).await;
-        let kept = keep_up(ahead.take()).await.expect("generation 0 kept up");
-        assert_eq!(kept.generation, 0);
-        assert_eq!(kept.read, written, "round {round}: each record read once");
-        ahead = Some(kept);
+    let mut written = round(&owner, &g0, 0..100, schedule, done).await;
+    let ahead = observer
+        .read_ahead(LiveSet::default())
+        .await
+        .expect("read ahead")
+        .expect("generation 0");
+    assert_eq!(ahead.read, written);
+    let following = observer.follow(ahead).await.expect("follow");
+    for n in 1..5u128 {
+        written += round(&owner, &g0, n * 100..n * 100 + 100, schedule, done).await;
+        // Each record applied once, and nothing written by the follower.
+        applied(&following, written).await;
     }
     // A checkpoint begins: its copies and the new writes go to generation 1.
     let mut copies = LiveSet::default();
@@ -1363,37 +1380,49 @@ async fn a_standby_kept_up_round_by_round_and_over_a_checkpoint_holds_what_a_col
     records.push(done(480));
     records.extend((500..520).map(schedule));
     owner.append(&g1, &records).await.await.expect("checkpoint");
-    let held = keep_up(ahead.take()).await.expect("held over the checkpoint");
-    assert_eq!(
-        (held.generation, held.read),
-        (0, written),
-        "unread while the writes move"
+    // The marker of the copy's read in generation 0 is applied (and
+    // ignored) too.
+    applied(&following, written + 1).await;
+    let held = following.with(|a| a.clone()).expect("held");
+    let (live, offsets) = completed(held, g1.clone()).await;
+    assert!(
+        live.len() > 300,
+        "a live set worth comparing: {}",
+        live.len()
     );
-    let (live, offsets) = completed(held.clone(), g1.clone()).await;
-    assert!(live.len() > 300, "a live set worth comparing: {}", live.len());
-    assert!(live == cold(0).await.0 && offsets == cold(0).await.1);
+    let (cold_live, cold_offsets) = cold(0).await;
+    assert!(live == cold_live && offsets == cold_offsets);
 
-    // The pointer moves: generation 1 is read whole, then kept up.
+    // The checkpoint ends: the pointer moves and generation 0 is deleted,
+    // which ends the follow; generation 1 is read whole and followed.
     owner.point_at(1).await.expect("point at 1");
     owner.declare_stream(&g2).await.expect("declare 2");
-    let whole = keep_up(Some(held)).await.expect("generation 1");
-    let in_g1 = whole.read;
-    assert_eq!(whole.generation, 1);
-    // Whole: what was appended, and the read markers the reads above left.
-    assert!(
-        (records.len() as u64..records.len() as u64 + 20).contains(&in_g1),
-        "generation 1 read whole: {in_g1} records, {} appended",
-        records.len()
-    );
-    let more = rounds(&owner, &g1, 520..600, schedule, done).await;
-    let kept = keep_up(Some(whole)).await.expect("generation 1 kept up");
-    assert_eq!((kept.generation, kept.read), (1, in_g1 + more));
-    rounds(&owner, &g1, 600..650, schedule, done).await;
-    let (live, offsets) = completed(kept, g2).await;
+    owner.delete(&g0).await.expect("delete 0");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !following.ended() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still following a deleted stream"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ahead = observer
+        .read_ahead(LiveSet::default())
+        .await
+        .expect("read ahead")
+        .expect("generation 1");
+    assert_eq!(ahead.generation, 1);
+    let read = ahead.read;
+    let following = observer.follow(ahead).await.expect("follow 1");
+    let more = round(&owner, &g1, 520..600, schedule, done).await;
+    applied(&following, read + more).await;
+    let held = following.stop().expect("held");
+    round(&owner, &g1, 600..650, schedule, done).await;
+    let (live, offsets) = completed(held, g2).await;
     let (cold_live, cold_offsets) = cold(1).await;
     assert!(
         live == cold_live,
-        "kept up: {} live, cold: {} live",
+        "followed: {} live, cold: {} live",
         live.len(),
         cold_live.len()
     );

@@ -1463,26 +1463,10 @@ impl StateSession {
                     unacked = 0;
                 }
                 let offset = stream_offset(&delivery.properties);
-                let Some(packed) = super::packed::unpack(&delivery.data) else {
-                    self.skip(stream, offset, delivery.data.len());
-                    continue;
-                };
-                for bytes in packed {
-                    let Some(record) = Record::decode(bytes) else {
-                        match bytes.first() {
-                            Some(&version @ 2..=NEWEST_PLAUSIBLE_VERSION) => {
-                                return Err(StateError::NewerFormat {
-                                    stream: stream.to_owned(),
-                                    offset,
-                                    version,
-                                })
-                            }
-                            _ => {
-                                self.skip(stream, offset, bytes.len());
-                                continue;
-                            }
-                        }
-                    };
+                let records = records_in(stream, offset, &delivery.data, |bytes| {
+                    self.skip(stream, offset, bytes)
+                })?;
+                for record in records {
                     if record == (Record::Marker { nonce }) {
                         let _ = channel
                             .basic_cancel(
@@ -1505,12 +1489,7 @@ impl StateSession {
     /// A stream message that is not ours (stream names are predictable):
     /// one such record must not wedge the route for good.
     fn skip(&self, stream: &str, offset: i64, bytes: usize) {
-        tracing::error!(
-            stream,
-            offset,
-            bytes,
-            "skipping an undecodable record in a state stream"
-        );
+        log_skip(stream, offset, bytes);
         self.skipped.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -1565,53 +1544,42 @@ impl StateSession {
         }))
     }
 
-    /// Bring `ahead` up to the route's current generation, as a warm
-    /// standby does while another instance owns the route: only what was
-    /// written since its last read is read, unless the generation moved
-    /// (a checkpoint finished), when the new one is read whole into
-    /// `fresh()`. While a checkpoint is moving the writes to the next
-    /// generation, `ahead` is returned as it is, unread: a read then would
-    /// be refused (see [`StateSession::read_ahead`]), and what was read
-    /// before stays a prefix of its generation, which
-    /// [`StateSession::catch_up`] completes. None: nothing worth holding.
-    pub async fn keep_up<S: ApplyRecord>(
+    /// Follow `ahead`'s generation from where it was read up to, applying
+    /// each record as the owner writes it: what a warm standby does while
+    /// another instance owns the route. It writes nothing (no read
+    /// markers), so an idle route's streams do not grow. What it holds is
+    /// always a prefix of the generation, whole stream messages applied,
+    /// which [`StateSession::catch_up`] completes. It ends when the
+    /// generation is deleted (a checkpoint or a restore finished: read the
+    /// pointers again) or the connection fails.
+    pub async fn follow<S: ApplyRecord + Send + 'static>(
         &self,
-        ahead: Option<ReadAhead<S>>,
-        fresh: impl FnOnce() -> S,
-    ) -> Result<Option<ReadAhead<S>>, StateError> {
-        let (Some(generation), _) = self.current_generation().await? else {
-            return Ok(None);
-        };
-        let Some(ahead) = ahead.filter(|a| a.generation == generation) else {
-            return self.read_ahead(fresh()).await;
-        };
-        let next = self.names.generation(generation + 1);
-        if self.exists(&next).await? && self.holds_records(&next).await? {
-            return Ok(Some(ahead));
-        }
-        let ReadAhead {
-            resume_at,
-            mut state,
-            read,
-            ..
-        } = ahead;
-        let stream = self.names.generation(generation);
-        let (more, marker) = self
-            .read_from(&stream, Some(resume_at), |record| {
-                state.apply(record);
-                Ok(())
-            })
-            .await?;
-        // The same check as `read_ahead`'s, after the read.
-        if marker < 0 || (self.exists(&next).await? && self.holds_records(&next).await?) {
-            return Ok(None);
-        }
-        Ok(Some(ReadAhead {
-            generation,
-            resume_at: marker + 1,
-            state,
-            read: read + more,
-        }))
+        ahead: ReadAhead<S>,
+    ) -> Result<Following<S>, StateError> {
+        let stream = self.names.generation(ahead.generation);
+        let channel = self.channel().await?;
+        channel
+            .basic_qos(READ_PREFETCH, BasicQosOptions { global: false })
+            .await
+            .map_err(protocol("basic.qos for a stream read"))?;
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-stream-offset".into(),
+            AMQPValue::LongLongInt(ahead.resume_at),
+        );
+        let tag = format!("delayd-state-follow-{:x}", fresh_nonce());
+        let consumer = channel
+            .basic_consume(
+                short_string(&stream, "stream name").map_err(AmqpError::from)?,
+                short_string(&tag, "consumer tag").map_err(AmqpError::from)?,
+                BasicConsumeOptions::default(),
+                args,
+            )
+            .await
+            .map_err(protocol(format!("following stream {stream}")))?;
+        let held = Arc::new(Mutex::new(Some(ahead)));
+        let task = tokio::spawn(apply_as_written(channel, consumer, stream, held.clone()));
+        Ok(Following { held, task })
     }
 
     /// Whether `stream` holds a record other than read markers.
@@ -1733,6 +1701,133 @@ impl StateSession {
 }
 
 /// The `x-stream-offset` header of a stream delivery (-1 if missing).
+/// A generation a standby follows ([`StateSession::follow`]).
+pub struct Following<S> {
+    /// Taken by [`Following::stop`]; the follower stops once it is gone.
+    held: Arc<Mutex<Option<ReadAhead<S>>>>,
+    task: tokio::task::JoinHandle<Result<(), StateError>>,
+}
+
+impl<S> Following<S> {
+    /// Whether the follower stopped: its generation was deleted, or its
+    /// connection failed (what it applied stays a prefix).
+    pub fn ended(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Look at what is held so far.
+    pub fn with<R>(&self, f: impl FnOnce(&ReadAhead<S>) -> R) -> Option<R> {
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(f)
+    }
+
+    /// Stop following: what was applied, as a read-ahead.
+    pub fn stop(self) -> Option<ReadAhead<S>> {
+        self.task.abort();
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+impl<S> Drop for Following<S> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The follower's loop: each stream message's records applied under the
+/// lock, and the resume offset moved past it, together.
+async fn apply_as_written<S: ApplyRecord>(
+    channel: Channel,
+    mut consumer: lapin::Consumer,
+    stream: String,
+    held: Arc<Mutex<Option<ReadAhead<S>>>>,
+) -> Result<(), StateError> {
+    let result = async {
+        let mut unacked = 0u32;
+        // None: the broker cancelled the consumer (the stream was deleted)
+        // or the channel closed.
+        while let Some(delivery) = consumer.next().await {
+            let delivery = delivery.map_err(protocol(format!("following stream {stream}")))?;
+            unacked += 1;
+            if unacked >= u32::from(READ_PREFETCH) / 2 {
+                delivery
+                    .ack(BasicAckOptions { multiple: true })
+                    .await
+                    .map_err(protocol("acking a stream read"))?;
+                unacked = 0;
+            }
+            let offset = stream_offset(&delivery.properties);
+            if offset < 0 {
+                // Without offsets, what is held cannot be resumed from.
+                return Err(StateError::Refused {
+                    stream: stream.clone(),
+                    why: "a stream delivery without x-stream-offset",
+                });
+            }
+            let records = records_in(&stream, offset, &delivery.data, |bytes| {
+                log_skip(&stream, offset, bytes)
+            })?;
+            let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(ahead) = held.as_mut() else {
+                return Ok(());
+            };
+            for record in records {
+                ahead.read += 1;
+                ahead.state.apply(record);
+            }
+            ahead.resume_at = offset + 1;
+        }
+        Ok(())
+    }
+    .await;
+    let _ = channel.close(200, "OK".into()).await;
+    result
+}
+
+/// The records of one state stream message, in order. What does not decode
+/// is handed to `skip` (its length) and left out, unless it claims a newer
+/// format: then the read stops (it may be a Schedule).
+fn records_in(
+    stream: &str,
+    offset: i64,
+    data: &[u8],
+    mut skip: impl FnMut(usize),
+) -> Result<Vec<Record>, StateError> {
+    let Some(packed) = super::packed::unpack(data) else {
+        skip(data.len());
+        return Ok(Vec::new());
+    };
+    let mut records = Vec::new();
+    for bytes in packed {
+        match Record::decode(bytes) {
+            Some(record) => records.push(record),
+            None => match bytes.first() {
+                Some(&version @ 2..=NEWEST_PLAUSIBLE_VERSION) => {
+                    return Err(StateError::NewerFormat {
+                        stream: stream.to_owned(),
+                        offset,
+                        version,
+                    })
+                }
+                _ => skip(bytes.len()),
+            },
+        }
+    }
+    Ok(records)
+}
+
+fn log_skip(stream: &str, offset: i64, bytes: usize) {
+    tracing::error!(
+        stream,
+        offset,
+        bytes,
+        "skipping an undecodable record in a state stream"
+    );
+}
+
 fn stream_offset(properties: &BasicProperties) -> i64 {
     properties
         .headers()

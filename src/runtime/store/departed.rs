@@ -146,11 +146,6 @@ impl Replay {
         }
     }
 
-    /// Live messages.
-    pub fn len(&self) -> usize {
-        self.live.len()
-    }
-
     /// The live messages' bytes.
     pub fn bytes(&self) -> usize {
         self.live.bytes()

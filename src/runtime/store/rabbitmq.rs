@@ -820,8 +820,8 @@ impl StreamStore {
                 tokio::select! {
                     biased;
                     () = chosen.notified() => break,
-                    () = tokio::time::sleep(warm::KEEP_UP_EVERY) => {
-                        warm.keep_up(|| self.open_observer()).await;
+                    () = tokio::time::sleep(warm::CHECK_EVERY) => {
+                        warm.check(|| self.open_observer()).await;
                     }
                 }
             }

@@ -1,31 +1,37 @@
 //! A warm standby (#39): while another instance owns a RabbitMQ route, a
-//! candidate keeps the route's current generation read, on an observer
-//! session of its own, so that taking the route over reads only the last
-//! moments' records.
+//! candidate follows the route's current generation as the owner writes
+//! it, on an observer session of its own, so that taking the route over
+//! reads only the last moment's records.
 //!
 //! A candidate used to read the whole generation only once chosen, while
 //! it waited out the former owner's lease: 0.4-1.8 s for 13,000-142,000
 //! records on the loaded three-node cluster, which outlasted a 1 s lease
-//! in half the hand-overs of the long campaign. Now it reads what was
-//! written since its last round, every [`KEEP_UP_EVERY`].
+//! in half the hand-overs of the long campaign. Now it reads the generation
+//! once ([`StateSession::read_ahead`]) and then applies each record as it
+//! is written ([`StateSession::follow`]); when a checkpoint deletes the
+//! generation, it reads the next one.
 //!
 //! What it holds is a [`Replay`]: the live set with its messages, as the
 //! restore would build it (the restore completes it with
-//! [`StateSession::catch_up`] once the route is owned, and an integration
-//! test checks the result against a cold read). Holding messages costs
-//! memory the owner does not spend (it keeps them in its WAL), so a set
-//! over [`MAX_BYTES`] is let go, and the candidate reads once chosen, as
-//! before.
+//! [`StateSession::catch_up`] once the route is owned; an integration test
+//! checks the result against a cold read). Holding messages costs memory
+//! the owner does not spend (it keeps them in its WAL), so a set over
+//! [`MAX_BYTES`] is let go, and the candidate reads once chosen, as before.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use delayd_adapters::amqp::state::{ReadAhead, StateError, StateSession};
+use delayd_adapters::amqp::state::{Following, ReadAhead, StateError, StateSession};
 
 use super::departed::{self, Replay};
 
-/// How often a standby reads what the owner wrote.
-pub const KEEP_UP_EVERY: Duration = Duration::from_secs(1);
+/// How often a standby checks on what it follows.
+pub const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a standby waits before it reads the pointers again when there
+/// was nothing to follow (no state yet, a checkpoint under way): each
+/// read of them leaves a marker there.
+const NOTHING_TO_FOLLOW: Duration = Duration::from_secs(5);
 
 /// The most message bytes a standby holds per route.
 pub const MAX_BYTES: usize = 256 << 20;
@@ -34,8 +40,10 @@ pub const MAX_BYTES: usize = 256 << 20;
 pub struct Warm {
     route: String,
     observer: Option<StateSession>,
-    ahead: Option<ReadAhead<Replay>>,
-    /// Over [`MAX_BYTES`]: no longer kept up.
+    following: Option<Following<Replay>>,
+    /// No read before then (see [`NOTHING_TO_FOLLOW`]).
+    quiet_until: Option<Instant>,
+    /// Over [`MAX_BYTES`]: no longer followed.
     let_go: bool,
 }
 
@@ -44,44 +52,77 @@ impl Warm {
         Self {
             route: route.to_owned(),
             observer: None,
-            ahead: None,
+            following: None,
+            quiet_until: None,
             let_go: false,
         }
     }
 
-    /// Read what was written since the last round; `open` gives an
-    /// observer session when none is open. A failure drops what was held
-    /// (a read cut short leaves it applied in part) and the session.
-    pub async fn keep_up<F, Fut>(&mut self, open: F)
+    /// Check on what is followed; read the current generation and follow
+    /// it if nothing is (yet, or any more). `open` gives an observer
+    /// session when none is open.
+    pub async fn check<F, Fut>(&mut self, open: F)
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<StateSession, StateError>>,
     {
-        if self.let_go {
+        if self.let_go || self.quiet_until.is_some_and(|t| Instant::now() < t) {
             return;
         }
-        self.round(open).await;
-        let bytes = self.ahead.as_ref().map_or(0, |a| a.state.bytes());
-        if bytes > MAX_BYTES {
-            tracing::info!(route = %self.route, bytes, max = MAX_BYTES, "the route's live set is too large to hold on standby: it is read once this instance is chosen");
-            self.ahead = None;
-            self.let_go = true;
-            self.close();
+        match &self.following {
+            Some(following) if !following.ended() => {
+                let bytes = following.with(|a| a.state.bytes()).unwrap_or(0);
+                if bytes > MAX_BYTES {
+                    tracing::info!(route = %self.route, bytes, max = MAX_BYTES, "the route's live set is too large to hold on standby: it is read once this instance is chosen");
+                    self.following = None;
+                    self.let_go = true;
+                    self.close();
+                }
+                return;
+            }
+            Some(_) => {
+                // Its generation was deleted, or the connection failed.
+                self.following = None;
+                tracing::debug!(route = %self.route, "the generation followed ended; reading the current one");
+            }
+            None => {}
+        }
+        let Some(ahead) = self.read(open).await else {
+            if self.observer.is_some() {
+                // Read, and nothing to follow (a failure closed it).
+                self.quiet_until = Some(Instant::now() + NOTHING_TO_FOLLOW);
+            }
+            return;
+        };
+        let observer = self.observer.as_ref().expect("read on an open observer");
+        match observer.follow(ahead).await {
+            Ok(following) => self.following = Some(following),
+            Err(error) => {
+                tracing::debug!(route = %self.route, %error, "could not follow the route's state");
+                self.close();
+            }
         }
     }
 
-    /// The generation as read after a last round (the candidate has been
-    /// chosen and waits out the former owner's lease), whatever its size.
+    /// What is held once chosen (the candidate waits out the former
+    /// owner's lease): what was followed, or, if nothing was, the current
+    /// generation read now, whatever its size.
     pub async fn finish<F, Fut>(mut self, open: F) -> Option<ReadAhead<Replay>>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<StateSession, StateError>>,
     {
-        self.round(open).await;
-        self.ahead.take()
+        match self.following.take() {
+            // Ended: its generation may be gone; read the current one.
+            Some(following) if !following.ended() => following.stop(),
+            _ => self.read(open).await,
+        }
     }
 
-    async fn round<F, Fut>(&mut self, open: F)
+    /// The current generation read whole, on the observer session (opened
+    /// if need be); None if there is nothing to read or the read failed
+    /// (the session is then closed).
+    async fn read<F, Fut>(&mut self, open: F) -> Option<ReadAhead<Replay>>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<StateSession, StateError>>,
@@ -93,27 +134,22 @@ impl Warm {
                 Ok(observer) => self.observer.insert(observer),
                 Err(error) => {
                     tracing::debug!(route = %self.route, %error, "could not open a session to read the state ahead");
-                    self.ahead = None;
-                    return;
+                    return None;
                 }
             },
         };
-        let held = self.ahead.as_ref().map(|a| (a.generation, a.read));
-        let route = &self.route;
         match observer
-            .keep_up(self.ahead.take(), || Replay::new(route, departed::KEPT))
+            .read_ahead(Replay::new(&self.route, departed::KEPT))
             .await
         {
             Ok(ahead) => {
-                tracing::debug!(route = %self.route, generation = ahead.as_ref().map(|a| a.generation), read = ahead.as_ref().map_or(0, |a| match held {
-                    Some((generation, read)) if generation == a.generation => a.read - read,
-                    _ => a.read,
-                }), live = ahead.as_ref().map_or(0, |a| a.state.len()), read_ms = started.elapsed().as_millis() as u64, "state read ahead");
-                self.ahead = ahead;
+                tracing::debug!(route = %self.route, generation = ahead.as_ref().map(|a| a.generation), read = ahead.as_ref().map_or(0, |a| a.read), read_ms = started.elapsed().as_millis() as u64, "state read ahead");
+                ahead
             }
             Err(error) => {
-                tracing::debug!(route = %self.route, %error, "could not read the state ahead; it is read again in full");
+                tracing::debug!(route = %self.route, %error, "could not read the state ahead; it is read once the route is owned");
                 self.close();
+                None
             }
         }
     }
