@@ -55,6 +55,8 @@
 #                                             # <scenario>.late (messages a second or more late)
 #   LOG="info,delayd::runtime::ingest=debug"  # delayd's log level (each message's intake)
 #   LEASE=1s ...                              # store.lease of the store scenarios (default 5s)
+#   INGRESS=stream ...                        # the store scenarios' ingress queue type (default
+#                                             # quorum; a stream has no deliveries in doubt)
 #
 # The cuts (conn-cut, conn-flap, node-cut, lock-cut) need cgroup v2 (the
 # unified hierarchy) and iptables' cgroup and connmark matches; without them
@@ -187,7 +189,7 @@ write_config() { # scenario, instance (1 = A, 2 = B), node order...
     # A cut link is noticed by the node only after the heartbeat timeout.
     case "$s" in conn-cut | conn-flap) query="?heartbeat=5" ;; esac
     for n in "$@"; do urls+="\"amqp://guest:guest@127.0.0.1:${ports[$((n - 1))]}/%2f$query\", "; done
-    local store="" queue_type="quorum"
+    local store="" queue_type="${INGRESS:-quorum}"
     if [ "$s" = classic-node ]; then
         queue_type="classic"
     else

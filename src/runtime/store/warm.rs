@@ -58,9 +58,9 @@ impl Warm {
         }
     }
 
-    /// Check on what is followed; read the current generation and follow
-    /// it if nothing is (yet, or any more). `open` gives an observer
-    /// session when none is open.
+    /// Check on what is followed; if the follow ended or nothing is
+    /// followed yet, resume it or read the current generation and follow
+    /// that. `open` gives an observer session when none is open.
     pub async fn check<F, Fut>(&mut self, open: F)
     where
         F: FnOnce() -> Fut,
@@ -69,32 +69,26 @@ impl Warm {
         if self.let_go || self.quiet_until.is_some_and(|t| Instant::now() < t) {
             return;
         }
-        match &self.following {
-            Some(following) if !following.ended() => {
-                let bytes = following.with(|a| a.state.bytes()).unwrap_or(0);
-                if bytes > MAX_BYTES {
-                    tracing::info!(route = %self.route, bytes, max = MAX_BYTES, "the route's live set is too large to hold on standby: it is read once this instance is chosen");
-                    self.following = None;
-                    self.let_go = true;
-                    self.close();
-                }
-                return;
-            }
-            Some(_) => {
-                // Its generation was deleted, or the connection failed.
+        if let Some(following) = self.following.as_ref().filter(|f| !f.ended()) {
+            let bytes = following.with(|a| a.state.bytes()).unwrap_or(0);
+            if bytes > MAX_BYTES {
+                tracing::info!(route = %self.route, bytes, max = MAX_BYTES, "the route's live set is too large to hold on standby: it is read once this instance is chosen");
                 self.following = None;
-                tracing::debug!(route = %self.route, "the generation followed ended; reading the current one");
+                self.let_go = true;
+                self.close();
             }
-            None => {}
+            return;
         }
-        let Some(ahead) = self.read(open).await else {
+        let Some(ahead) = self.resume_or_read(open).await else {
             if self.observer.is_some() {
-                // Read, and nothing to follow (a failure closed it).
+                // Read, and nothing to follow (a failure closes it).
                 self.quiet_until = Some(Instant::now() + NOTHING_TO_FOLLOW);
             }
             return;
         };
-        let observer = self.observer.as_ref().expect("read on an open observer");
+        let Some(observer) = &self.observer else {
+            return;
+        };
         match observer.follow(ahead).await {
             Ok(following) => self.following = Some(following),
             Err(error) => {
@@ -112,46 +106,65 @@ impl Warm {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<StateSession, StateError>>,
     {
-        match self.following.take() {
-            // Ended: its generation may be gone; read the current one.
-            Some(following) if !following.ended() => following.stop(),
-            _ => self.read(open).await,
+        if let Some(following) = self.following.take_if(|f| !f.ended()) {
+            return following.stop();
         }
+        self.resume_or_read(open).await
     }
 
-    /// The current generation read whole, on the observer session (opened
-    /// if need be); None if there is nothing to read or the read failed
-    /// (the session is then closed).
-    async fn read<F, Fut>(&mut self, open: F) -> Option<ReadAhead<Replay>>
+    /// What an ended follow holds, if its generation is still the current
+    /// one (its connection closed: a drain closes every connection on its
+    /// node), on a new observer session; else the current generation read
+    /// whole. None if there is nothing to read or a read failed (the
+    /// session is then closed).
+    async fn resume_or_read<F, Fut>(&mut self, open: F) -> Option<ReadAhead<Replay>>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<StateSession, StateError>>,
     {
-        let started = Instant::now();
-        let observer = match &self.observer {
-            Some(observer) => observer,
-            None => match open().await {
-                Ok(observer) => self.observer.insert(observer),
+        let held = self.following.take().and_then(Following::stop);
+        if held.is_some() {
+            self.close();
+        }
+        if self.observer.is_none() {
+            match open().await {
+                Ok(observer) => self.observer = Some(observer),
                 Err(error) => {
                     tracing::debug!(route = %self.route, %error, "could not open a session to read the state ahead");
                     return None;
                 }
-            },
-        };
-        match observer
-            .read_ahead(Replay::new(&self.route, departed::KEPT))
-            .await
-        {
-            Ok(ahead) => {
-                tracing::debug!(route = %self.route, generation = ahead.as_ref().map(|a| a.generation), read = ahead.as_ref().map_or(0, |a| a.read), read_ms = started.elapsed().as_millis() as u64, "state read ahead");
-                ahead
-            }
-            Err(error) => {
-                tracing::debug!(route = %self.route, %error, "could not read the state ahead; it is read once the route is owned");
-                self.close();
-                None
             }
         }
+        let observer = self.observer.as_ref()?;
+        let result = match held {
+            Some(held) => match observer.current_generation().await {
+                Ok((Some(current), _)) if current == held.generation => {
+                    tracing::debug!(route = %self.route, generation = current, "the follow ended (its connection closed); resuming where it was");
+                    return Some(held);
+                }
+                Ok(_) => self.read().await,
+                Err(error) => Err(error),
+            },
+            None => self.read().await,
+        };
+        result.unwrap_or_else(|error| {
+            tracing::debug!(route = %self.route, %error, "could not read the state ahead; it is read once the route is owned");
+            self.close();
+            None
+        })
+    }
+
+    /// The current generation read whole on the observer session.
+    async fn read(&self) -> Result<Option<ReadAhead<Replay>>, StateError> {
+        let Some(observer) = &self.observer else {
+            return Ok(None);
+        };
+        let started = Instant::now();
+        let ahead = observer
+            .read_ahead(Replay::new(&self.route, departed::KEPT))
+            .await?;
+        tracing::debug!(route = %self.route, generation = ahead.as_ref().map(|a| a.generation), read = ahead.as_ref().map_or(0, |a| a.read), read_ms = started.elapsed().as_millis() as u64, "state read ahead");
+        Ok(ahead)
     }
 
     fn close(&mut self) {
