@@ -731,6 +731,64 @@ async fn an_owner_that_loses_its_connections_gives_the_route_up_and_loses_nothin
     r.delete_streams().await;
 }
 
+/// A former owner writes the Dones it owes as soon as its lock is lost,
+/// even when the confirms of its last writes never come. Its state
+/// connection is cut here (every packet dropped, both ways) while it fires:
+/// its lease runs out, and the writes waiting for confirms used to wait out
+/// `store.write_timeout` (30 s) before what they carried was owed. By then
+/// the next owner had restored and fired those messages again (a long
+/// rolling-drain run: 536 copies, each an owed Done written too late, the
+/// stream ingress's stop held up behind the same wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_former_owners_dones_are_written_at_once_when_its_confirms_never_come() {
+    const COUNT: usize = 8000;
+    let mut r = StreamRoute::new("stream-owed-cut").await;
+    r.opts.from_extra = ", queue_type = \"stream\"".into();
+    r.store_extra = "lease = \"2s\"\n".into();
+    // The broker drops the cut connection (and the lock) after a few
+    // seconds, and the standby takes over.
+    r.heartbeat = Some(2);
+    let _cleanup = r.names.cleanup();
+    let a = r.start_owner().await;
+    let b = r.start_standby().await;
+    let state = a.broker_connection_ports_named(&format!("delayd-state-{}", r.names.route));
+    assert_eq!(state.len(), 1, "one state connection");
+    // Due over 4 s from 15 s on, 2,000 a second: Dones are always on
+    // their way when the connection is cut.
+    let sent = r.send_spread("owed", COUNT, now_ms() + 15_000, 4_000).await;
+    wait_for("every message stored", DEADLINE, || async {
+        (a.pending() == COUNT as u64).then_some(())
+    })
+    .await;
+    wait_for("the owner to be firing", DEADLINE, || async {
+        let ready = r.client.queue_counts(&r.names.target_queue).await;
+        ready
+            .is_some_and(|(n, _)| n >= (COUNT / 8) as u32)
+            .then_some(())
+    })
+    .await;
+    let cut = common::CutConnection::new(state[0]);
+    let (duplicates, other_id, _) = r.receive_all_counted(&sent, Duration::from_secs(90)).await;
+    drop(cut);
+    assert_eq!(other_id, 0, "copies under another x-delayd-id");
+    assert_eq!(
+        duplicates,
+        0,
+        "messages fired again after the owner lost its lock; former owner's log:\n{}",
+        a.log_tail(40)
+    );
+    assert!(
+        a.metric("delayd_store_dones_after_session_total") > 0.0,
+        "no Done was owed: the cut came after the firing"
+    );
+    wait_for("exactly one owner consuming", DEADLINE, || async {
+        let both = [&a, &b];
+        (r.count_in(&both, "consuming") == 1).then_some(())
+    })
+    .await;
+    r.delete_streams().await;
+}
+
 /// An owner whose state connection is cut while it fires (its node was
 /// stopped, say) still owes Dones: appended but not confirmed, queued, and
 /// those of publishes on the wire that are confirmed after the close. It

@@ -552,6 +552,9 @@ impl StateNames {
     }
 }
 
+/// How often a write waiting for its confirm looks at the lease.
+const LOST_POLL: Duration = Duration::from_millis(20);
+
 /// How long a read may go without a record before it is given up.
 const READ_STALL: Duration = Duration::from_secs(30);
 
@@ -1072,6 +1075,13 @@ impl Lease {
         self.held_at(Instant::now())
     }
 
+    /// Returns once the lease is no longer held.
+    async fn until_lost(&self) {
+        while self.held() {
+            tokio::time::sleep(LOST_POLL).await;
+        }
+    }
+
     fn held_at(&self, now: Instant) -> bool {
         let since = (now.saturating_duration_since(self.started).as_millis() as u64)
             .saturating_sub(self.last_ping_ms.load(Ordering::Acquire));
@@ -1359,9 +1369,17 @@ impl StateSession {
                 confirms.push(s.map_err(protocol(format!("publishing to stream {stream}")))?);
             }
             for confirm in confirms {
-                let confirmed = tokio::time::timeout_at(deadline, confirm)
-                    .await
-                    .map_err(|_| timed_out(&stream))?;
+                let confirmed = tokio::select! {
+                    confirmed = tokio::time::timeout_at(deadline, confirm) => {
+                        confirmed.map_err(|_| timed_out(&stream))?
+                    }
+                    // A confirm can hang on the connection the lock's loss
+                    // closed. The write would not count anyway (below), and
+                    // waiting out the write timeout held a former owner's
+                    // Dones 30 s, past the next owner's restore, which fired
+                    // those messages again.
+                    () = lease.until_lost() => return Err(StateError::LockLost { lock }),
+                };
                 match confirmed.map_err(protocol(format!("confirm from stream {stream}")))? {
                     Confirmation::Ack(None) => {}
                     Confirmation::Ack(Some(_)) => {

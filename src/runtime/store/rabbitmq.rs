@@ -609,6 +609,9 @@ impl StreamStore {
         start_intake: impl Fn(CancellationToken) -> anyhow::Result<JoinHandle<()>>,
         shutdown: CancellationToken,
     ) {
+        // Kept across elections: a drain ends the wait on the lock queue
+        // (its connection closed) but not what the standby followed.
+        let mut warm = Warm::new(&self.route);
         loop {
             self.set_phase(Phase::Electing);
             if let Some(group) = &self.group {
@@ -624,7 +627,7 @@ impl StreamStore {
             }
             let attempt = std::time::Instant::now();
             let elected = tokio::select! {
-                s = self.elect() => s,
+                s = self.elect(&mut warm) => s,
                 _ = shutdown.cancelled() => return,
             };
             let (session, ahead) = match elected {
@@ -634,7 +637,11 @@ impl StreamStore {
                     }
                     (Arc::new(s), ahead)
                 }
-                Err(StateError::StoodDown { .. }) => continue,
+                Err(StateError::StoodDown { .. }) => {
+                    // Its share is full: nothing of this route is held.
+                    warm = Warm::new(&self.route);
+                    continue;
+                }
                 Err(e) => {
                     tracing::warn!(route = %self.route, error = %e, "cannot wait for the route's lock; trying again");
                     // At most one attempt a second, but a wait that lasted
@@ -731,20 +738,33 @@ impl StreamStore {
             // Bounded (the intake bounds its own stop too): ownership must
             // be given up even if a broker call never returns.
             let abort = intake.abort_handle();
-            if tokio::time::timeout(INTAKE_STOP, intake).await.is_err() {
-                tracing::warn!(route = %self.route, "the intake did not stop in time; abandoning it");
-                abort.abort();
-            }
+            let intake_stopped = async {
+                if tokio::time::timeout(INTAKE_STOP, intake).await.is_err() {
+                    tracing::warn!(route = %self.route, "the intake did not stop in time; abandoning it");
+                    abort.abort();
+                }
+            };
             if stopping {
+                intake_stopped.await;
                 return; // the runtime calls `flush` once publishes are done
             }
-            if yielding {
+            let session = if yielding {
+                // The session still writes: the intake winds down first.
+                intake_stopped.await;
                 tracing::info!(route = %self.route, "giving this partition to an instance below its share; releasing its messages to the next owner");
+                self.end_writing().await
             } else {
+                // The lock is lost: what fired owes its Done, written at
+                // once, not once the intake has stopped (a stream
+                // ingress's stop took 30 s, past the next owner's restore).
+                let (session, ()) = tokio::join!(self.end_writing(), intake_stopped);
                 tracing::error!(route = %self.route, "lost the route's lock (its connection closed or a state write failed); releasing its messages to the next owner");
                 self.move_off_lock_endpoint();
+                session
+            };
+            if let Some(session) = session {
+                self.lose(session).await;
             }
-            self.end_session().await;
             self.left_partition(yielding);
         }
     }
@@ -770,7 +790,10 @@ impl StreamStore {
 
     /// Register on the lock queue and wait until this instance is elected;
     /// with the state as read ahead meanwhile.
-    async fn elect(&self) -> Result<(StateSession, Option<ReadAhead<Replay>>), StateError> {
+    async fn elect(
+        &self,
+        warm: &mut Warm,
+    ) -> Result<(StateSession, Option<ReadAhead<Replay>>), StateError> {
         let first = self.lock_endpoint().1;
         let (connection, reached) = self.broker.open_dedicated_from(first).await?;
         *self.lock_endpoint.lock().unwrap_or_else(|e| e.into_inner()) = (reached, reached);
@@ -815,7 +838,6 @@ impl StreamStore {
         };
         // A standby keeps the state read (see `warm`) until chosen.
         let reading_ahead = async {
-            let mut warm = Warm::new(&self.route);
             loop {
                 tokio::select! {
                     biased;
@@ -999,15 +1021,22 @@ impl StreamStore {
     /// Stop writing, release what this owner held, give the lock up, and
     /// write the Dones still owed on a connection of their own.
     async fn end_session(self: &Arc<Self>) {
-        *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        let task = self.writer_task.lock().await.take();
-        if let Some((writer, session)) = task {
-            let _ = writer.await;
-            // At once: the next owner reads a lease after the end, and
-            // releasing what this owner held can take seconds.
-            self.start_writing_owed();
+        if let Some(session) = self.end_writing().await {
             self.lose(session).await;
         }
+    }
+
+    /// End the session's writer: what is queued, and every Done from now
+    /// on, is owed, and writing what is owed starts. The session, if there
+    /// was one, for [`StreamStore::lose`].
+    async fn end_writing(self: &Arc<Self>) -> Option<Arc<StateSession>> {
+        *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let (writer, session) = self.writer_task.lock().await.take()?;
+        let _ = writer.await;
+        // At once: the next owner reads a lease after the end, and
+        // releasing what this owner held can take seconds.
+        self.start_writing_owed();
+        Some(session)
     }
 
     /// Start writing what ended sessions owe, unless a task already does.

@@ -100,16 +100,21 @@ impl Warm {
 
     /// What is held once chosen (the candidate waits out the former
     /// owner's lease): what was followed, or, if nothing was, the current
-    /// generation read now, whatever its size.
-    pub async fn finish<F, Fut>(mut self, open: F) -> Option<ReadAhead<Replay>>
+    /// generation read now, whatever its size. Nothing is held after it,
+    /// and the observer session is closed.
+    pub async fn finish<F, Fut>(&mut self, open: F) -> Option<ReadAhead<Replay>>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<StateSession, StateError>>,
     {
-        if let Some(following) = self.following.take_if(|f| !f.ended()) {
-            return following.stop();
-        }
-        self.resume_or_read(open).await
+        let ahead = match self.following.take_if(|f| !f.ended()) {
+            Some(following) => following.stop(),
+            None => self.resume_or_read(open).await,
+        };
+        self.close();
+        self.quiet_until = None;
+        self.let_go = false;
+        ahead
     }
 
     /// What an ended follow holds, if its generation is still the current

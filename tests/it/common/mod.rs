@@ -86,6 +86,73 @@ pub fn abort_broker_connection(port: u16) {
     );
 }
 
+/// One TCP connection to the broker cut while both ends live: every packet
+/// of it dropped, both ways (iptables), until dropped.
+pub struct CutConnection {
+    rules: [[String; 6]; 2],
+}
+
+impl CutConnection {
+    /// Cut the connection whose local (client) port is `port`.
+    pub fn new(port: u16) -> CutConnection {
+        let port = port.to_string();
+        let rule =
+            |chain: &str, side: &str| [chain, "-p", "tcp", side, &port, "-j"].map(str::to_owned);
+        let cut = CutConnection {
+            rules: [rule("INPUT", "--dport"), rule("OUTPUT", "--sport")],
+        };
+        for rule in &cut.rules {
+            cut.iptables("-I", rule);
+        }
+        cut
+    }
+
+    fn iptables(&self, action: &str, rule: &[String; 6]) -> bool {
+        Command::new("iptables")
+            .args(["-w", action])
+            .args(rule)
+            .arg("DROP")
+            .status()
+            .expect("cannot run iptables")
+            .success()
+    }
+}
+
+impl Drop for CutConnection {
+    fn drop(&mut self) {
+        for rule in &self.rules {
+            self.iptables("-D", rule);
+        }
+    }
+}
+
+/// The broker closes the connections whose broker pids are `pids`, as a
+/// drain does (CONNECTION_FORCED).
+pub fn close_broker_connections(pids: &[String]) {
+    let closers: Vec<Child> = pids
+        .iter()
+        .map(|pid| {
+            Command::new("rabbitmqctl")
+                .args([
+                    "close_connection",
+                    pid,
+                    "delayd-it: closed mid-stream",
+                    "-q",
+                ])
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("cannot run rabbitmqctl close_connection")
+        })
+        .collect();
+    for mut closer in closers {
+        let status = closer.wait().expect("rabbitmqctl close_connection");
+        assert!(
+            status.success(),
+            "rabbitmqctl close_connection failed: {status}"
+        );
+    }
+}
+
 /// Properties of a test message: `message_id` = `id`, `x-delay` = `delay_ms`.
 pub fn delayed(id: &str, delay_ms: u64) -> BasicProperties {
     let mut headers = FieldTable::default();
@@ -698,29 +765,18 @@ impl Delayd {
             .into_iter()
             .map(|(pid, _)| pid)
             .collect();
-        let closers: Vec<Child> = pids
-            .iter()
-            .map(|pid| {
-                Command::new("rabbitmqctl")
-                    .args([
-                        "close_connection",
-                        pid,
-                        "delayd-it: closed mid-stream",
-                        "-q",
-                    ])
-                    .stdout(Stdio::null())
-                    .spawn()
-                    .expect("cannot run rabbitmqctl close_connection")
-            })
-            .collect();
-        for mut closer in closers {
-            let status = closer.wait().expect("rabbitmqctl close_connection");
-            assert!(
-                status.success(),
-                "rabbitmqctl close_connection failed: {status}"
-            );
-        }
+        close_broker_connections(&pids);
         pids.len()
+    }
+
+    /// The broker's pids of this delayd's connections named `name` (found
+    /// ahead: the CLI takes seconds on a busy machine), for
+    /// [`close_broker_connections`].
+    pub fn broker_connection_pids_named(&self, name: &str) -> Vec<String> {
+        self.broker_connections(Some(name))
+            .into_iter()
+            .map(|(pid, _)| pid)
+            .collect()
     }
 
     /// The local ports of this delayd's broker connections whose client-given
