@@ -153,6 +153,17 @@ impl OffsetTracker {
         }
     }
 
+    /// No commit will come for `tp` (what stores the offsets is gone): the
+    /// acks waiting for one fail now, and the next commit is asked anew.
+    pub fn fail_waiters(&mut self, tp: &TopicPartition, why: &str) {
+        if let Some(p) = self.partitions.get_mut(tp) {
+            p.requested = p.committed;
+            for (offset, w) in p.waiters.drain(..) {
+                let _ = w.send(Err(format!("{}[{}]@{offset}: {why}", tp.0, tp.1)));
+            }
+        }
+    }
+
     /// The partition is given up: unsettled and uncommitted acks fail.
     pub fn revoke(&mut self, tp: &TopicPartition) {
         if let Some(p) = self.partitions.remove(tp) {

@@ -737,8 +737,9 @@ async fn an_owner_that_loses_its_connections_gives_the_route_up_and_loses_nothin
 /// its lease runs out, and the writes waiting for confirms used to wait out
 /// `store.write_timeout` (30 s) before what they carried was owed. By then
 /// the next owner had restored and fired those messages again (a long
-/// rolling-drain run: 536 copies, each an owed Done written too late, the
-/// stream ingress's stop held up behind the same wait).
+/// rolling-drain run: 536 copies, each an owed Done written too late). And
+/// the stream ingress's stop waited 30 s for acks that needed the offset
+/// written, before the former owner gave the route up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_former_owners_dones_are_written_at_once_when_its_confirms_never_come() {
     const COUNT: usize = 8000;
@@ -768,6 +769,19 @@ async fn a_former_owners_dones_are_written_at_once_when_its_confirms_never_come(
     })
     .await;
     let cut = common::CutConnection::new(state[0]);
+    // And it gives the route up without waiting out the intake's stop
+    // timeout (30 s): the acks waiting for the stream offset's write fail
+    // as soon as it cannot be written.
+    wait_for(
+        "the former owner to give the route up",
+        DEADLINE,
+        || async {
+            a.log_tail(400)
+                .contains("lost the route's lock")
+                .then_some(())
+        },
+    )
+    .await;
     let (duplicates, other_id, _) = r.receive_all_counted(&sent, Duration::from_secs(90)).await;
     drop(cut);
     assert_eq!(other_id, 0, "copies under another x-delayd-id");

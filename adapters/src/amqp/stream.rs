@@ -232,6 +232,15 @@ impl StreamPosition {
         for (tp, next) in commits {
             match self.offsets.save(&self.queue, next) {
                 Ok(()) => self.tracker().committed(&tp, next),
+                // The broker-kept store's session is over (its lock lost, a
+                // state write failed): no commit comes for these acks.
+                // Failed now, not at the intake's stop timeout (30 s,
+                // retried every 20 ms meanwhile), which kept a former
+                // owner from standing by again.
+                Err(e @ CheckpointError::State { .. }) => {
+                    warn!(queue = %self.queue, error = %e, "the stream offset cannot be recorded any more; deliveries waiting for it go back");
+                    self.tracker().fail_waiters(&tp, &e.to_string());
+                }
                 Err(e) => {
                     error!(queue = %self.queue, error = %e, "cannot write the stream checkpoint; retrying");
                     self.tracker().commit_failed(&tp);
@@ -355,6 +364,36 @@ mod tests {
         let e = load_checkpoint(&path, "orders").unwrap_err().to_string();
         assert!(e.contains("orders.offset"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The broker-kept store that records the offsets, its session over.
+    #[derive(Debug)]
+    struct SessionOver;
+
+    impl OffsetStore for SessionOver {
+        fn load(&self, _: &str) -> Result<Option<i64>, CheckpointError> {
+            Ok(None)
+        }
+        fn save(&self, queue: &str, _: i64) -> Result<(), CheckpointError> {
+            Err(CheckpointError::State {
+                queue: queue.to_owned(),
+                reason: "this instance does not own the route".into(),
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn acks_waiting_for_an_offset_the_state_stream_cannot_take_fail_at_once() {
+        let config = StreamConfig {
+            offsets: Arc::new(SessionOver),
+        };
+        let (position, _rewinds) = StreamPosition::start("orders", &config).unwrap();
+        let epoch = position.delivered(7);
+        let (waiter, mut acked) = tokio::sync::oneshot::channel();
+        position.tracker().settle(&position.tp, 7, epoch, waiter);
+        position.checkpoint_now();
+        let outcome = acked.try_recv().expect("the ack is answered at once");
+        assert!(outcome.unwrap_err().contains("does not own the route"));
     }
 
     #[test]
