@@ -1569,35 +1569,47 @@ impl StateSession {
     /// always a prefix of the generation, whole stream messages applied,
     /// which [`StateSession::catch_up`] completes. It ends when the
     /// generation is deleted (a checkpoint or a restore finished: read the
-    /// pointers again) or the connection fails.
+    /// pointers again) or the connection fails. If it cannot start, `ahead`
+    /// comes back with the error: what it holds is still a prefix.
     pub async fn follow<S: ApplyRecord + Send + 'static>(
         &self,
         ahead: ReadAhead<S>,
-    ) -> Result<Following<S>, StateError> {
+    ) -> Result<Following<S>, (StateError, ReadAhead<S>)> {
         let stream = self.names.generation(ahead.generation);
+        match self.consume_from(&stream, ahead.resume_at).await {
+            Ok((channel, consumer)) => {
+                let held = Arc::new(Mutex::new(Some(ahead)));
+                let task = tokio::spawn(apply_as_written(channel, consumer, stream, held.clone()));
+                Ok(Following { held, task })
+            }
+            Err(error) => Err((error, ahead)),
+        }
+    }
+
+    /// A consumer of `stream` from `offset`, on a channel of its own.
+    async fn consume_from(
+        &self,
+        stream: &str,
+        offset: i64,
+    ) -> Result<(Channel, lapin::Consumer), StateError> {
         let channel = self.channel().await?;
         channel
             .basic_qos(READ_PREFETCH, BasicQosOptions { global: false })
             .await
             .map_err(protocol("basic.qos for a stream read"))?;
         let mut args = FieldTable::default();
-        args.insert(
-            "x-stream-offset".into(),
-            AMQPValue::LongLongInt(ahead.resume_at),
-        );
+        args.insert("x-stream-offset".into(), AMQPValue::LongLongInt(offset));
         let tag = format!("delayd-state-follow-{:x}", fresh_nonce());
         let consumer = channel
             .basic_consume(
-                short_string(&stream, "stream name").map_err(AmqpError::from)?,
+                short_string(stream, "stream name").map_err(AmqpError::from)?,
                 short_string(&tag, "consumer tag").map_err(AmqpError::from)?,
                 BasicConsumeOptions::default(),
                 args,
             )
             .await
             .map_err(protocol(format!("following stream {stream}")))?;
-        let held = Arc::new(Mutex::new(Some(ahead)));
-        let task = tokio::spawn(apply_as_written(channel, consumer, stream, held.clone()));
-        Ok(Following { held, task })
+        Ok((channel, consumer))
     }
 
     /// Whether `stream` holds a record other than read markers.

@@ -28,11 +28,6 @@ use super::departed::{self, Replay};
 /// How often a standby checks on what it follows.
 pub const CHECK_EVERY: Duration = Duration::from_secs(1);
 
-/// How long a standby waits before it reads the pointers again when there
-/// was nothing to follow (no state yet, a checkpoint under way): each
-/// read of them leaves a marker there.
-const NOTHING_TO_FOLLOW: Duration = Duration::from_secs(5);
-
 /// The most message bytes a standby holds per route.
 pub const MAX_BYTES: usize = 256 << 20;
 
@@ -41,8 +36,9 @@ pub struct Warm {
     route: String,
     observer: Option<StateSession>,
     following: Option<Following<Replay>>,
-    /// No read before then (see [`NOTHING_TO_FOLLOW`]).
-    quiet_until: Option<Instant>,
+    /// Read, but not followed (the follow could not start): still a prefix
+    /// of its generation.
+    unfollowed: Option<ReadAhead<Replay>>,
     /// Over [`MAX_BYTES`]: no longer followed.
     let_go: bool,
 }
@@ -53,7 +49,7 @@ impl Warm {
             route: route.to_owned(),
             observer: None,
             following: None,
-            quiet_until: None,
+            unfollowed: None,
             let_go: false,
         }
     }
@@ -66,7 +62,7 @@ impl Warm {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<StateSession, StateError>>,
     {
-        if self.let_go || self.quiet_until.is_some_and(|t| Instant::now() < t) {
+        if self.let_go {
             return;
         }
         if let Some(following) = self.following.as_ref().filter(|f| !f.ended()) {
@@ -79,20 +75,20 @@ impl Warm {
             }
             return;
         }
+        // Nothing to follow (no state yet, a checkpoint under way): read
+        // again at the next check.
         let Some(ahead) = self.resume_or_read(open).await else {
-            if self.observer.is_some() {
-                // Read, and nothing to follow (a failure closes it).
-                self.quiet_until = Some(Instant::now() + NOTHING_TO_FOLLOW);
-            }
             return;
         };
         let Some(observer) = &self.observer else {
+            self.unfollowed = Some(ahead);
             return;
         };
         match observer.follow(ahead).await {
             Ok(following) => self.following = Some(following),
-            Err(error) => {
+            Err((error, ahead)) => {
                 tracing::debug!(route = %self.route, %error, "could not follow the route's state");
+                self.unfollowed = Some(ahead);
                 self.close();
             }
         }
@@ -112,7 +108,7 @@ impl Warm {
             None => self.resume_or_read(open).await,
         };
         self.close();
-        self.quiet_until = None;
+        self.unfollowed = None;
         self.let_go = false;
         ahead
     }
@@ -127,10 +123,13 @@ impl Warm {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<StateSession, StateError>>,
     {
-        let held = self.following.take().and_then(Following::stop);
-        if held.is_some() {
-            self.close();
-        }
+        let held = match self.following.take() {
+            Some(following) => {
+                self.close();
+                following.stop()
+            }
+            None => self.unfollowed.take(),
+        };
         if self.observer.is_none() {
             match open().await {
                 Ok(observer) => self.observer = Some(observer),
