@@ -89,6 +89,22 @@ impl StreamRoute {
         d
     }
 
+    /// Waits until the owner `d` holds all `count` messages and has fired
+    /// an eighth of them (so that Dones are on their way).
+    async fn wait_firing(&self, d: &Delayd, count: usize) {
+        wait_for("every message stored", DEADLINE, || async {
+            (d.pending() == count as u64).then_some(())
+        })
+        .await;
+        wait_for("the owner to be firing", DEADLINE, || async {
+            let ready = self.client.queue_counts(&self.names.target_queue).await;
+            ready
+                .is_some_and(|(n, _)| n >= (count / 8) as u32)
+                .then_some(())
+        })
+        .await;
+    }
+
     /// How many of `instances` report the route in `state`.
     fn count_in(&self, instances: &[&Delayd], state: &str) -> usize {
         instances
@@ -757,17 +773,7 @@ async fn a_former_owners_dones_are_written_at_once_when_its_confirms_never_come(
     // Due over 4 s from 15 s on, 2,000 a second: Dones are always on
     // their way when the connection is cut.
     let sent = r.send_spread("owed", COUNT, now_ms() + 15_000, 4_000).await;
-    wait_for("every message stored", DEADLINE, || async {
-        (a.pending() == COUNT as u64).then_some(())
-    })
-    .await;
-    wait_for("the owner to be firing", DEADLINE, || async {
-        let ready = r.client.queue_counts(&r.names.target_queue).await;
-        ready
-            .is_some_and(|(n, _)| n >= (COUNT / 8) as u32)
-            .then_some(())
-    })
-    .await;
+    r.wait_firing(&a, COUNT).await;
     let cut = common::CutConnection::new(state[0]);
     // And it gives the route up without waiting out the intake's stop
     // timeout (30 s): the acks waiting for the stream offset's write fail
@@ -824,17 +830,7 @@ async fn a_former_owners_dones_reach_the_next_owner() {
     // machine): 2,000 a second, so that Dones are always on their way
     // when the connection is cut.
     let sent = r.send_spread("owed", COUNT, now_ms() + 15_000, 4_000).await;
-    wait_for("every message stored", DEADLINE, || async {
-        (a.pending() == COUNT as u64).then_some(())
-    })
-    .await;
-    wait_for("the owner to be firing", DEADLINE, || async {
-        let ready = r.client.queue_counts(&r.names.target_queue).await;
-        ready
-            .is_some_and(|(n, _)| n >= (COUNT / 8) as u32)
-            .then_some(())
-    })
-    .await;
+    r.wait_firing(&a, COUNT).await;
     for port in state {
         common::abort_broker_connection(port);
     }
@@ -1239,6 +1235,21 @@ async fn observer_session(
         .expect("observe")
 }
 
+/// An encoded Schedule of message `id`, due at `id` × 10 ms.
+fn test_schedule(id: u128) -> Vec<u8> {
+    delayd_adapters::amqp::state::Record::Schedule {
+        id,
+        due_ms: id as u64 * 10,
+        message: format!("message {id}").into_bytes(),
+    }
+    .encode()
+}
+
+/// An encoded Done of message `id`.
+fn test_done(id: u128) -> Vec<u8> {
+    delayd_adapters::amqp::state::Record::Done { id }.encode()
+}
+
 /// Whether `observer` finds the route's current generation worth reading
 /// ahead.
 async fn reads_ahead(observer: &delayd_adapters::amqp::state::StateSession) -> bool {
@@ -1272,15 +1283,7 @@ async fn a_generation_read_ahead_and_caught_up_is_the_live_set_a_cold_read_build
     // An owner's writer prepares the next generation, empty, at once.
     let next = names.generation(1);
     owner.declare_stream(&next).await.expect("declare 1");
-    let schedule = |id: u128| {
-        Record::Schedule {
-            id,
-            due_ms: id as u64 * 10,
-            message: format!("message {id}").into_bytes(),
-        }
-        .encode()
-    };
-    let done = |id: u128| Record::Done { id }.encode();
+    let (schedule, done) = (test_schedule, test_done);
     let mut before: Vec<Vec<u8>> = (0..200).map(schedule).collect();
     before.extend((0..200).step_by(5).map(done));
     owner.append(&stream, &before).await.await.expect("before");
@@ -1352,19 +1355,11 @@ async fn a_generation_read_ahead_and_caught_up_is_the_live_set_a_cold_read_build
 /// restore completes it, must be the live set a cold restore builds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_following_the_state_over_a_checkpoint_holds_what_a_cold_restore_builds() {
-    use delayd_adapters::amqp::state::{Following, LiveSet, ReadAhead, Record, StateSession};
+    use delayd_adapters::amqp::state::{Following, LiveSet, ReadAhead, StateSession};
     let r = StreamRoute::new("stream-warm-standby").await;
     let (names, owner) = elected_session(&r).await;
     let observer = observer_session(&names).await;
-    let schedule = |id: u128| {
-        Record::Schedule {
-            id,
-            due_ms: id as u64 * 10,
-            message: format!("message {id}").into_bytes(),
-        }
-        .encode()
-    };
-    let done = |id: u128| Record::Done { id }.encode();
+    let (schedule, done) = (test_schedule, test_done);
     // What a restore does with it: the rest of the generation read, then
     // the next one whole.
     let completed = |ahead: ReadAhead<LiveSet>, next: String| {

@@ -1435,30 +1435,9 @@ impl StateSession {
         self.append(stream, &[Record::Marker { nonce }.encode()])
             .await
             .await?;
-        let channel = self.channel().await?;
+        let tag = format!("delayd-state-read-{nonce:x}");
+        let (channel, mut consumer) = self.consume_from(stream, from, &tag).await?;
         let result = async {
-            channel
-                .basic_qos(READ_PREFETCH, BasicQosOptions { global: false })
-                .await
-                .map_err(protocol("basic.qos for a stream read"))?;
-            let mut args = FieldTable::default();
-            args.insert(
-                "x-stream-offset".into(),
-                match from {
-                    Some(offset) => AMQPValue::LongLongInt(offset),
-                    None => AMQPValue::LongString(LongString::from("first")),
-                },
-            );
-            let tag = format!("delayd-state-read-{nonce:x}");
-            let mut consumer = channel
-                .basic_consume(
-                    short_string(stream, "stream name").map_err(AmqpError::from)?,
-                    short_string(&tag, "consumer tag").map_err(AmqpError::from)?,
-                    BasicConsumeOptions::default(),
-                    args,
-                )
-                .await
-                .map_err(protocol(format!("reading stream {stream}")))?;
             let mut read = 0u64;
             let mut unacked = 0u32;
             loop {
@@ -1472,14 +1451,7 @@ impl StateSession {
                     }
                     Ok(Some(d)) => d.map_err(protocol(format!("reading stream {stream}")))?,
                 };
-                unacked += 1;
-                if unacked >= u32::from(READ_PREFETCH) / 2 {
-                    delivery
-                        .ack(BasicAckOptions { multiple: true })
-                        .await
-                        .map_err(protocol("acking a stream read"))?;
-                    unacked = 0;
-                }
+                ack_for_credit(&delivery, &mut unacked).await?;
                 let offset = stream_offset(&delivery.properties);
                 let records = records_in(stream, offset, &delivery.data, |bytes| {
                     self.skip(stream, offset, bytes)
@@ -1576,7 +1548,11 @@ impl StateSession {
         ahead: ReadAhead<S>,
     ) -> Result<Following<S>, (StateError, ReadAhead<S>)> {
         let stream = self.names.generation(ahead.generation);
-        match self.consume_from(&stream, ahead.resume_at).await {
+        let tag = format!("delayd-state-follow-{:x}", fresh_nonce());
+        match self
+            .consume_from(&stream, Some(ahead.resume_at), &tag)
+            .await
+        {
             Ok((channel, consumer)) => {
                 let held = Arc::new(Mutex::new(Some(ahead)));
                 let task = tokio::spawn(apply_as_written(channel, consumer, stream, held.clone()));
@@ -1586,30 +1562,46 @@ impl StateSession {
         }
     }
 
-    /// A consumer of `stream` from `offset`, on a channel of its own.
+    /// A consumer (`tag`) of `stream` from offset `from` (None: the first
+    /// record), on a channel of its own.
     async fn consume_from(
         &self,
         stream: &str,
-        offset: i64,
+        from: Option<i64>,
+        tag: &str,
     ) -> Result<(Channel, lapin::Consumer), StateError> {
         let channel = self.channel().await?;
-        channel
-            .basic_qos(READ_PREFETCH, BasicQosOptions { global: false })
-            .await
-            .map_err(protocol("basic.qos for a stream read"))?;
-        let mut args = FieldTable::default();
-        args.insert("x-stream-offset".into(), AMQPValue::LongLongInt(offset));
-        let tag = format!("delayd-state-follow-{:x}", fresh_nonce());
-        let consumer = channel
-            .basic_consume(
-                short_string(stream, "stream name").map_err(AmqpError::from)?,
-                short_string(&tag, "consumer tag").map_err(AmqpError::from)?,
-                BasicConsumeOptions::default(),
-                args,
-            )
-            .await
-            .map_err(protocol(format!("following stream {stream}")))?;
-        Ok((channel, consumer))
+        let consumer = async {
+            channel
+                .basic_qos(READ_PREFETCH, BasicQosOptions { global: false })
+                .await
+                .map_err(protocol("basic.qos for a stream read"))?;
+            let mut args = FieldTable::default();
+            args.insert(
+                "x-stream-offset".into(),
+                match from {
+                    Some(offset) => AMQPValue::LongLongInt(offset),
+                    None => AMQPValue::LongString(LongString::from("first")),
+                },
+            );
+            channel
+                .basic_consume(
+                    short_string(stream, "stream name").map_err(AmqpError::from)?,
+                    short_string(tag, "consumer tag").map_err(AmqpError::from)?,
+                    BasicConsumeOptions::default(),
+                    args,
+                )
+                .await
+                .map_err(protocol(format!("reading stream {stream}")))
+        }
+        .await;
+        match consumer {
+            Ok(consumer) => Ok((channel, consumer)),
+            Err(e) => {
+                let _ = channel.close(200, "OK".into()).await;
+                Err(e)
+            }
+        }
     }
 
     /// Whether `stream` holds a record other than read markers.
@@ -1781,14 +1773,7 @@ async fn apply_as_written<S: ApplyRecord>(
         // or the channel closed.
         while let Some(delivery) = consumer.next().await {
             let delivery = delivery.map_err(protocol(format!("following stream {stream}")))?;
-            unacked += 1;
-            if unacked >= u32::from(READ_PREFETCH) / 2 {
-                delivery
-                    .ack(BasicAckOptions { multiple: true })
-                    .await
-                    .map_err(protocol("acking a stream read"))?;
-                unacked = 0;
-            }
+            ack_for_credit(&delivery, &mut unacked).await?;
             let offset = stream_offset(&delivery.properties);
             if offset < 0 {
                 // Without offsets, what is held cannot be resumed from.
@@ -1815,6 +1800,23 @@ async fn apply_as_written<S: ApplyRecord>(
     .await;
     let _ = channel.close(200, "OK".into()).await;
     result
+}
+
+/// A stream consumer gets more only once it acks: ack what was read, in
+/// bulk, every half prefetch.
+async fn ack_for_credit(
+    delivery: &lapin::message::Delivery,
+    unacked: &mut u32,
+) -> Result<(), StateError> {
+    *unacked += 1;
+    if *unacked >= u32::from(READ_PREFETCH) / 2 {
+        delivery
+            .ack(BasicAckOptions { multiple: true })
+            .await
+            .map_err(protocol("acking a stream read"))?;
+        *unacked = 0;
+    }
+    Ok(())
 }
 
 /// The records of one state stream message, in order. What does not decode
