@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod codec;
+pub mod log_burst;
 pub mod message;
 pub mod offsets;
 pub mod traits;

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use delayd_adapters::log_burst::BurstLog;
 use delayd_adapters::{AckHandle, BoxFuture, Delivery, Source, SourceError};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -75,6 +76,13 @@ struct Held {
     ticket: Option<Ticket>,
 }
 
+/// The intake's warnings that come in bursts (see [`BurstLog`]).
+#[derive(Debug, Default)]
+pub struct IntakeBursts {
+    unsent_acks: BurstLog,
+    store_failures: BurstLog,
+}
+
 /// How long a delivery whose store failed for a passing reason waits
 /// before it is stored again.
 const STORE_RETRY: Duration = Duration::from_millis(500);
@@ -106,6 +114,9 @@ pub struct Intake {
     /// Deliveries taken and not yet settled, for one identity per message
     /// across redeliveries (shared by the route's terms of ownership).
     pub in_hand: Arc<InHand>,
+    /// Warnings that come once per delivery when a connection or an
+    /// ownership ends: logged once a burst.
+    pub bursts: Arc<IntakeBursts>,
 }
 
 impl Intake {
@@ -417,7 +428,11 @@ impl Intake {
                     super::backpressure::DISK_PROBE
                 }
                 Err(e) => {
-                    tracing::error!(route, error = %e, "cannot store message; holding it to try again");
+                    if let Some(left_out) =
+                        self.bursts.store_failures.admit(std::time::Instant::now())
+                    {
+                        tracing::error!(route, error = %e, repeats_left_out = left_out, "cannot store message; holding it to try again (repeats within 10 s are counted, not logged)");
+                    }
                     metrics::counter!("delayd_store_failures_total", "route" => route.to_owned())
                         .increment(1);
                     STORE_RETRY
@@ -502,7 +517,9 @@ impl Intake {
                 if let Some(id) = id {
                     self.engine.ack_not_sent(id);
                 }
-                tracing::warn!(route, error = %e, "ack not sent after store; the broker will redeliver the message");
+                if let Some(left_out) = self.bursts.unsent_acks.admit(std::time::Instant::now()) {
+                    tracing::warn!(route, error = %e, repeats_left_out = left_out, "ack not sent after store; the broker will redeliver the message (repeats within 10 s are counted, not logged)");
+                }
             }
             // Perhaps applied, perhaps not: a redelivery is stored again
             // under this one's id (see `engine::dedup`).
@@ -666,6 +683,7 @@ to = { broker = "rabbit", exchange = "out" }
             byte_budget: 1 << 20,
             store: None,
             in_hand: in_hand.clone(),
+            bursts: Arc::default(),
         };
         let (feed, deliveries) = mpsc::unbounded_channel();
         let stop = CancellationToken::new();

@@ -216,6 +216,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             byte_budget,
             store: store.clone(),
             in_hand: Default::default(),
+            bursts: Default::default(),
         };
         if let Some(RouteStore::Stream(stream)) = &store {
             // Consumed only while this instance owns the route.

@@ -183,6 +183,7 @@ impl AmqpSource {
                     rewinds,
                     floor: 0,
                     expect: None,
+                    rewound: Default::default(),
                 })
             }
             None => None,
@@ -503,6 +504,8 @@ struct StreamIntake {
     /// The offset the current consumer asked for and has not yet seen:
     /// its first delivery beyond it means retention removed the gap.
     expect: Option<i64>,
+    /// A session's end requeues its deliveries one by one: one line a burst.
+    rewound: crate::log_burst::BurstLog,
 }
 
 /// Why a session ended.
@@ -704,7 +707,9 @@ impl Worker {
             return Ok(());
         };
         if stream.position.rewind(offset, epoch) {
-            info!(queue = %self.config.queue, offset, "reading the stream again from a requeued delivery");
+            if let Some(left_out) = stream.rewound.admit(std::time::Instant::now()) {
+                info!(queue = %self.config.queue, offset, repeats_left_out = left_out, "reading the stream again from a requeued delivery (repeats within 10 s are counted, not logged)");
+            }
         }
         if !self.paused {
             match start_consumer(

@@ -158,6 +158,8 @@ pub struct StreamStore {
     phase: AtomicU8,
     /// The last restore found a stream the pointer names missing.
     state_missing: std::sync::atomic::AtomicBool,
+    /// Schedules refused once the session ends, one per delivery in hand.
+    unwritten: delayd_adapters::log_burst::BurstLog,
     /// `store.checkpoint_records`.
     checkpoint_floor: u64,
     /// The WAL directory, where the route is marked broker-kept (see
@@ -206,6 +208,7 @@ impl StreamStore {
             owed: Arc::default(),
             writing_owed: AtomicBool::new(false),
             state_missing: Default::default(),
+            unwritten: Default::default(),
             checkpoint_floor,
             wal_dir,
             group,
@@ -392,7 +395,9 @@ impl StreamStore {
                 // this store may go on (`written_here` dropped), so a
                 // Schedule the redelivery writes under the same identity
                 // comes after it in the stream.
-                tracing::warn!(route = %this.route, error = %e, "the state record was not written; the delivery goes back");
+                if let Some(left_out) = this.unwritten.admit(std::time::Instant::now()) {
+                    tracing::warn!(route = %this.route, error = %e, repeats_left_out = left_out, "the state record was not written; the delivery goes back (repeats within 10 s are counted, not logged)");
+                }
                 let _ = this.engine.release(id).await;
                 drop(written_here);
                 return Err(EngineError::Interrupted("the state record was not written"));
