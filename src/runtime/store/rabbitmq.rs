@@ -1765,7 +1765,11 @@ impl Writer {
                 }
                 Err(e) => {
                     metrics::counter!("delayd_store_write_failures_total", "route" => route.clone()).increment(total);
-                    tracing::error!(route = %route, error = %e, "a state write failed; ending this owner's session");
+                    // Every write in flight fails with the connection: the
+                    // first one says it.
+                    if !failed.is_cancelled() {
+                        tracing::error!(route = %route, error = %e, "a state write failed; ending this owner's session");
+                    }
                     failed.cancel();
                     // Written or not: the former owner writes them again.
                     let mut owed = owed.lock().unwrap_or_else(|e| e.into_inner());
