@@ -517,6 +517,25 @@ impl StateNames {
         PING_EVERY.min(self.lease / 5)
     }
 
+    /// How often a chosen candidate pings itself while it waits out the
+    /// lease (see [`Candidate::watch_unbroken`]).
+    pub fn wait_ping_every(&self) -> Duration {
+        (self.lease / 20).max(Duration::from_millis(5))
+    }
+
+    /// How late a chosen candidate's ping may come back before its wait
+    /// starts over. With [`Self::wait_ping_every`] it stays under the lock
+    /// queue's disconnected timeout ([`Self::disconnected_timeout`]), so the
+    /// turn cannot move away from a waiting candidate unnoticed.
+    pub fn wait_ping_late(&self) -> Duration {
+        self.lease / 8
+    }
+
+    /// After how long the lock queue gives up a consumer on a lost node.
+    pub fn disconnected_timeout(&self) -> Duration {
+        self.lease / LOCK_TAKEOVER_DIVISOR
+    }
+
     /// Writes wait at most `timeout` for the broker.
     pub fn with_append_timeout(mut self, timeout: Duration) -> Self {
         self.append_timeout = timeout;
@@ -716,8 +735,11 @@ impl Candidate {
         loop {
             self.wait_for_ping(every, seen, None).await?;
             seen(Waiting::Chosen);
-            self.watch_until(tokio::time::Instant::now() + self.names.lease + self.names.margin())
-                .await?;
+            let deadline = tokio::time::Instant::now() + self.names.lease + self.names.margin();
+            if !self.watch_unbroken(deadline).await? {
+                tracing::debug!(lock = %self.names.lock(), "a ping of this candidate's wait came back late or not at all: the turn may have moved away and back; waiting again");
+                continue;
+            }
             let nonce = fresh_nonce().to_be_bytes();
             if let Some(sent) = self.wait_for_ping(every, seen, Some(&nonce)).await? {
                 return Ok(sent);
@@ -725,16 +747,76 @@ impl Candidate {
         }
     }
 
-    /// Wait until `deadline`, but fail as soon as the lock consumer does:
-    /// a drained node closes a standby's connection just as the route comes
-    /// to it, and a plain sleep noticed that only at the next ping, a lease
-    /// later. Pings that arrive meanwhile are older than the one the wait
-    /// ends with, and would be passed over anyway.
-    async fn watch_until(&mut self, deadline: tokio::time::Instant) -> Result<(), StateError> {
+    /// Wait until `deadline` while the turn stays this candidate's: true if
+    /// it did, false if the wait must start over.
+    ///
+    /// The lease is waited out from the candidate's first ping, but the
+    /// single active consumer can move away from a candidate whose node
+    /// drops out, and back, without a word. An owner that had the turn in
+    /// between may still hold its lease when this wait ends: the lock
+    /// model (`state/lock_model.rs`) found two owners that way. So the
+    /// candidate pings itself every [`StateNames::wait_ping_every`]
+    /// throughout, and a ping of its own that comes back out of order or
+    /// later than [`StateNames::wait_ping_late`] ends the wait: the turn
+    /// moves only after the lock queue's disconnected timeout, longer than
+    /// the two, so it cannot move away unnoticed.
+    ///
+    /// It fails as soon as the lock consumer does: a drained node closes a
+    /// standby's connection just as the route comes to it, and a plain sleep
+    /// noticed that only at the next ping, a lease later. Other pings that
+    /// arrive meanwhile are older than the one the wait ends with, and
+    /// would be passed over anyway.
+    async fn watch_unbroken(&mut self, deadline: tokio::time::Instant) -> Result<bool, StateError> {
+        let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
+        let (every, late) = (self.names.wait_ping_every(), self.names.wait_ping_late());
+        let nonce = (fresh_nonce() as u64).to_be_bytes();
+        let mut outstanding: std::collections::VecDeque<(u64, tokio::time::Instant)> =
+            Default::default();
+        let (mut seq, mut next_ping) = (0u64, tokio::time::Instant::now());
         loop {
-            match tokio::time::timeout_at(deadline, self.consumer.next()).await {
-                Err(_) => return Ok(()),
-                Ok(Some(Ok(_))) => {}
+            let now = tokio::time::Instant::now();
+            if outstanding
+                .front()
+                .is_some_and(|&(_, sent)| now - sent > late)
+            {
+                return Ok(false);
+            }
+            if now >= deadline {
+                return Ok(true);
+            }
+            if now >= next_ping {
+                let mut body = [0u8; 16];
+                body[..8].copy_from_slice(&nonce);
+                body[8..].copy_from_slice(&seq.to_be_bytes());
+                self.lock
+                    .basic_publish(
+                        "".into(),
+                        queue.clone(),
+                        BasicPublishOptions::default(),
+                        &body,
+                        BasicProperties::default(),
+                    )
+                    .await
+                    .map_err(protocol("pinging the lock queue"))?;
+                outstanding.push_back((seq, tokio::time::Instant::now()));
+                seq += 1;
+                next_ping = now + every;
+            }
+            let mut wake = deadline.min(next_ping);
+            if let Some(&(_, sent)) = outstanding.front() {
+                wake = wake.min(sent + late + Duration::from_millis(1));
+            }
+            match tokio::time::timeout_at(wake, self.consumer.next()).await {
+                Err(_) => {}
+                Ok(Some(Ok(d))) => {
+                    if d.data.len() == 16 && d.data[..8] == nonce {
+                        let got = u64::from_be_bytes(d.data[8..].try_into().expect("8 bytes"));
+                        // In order, or one went to another consumer.
+                        if outstanding.pop_front().is_none_or(|(s, _)| s != got) {
+                            return Ok(false);
+                        }
+                    }
+                }
                 Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
                 Ok(None) => {
                     return Err(StateError::Refused {
@@ -949,12 +1031,15 @@ fn quorum_leased(timeout: Duration) -> FieldTable {
 }
 
 /// A lock queue gives a consumer on a lost node up after a quarter of the
-/// lease. Safety does not rest on it: a new owner waits a whole lease (and
-/// the margin) after it is chosen, whatever moved the lock. It is time
-/// without an owner after a node dies, and it was the whole lease until
-/// 2026-11-30. RabbitMQ suspects a node only when its distribution link
-/// drops (a closed connection, or `net_ticktime`, 60 s), which a healthy
-/// node does not do for a quarter of a second.
+/// lease. It is time without an owner after a node dies, and it was the
+/// whole lease until 2026-11-30. Safety rests on it in one way only: it
+/// must be longer than a chosen candidate's ping interval and lateness
+/// ([`StateNames::wait_ping_every`], [`StateNames::wait_ping_late`]), so that
+/// the turn cannot move away from a waiting candidate unnoticed (a longer
+/// timeout, as an older delayd declared, is safe). RabbitMQ suspects a node
+/// only when its distribution link drops (a closed connection, or
+/// `net_ticktime`, 60 s), which a healthy node does not do for a quarter of
+/// a second.
 const LOCK_TAKEOVER_DIVISOR: u32 = 4;
 
 /// The route's lock queue: a quorum queue, which outlives the loss of a
@@ -1035,9 +1120,13 @@ impl Lease {
 
     /// A ping of this owner's, stamped with when it is sent.
     fn ping(&self) -> [u8; 16] {
+        self.ping_at(Instant::now())
+    }
+
+    fn ping_at(&self, now: Instant) -> [u8; 16] {
         let mut body = [0; 16];
         body[..8].copy_from_slice(&self.nonce);
-        let ms = self.started.elapsed().as_millis() as u64;
+        let ms = now.saturating_duration_since(self.started).as_millis() as u64;
         body[8..].copy_from_slice(&ms.to_be_bytes());
         body
     }
@@ -1889,8 +1978,22 @@ pub fn fresh_nonce() -> u128 {
 }
 
 #[cfg(test)]
+mod lock_model;
+
+#[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_turn_cannot_leave_a_waiting_candidate_before_its_pings_are_late() {
+        for secs in [1, 2, 5, 30, 60] {
+            let names = StateNames::new("p").with_lease(Duration::from_secs(secs));
+            assert!(
+                names.wait_ping_every() + names.wait_ping_late() < names.disconnected_timeout(),
+                "lease {secs} s"
+            );
+        }
+    }
 
     #[test]
     fn a_shorter_lease_pings_more_often_and_waits_a_shorter_margin() {

@@ -1,0 +1,617 @@
+//! A model of a route's lock (tests only), to look for two owners by
+//! exhaustion rather than by example.
+//!
+//! The broker side is RabbitMQ's single active consumer on a quorum queue,
+//! as delayd relies on it: one active consumer at a time, in registration
+//! order; a consumer whose node drops out is suspected, gets nothing, and
+//! loses its turn after the queue's disconnected timeout, but stays
+//! registered and may be made active again later; deliveries are settled on
+//! send (`no_ack`), so what went to one consumer never reaches another.
+//!
+//! The instance side follows [`Candidate::elected`](super::Candidate) and
+//! `hold` step by step, with the real [`Lease`]. Each seed draws outages of
+//! each instance's link (its publishes wait, its deliveries wait, the broker
+//! suspects its consumer); every tick checks that at most one instance
+//! fires (owns the route with its lease held).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::{Lease, StateNames};
+
+/// One step of the model's clock, in milliseconds.
+const TICK: u64 = 5;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Body {
+    /// A candidate's ping while it waits for its turn.
+    Standby,
+    /// A candidate's own ping at the end of its wait.
+    Check(u64),
+    /// An owner's ping, stamped by its lease.
+    Owner([u8; 16]),
+    /// A chosen candidate's own ping while it waits (nonce, sequence).
+    Wait(u64, u64),
+}
+
+/// What a chosen candidate asks of its wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitRule {
+    /// Waits out the lease and the margin from its first ping, then checks
+    /// that a ping of its own comes back (the code until 2026-12-01).
+    FromFirstPing,
+    /// Also pings itself throughout the wait, and starts over when one of
+    /// those pings comes back late or not at all: the turn may have moved
+    /// away and back, and an owner in between may still hold its lease.
+    Unbroken,
+}
+
+struct Consumer {
+    instance: usize,
+    tag: u64,
+}
+
+/// Timings, in milliseconds.
+#[derive(Clone, Copy)]
+struct Timing {
+    lease: u64,
+    margin: u64,
+    every: u64,
+    disconnected_timeout: u64,
+    /// How often a chosen candidate pings itself ([`WaitRule::Unbroken`]).
+    wait_every: u64,
+    /// How late such a ping may come back.
+    wait_late: u64,
+}
+
+impl Timing {
+    /// As the code derives them from `store.lease`.
+    fn for_lease(lease: u64) -> Self {
+        let names = StateNames::new("model").with_lease(Duration::from_millis(lease));
+        let ms = |d: Duration| d.as_millis() as u64;
+        Self {
+            lease,
+            margin: ms(names.margin()),
+            every: ms(names.ping_every()),
+            disconnected_timeout: ms(names.disconnected_timeout()),
+            wait_every: ms(names.wait_ping_every()),
+            wait_late: ms(names.wait_ping_late()),
+        }
+    }
+}
+
+enum Role {
+    /// Not on the lock queue; registers at `at`.
+    Registering {
+        at: u64,
+    },
+    /// Waits for a ping (anyone's), pinging every round.
+    Standby {
+        next_round: u64,
+    },
+    /// Chosen: waits out the lease and the margin.
+    Chosen {
+        until: u64,
+        nonce: u64,
+        next_seq: u64,
+        next_ping: u64,
+        /// Its own pings not yet back: (sequence, sent).
+        outstanding: VecDeque<(u64, u64)>,
+    },
+    /// Its own ping must come back within two rounds.
+    Checking {
+        nonce: u64,
+        first_sent: u64,
+        rounds: u32,
+        deadline: u64,
+    },
+    Owner {
+        lease: Lease,
+        next_tick: u64,
+    },
+}
+
+struct Instance {
+    role: Role,
+    tag: Option<u64>,
+    /// Published, not yet at the queue (one tick of transit, or the link
+    /// is down).
+    outbox: VecDeque<Body>,
+    /// Its connection was closed while the link was down: the broker
+    /// learns of it when the link is back.
+    close_pending: bool,
+}
+
+/// splitmix64: a seed gives one run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// Link outages: (instance, from, to) in milliseconds.
+type Outages = Vec<(usize, u64, u64)>;
+
+fn draw_outages(rng: &mut Rng, instances: usize, horizon: u64, t: Timing) -> Outages {
+    let mut outages = Vec::new();
+    for i in 0..instances {
+        let mut at = rng.below(2 * t.lease);
+        while at < horizon {
+            // From a blip the broker barely notices to longer than a lease.
+            let length = t.disconnected_timeout / 2 + rng.below(2 * t.lease);
+            outages.push((i, at, at + length));
+            at += length + rng.below(3 * t.lease);
+        }
+    }
+    outages
+}
+
+struct Model {
+    t: Timing,
+    rule: WaitRule,
+    base: Instant,
+    now: u64,
+    rng: Rng,
+    queue: VecDeque<Body>,
+    consumers: Vec<Consumer>,
+    active: Option<u64>,
+    /// Since when each instance's link is down, if it is.
+    down_since: Vec<Option<u64>>,
+    instances: Vec<Instance>,
+    next_tag: u64,
+    outages: Outages,
+    trace: Vec<String>,
+}
+
+/// A run that broke the lock's guarantee: two instances fired at once,
+/// or none owned the route once the links had been up for a while.
+#[derive(Debug)]
+pub struct Broken {
+    pub seed: u64,
+    pub at_ms: u64,
+    pub what: &'static str,
+    pub trace: Vec<String>,
+}
+
+/// How long the links stay up after the outages, and by when an owner must
+/// fire: a few leases.
+fn quiet(t: Timing) -> u64 {
+    5 * t.lease
+}
+
+impl Model {
+    fn new(seed: u64, instances: usize, horizon: u64, lease: u64, rule: WaitRule) -> Self {
+        let t = Timing::for_lease(lease);
+        let mut rng = Rng(seed);
+        let outages = draw_outages(&mut rng, instances, horizon, t);
+        Self {
+            t,
+            rule,
+            base: Instant::now(),
+            now: 0,
+            rng,
+            queue: VecDeque::new(),
+            consumers: Vec::new(),
+            active: None,
+            down_since: vec![None; instances],
+            instances: (0..instances)
+                .map(|i| Instance {
+                    role: Role::Registering { at: i as u64 * 50 },
+                    tag: None,
+                    outbox: VecDeque::new(),
+                    close_pending: false,
+                })
+                .collect(),
+            next_tag: 0,
+            outages,
+            trace: Vec::new(),
+        }
+    }
+
+    fn at(&self, ms: u64) -> Instant {
+        self.base + Duration::from_millis(ms)
+    }
+
+    fn note(&mut self, what: String) {
+        self.trace.push(format!("{:>6} ms {what}", self.now));
+    }
+
+    fn link_up(&self, i: usize) -> bool {
+        self.down_since[i].is_none()
+    }
+
+    fn firing(&self, i: usize) -> bool {
+        matches!(&self.instances[i].role, Role::Owner { lease, .. } if lease.held_at(self.at(self.now)))
+    }
+
+    /// Ticks with an instance firing, of all ticks, and the verdict.
+    fn run(mut self, seed: u64, horizon: u64) -> (u64, u64, Result<(), Broken>) {
+        let end = horizon + quiet(self.t);
+        let mut owned = 0;
+        while self.now < end {
+            self.links();
+            self.broker();
+            for i in 0..self.instances.len() {
+                self.instance(i);
+            }
+            let firing: Vec<usize> = (0..self.instances.len())
+                .filter(|&i| self.firing(i))
+                .collect();
+            owned += u64::from(!firing.is_empty());
+            if firing.len() > 1 {
+                self.note(format!("instances {firing:?} fire at once"));
+                return (
+                    owned,
+                    self.now / TICK,
+                    Err(self.broken(seed, "two owners fired at once")),
+                );
+            }
+            self.now += TICK;
+        }
+        if !(0..self.instances.len()).any(|i| self.firing(i)) {
+            return (
+                owned,
+                end / TICK,
+                Err(self.broken(seed, "no owner after the links were up for five leases")),
+            );
+        }
+        (owned, end / TICK, Ok(()))
+    }
+
+    fn broken(self, seed: u64, what: &'static str) -> Broken {
+        Broken {
+            seed,
+            at_ms: self.now,
+            what,
+            trace: self.trace,
+        }
+    }
+
+    /// Outages begin and end.
+    fn links(&mut self) {
+        for i in 0..self.instances.len() {
+            let down = self
+                .outages
+                .iter()
+                .any(|&(j, from, to)| j == i && (from..to).contains(&self.now));
+            match (down, self.down_since[i]) {
+                (true, None) => {
+                    self.down_since[i] = Some(self.now);
+                    self.note(format!("instance {i}: link down"));
+                }
+                (false, Some(_)) => {
+                    self.down_since[i] = None;
+                    self.note(format!("instance {i}: link up"));
+                    if std::mem::take(&mut self.instances[i].close_pending) {
+                        self.remove_consumers_of(i);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn remove_consumers_of(&mut self, i: usize) {
+        let closed: Vec<u64> = self
+            .consumers
+            .iter()
+            .filter(|c| c.instance == i && Some(c.tag) != self.instances[i].tag)
+            .map(|c| c.tag)
+            .collect();
+        self.consumers.retain(|c| !closed.contains(&c.tag));
+        if self.active.is_some_and(|a| closed.contains(&a)) {
+            self.active = None;
+        }
+    }
+
+    fn consumer_instance(&self, tag: u64) -> usize {
+        self.consumers
+            .iter()
+            .find(|c| c.tag == tag)
+            .map(|c| c.instance)
+            .expect("a registered consumer")
+    }
+
+    /// The queue: publishes arrive, the turn moves, deliveries go out.
+    fn broker(&mut self) {
+        for i in 0..self.instances.len() {
+            if self.link_up(i) {
+                let arrived: Vec<Body> = self.instances[i].outbox.drain(..).collect();
+                self.queue.extend(arrived);
+            }
+        }
+        // A suspected active consumer loses its turn after the timeout; a
+        // queue with no active consumer gives the turn to the first that
+        // can take it. The one passed over stays registered.
+        let suspected_long = self.active.is_some_and(|a| {
+            let i = self.consumer_instance(a);
+            self.down_since[i].is_some_and(|since| self.now - since >= self.t.disconnected_timeout)
+        });
+        if self.active.is_none() || suspected_long {
+            let next = self
+                .consumers
+                .iter()
+                .find(|c| Some(c.tag) != self.active && self.down_since[c.instance].is_none())
+                .map(|c| (c.tag, c.instance));
+            if let Some((tag, i)) = next {
+                if let Some(old) = self.active {
+                    // Back to the end of the waiting consumers.
+                    let pos = self
+                        .consumers
+                        .iter()
+                        .position(|c| c.tag == old)
+                        .expect("registered");
+                    let c = self.consumers.remove(pos);
+                    self.consumers.push(c);
+                }
+                self.active = Some(tag);
+                self.note(format!("the turn moves to instance {i}"));
+            }
+        }
+        let Some(active) = self.active else { return };
+        let i = self.consumer_instance(active);
+        if !self.link_up(i) || self.instances[i].tag != Some(active) {
+            return;
+        }
+        let delivered: Vec<Body> = self.queue.drain(..).collect();
+        for body in delivered {
+            self.deliver(i, body);
+        }
+    }
+
+    fn publish(&mut self, i: usize, body: Body) {
+        self.instances[i].outbox.push_back(body);
+    }
+
+    fn deliver(&mut self, i: usize, body: Body) {
+        let now = self.now;
+        let wait = self.t.lease + self.t.margin;
+        let fresh = self.rng.next();
+        let inst = &mut self.instances[i];
+        let mut chosen = false;
+        let mut broken = false;
+        match &mut inst.role {
+            Role::Standby { .. } => {
+                inst.role = Role::Chosen {
+                    until: now + wait,
+                    nonce: fresh,
+                    next_seq: 0,
+                    next_ping: now,
+                    outstanding: VecDeque::new(),
+                };
+                chosen = true;
+            }
+            Role::Chosen {
+                nonce, outstanding, ..
+            } => {
+                if let Body::Wait(n, seq) = body {
+                    if n == *nonce {
+                        // Back in order, or one went to another consumer.
+                        broken = outstanding.pop_front().is_none_or(|(s, _)| s != seq);
+                    }
+                }
+            }
+            Role::Checking {
+                nonce, first_sent, ..
+            } if body == Body::Check(*nonce) => {
+                let held_from = self.base + Duration::from_millis(*first_sent);
+                inst.role = Role::Owner {
+                    lease: Lease::new(Duration::from_millis(self.t.lease), held_from),
+                    next_tick: now,
+                };
+                self.trace
+                    .push(format!("{now:>6} ms instance {i}: owns the route"));
+            }
+            Role::Owner { lease, .. } => {
+                if let Body::Owner(ping) = body {
+                    lease.renew_from(&ping);
+                }
+            }
+            _ => {}
+        }
+        if chosen {
+            self.note(format!("instance {i}: chosen, waits out the lease"));
+        }
+        if broken && self.rule == WaitRule::Unbroken {
+            self.start_over(i, "a ping of its wait came back out of order");
+        }
+    }
+
+    fn start_over(&mut self, i: usize, why: &str) {
+        self.instances[i].role = Role::Standby {
+            next_round: self.now,
+        };
+        self.note(format!("instance {i}: waits again: {why}"));
+    }
+
+    fn instance(&mut self, i: usize) {
+        let now = self.now;
+        let t = self.t;
+        let at = self.at(now);
+        match &mut self.instances[i].role {
+            Role::Registering { at: when } => {
+                if now >= *when && self.link_up(i) {
+                    let tag = self.next_tag;
+                    self.next_tag += 1;
+                    self.consumers.push(Consumer { instance: i, tag });
+                    self.instances[i].tag = Some(tag);
+                    self.instances[i].role = Role::Standby { next_round: now };
+                }
+            }
+            Role::Standby { next_round } => {
+                if now >= *next_round {
+                    *next_round = now + t.every;
+                    self.publish(i, Body::Standby);
+                }
+            }
+            Role::Chosen {
+                until,
+                nonce,
+                next_seq,
+                next_ping,
+                outstanding,
+            } => {
+                if self.rule == WaitRule::Unbroken {
+                    if outstanding
+                        .front()
+                        .is_some_and(|&(_, sent)| now - sent > t.wait_late)
+                    {
+                        self.start_over(i, "a ping of its wait is late");
+                        return;
+                    }
+                    if now >= *next_ping {
+                        let body = Body::Wait(*nonce, *next_seq);
+                        outstanding.push_back((*next_seq, now));
+                        *next_seq += 1;
+                        *next_ping = now + t.wait_every;
+                        self.publish(i, body);
+                        return;
+                    }
+                }
+                if now >= *until {
+                    let nonce = self.rng.next();
+                    self.instances[i].role = Role::Checking {
+                        nonce,
+                        first_sent: now,
+                        rounds: 0,
+                        deadline: now + t.every,
+                    };
+                    self.publish(i, Body::Check(nonce));
+                }
+            }
+            Role::Checking {
+                nonce,
+                rounds,
+                deadline,
+                ..
+            } => {
+                if now >= *deadline {
+                    *rounds += 1;
+                    let nonce = *nonce;
+                    if *rounds >= 2 {
+                        self.instances[i].role = Role::Standby { next_round: now };
+                    } else {
+                        *deadline = now + t.every;
+                        self.publish(i, Body::Check(nonce));
+                    }
+                }
+            }
+            Role::Owner { lease, next_tick } => {
+                if now >= *next_tick {
+                    if !lease.held_at(at) {
+                        // Lost: the connection closes, and the instance
+                        // registers again on a new one.
+                        self.instances[i].role = Role::Registering { at: now + 100 };
+                        self.instances[i].tag = None;
+                        if self.link_up(i) {
+                            self.remove_consumers_of(i);
+                        } else {
+                            self.instances[i].close_pending = true;
+                        }
+                        self.note(format!("instance {i}: lost the lock"));
+                    } else {
+                        *next_tick = now + t.every;
+                        let ping = lease.ping_at(at);
+                        self.publish(i, Body::Owner(ping));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Run seeds `seeds` for `horizon` ms each; the first two-owner run, if any.
+/// What a search found.
+pub struct Searched {
+    /// The first broken run, if any.
+    pub broken: Option<Broken>,
+    /// The share of ticks with an owner firing, over the runs made.
+    pub owned: f64,
+}
+
+/// Run `seeds` (outages for `horizon` ms, then quiet) until one breaks.
+pub fn search(seeds: std::ops::Range<u64>, horizon: u64, lease: u64, rule: WaitRule) -> Searched {
+    let (mut owned, mut ticks) = (0, 0);
+    for seed in seeds {
+        let (o, t, verdict) = Model::new(seed, 3, horizon, lease, rule).run(seed, horizon);
+        owned += o;
+        ticks += t;
+        if let Err(broken) = verdict {
+            return Searched {
+                broken: Some(broken),
+                owned: owned as f64 / ticks.max(1) as f64,
+            };
+        }
+    }
+    Searched {
+        broken: None,
+        owned: owned as f64 / ticks.max(1) as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_holds(searched: Searched) {
+        if let Some(b) = searched.broken {
+            panic!(
+                "seed {}, {} ms: {}\n{}",
+                b.seed,
+                b.at_ms,
+                b.what,
+                b.trace.join("\n")
+            );
+        }
+    }
+
+    #[test]
+    fn a_wait_counted_from_the_first_ping_lets_two_owners_fire() {
+        let searched = search(0..2000, 30_000, 1000, WaitRule::FromFirstPing);
+        let broken = searched.broken.expect("the model finds two owners");
+        assert_eq!(broken.what, "two owners fired at once");
+    }
+
+    #[test]
+    fn an_unbroken_wait_never_lets_two_owners_fire_and_always_elects_one() {
+        assert_holds(search(0..1000, 30_000, 1000, WaitRule::Unbroken));
+        assert_holds(search(1000..1300, 60_000, 5000, WaitRule::Unbroken));
+    }
+
+    /// `LOCK_MODEL_SEEDS=N cargo test --release --features amqp -p
+    /// delayd-adapters lock_model -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn long_run() {
+        let n: u64 = std::env::var("LOCK_MODEL_SEEDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(100_000);
+        for (lease, horizon) in [(1000, 30_000), (5000, 120_000)] {
+            for rule in [WaitRule::FromFirstPing, WaitRule::Unbroken] {
+                let searched = search(0..n, horizon, lease, rule);
+                println!(
+                    "lease {lease} ms, {rule:?}: {}, owner firing {:.1} % of the time",
+                    searched
+                        .broken
+                        .as_ref()
+                        .map_or("no broken run".to_string(), |b| format!(
+                            "seed {}: {}",
+                            b.seed, b.what
+                        )),
+                    100.0 * searched.owned
+                );
+            }
+        }
+    }
+}
