@@ -13,8 +13,17 @@
 #
 # The test command runs a fixed budget of seeds in a debug build
 # (sim::tests::a_fixed_budget_of_seeds_breaks_no_guarantee).
+#
+#   bash scripts/sim.sh --lock 20000 # the route lock's model instead
+#                                    # (adapters/src/amqp/state/lock_model.rs):
+#                                    # N seeds at a 1 s and a 5 s lease, both
+#                                    # wait rules, two owners or no owner
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = --lock ]; then
+    export LOCK_MODEL_SEEDS="${2:-100000}"
+    exec cargo test --release -p delayd-adapters --features amqp --lib lock_model::tests::long_run -- --ignored --nocapture
+fi
 case "${1:-}" in
     --seeds) export SIM_SEEDS="${2:?--seeds N}" ;;
     "") export SIM_SECONDS="${SIM_SECONDS:-60}" ;;
