@@ -11,6 +11,7 @@ pub mod codec;
 pub mod log_burst;
 pub mod message;
 pub mod offsets;
+pub mod split_mix;
 pub mod traits;
 
 #[cfg(feature = "amqp")]

@@ -39,10 +39,7 @@ const MAX_BACKLOG: u64 = 1_000_000;
 /// A deterministic spread of delays (splitmix64): no dependency, and the
 /// same fill for the same arguments.
 fn mix(seq: u64) -> u64 {
-    let mut z = seq.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    delayd_adapters::split_mix::SplitMix64(seq).next()
 }
 
 /// The message an AMQP intake would store for the bench's publish `seq`.

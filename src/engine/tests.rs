@@ -1003,11 +1003,10 @@ async fn admission_never_lets_pending_pass_max_pending() {
 fn crc_colliding_bodies(route: &str) -> (Vec<u8>, Vec<u8>) {
     let mut seen = std::collections::HashMap::new();
     for i in 0u64.. {
-        // splitmix64
-        let mut z = i.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        let body = (z ^ (z >> 31)).to_le_bytes().to_vec();
+        let body = delayd_adapters::split_mix::SplitMix64(i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .next()
+            .to_le_bytes()
+            .to_vec();
         let crc = crc32c::crc32c_append(crc32c::crc32c(route.as_bytes()), &body);
         if let Some(other) = seen.insert(crc, body.clone()) {
             return (other, body);

@@ -19,7 +19,7 @@ use crate::wal::sim::{PowerLoss, SimFs};
 use crate::wal::WalConfig;
 
 use super::model::Model;
-use super::ops::{Loss, Op, Rng, Scope, HORIZONS, ROUTES};
+use super::ops::{seeded, Loss, Op, Rng, Scope, HORIZONS, ROUTES};
 use super::Failure;
 
 const DIR: &str = "/vol/wal";
@@ -177,7 +177,7 @@ fn sim_key(message: &[u8]) -> Option<&[u8]> {
 
 impl Sim {
     pub fn new(seed: u64) -> Self {
-        let mut rng = Rng::new(seed.wrapping_mul(31).wrapping_add(7));
+        let mut rng = seeded(seed.wrapping_mul(31).wrapping_add(7));
         let horizon = HORIZONS[rng.below(HORIZONS.len() as u64) as usize];
         // Half the seeds keep one route out of the far tier: its records
         // stay in their segments, so a segment a spill retired from can
@@ -185,7 +185,7 @@ impl Sim {
         let near_only = rng.chance(50);
         // From the seed, not the draw: the seeds that do not fill up run
         // as they did before the capacity model.
-        let fills_up = Rng::new(seed ^ 0x5eed_f111).chance(50);
+        let fills_up = seeded(seed ^ 0x5eed_f111).chance(50);
         Sim {
             seed,
             rng,
@@ -214,7 +214,7 @@ impl Sim {
             session: 0,
             released: Default::default(),
             stored_in: Default::default(),
-            aside: Rng::new(seed ^ 0x5e55_10a5),
+            aside: seeded(seed ^ 0x5e55_10a5),
             step: 0,
             trace: Default::default(),
             report: Report {

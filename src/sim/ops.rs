@@ -1,30 +1,11 @@
 //! The operations a seed draws, and how often each comes up.
 
 /// splitmix64: the simulator's only source of randomness.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub type Rng = delayd_adapters::split_mix::SplitMix64;
 
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x005e_ed0f_de1a_7d00)
-    }
-
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// In `0..n` (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    pub fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
+/// The simulator's generator for `seed`.
+pub fn seeded(seed: u64) -> Rng {
+    delayd_adapters::split_mix::SplitMix64(seed ^ 0x005e_ed0f_de1a_7d00)
 }
 
 /// Where a full disk is full.
@@ -131,7 +112,7 @@ const ALWAYS: [usize; 3] = [0, 5, 6];
 /// compactions and restarts close together: how a load that kept a
 /// message's old id loses it).
 pub fn draw(seed: u64, len: usize) -> Vec<Op> {
-    let mut rng = Rng::new(seed);
+    let mut rng = seeded(seed);
     let mut weights = WEIGHTS;
     if rng.below(3) == 0 {
         for (kind, w) in weights.iter_mut().enumerate() {

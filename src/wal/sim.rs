@@ -24,6 +24,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use delayd_adapters::split_mix::SplitMix64 as Rng;
+
 use super::fs::{parent_dir, DirGuard, FileSystem, VolumeSpace, WalFile};
 use super::WalError;
 
@@ -112,26 +114,9 @@ struct State {
     frozen: bool,
 }
 
-/// splitmix64: enough randomness for a test, from a seed it can print.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// In `0..=max`.
-    fn up_to(&mut self, max: usize) -> usize {
-        (self.next() % (max as u64 + 1)) as usize
-    }
-
-    fn coin(&mut self) -> bool {
-        self.next() & 1 == 1
-    }
+/// In `0..=max` (torn writes draw from a seed a test can print).
+fn up_to(rng: &mut Rng, max: usize) -> usize {
+    rng.below(max as u64 + 1) as usize
 }
 
 fn dead() -> io::Error {
@@ -216,14 +201,14 @@ impl State {
             return inode.synced.clone();
         };
         if inode.rewritten {
-            return if rng.coin() {
+            return if rng.below(2) == 1 {
                 inode.data.clone()
             } else {
                 inode.synced.clone()
             };
         }
         let synced = inode.synced.len();
-        let end = match rng.up_to(inode.ends.len()) {
+        let end = match up_to(rng, inode.ends.len()) {
             0 => synced,
             k => inode.ends[k - 1],
         };
@@ -233,7 +218,7 @@ impl State {
         while page_start < end {
             let from = page_start.max(synced);
             let to = (page_start + PAGE).min(end);
-            if rng.coin() {
+            if rng.below(2) == 1 {
                 out[from..to].copy_from_slice(&inode.data[from..to]);
             }
             page_start += PAGE;
@@ -328,7 +313,7 @@ impl SimFs {
             PowerLoss::Torn { seed } => Some(Rng(seed)),
         };
         let journal = std::mem::take(&mut state.journal);
-        let kept = rng.as_mut().map_or(0, |r| r.up_to(journal.len()));
+        let kept = rng.as_mut().map_or(0, |r| up_to(r, journal.len()));
         let mut names = std::mem::take(&mut state.durable);
         for change in &journal[..kept] {
             State::apply(&mut names, change);

@@ -18,6 +18,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::{Lease, StateNames};
+use crate::split_mix::SplitMix64 as Rng;
 
 /// One step of the model's clock, in milliseconds.
 const TICK: u64 = 5;
@@ -120,23 +121,6 @@ struct Instance {
     /// Its connection was closed while the link was down: the broker
     /// learns of it when the link is back.
     close_pending: bool,
-}
-
-/// splitmix64: a seed gives one run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
 
 /// Link outages: (instance, from, to) in milliseconds.
