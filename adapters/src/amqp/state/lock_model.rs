@@ -33,6 +33,12 @@ enum Body {
     Owner([u8; 16]),
     /// A chosen candidate's own ping while it waits (nonce, sequence).
     Wait(u64, u64),
+    /// A former owner that stopped on purpose (a sketch, not built: see
+    /// [`WaitRule::UnbrokenWithHandover`]).
+    Handover(u64),
+    /// Its `Handover` was confirmed within a lease of its last own ping's
+    /// send.
+    Commit(u64),
 }
 
 /// What a chosen candidate asks of its wait.
@@ -45,6 +51,25 @@ pub enum WaitRule {
     /// those pings comes back late or not at all: the turn may have moved
     /// away and back, and an owner in between may still hold its lease.
     Unbroken,
+    /// [`WaitRule::Unbroken`], and a planned stop hands over without the
+    /// wait (docs/broker-store.md, "Why a stall longer than the lease ends
+    /// a tenure"; not built). The owner, once fenced, publishes
+    /// `Handover(n)`; if its confirm came within a lease of the send of its
+    /// last own ping that came back, it publishes `Commit(n)`. A chosen
+    /// candidate that receives both goes straight to its check.
+    UnbrokenWithHandover,
+    /// The same, but the former owner publishes `Commit(n)` however late
+    /// the confirm came: the bound's planted absence.
+    HandoverWithoutTheBound,
+}
+
+impl WaitRule {
+    fn hands_over(self) -> bool {
+        matches!(
+            self,
+            Self::UnbrokenWithHandover | Self::HandoverWithoutTheBound
+        )
+    }
 }
 
 struct Consumer {
@@ -83,13 +108,9 @@ impl Timing {
 
 enum Role {
     /// Not on the lock queue; registers at `at`.
-    Registering {
-        at: u64,
-    },
+    Registering { at: u64 },
     /// Waits for a ping (anyone's), pinging every round.
-    Standby {
-        next_round: u64,
-    },
+    Standby { next_round: u64 },
     /// Chosen: waits out the lease and the margin.
     Chosen {
         until: u64,
@@ -98,6 +119,8 @@ enum Role {
         next_ping: u64,
         /// Its own pings not yet back: (sequence, sent).
         outstanding: VecDeque<(u64, u64)>,
+        /// A `Handover` received in this wait.
+        handover: Option<u64>,
     },
     /// Its own ping must come back within two rounds.
     Checking {
@@ -109,7 +132,13 @@ enum Role {
     Owner {
         lease: Lease,
         next_tick: u64,
+        /// When its lease started, and the send of its last own ping that
+        /// came back.
+        started: u64,
+        last_back_sent: u64,
     },
+    /// Stopped on purpose, fenced: its `Handover(nonce)` is on its way.
+    Leaving { nonce: u64, last_back_sent: u64 },
 }
 
 struct Instance {
@@ -122,6 +151,10 @@ struct Instance {
     /// learns of it when the link is back.
     close_pending: bool,
 }
+
+/// How often an owner is drained, in a hundred of its pings
+/// ([`WaitRule::UnbrokenWithHandover`]).
+const DRAIN_PERCENT: u64 = 2;
 
 /// Link outages: (instance, from, to) in milliseconds.
 type Outages = Vec<(usize, u64, u64)>;
@@ -143,6 +176,8 @@ fn draw_outages(rng: &mut Rng, instances: usize, horizon: u64, t: Timing) -> Out
 struct Model {
     t: Timing,
     rule: WaitRule,
+    /// Faults (outages, drains) come until then.
+    horizon: u64,
     base: Instant,
     now: u64,
     rng: Rng,
@@ -181,6 +216,7 @@ impl Model {
         Self {
             t,
             rule,
+            horizon,
             base: Instant::now(),
             now: 0,
             rng,
@@ -311,7 +347,22 @@ impl Model {
         for i in 0..self.instances.len() {
             if self.link_up(i) {
                 let arrived: Vec<Body> = self.instances[i].outbox.drain(..).collect();
-                self.queue.extend(arrived);
+                self.queue.extend(arrived.iter().copied());
+                if let Role::Leaving {
+                    nonce,
+                    last_back_sent,
+                } = self.instances[i].role
+                {
+                    if arrived.contains(&Body::Handover(nonce)) {
+                        // Confirmed now (transit back: none, the most
+                        // lenient case for the bound).
+                        let bound = self.rule != WaitRule::HandoverWithoutTheBound;
+                        if !bound || self.now - last_back_sent <= self.t.lease {
+                            self.publish(i, Body::Commit(nonce));
+                        }
+                        self.instances[i].role = Role::Registering { at: self.now + 100 };
+                    }
+                }
             }
         }
         // A suspected active consumer loses its turn after the timeout; a
@@ -364,6 +415,7 @@ impl Model {
         let inst = &mut self.instances[i];
         let mut chosen = false;
         let mut broken = false;
+        let mut committed = false;
         match &mut inst.role {
             Role::Standby { .. } => {
                 inst.role = Role::Chosen {
@@ -372,19 +424,27 @@ impl Model {
                     next_seq: 0,
                     next_ping: now,
                     outstanding: VecDeque::new(),
+                    handover: match body {
+                        Body::Handover(n) => Some(n),
+                        _ => None,
+                    },
                 };
                 chosen = true;
             }
             Role::Chosen {
-                nonce, outstanding, ..
-            } => {
-                if let Body::Wait(n, seq) = body {
-                    if n == *nonce {
-                        // Back in order, or one went to another consumer.
-                        broken = outstanding.pop_front().is_none_or(|(s, _)| s != seq);
-                    }
+                nonce,
+                outstanding,
+                handover,
+                ..
+            } => match body {
+                Body::Wait(n, seq) if n == *nonce => {
+                    // Back in order, or one went to another consumer.
+                    broken = outstanding.pop_front().is_none_or(|(s, _)| s != seq);
                 }
-            }
+                Body::Handover(n) => *handover = Some(n),
+                Body::Commit(n) => committed = *handover == Some(n),
+                _ => {}
+            },
             Role::Checking {
                 nonce, first_sent, ..
             } if body == Body::Check(*nonce) => {
@@ -392,13 +452,24 @@ impl Model {
                 inst.role = Role::Owner {
                     lease: Lease::new(Duration::from_millis(self.t.lease), held_from),
                     next_tick: now,
+                    started: *first_sent,
+                    last_back_sent: *first_sent,
                 };
                 self.trace
                     .push(format!("{now:>6} ms instance {i}: owns the route"));
             }
-            Role::Owner { lease, .. } => {
+            Role::Owner {
+                lease,
+                started,
+                last_back_sent,
+                ..
+            } => {
                 if let Body::Owner(ping) = body {
                     lease.renew_from(&ping);
+                    if ping[..8] == lease.nonce {
+                        let ms = u64::from_be_bytes(ping[8..].try_into().expect("8 bytes"));
+                        *last_back_sent = (*last_back_sent).max(*started + ms);
+                    }
                 }
             }
             _ => {}
@@ -406,9 +477,24 @@ impl Model {
         if chosen {
             self.note(format!("instance {i}: chosen, waits out the lease"));
         }
-        if broken && self.rule == WaitRule::Unbroken {
+        if broken && self.rule != WaitRule::FromFirstPing {
             self.start_over(i, "a ping of its wait came back out of order");
+        } else if committed && self.rule.hands_over() {
+            self.note(format!("instance {i}: handed over to, checks at once"));
+            self.check(i);
         }
+    }
+
+    /// The wait is over: its own ping must come back within two rounds.
+    fn check(&mut self, i: usize) {
+        let nonce = self.rng.next();
+        self.instances[i].role = Role::Checking {
+            nonce,
+            first_sent: self.now,
+            rounds: 0,
+            deadline: self.now + self.t.every,
+        };
+        self.publish(i, Body::Check(nonce));
     }
 
     fn start_over(&mut self, i: usize, why: &str) {
@@ -444,8 +530,9 @@ impl Model {
                 next_seq,
                 next_ping,
                 outstanding,
+                ..
             } => {
-                if self.rule == WaitRule::Unbroken {
+                if self.rule != WaitRule::FromFirstPing {
                     if outstanding
                         .front()
                         .is_some_and(|&(_, sent)| now - sent > t.wait_late)
@@ -463,14 +550,7 @@ impl Model {
                     }
                 }
                 if now >= *until {
-                    let nonce = self.rng.next();
-                    self.instances[i].role = Role::Checking {
-                        nonce,
-                        first_sent: now,
-                        rounds: 0,
-                        deadline: now + t.every,
-                    };
-                    self.publish(i, Body::Check(nonce));
+                    self.check(i);
                 }
             }
             Role::Checking {
@@ -490,9 +570,30 @@ impl Model {
                     }
                 }
             }
-            Role::Owner { lease, next_tick } => {
+            Role::Owner {
+                lease,
+                next_tick,
+                last_back_sent,
+                ..
+            } => {
                 if now >= *next_tick {
-                    if !lease.held_at(at) {
+                    let drained = self.rule.hands_over()
+                        && self.down_since[i].is_none()
+                        && now < self.horizon
+                        && self.rng.chance(DRAIN_PERCENT);
+                    if drained && lease.held_at(at) {
+                        // A planned stop: a drain closes its connection, and
+                        // it fences itself at once.
+                        let (nonce, last_back_sent) = (self.rng.next(), *last_back_sent);
+                        self.instances[i].role = Role::Leaving {
+                            nonce,
+                            last_back_sent,
+                        };
+                        self.instances[i].tag = None;
+                        self.remove_consumers_of(i);
+                        self.publish(i, Body::Handover(nonce));
+                        self.note(format!("instance {i}: drained, hands over"));
+                    } else if !lease.held_at(at) {
                         // Lost: the connection closes, and the instance
                         // registers again on a new one.
                         self.instances[i].role = Role::Registering { at: now + 100 };
@@ -510,11 +611,12 @@ impl Model {
                     }
                 }
             }
+            // Waits for its Handover's confirm (see `broker`).
+            Role::Leaving { .. } => {}
         }
     }
 }
 
-/// Run seeds `seeds` for `horizon` ms each; the first two-owner run, if any.
 /// What a search found.
 pub struct Searched {
     /// The first broken run, if any.
@@ -567,6 +669,19 @@ mod tests {
     }
 
     #[test]
+    fn a_handover_committed_within_a_lease_never_lets_two_owners_fire() {
+        assert_holds(search(
+            0..1000,
+            30_000,
+            1000,
+            WaitRule::UnbrokenWithHandover,
+        ));
+        let searched = search(0..1000, 30_000, 1000, WaitRule::HandoverWithoutTheBound);
+        let broken = searched.broken.expect("without the bound, two owners");
+        assert_eq!(broken.what, "two owners fired at once");
+    }
+
+    #[test]
     fn an_unbroken_wait_never_lets_two_owners_fire_and_always_elects_one() {
         assert_holds(search(0..1000, 30_000, 1000, WaitRule::Unbroken));
         assert_holds(search(1000..1300, 60_000, 5000, WaitRule::Unbroken));
@@ -582,7 +697,11 @@ mod tests {
             .and_then(|v| v.parse().ok())
             .unwrap_or(100_000);
         for (lease, horizon) in [(1000, 30_000), (5000, 120_000)] {
-            for rule in [WaitRule::FromFirstPing, WaitRule::Unbroken] {
+            for rule in [
+                WaitRule::FromFirstPing,
+                WaitRule::Unbroken,
+                WaitRule::UnbrokenWithHandover,
+            ] {
                 let searched = search(0..n, horizon, lease, rule);
                 println!(
                     "lease {lease} ms, {rule:?}: {}, owner firing {:.1} % of the time",
