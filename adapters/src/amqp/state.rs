@@ -20,8 +20,11 @@
 //! connection at once, and it checks the lease before every
 //! write and again once the write is confirmed (a write confirmed after the
 //! lease ran out does not count: its delivery is not acked). A new owner
-//! waits the lease and a margin after its election, and checks that
-//! its own ping still reaches it, before it reads anything. Every write to
+//! waits the lease and a margin after its election, with the turn its own
+//! throughout (its own pings come back in order and on time:
+//! [`Candidate::watch_unbroken`]), and checks that its own ping still
+//! reaches it, before it reads anything. `state/lock_model.rs` checks the
+//! protocol against a model of the broker's single active consumer. Every write to
 //! the state streams goes over the owner's lock connection
 //! ([`StateSession`]), so a write that counts was made before the next
 //! owner reads, and the next owner reads it. The route's ingress queue is

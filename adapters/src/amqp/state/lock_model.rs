@@ -12,7 +12,13 @@
 //! `hold` step by step, with the real [`Lease`]. Each seed draws outages of
 //! each instance's link (its publishes wait, its deliveries wait, the broker
 //! suspects its consumer); every tick checks that at most one instance
-//! fires (owns the route with its lease held).
+//! fires (owns the route with its lease held), and once the outages are
+//! over, an owner must fire within five leases.
+//!
+//! [`WaitRule`] picks the candidate's wait: the one the code took until
+//! 2026-12-01 (two owners, which the tests keep showing), the one it takes
+//! now, and a sketch of a hand-over on a planned stop, not built, with its
+//! bound and without it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
