@@ -22,7 +22,7 @@
 //! lease ran out does not count: its delivery is not acked). A new owner
 //! waits the lease and a margin after its election, with the turn its own
 //! throughout (its own pings come back in order and on time:
-//! [`Candidate::watch_unbroken`]), and checks that its own ping still
+//! `Candidate::watch_unbroken`), and checks that its own ping still
 //! reaches it, before it reads anything. `state/lock_model.rs` checks the
 //! protocol against a model of the broker's single active consumer. Every write to
 //! the state streams goes over the owner's lock connection
@@ -521,7 +521,7 @@ impl StateNames {
     }
 
     /// How often a chosen candidate pings itself while it waits out the
-    /// lease (see [`Candidate::watch_unbroken`]).
+    /// lease (see `Candidate::watch_unbroken`).
     pub fn wait_ping_every(&self) -> Duration {
         (self.lease / 20).max(Duration::from_millis(5))
     }
