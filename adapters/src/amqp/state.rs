@@ -601,6 +601,64 @@ const LEASE_MARGIN_DIVISOR: u32 = 20;
 /// fifth of the lease if that is less, so a late ping or two never ends it.
 const PING_EVERY: Duration = Duration::from_secs(1);
 
+/// A chosen candidate's pings to itself while it waits out the lease
+/// (`Candidate::watch_unbroken`; the lock model drives this same code).
+/// Sent in sequence, they must come back in order and on time: one that
+/// comes back out of order went to another consumer, and one that is late
+/// may be held while the turn moves away.
+pub(crate) struct WaitPings {
+    nonce: [u8; 8],
+    late: Duration,
+    next_seq: u64,
+    /// Sent and not back yet: (sequence, sent at).
+    outstanding: std::collections::VecDeque<(u64, Instant)>,
+}
+
+impl WaitPings {
+    pub(crate) fn new(nonce: u64, late: Duration) -> Self {
+        Self {
+            nonce: nonce.to_be_bytes(),
+            late,
+            next_seq: 0,
+            outstanding: Default::default(),
+        }
+    }
+
+    /// The next ping's body, sent at `at`.
+    pub(crate) fn send(&mut self, at: Instant) -> [u8; 16] {
+        let mut body = [0u8; 16];
+        body[..8].copy_from_slice(&self.nonce);
+        body[8..].copy_from_slice(&self.next_seq.to_be_bytes());
+        self.outstanding.push_back((self.next_seq, at));
+        self.next_seq += 1;
+        body
+    }
+
+    /// A delivery came: false if it is one of these pings out of order.
+    /// Anything else (another instance's ping) changes nothing.
+    pub(crate) fn arrived(&mut self, body: &[u8]) -> bool {
+        if body.len() != 16 || body[..8] != self.nonce {
+            return true;
+        }
+        let seq = u64::from_be_bytes(body[8..].try_into().expect("8 bytes"));
+        self.outstanding.pop_front().is_some_and(|(s, _)| s == seq)
+    }
+
+    /// Whether a ping is later than allowed at `now`.
+    pub(crate) fn late_at(&self, now: Instant) -> bool {
+        self.outstanding
+            .front()
+            .is_some_and(|&(_, sent)| now.saturating_duration_since(sent) > self.late)
+    }
+
+    /// When the oldest ping not back turns late.
+    pub(crate) fn late_from(&self) -> Option<Instant> {
+        self.outstanding
+            .front()
+            .map(|&(_, sent)| sent + self.late + Duration::from_millis(1))
+    }
+}
+
 /// How long a state write may wait for the broker's confirm by default
 /// (`store.write_timeout`): a broker that blocks publishers (a resource
 /// alarm) must not keep an owner restoring, or writing, for ever.
@@ -771,26 +829,19 @@ impl Candidate {
     /// would be passed over anyway.
     async fn watch_unbroken(&mut self, deadline: tokio::time::Instant) -> Result<bool, StateError> {
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
-        let (every, late) = (self.names.wait_ping_every(), self.names.wait_ping_late());
-        let nonce = (fresh_nonce() as u64).to_be_bytes();
-        let mut outstanding: std::collections::VecDeque<(u64, tokio::time::Instant)> =
-            Default::default();
-        let (mut seq, mut next_ping) = (0u64, tokio::time::Instant::now());
+        let every = self.names.wait_ping_every();
+        let mut pings = WaitPings::new(fresh_nonce() as u64, self.names.wait_ping_late());
+        let mut next_ping = tokio::time::Instant::now();
         loop {
             let now = tokio::time::Instant::now();
-            if outstanding
-                .front()
-                .is_some_and(|&(_, sent)| now - sent > late)
-            {
+            if pings.late_at(now.into_std()) {
                 return Ok(false);
             }
             if now >= deadline {
                 return Ok(true);
             }
             if now >= next_ping {
-                let mut body = [0u8; 16];
-                body[..8].copy_from_slice(&nonce);
-                body[8..].copy_from_slice(&seq.to_be_bytes());
+                let body = pings.send(now.into_std());
                 self.lock
                     .basic_publish(
                         "".into(),
@@ -801,23 +852,17 @@ impl Candidate {
                     )
                     .await
                     .map_err(protocol("pinging the lock queue"))?;
-                outstanding.push_back((seq, tokio::time::Instant::now()));
-                seq += 1;
                 next_ping = now + every;
             }
             let mut wake = deadline.min(next_ping);
-            if let Some(&(_, sent)) = outstanding.front() {
-                wake = wake.min(sent + late + Duration::from_millis(1));
+            if let Some(late) = pings.late_from() {
+                wake = wake.min(tokio::time::Instant::from_std(late));
             }
             match tokio::time::timeout_at(wake, self.consumer.next()).await {
                 Err(_) => {}
                 Ok(Some(Ok(d))) => {
-                    if d.data.len() == 16 && d.data[..8] == nonce {
-                        let got = u64::from_be_bytes(d.data[8..].try_into().expect("8 bytes"));
-                        // In order, or one went to another consumer.
-                        if outstanding.pop_front().is_none_or(|(s, _)| s != got) {
-                            return Ok(false);
-                        }
+                    if !pings.arrived(&d.data) {
+                        return Ok(false);
                     }
                 }
                 Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
@@ -1986,6 +2031,34 @@ mod lock_model;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_waiting_candidates_pings_must_come_back_in_order_and_on_time() {
+        let t0 = Instant::now();
+        let late = Duration::from_millis(125);
+        let mut pings = WaitPings::new(7, late);
+        let (a, b) = (pings.send(t0), pings.send(t0 + Duration::from_millis(50)));
+        assert!(
+            pings.arrived(b"ping"),
+            "another instance's ping changes nothing"
+        );
+        assert!(pings.arrived(&a));
+        assert!(
+            !pings.late_at(t0 + Duration::from_millis(170)),
+            "b is 120 ms out"
+        );
+        assert!(
+            pings.late_at(t0 + Duration::from_millis(180)),
+            "b is 130 ms out"
+        );
+        assert!(pings
+            .late_from()
+            .is_some_and(|t| t > t0 + Duration::from_millis(175)));
+        assert!(pings.arrived(&b));
+        assert!(pings.late_from().is_none());
+        let (_c, d) = (pings.send(t0), pings.send(t0));
+        assert!(!pings.arrived(&d), "c went to another consumer");
+    }
 
     #[test]
     fn the_turn_cannot_leave_a_waiting_candidate_before_its_pings_are_late() {
