@@ -44,6 +44,10 @@
 #                leader's node cut for 15 s (the third node still reaches
 #                both); when the two are one node, the lock's leadership is
 #                first moved to another node
+#   redeploy     the owning delayd instance stopped with SIGTERM and started
+#                again, then the new owner the same (a Deployment's rolling
+#                update): the owner hands the route over, and the standby
+#                owns it without waiting out the lease
 #   classic-node one instance, the local store, a route on a classic ingress
 #                queue whose node is killed with kill -9: delayd waits for
 #                the queue, and resumes once its node is back
@@ -95,7 +99,7 @@ else
 fi
 delay_min=5000
 cycles="${CYCLES:-$default_cycles}"
-scenarios="${SCENARIOS:-conn-node lock-leader rolling conn-cut conn-flap node-cut lock-cut classic-node}"
+scenarios="${SCENARIOS:-conn-node lock-leader rolling redeploy conn-cut conn-flap node-cut lock-cut classic-node}"
 flap="${FLAP:-$($short && echo 30 || echo 60)}"
 ports=(5681 5682 5683)
 
@@ -480,6 +484,22 @@ inject_rolling-drain() {
             { log "node $n: revive refused"; return 1; }
     done
 }
+inject_redeploy() {
+    local o k
+    for k in 1 2; do
+        o=$(owner "$1") || { log "no owner"; return 1; }
+        log "instance $o (the owner): SIGTERM"
+        kill -TERM "${pids[$o]}"
+        for _ in $(seq 1 600); do kill -0 "${pids[$o]}" 2>/dev/null || break; sleep 0.1; done
+        kill -0 "${pids[$o]}" 2>/dev/null && { log "instance $o did not stop within 60 s"; return 1; }
+        wait "${pids[$o]}" || { log "instance $o did not exit cleanly"; return 1; }
+        grep -h "handed over\|could not be handed over" "$work/$1-$o.log" | tail -n 1 >&2 || true
+        sleep 2
+        start_delayd "$1" "$o" || return 1
+        log "instance $o: started again"
+        sleep 15
+    done
+}
 inject_classic-node() {
     # The classic queue lives on the node delayd declared it through.
     local n
@@ -497,6 +517,7 @@ fault_seconds() {
     rolling | rolling-drain) echo 100 ;;
     conn-flap) echo $((flap + 15)) ;;
     node-cut | lock-cut) echo 40 ;;
+    redeploy) echo 45 ;;
     *) echo 35 ;;
     esac
 }

@@ -968,6 +968,52 @@ async fn scaling_down_leaves_the_route_to_the_instance_left() {
     r.delete_streams().await;
 }
 
+/// A SIGTERM of the owner (every redeploy) hands the route over: the
+/// standby owns it without waiting out the former owner's lease, which
+/// left the route without an owner for 5.25 s at the default lease. The
+/// lease is 15 s here, so a wait cannot pass for a hand-over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_owner_hands_the_route_over_without_a_lease_wait() {
+    const COUNT: usize = 300;
+    const LEASE: Duration = Duration::from_secs(15);
+    let mut r = StreamRoute::new("stream-handover").await;
+    r.store_extra = format!("lease = \"{}s\"\n", LEASE.as_secs());
+    let _cleanup = r.names.cleanup();
+    // The first owner waits out a lease: no one can tell it that no owner
+    // came before it.
+    let mut a = r.start().await;
+    wait_for("the first instance to own the route", LEASE * 3, || async {
+        (a.readyz()["routes"][&r.names.route] == "consuming").then_some(())
+    })
+    .await;
+    let b = r.start_standby().await;
+    let sent = r.send("handover", COUNT, 6000..10_000).await;
+    r.wait_stored(&a, COUNT).await;
+    let status = a.sigterm_and_wait(Duration::from_secs(30)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", a.log_tail(40));
+    assert!(
+        a.log_tail(40)
+            .contains("the route handed over to the next owner"),
+        "log:\n{}",
+        a.log_tail(40)
+    );
+    // Its lock connection closed just before it exited: without the
+    // hand-over, the standby would own the route 15.75 s from here.
+    let exited = Instant::now();
+    wait_for("the standby to own the route", LEASE / 2, || async {
+        (b.readyz()["routes"][&r.names.route] == "consuming").then_some(())
+    })
+    .await;
+    eprintln!(
+        "the standby consumed {:?} after the owner exited",
+        exited.elapsed()
+    );
+    assert!(b.log_tail(200).contains("handed the route over"));
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0, "a clean stop leaves nothing to fire twice");
+    r.delete_streams().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_former_owner_only_adds_duplicates() {
     const COUNT: usize = 400;

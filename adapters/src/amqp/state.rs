@@ -681,6 +681,16 @@ pub enum Waiting {
     Chosen,
 }
 
+/// How a chosen candidate's wait ended (`Candidate::watch_unbroken`).
+enum Waited {
+    /// Waited out, the turn its own throughout.
+    Over,
+    /// The former owner handed the route over (see [`handover`]).
+    HandedOver,
+    /// The turn may have moved away: the wait starts over.
+    Broken,
+}
+
 /// An instance that wants to own a route: its consumer on the route's lock
 /// queue (`x-single-active-consumer`) waits its turn. See the module doc.
 pub struct Candidate {
@@ -794,15 +804,25 @@ impl Candidate {
         seen: &mut impl FnMut(Waiting),
     ) -> Result<std::time::Instant, StateError> {
         loop {
-            self.wait_for_ping(every, seen, None).await?;
+            let Some((_, first)) = self.wait_for_ping(every, seen, None).await? else {
+                continue; // not returned without `own`
+            };
             seen(Waiting::Chosen);
             let deadline = tokio::time::Instant::now() + self.names.lease + self.names.margin();
-            if !self.watch_unbroken(deadline).await? {
-                tracing::debug!(lock = %self.names.lock(), "a ping of this candidate's wait came back late or not at all: the turn may have moved away and back; waiting again");
-                continue;
+            let mut handover = handover::Seen::default();
+            handover.committed(&first);
+            match self.watch_unbroken(deadline, &mut handover).await? {
+                Waited::Over => {}
+                Waited::HandedOver => {
+                    tracing::info!(lock = %self.names.lock(), "the former owner stopped and handed the route over: not waiting out its lease");
+                }
+                Waited::Broken => {
+                    tracing::debug!(lock = %self.names.lock(), "a ping of this candidate's wait came back late or not at all: the turn may have moved away and back; waiting again");
+                    continue;
+                }
             }
             let nonce = fresh_nonce().to_be_bytes();
-            if let Some(sent) = self.wait_for_ping(every, seen, Some(&nonce)).await? {
+            if let Some((sent, _)) = self.wait_for_ping(every, seen, Some(&nonce)).await? {
                 return Ok(sent);
             }
         }
@@ -827,7 +847,14 @@ impl Candidate {
     /// noticed that only at the next ping, a lease later. Other pings that
     /// arrive meanwhile are older than the one the wait ends with, and
     /// would be passed over anyway.
-    async fn watch_unbroken(&mut self, deadline: tokio::time::Instant) -> Result<bool, StateError> {
+    ///
+    /// A former owner that stopped on purpose ends the wait early with a
+    /// `Handover` and its `Commit` (see [`handover`]).
+    async fn watch_unbroken(
+        &mut self,
+        deadline: tokio::time::Instant,
+        handover: &mut handover::Seen,
+    ) -> Result<Waited, StateError> {
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
         let every = self.names.wait_ping_every();
         let mut pings = WaitPings::new(fresh_nonce() as u64, self.names.wait_ping_late());
@@ -835,10 +862,10 @@ impl Candidate {
         loop {
             let now = tokio::time::Instant::now();
             if pings.late_at(now.into_std()) {
-                return Ok(false);
+                return Ok(Waited::Broken);
             }
             if now >= deadline {
-                return Ok(true);
+                return Ok(Waited::Over);
             }
             if now >= next_ping {
                 let body = pings.send(now.into_std());
@@ -861,8 +888,11 @@ impl Candidate {
             match tokio::time::timeout_at(wake, self.consumer.next()).await {
                 Err(_) => {}
                 Ok(Some(Ok(d))) => {
+                    if handover.committed(&d.data) {
+                        return Ok(Waited::HandedOver);
+                    }
                     if !pings.arrived(&d.data) {
-                        return Ok(false);
+                        return Ok(Waited::Broken);
                     }
                 }
                 Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
@@ -878,13 +908,14 @@ impl Candidate {
 
     /// Ping until a ping reaches this consumer (`own`: until that ping,
     /// within two rounds). Returns when the ping that came was first sent
-    /// (`own`), or when the round began; None if `own` did not come.
+    /// (`own`), or when the round began, with what came; None if `own` did
+    /// not come.
     async fn wait_for_ping(
         &mut self,
         every: Duration,
         seen: &mut impl FnMut(Waiting),
         own: Option<&[u8]>,
-    ) -> Result<Option<std::time::Instant>, StateError> {
+    ) -> Result<Option<(std::time::Instant, Vec<u8>)>, StateError> {
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
         let mut rounds = 0;
         let mut first_sent = None;
@@ -906,8 +937,8 @@ impl Candidate {
                 match tokio::time::timeout_at(deadline, self.consumer.next()).await {
                     Err(_) => break, // no ping this round
                     Ok(Some(Ok(d))) => match own {
-                        None => return Ok(Some(sent)),
-                        Some(own) if d.data == own => return Ok(Some(sent)),
+                        None => return Ok(Some((sent, d.data))),
+                        Some(own) if d.data == own => return Ok(Some((sent, d.data))),
                         Some(_) => {} // an older ping, or a standby's
                     },
                     Ok(Some(Err(e))) => return Err(protocol("waiting on the lock queue")(e)),
@@ -956,6 +987,7 @@ impl Candidate {
         let connection = Arc::new(self.connection);
         let lease = Arc::new(Lease::new(self.names.lease, held_from));
         let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
+        let lock = Some((self.lock.clone(), self.consumer.tag()));
         let drain = tokio::spawn(hold(
             lease.clone(),
             connection.clone(),
@@ -970,6 +1002,7 @@ impl Candidate {
             names: self.names,
             drain,
             lease,
+            lock,
             skipped: AtomicU64::new(0),
             pointer_records: Mutex::new([0; 2]),
         })
@@ -1205,6 +1238,12 @@ impl Lease {
         self.lost.store(true, Ordering::Release);
     }
 
+    /// When the last own ping that came back was sent (the lease's start
+    /// if none has).
+    fn last_back_sent(&self) -> Instant {
+        self.started + Duration::from_millis(self.last_ping_ms.load(Ordering::Acquire))
+    }
+
     /// Held: not given up, and a ping that came back was sent within the
     /// lease. Read at every write, so a process that was paused past its
     /// lease finds out before it writes, not after.
@@ -1284,6 +1323,9 @@ pub struct StateSession {
     /// Holds the lock: pings, and closes the connection once it is lost.
     drain: tokio::task::JoinHandle<()>,
     lease: Arc<Lease>,
+    /// The lock channel and its consumer's tag (an owner's; an observer
+    /// has none), for a hand-over ([`StateSession::hand_over`]).
+    lock: Option<(Channel, lapin::types::ShortString)>,
     /// Undecodable records skipped by reads so far (see [`StateSession::read_all`]).
     skipped: AtomicU64,
     /// Records in each pointer stream (as read, plus appended since), for
@@ -1329,6 +1371,7 @@ impl StateSession {
             names: names.clone(),
             drain,
             lease,
+            lock: None,
             skipped: AtomicU64::new(0),
             pointer_records: Mutex::new([0; 2]),
         })
@@ -1360,6 +1403,63 @@ impl StateSession {
     pub async fn lost(&self) {
         while self.is_alive() {
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// A planned stop: fence this owner (nothing more is written), give
+    /// its lock consumer up and leave a `Handover` in the lock queue, then
+    /// its `Commit` if the bound holds (see [`handover`]), so that the next
+    /// owner need not wait out the lease. True if committed. The caller
+    /// closes the session after it, committed or not.
+    ///
+    /// Call it once nothing more is owed: every Done written. A message
+    /// whose Done comes after it fires again at the next owner, which no
+    /// longer waits a lease before it reads.
+    pub async fn hand_over(&self) -> Result<bool, StateError> {
+        let Some((lock, tag)) = &self.lock else {
+            return Ok(false);
+        };
+        self.drain.abort();
+        let held = self.lease.held();
+        self.lease.lose();
+        if !held {
+            return Ok(false);
+        }
+        let last_back_sent = self.lease.last_back_sent();
+        lock.basic_cancel(tag.clone(), BasicCancelOptions::default())
+            .await
+            .map_err(protocol("giving up the lock consumer"))?;
+        let nonce = fresh_nonce();
+        if !self.note(handover::Note::Handover(nonce)).await? {
+            return Ok(false);
+        }
+        if !handover::may_commit(last_back_sent, Instant::now(), self.names.lease) {
+            debug!(lock = %self.names.lock(), "the hand-over was confirmed too late to commit; the next owner waits out the lease");
+            return Ok(false);
+        }
+        self.note(handover::Note::Commit(nonce)).await
+    }
+
+    /// Publish `note` into the lock queue: true once confirmed (within
+    /// the lease).
+    async fn note(&self, note: handover::Note) -> Result<bool, StateError> {
+        let queue = short_string(&self.names.lock(), "lock queue name").map_err(AmqpError::from)?;
+        let confirm = async {
+            self.writer
+                .basic_publish(
+                    "".into(),
+                    queue,
+                    BasicPublishOptions::default(),
+                    &note.encode(),
+                    BasicProperties::default(),
+                )
+                .await?
+                .await
+        };
+        match tokio::time::timeout(self.names.lease, confirm).await {
+            Ok(Ok(Confirmation::Ack(_))) => Ok(true),
+            Ok(Ok(_)) | Err(_) => Ok(false),
+            Ok(Err(e)) => Err(protocol("publishing a hand-over note")(e)),
         }
     }
 
@@ -2025,6 +2125,7 @@ pub fn fresh_nonce() -> u128 {
     (u128::from(high.finish()) << 64) | u128::from(low.finish())
 }
 
+mod handover;
 #[cfg(test)]
 mod lock_model;
 

@@ -75,6 +75,11 @@ impl Owed {
         self.leaving.remove(&id)
     }
 
+    /// Whether records are owed now (not counting what may still come).
+    pub fn owes_records(&self) -> bool {
+        !self.records.is_empty()
+    }
+
     /// Whether anything is still to be written, or may come, at `now`.
     pub fn outstanding(&self, now: Instant) -> bool {
         !self.records.is_empty() || self.until.is_some_and(|u| now < u)

@@ -1174,13 +1174,32 @@ impl StreamStore {
     }
 
     /// At shutdown, once in-flight publishes are done: write what is
-    /// queued (within `timeout`) and give the lock up.
+    /// queued (within `timeout`) and give the lock up, handed over to the
+    /// next owner if every write was made (it then need not wait out the
+    /// lease: a redeploy of the owner used to leave the route without one
+    /// for 5.25 s).
     pub async fn flush(&self, timeout: Duration) {
         *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let task = self.writer_task.lock().await.take();
         if let Some((writer, session)) = task {
-            if tokio::time::timeout(timeout, writer).await.is_err() {
-                tracing::warn!(route = %self.route, "state writes still queued at shutdown; those messages fire again after a restore");
+            match tokio::time::timeout(timeout, writer).await {
+                Err(_) => {
+                    tracing::warn!(route = %self.route, "state writes still queued at shutdown; those messages fire again after a restore");
+                }
+                Ok(_) if self.owed().owes_records() => {
+                    tracing::info!(route = %self.route, "Dones still owed at shutdown (a state write failed): the route is not handed over, and the next owner waits out the lease (they land meanwhile)");
+                }
+                Ok(_) => match session.hand_over().await {
+                    Ok(true) => {
+                        tracing::info!(route = %self.route, "the route handed over to the next owner")
+                    }
+                    Ok(false) => {
+                        tracing::info!(route = %self.route, "the route could not be handed over (the lock was no longer held, or not in time); the next owner waits out the lease")
+                    }
+                    Err(e) => {
+                        tracing::info!(route = %self.route, error = %e, "the route could not be handed over; the next owner waits out the lease")
+                    }
+                },
             }
             session.close().await;
         }

@@ -17,13 +17,14 @@
 //!
 //! [`WaitRule`] picks the candidate's wait: the one the code took until
 //! 2026-12-01 (two owners, which the tests keep showing), the one it takes
-//! now, and a sketch of a hand-over on a planned stop, not built, with its
-//! bound and without it.
+//! now, and the hand-over of a planned stop (`state/handover.rs`: its
+//! notes, the candidate's reading of them and the bound are the real
+//! code's), with its bound and without it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::{Lease, StateNames, WaitPings};
+use super::{handover, Lease, StateNames, WaitPings};
 use crate::split_mix::SplitMix64 as Rng;
 
 /// One step of the model's clock, in milliseconds.
@@ -39,12 +40,24 @@ enum Body {
     Owner([u8; 16]),
     /// A chosen candidate's own ping while it waits (nonce, sequence).
     Wait([u8; 16]),
-    /// A former owner that stopped on purpose (a sketch, not built: see
+    /// A former owner that stopped on purpose (see
     /// [`WaitRule::UnbrokenWithHandover`]).
     Handover(u64),
     /// Its `Handover` was confirmed within a lease of its last own ping's
     /// send.
     Commit(u64),
+}
+
+impl Body {
+    /// What the real code would receive: a hand-over note's bytes, or
+    /// none for a ping.
+    fn note(&self) -> Vec<u8> {
+        match *self {
+            Body::Handover(n) => handover::Note::Handover(u128::from(n)).encode().to_vec(),
+            Body::Commit(n) => handover::Note::Commit(u128::from(n)).encode().to_vec(),
+            _ => b"ping".to_vec(),
+        }
+    }
 }
 
 /// What a chosen candidate asks of its wait.
@@ -58,8 +71,8 @@ pub enum WaitRule {
     /// away and back, and an owner in between may still hold its lease.
     Unbroken,
     /// [`WaitRule::Unbroken`], and a planned stop hands over without the
-    /// wait (docs/broker-store.md, "Why a stall longer than the lease ends
-    /// a tenure"; not built). The owner, once fenced, publishes
+    /// wait (`super::handover`, `StateSession::hand_over`). The owner,
+    /// once fenced, gives its consumer up and publishes
     /// `Handover(n)`; if its confirm came within a lease of the send of its
     /// last own ping that came back, it publishes `Commit(n)`. A chosen
     /// candidate that receives both goes straight to its check.
@@ -124,8 +137,8 @@ enum Role {
         /// Its own pings through the wait, judged by the code's own
         /// [`WaitPings`].
         pings: WaitPings,
-        /// A `Handover` received in this wait.
-        handover: Option<u64>,
+        /// What it saw of a hand-over in this wait (the real code's).
+        handover: handover::Seen,
     },
     /// Its own ping must come back within two rounds.
     Checking {
@@ -362,7 +375,9 @@ impl Model {
                         // Confirmed now (transit back: none, the most
                         // lenient case for the bound).
                         let bound = self.rule != WaitRule::HandoverWithoutTheBound;
-                        if !bound || self.now - last_back_sent <= self.t.lease {
+                        let at = |ms| self.base + Duration::from_millis(ms);
+                        let lease = Duration::from_millis(self.t.lease);
+                        if !bound || handover::may_commit(at(last_back_sent), at(self.now), lease) {
                             self.publish(i, Body::Commit(nonce));
                         }
                         self.instances[i].role = Role::Registering { at: self.now + 100 };
@@ -427,9 +442,10 @@ impl Model {
                     until: now + wait,
                     next_ping: now,
                     pings: WaitPings::new(fresh, Duration::from_millis(self.t.wait_late)),
-                    handover: match body {
-                        Body::Handover(n) => Some(n),
-                        _ => None,
+                    handover: {
+                        let mut seen = handover::Seen::default();
+                        seen.committed(&body.note());
+                        seen
                     },
                 };
                 chosen = true;
@@ -438,8 +454,7 @@ impl Model {
                 pings, handover, ..
             } => match body {
                 Body::Wait(ping) => broken = !pings.arrived(&ping),
-                Body::Handover(n) => *handover = Some(n),
-                Body::Commit(n) => committed = *handover == Some(n),
+                Body::Handover(_) | Body::Commit(_) => committed = handover.committed(&body.note()),
                 _ => {}
             },
             Role::Checking {
