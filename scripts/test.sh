@@ -23,11 +23,12 @@ if ! command -v docker-compose >/dev/null; then
     $SUDO apt-get install -y -qq docker-compose >/dev/null 2>&1 ||
         { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq docker-compose >/dev/null; }
 fi
-# ss (iproute2) cuts a connection at once in an integration test (`ss -K`).
-if ! command -v ss >/dev/null; then
+# ss (iproute2) cuts a connection at once in an integration test (`ss -K`);
+# iptables cuts one while it stays open (a fresh Debian has neither binary).
+if ! command -v ss >/dev/null || ! command -v iptables >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get install -y -qq iproute2 >/dev/null 2>&1 ||
-        { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq iproute2 >/dev/null; }
+    $SUDO apt-get install -y -qq iproute2 iptables >/dev/null 2>&1 ||
+        { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq iproute2 iptables >/dev/null; }
 fi
 cargo test --workspace --all-features --no-fail-fast -- --test-threads=2 "$@"
 if [ "$#" -eq 0 ]; then
