@@ -1016,6 +1016,47 @@ async fn a_stopped_owner_hands_the_route_over_without_a_lease_wait() {
     r.delete_streams().await;
 }
 
+/// An owner whose connections the broker closes (a node drained for an
+/// upgrade, `rabbitmqctl close_connection`) hands the route over from a new
+/// connection, once its owed Dones are written, if that is confirmed
+/// within a lease of its last ping back: the standby owns the route
+/// without waiting out the lease (15 s here, so a wait cannot pass for a
+/// hand-over).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_whose_connections_are_closed_hands_the_route_over() {
+    const COUNT: usize = 300;
+    const LEASE: Duration = Duration::from_secs(15);
+    let mut r = StreamRoute::new("stream-closed-handover").await;
+    r.store_extra = format!("lease = \"{}s\"\n", LEASE.as_secs());
+    let _cleanup = r.names.cleanup();
+    let a = r.start().await;
+    wait_for("the first instance to own the route", LEASE * 3, || async {
+        (a.readyz()["routes"][&r.names.route] == "consuming").then_some(())
+    })
+    .await;
+    let b = r.start_standby().await;
+    let sent = r.send("closed", COUNT, 6000..10_000).await;
+    r.wait_stored(&a, COUNT).await;
+    let closed = a.close_broker_connections();
+    assert!(closed >= 2, "closed {closed} connections");
+    let at = Instant::now();
+    wait_for("the standby to own the route", LEASE / 2, || async {
+        (b.readyz()["routes"][&r.names.route] == "consuming").then_some(())
+    })
+    .await;
+    eprintln!("the standby consumed {:?} after the close", at.elapsed());
+    assert!(a
+        .log_tail(300)
+        .contains("the route handed over to the next owner from a connection of its own"));
+    let duplicates = r.receive_all(&sent, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0, "nothing was in flight at the close");
+    wait_for("the former owner to stand by", DEADLINE, || async {
+        (a.readyz()["routes"][&r.names.route] == "standby").then_some(())
+    })
+    .await;
+    r.delete_streams().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_former_owner_only_adds_duplicates() {
     const COUNT: usize = 400;

@@ -1429,6 +1429,24 @@ impl StateSession {
         lock.basic_cancel(tag.clone(), BasicCancelOptions::default())
             .await
             .map_err(protocol("giving up the lock consumer"))?;
+        self.hand_over_for(last_back_sent).await
+    }
+
+    /// When the last own ping of this owner's lease that came back was
+    /// sent; None for an observer. A session lost with its connection (a
+    /// drain, a node stopped) can still be handed over from another
+    /// session ([`StateSession::hand_over_for`]) within a lease of it.
+    pub fn last_back_sent(&self) -> Option<Instant> {
+        self.lock.as_ref().map(|_| self.lease.last_back_sent())
+    }
+
+    /// Leave a `Handover` in the lock queue for an owner that has stopped
+    /// (fenced, its consumer gone with its connection or cancelled), and
+    /// its `Commit` if the confirm comes within a lease of
+    /// `last_back_sent` (see [`handover`]). On any session: a former
+    /// owner's lost connection is replaced by an observer's. True if
+    /// committed.
+    pub async fn hand_over_for(&self, last_back_sent: Instant) -> Result<bool, StateError> {
         let nonce = fresh_nonce();
         if !self.note(handover::Note::Handover(nonce)).await? {
             return Ok(false);

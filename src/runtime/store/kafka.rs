@@ -165,8 +165,9 @@ impl KafkaStore {
             }
         }
         let mut released = 0;
-        for (id, _, _, _) in stored {
-            if self.engine.release(id).await? {
+        let ids = stored.into_iter().map(|(id, _, _, _)| id);
+        for (_, outcome) in super::release_all(&self.engine, ids).await {
+            if outcome? {
                 released += 1;
             }
         }
@@ -419,8 +420,8 @@ impl KafkaStore {
     async fn release(&self, tp: &TopicPartition) -> u64 {
         let ids = self.owned().remove(tp).unwrap_or_default();
         let mut released = 0;
-        for id in ids {
-            match self.engine.release(id).await {
+        for (id, outcome) in super::release_all(&self.engine, ids).await {
+            match outcome {
                 Ok(true) => released += 1,
                 Ok(false) => {}
                 Err(e) => {

@@ -22,7 +22,7 @@
 //! reads last (after every Schedule it could end).
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Records owed to one stream, in the order owed.
 pub type ToStream = (String, Vec<Vec<u8>>);
@@ -39,6 +39,21 @@ pub struct Owed {
     leaving: HashMap<u64, u128>,
     /// Until when the owed records are written.
     until: Option<Instant>,
+    /// A session lost with its lease held, to hand over once its Dones
+    /// are written ([`Owed::hand_over_now`]).
+    hand_over: Option<HandOver>,
+}
+
+/// A lost session's hand-over: its last own ping back was sent at
+/// `last_back_sent`; the `Commit` must be confirmed within a lease of it.
+#[derive(Debug, Clone, Copy)]
+struct HandOver {
+    last_back_sent: Instant,
+    /// Publishes still leaving are waited for until then, and no longer:
+    /// the notes need the rest.
+    stop_waiting: Instant,
+    /// Past it, the bound cannot hold.
+    give_up: Instant,
 }
 
 impl Owed {
@@ -75,6 +90,34 @@ impl Owed {
         self.leaving.remove(&id)
     }
 
+    /// The session that ended, lost with its lease held, may be handed
+    /// over (see `StateSession::hand_over_for`).
+    pub fn may_hand_over(&mut self, last_back_sent: Instant, lease: Duration) {
+        self.hand_over = Some(HandOver {
+            last_back_sent,
+            stop_waiting: last_back_sent + lease * 3 / 4,
+            give_up: last_back_sent + lease,
+        });
+    }
+
+    /// A hand-over due now: nothing owed is left to write, and no publish
+    /// is still leaving (or there is no time left to wait for them; their
+    /// Dones come late, and the next owner fires them again, same id).
+    /// Once: the `last_back_sent` to hand over with. Past the bound, the
+    /// hand-over is dropped.
+    pub fn hand_over_now(&mut self, now: Instant) -> Option<Instant> {
+        let h = self.hand_over?;
+        if now >= h.give_up {
+            self.hand_over = None;
+            return None;
+        }
+        if !self.records.is_empty() || (!self.leaving.is_empty() && now < h.stop_waiting) {
+            return None;
+        }
+        self.hand_over = None;
+        Some(h.last_back_sent)
+    }
+
     /// Whether records are owed now (not counting what may still come).
     pub fn owes_records(&self) -> bool {
         !self.records.is_empty()
@@ -100,6 +143,7 @@ impl Owed {
         if over {
             self.leaving.clear();
             self.until = None;
+            self.hand_over = None;
         }
         (by_stream, over)
     }
@@ -128,6 +172,38 @@ mod tests {
             ]
         );
         assert!(owed.take(now).0.is_empty());
+    }
+
+    #[test]
+    fn a_lost_session_hands_over_once_its_dones_are_written_and_within_the_bound() {
+        let lease = Duration::from_secs(1);
+        let sent = Instant::now();
+        let ms = |n| sent + Duration::from_millis(n);
+        let mut owed = Owed::default();
+        owed.ended("g".into(), ms(1000));
+        owed.may_hand_over(sent, lease);
+        owed.owe("g", vec![1]);
+        owed.leaving(7, 70);
+        assert_eq!(owed.hand_over_now(ms(100)), None, "a Done to write");
+        owed.take(ms(100));
+        assert_eq!(owed.hand_over_now(ms(100)), None, "a publish leaving");
+        assert_eq!(owed.left(7), Some(70));
+        assert_eq!(owed.hand_over_now(ms(200)), Some(sent));
+        assert_eq!(owed.hand_over_now(ms(200)), None, "once");
+        // A publish still leaving is waited for only until three quarters
+        // of the lease.
+        owed.may_hand_over(sent, lease);
+        owed.leaving(8, 80);
+        assert_eq!(owed.hand_over_now(ms(749)), None);
+        assert_eq!(owed.hand_over_now(ms(750)), Some(sent));
+        // Past the lease, never.
+        owed.may_hand_over(sent, lease);
+        assert_eq!(owed.hand_over_now(ms(1000)), None);
+        owed.may_hand_over(sent, lease);
+        owed.owe("g", vec![2]);
+        assert_eq!(owed.hand_over_now(ms(999)), None);
+        owed.take(ms(999));
+        assert_eq!(owed.hand_over_now(ms(1001)), None);
     }
 
     #[test]

@@ -47,9 +47,6 @@ use super::owed::Owed;
 use super::partitions::PartitionGroup;
 use super::warm::{self, Warm};
 
-/// Releases in flight at once when an owner gives its messages up.
-const RELEASE_CONCURRENCY: usize = 256;
-
 /// Records appended per publish batch.
 const WRITE_BATCH: usize = 1000;
 
@@ -291,8 +288,8 @@ impl StreamStore {
             return Ok((0, kept));
         }
         let mut released = 0;
-        for id in ids {
-            if self.engine.release(id).await? {
+        for (_, outcome) in super::release_all(&self.engine, ids).await {
+            if outcome? {
                 released += 1;
             }
         }
@@ -767,8 +764,10 @@ impl StreamStore {
                 self.move_off_lock_endpoint();
                 session
             };
+            // Fenced, its session over: handed over once what it owes is
+            // written (a partition given up, or a connection lost under it).
             if let Some(session) = session {
-                self.lose(session).await;
+                self.lose_handing_over(session, true).await;
             }
             self.left_partition(yielding);
         }
@@ -1092,6 +1091,10 @@ impl StreamStore {
                     }
                 }
             }
+            let hand_over = self.owed().hand_over_now(std::time::Instant::now());
+            if let Some(last_back_sent) = hand_over {
+                self.hand_over_lost(&mut session, last_back_sent).await;
+            }
             if over {
                 break;
             }
@@ -1105,6 +1108,35 @@ impl StreamStore {
         }
     }
 
+    /// Hand a lost session's route over (see `Owed::hand_over_now`) on
+    /// the session that writes its owed Dones, opened if need be.
+    async fn hand_over_lost(
+        &self,
+        session: &mut Option<StateSession>,
+        last_back_sent: std::time::Instant,
+    ) {
+        let handed = async {
+            if session.is_none() {
+                *session = Some(self.open_observer().await?);
+            }
+            let Some(s) = session.as_ref() else {
+                unreachable!("opened above")
+            };
+            s.hand_over_for(last_back_sent).await
+        };
+        match handed.await {
+            Ok(true) => {
+                tracing::info!(route = %self.route, "the route handed over to the next owner from a connection of its own once its Dones were written")
+            }
+            Ok(false) => {
+                tracing::info!(route = %self.route, "the route could not be handed over in time once its session ended; the next owner waits out the lease")
+            }
+            Err(e) => {
+                tracing::info!(route = %self.route, error = %e, "the route could not be handed over once its session ended; the next owner waits out the lease")
+            }
+        }
+    }
+
     async fn append_owed(
         &self,
         session: &mut Option<StateSession>,
@@ -1112,11 +1144,7 @@ impl StreamStore {
         records: &[Vec<u8>],
     ) -> Result<(), StateError> {
         if session.is_none() {
-            let (connection, _) = self
-                .broker
-                .open_dedicated_from(self.lock_endpoint().1)
-                .await?;
-            *session = Some(StateSession::observe(connection, &self.names).await?);
+            *session = Some(self.open_observer().await?);
         }
         let Some(s) = session.as_ref() else {
             unreachable!("opened above")
@@ -1128,7 +1156,16 @@ impl StreamStore {
     /// then release every message held for the streams. Nothing fires here
     /// meanwhile: the phase is no longer an owner's (see `may_fire`).
     async fn lose(&self, session: Arc<StateSession>) {
-        use futures_util::StreamExt as _;
+        self.lose_handing_over(session, false).await;
+    }
+
+    /// [`StreamStore::lose`]; `hand_over`: what writes the session's owed
+    /// Dones hands the route over once they are written, if that can still
+    /// be done within a lease of its last ping back (see
+    /// `write_owed_until_over`). For a session that ended while this
+    /// instance fenced itself: a partition given up, a connection closed
+    /// under it (a drained node).
+    async fn lose_handing_over(&self, session: Arc<StateSession>, hand_over: bool) {
         session.close().await;
         let ids: Vec<u64> = {
             let mut ids = self.ids();
@@ -1137,24 +1174,20 @@ impl StreamStore {
             // Done is owed (see `owed`). Known as leaving before the ids go,
             // or a confirm meanwhile would find neither.
             let mut owed = self.owed();
-            ids.by_engine
+            let leaving = ids
+                .by_engine
                 .drain()
                 .map(|(id, key)| {
                     owed.leaving(id, key.id);
                     id
                 })
-                .collect()
+                .collect();
+            if let Some(sent) = session.last_back_sent().filter(|_| hand_over) {
+                owed.may_hand_over(sent, self.names.lease);
+            }
+            leaving
         };
-        // Concurrently: one group commit covers many releases (one at a
-        // time, 100,000 messages took minutes).
-        let outcomes: Vec<(u64, Result<bool, EngineError>)> = futures_util::stream::iter(ids)
-            .map(|id| {
-                let engine = self.engine.clone();
-                async move { (id, engine.release(id).await) }
-            })
-            .buffer_unordered(RELEASE_CONCURRENCY)
-            .collect()
-            .await;
+        let outcomes = super::release_all(&self.engine, ids).await;
         let mut released = 0u64;
         for (id, outcome) in outcomes {
             match outcome {

@@ -94,6 +94,10 @@ impl WaitRule {
 struct Consumer {
     instance: usize,
     tag: u64,
+    /// Its connection's node died (a stopping owner that lost its
+    /// connection that way hands over on a new one): suspected from then,
+    /// and never delivered to again.
+    dead_since: Option<u64>,
 }
 
 /// Timings, in milliseconds.
@@ -156,7 +160,13 @@ enum Role {
         last_back_sent: u64,
     },
     /// Stopped on purpose, fenced: its `Handover(nonce)` is on its way.
-    Leaving { nonce: u64, last_back_sent: u64 },
+    Leaving {
+        nonce: u64,
+        last_back_sent: u64,
+        /// When its `Handover` goes out (after a reconnect and its owed
+        /// Dones), unless it has.
+        publish_at: Option<u64>,
+    },
 }
 
 struct Instance {
@@ -339,6 +349,11 @@ impl Model {
         }
     }
 
+    /// Since when the broker suspects consumer `c`, if it does.
+    fn suspected_since(&self, c: &Consumer) -> Option<u64> {
+        c.dead_since.or(self.down_since[c.instance])
+    }
+
     fn remove_consumers_of(&mut self, i: usize) {
         let closed: Vec<u64> = self
             .consumers
@@ -369,6 +384,7 @@ impl Model {
                 if let Role::Leaving {
                     nonce,
                     last_back_sent,
+                    ..
                 } = self.instances[i].role
                 {
                     if arrived.contains(&Body::Handover(nonce)) {
@@ -389,14 +405,17 @@ impl Model {
         // queue with no active consumer gives the turn to the first that
         // can take it. The one passed over stays registered.
         let suspected_long = self.active.is_some_and(|a| {
-            let i = self.consumer_instance(a);
-            self.down_since[i].is_some_and(|since| self.now - since >= self.t.disconnected_timeout)
+            self.consumers
+                .iter()
+                .find(|c| c.tag == a)
+                .and_then(|c| self.suspected_since(c))
+                .is_some_and(|since| self.now - since >= self.t.disconnected_timeout)
         });
         if self.active.is_none() || suspected_long {
             let next = self
                 .consumers
                 .iter()
-                .find(|c| Some(c.tag) != self.active && self.down_since[c.instance].is_none())
+                .find(|c| Some(c.tag) != self.active && self.suspected_since(c).is_none())
                 .map(|c| (c.tag, c.instance));
             if let Some((tag, i)) = next {
                 if let Some(old) = self.active {
@@ -525,7 +544,11 @@ impl Model {
                 if now >= *when && self.link_up(i) {
                     let tag = self.next_tag;
                     self.next_tag += 1;
-                    self.consumers.push(Consumer { instance: i, tag });
+                    self.consumers.push(Consumer {
+                        instance: i,
+                        tag,
+                        dead_since: None,
+                    });
                     self.instances[i].tag = Some(tag);
                     self.instances[i].role = Role::Standby { next_round: now };
                 }
@@ -587,17 +610,31 @@ impl Model {
                         && now < self.horizon
                         && self.rng.chance(DRAIN_PERCENT);
                     if drained && lease.held_at(at) {
-                        // A planned stop: a drain closes its connection, and
-                        // it fences itself at once.
+                        // A planned stop, or a connection lost with the
+                        // lease still held: it fences itself at once, and
+                        // its `Handover` goes out a while later, on a new
+                        // connection if the old one is gone.
                         let (nonce, last_back_sent) = (self.rng.next(), *last_back_sent);
+                        let publish_at = now + self.rng.below(self.t.lease + self.t.lease / 2);
                         self.instances[i].role = Role::Leaving {
                             nonce,
                             last_back_sent,
+                            publish_at: Some(publish_at),
                         };
                         self.instances[i].tag = None;
-                        self.remove_consumers_of(i);
-                        self.publish(i, Body::Handover(nonce));
-                        self.note(format!("instance {i}: drained, hands over"));
+                        if self.rng.chance(50) {
+                            // Stopped, or drained: the broker removes its
+                            // consumer at once.
+                            self.remove_consumers_of(i);
+                            self.note(format!("instance {i}: stops, hands over"));
+                        } else {
+                            // Its connection's node died: the consumer stays,
+                            // suspected, until the disconnected timeout.
+                            for c in self.consumers.iter_mut().filter(|c| c.instance == i) {
+                                c.dead_since = Some(now);
+                            }
+                            self.note(format!("instance {i}: its node died, hands over"));
+                        }
                     } else if !lease.held_at(at) {
                         // Lost: the connection closes, and the instance
                         // registers again on a new one.
@@ -616,7 +653,19 @@ impl Model {
                     }
                 }
             }
-            // Waits for its Handover's confirm (see `broker`).
+            // Publishes its Handover, then waits for the confirm (see
+            // `broker`).
+            Role::Leaving {
+                nonce,
+                publish_at: Some(at),
+                ..
+            } if now >= *at => {
+                let nonce = *nonce;
+                if let Role::Leaving { publish_at, .. } = &mut self.instances[i].role {
+                    *publish_at = None;
+                }
+                self.publish(i, Body::Handover(nonce));
+            }
             Role::Leaving { .. } => {}
         }
     }
