@@ -256,6 +256,19 @@ watch_owners() { # scenario
     done >"$work/$1.owners"
 }
 
+# Waits until an instance consumes route cf-$1 (60 s at most).
+consuming() {
+    local i
+    for _ in $(seq 1 300); do
+        for i in 1 2; do
+            curl -s -m 1 "http://127.0.0.1:$(http_port "$i")/readyz" 2>/dev/null |
+                jq -e --arg r "cf-$1" '.routes[$r] == "consuming"' >/dev/null 2>&1 && return 0
+        done
+        sleep 0.2
+    done
+    return 1
+}
+
 owner() { # scenario: the instance that owns the route (waits for one)
     for _ in $(seq 1 300); do
         for i in 1 2; do
@@ -542,6 +555,10 @@ run_scenario() { # scenario
         curl -sf "http://127.0.0.1:$(http_port 1)/readyz" >/dev/null && break
         sleep 0.2
     done
+    # The owner declares the route's exchange once it consumes: the bench
+    # refuses to publish to one that does not exist yet (a standby is ready
+    # before that).
+    consuming "$s" || { log "$s: no instance consumes the route"; stop_all; return 1; }
     [ "$s" = classic-node ] || { watch_owners "$s" & watcher=$!; }
     local seconds=$((cycles * $(fault_seconds "$s") + 10))
     local count=$((rate * seconds))
