@@ -1124,7 +1124,13 @@ impl StreamStore {
             };
             s.hand_over_for(last_back_sent).await
         };
-        match handed.await {
+        // Bounded by the bound itself: the owed Dones wait behind it.
+        let left = (last_back_sent + self.names.lease)
+            .saturating_duration_since(std::time::Instant::now());
+        match tokio::time::timeout(left, handed)
+            .await
+            .unwrap_or(Ok(false))
+        {
             Ok(true) => {
                 tracing::info!(route = %self.route, "the route handed over to the next owner from a connection of its own once its Dones were written")
             }
@@ -1222,7 +1228,12 @@ impl StreamStore {
                 Ok(_) if self.owed().owes_records() => {
                     tracing::info!(route = %self.route, "Dones still owed at shutdown (a state write failed): the route is not handed over, and the next owner waits out the lease (they land meanwhile)");
                 }
-                Ok(_) => match session.hand_over().await {
+                // Bounded: past a lease the bound cannot hold anyway, and a
+                // connection behind a cut link must not hold the stop up.
+                Ok(_) => match tokio::time::timeout(self.names.lease, session.hand_over())
+                    .await
+                    .unwrap_or(Ok(false))
+                {
                     Ok(true) => {
                         tracing::info!(route = %self.route, "the route handed over to the next owner")
                     }
