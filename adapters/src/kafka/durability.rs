@@ -70,6 +70,7 @@ pub fn broker_count(client: &KafkaClientConfig) -> Result<usize, String> {
     let consumer: BaseConsumer = client
         .client_config(Role::Admin, &[], &[])
         .create()
+        .map_err(super::without_value)
         .map_err(|e| format!("cannot create a metadata client: {e}"))?;
     let metadata = consumer
         .fetch_metadata(None, Duration::from_secs(10))
@@ -88,6 +89,7 @@ pub async fn topic_durability(
         let consumer: BaseConsumer = metadata_client
             .client_config(Role::Admin, &[], &[])
             .create()
+            .map_err(super::without_value)
             .map_err(|e| format!("cannot create a metadata client: {e}"))?;
         let metadata = consumer
             .fetch_metadata(Some(&name), Duration::from_secs(10))
@@ -105,6 +107,7 @@ pub async fn topic_durability(
     let admin: AdminClient<DefaultClientContext> = client
         .client_config(Role::Admin, &[], &[])
         .create()
+        .map_err(super::without_value)
         .map_err(|e| format!("cannot create an admin client: {e}"))?;
     let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
     let min_insync = admin

@@ -133,6 +133,27 @@ impl KafkaClientConfig {
     }
 }
 
+/// A client config error without the value it names. librdkafka's error
+/// carries the value of the property it refuses, so a refused
+/// `sasl.password` or `sasl.oauthbearer.client.secret` showed in delayd's
+/// error output (an OIDC secret, on a librdkafka built without libcurl).
+/// Every client is created through this.
+pub(crate) fn without_value(e: KafkaError) -> KafkaError {
+    match e {
+        KafkaError::ClientConfig(code, desc, key, value) => {
+            let desc = if value.is_empty() {
+                desc
+            } else {
+                desc.replace(&value, REDACTED)
+            };
+            KafkaError::ClientConfig(code, desc, key, REDACTED.to_owned())
+        }
+        other => other,
+    }
+}
+
+const REDACTED: &str = "<redacted>";
+
 /// librdkafka's log lines, into tracing.
 fn log_to_tracing(level: rdkafka::config::RDKafkaLogLevel, facility: &str, message: &str) {
     use rdkafka::config::RDKafkaLogLevel as L;
@@ -143,5 +164,26 @@ fn log_to_tracing(level: rdkafka::config::RDKafkaLogLevel, facility: &str, messa
         L::Warning => tracing::warn!(target: "librdkafka", facility, "{message}"),
         L::Notice | L::Info => tracing::info!(target: "librdkafka", facility, "{message}"),
         L::Debug => tracing::debug!(target: "librdkafka", facility, "{message}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::producer::BaseProducer;
+
+    #[test]
+    fn a_refused_client_setting_is_named_without_its_value() {
+        let secret = "s3cr3t-value-in-a-refused-setting";
+        let refused = |c: &ClientConfig| c.create::<BaseProducer>().err().expect("refused");
+        let mut config = ClientConfig::new();
+        config.set("security.protocol", secret);
+        assert!(
+            refused(&config).to_string().contains(secret),
+            "librdkafka's own error shows the value"
+        );
+        let shown = without_value(refused(&config)).to_string();
+        assert!(!shown.contains(secret), "{shown}");
+        assert!(shown.contains("security.protocol"), "{shown}");
     }
 }

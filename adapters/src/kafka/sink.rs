@@ -66,7 +66,8 @@ impl KafkaSink {
                 ],
                 &[("enable.idempotence", "true"), ("acks", "all")],
             )
-            .create_with_context(SinkContext)?;
+            .create_with_context(SinkContext)
+            .map_err(super::without_value)?;
         Ok(Self {
             producer,
             client: client.clone(),
@@ -148,6 +149,7 @@ impl KafkaSink {
             .client
             .client_config(Role::Admin, &[], &[])
             .create()
+            .map_err(super::without_value)
             .map_err(|e| {
                 SinkError::Transient(format!("cannot create a Kafka admin client: {e}"))
             })?;

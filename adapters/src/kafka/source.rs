@@ -334,7 +334,8 @@ impl KafkaSource {
             )
             .create_with_context(SourceContext {
                 shared: shared.clone(),
-            })?;
+            })
+            .map_err(super::without_value)?;
         let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
         if config.start_at_end {
             commit_high_watermarks(&consumer, &topics)?;
@@ -698,7 +699,10 @@ mod tests {
             &[("group.id", "delayd-test")],
         );
         assert_eq!(config.get("session.timeout.ms"), None);
-        if let Err(e) = config.create::<BaseConsumer>() {
+        if let Err(e) = config
+            .create::<BaseConsumer>()
+            .map_err(crate::kafka::without_value)
+        {
             panic!("librdkafka refused the consumer: {e}");
         }
 

@@ -204,6 +204,7 @@ impl StateTopic {
                 &[("enable.idempotence", "true"), ("acks", "all")],
             )
             .create_with_context(SinkContext)
+            .map_err(super::without_value)
     }
 
     fn producer(&self) -> FutureProducer<SinkContext> {
@@ -301,6 +302,7 @@ impl StateTopic {
             .client
             .client_config(Role::Admin, &[], &[])
             .create()
+            .map_err(super::without_value)
             .map_err(|e| StateError::Topic {
                 topic: self.topic.clone(),
                 reason: format!("cannot create a metadata client: {e}"),
@@ -324,6 +326,7 @@ impl StateTopic {
         let consumer: BaseConsumer = client
             .client_config(Role::Admin, &[], &[])
             .create()
+            .map_err(super::without_value)
             .map_err(|e| StateError::Topic {
                 topic: topics.join(","),
                 reason: format!("cannot create a metadata client: {e}"),
@@ -362,6 +365,7 @@ impl StateTopic {
         self.client
             .client_config(Role::Admin, &[], &[])
             .create()
+            .map_err(super::without_value)
             .map_err(|e| format!("cannot create an admin client: {e}"))
     }
 
@@ -428,6 +432,7 @@ impl StateTopic {
             .client
             .client_config(Role::Admin, &[], &[])
             .create()
+            .map_err(super::without_value)
             .map_err(|e| format!("cannot create a metadata client: {e}"))?;
         let topic = self.topic.clone();
         let have = tokio::task::spawn_blocking(move || settled_partition_count(&consumer, &topic))
@@ -535,6 +540,7 @@ impl StateTopic {
                 ],
             )
             .create()
+            .map_err(super::without_value)
             .map_err(|e| err(format!("cannot create a consumer: {e}")))?;
         let (low, high) = consumer
             .fetch_watermarks(&self.topic, partition, Duration::from_secs(10))
