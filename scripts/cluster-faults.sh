@@ -506,7 +506,7 @@ inject_redeploy() {
         for _ in $(seq 1 600); do kill -0 "${pids[$o]}" 2>/dev/null || break; sleep 0.1; done
         kill -0 "${pids[$o]}" 2>/dev/null && { log "instance $o did not stop within 60 s"; return 1; }
         wait "${pids[$o]}" || { log "instance $o did not exit cleanly"; return 1; }
-        grep -h "handed over\|could not be handed over" "$work/$1-$o.log" | tail -n 1 >&2 || true
+        grep -h "handed over" "$work/$1-$o.log" | tail -n 1 >&2 || true
         sleep 2
         start_delayd "$1" "$o" || return 1
         log "instance $o: started again"

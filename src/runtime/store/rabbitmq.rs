@@ -1127,18 +1127,26 @@ impl StreamStore {
         // Bounded by the bound itself: the owed Dones wait behind it.
         let left = (last_back_sent + self.names.lease)
             .saturating_duration_since(std::time::Instant::now());
-        match tokio::time::timeout(left, handed)
+        let outcome = tokio::time::timeout(left, handed)
             .await
-            .unwrap_or(Ok(false))
-        {
+            .unwrap_or(Ok(false));
+        self.log_hand_over(
+            outcome,
+            " from a connection of its own once its Dones were written",
+        );
+    }
+
+    /// How a hand-over went; `how` says how it was sent.
+    fn log_hand_over(&self, outcome: Result<bool, StateError>, how: &str) {
+        match outcome {
             Ok(true) => {
-                tracing::info!(route = %self.route, "the route handed over to the next owner from a connection of its own once its Dones were written")
+                tracing::info!(route = %self.route, "the route handed over to the next owner{how}")
             }
             Ok(false) => {
-                tracing::info!(route = %self.route, "the route could not be handed over in time once its session ended; the next owner waits out the lease")
+                tracing::info!(route = %self.route, "the route was not handed over{how}: the lock was no longer held, or not within a lease of its last ping back; the next owner waits out the lease")
             }
             Err(e) => {
-                tracing::info!(route = %self.route, error = %e, "the route could not be handed over once its session ended; the next owner waits out the lease")
+                tracing::info!(route = %self.route, error = %e, "the route could not be handed over{how}; the next owner waits out the lease")
             }
         }
     }
@@ -1230,20 +1238,12 @@ impl StreamStore {
                 }
                 // Bounded: past a lease the bound cannot hold anyway, and a
                 // connection behind a cut link must not hold the stop up.
-                Ok(_) => match tokio::time::timeout(self.names.lease, session.hand_over())
-                    .await
-                    .unwrap_or(Ok(false))
-                {
-                    Ok(true) => {
-                        tracing::info!(route = %self.route, "the route handed over to the next owner")
-                    }
-                    Ok(false) => {
-                        tracing::info!(route = %self.route, "the route could not be handed over (the lock was no longer held, or not in time); the next owner waits out the lease")
-                    }
-                    Err(e) => {
-                        tracing::info!(route = %self.route, error = %e, "the route could not be handed over; the next owner waits out the lease")
-                    }
-                },
+                Ok(_) => {
+                    let outcome = tokio::time::timeout(self.names.lease, session.hand_over())
+                        .await
+                        .unwrap_or(Ok(false));
+                    self.log_hand_over(outcome, "");
+                }
             }
             session.close().await;
         }
