@@ -130,10 +130,24 @@ impl StreamRoute {
 
     /// Waits until `d` owns the route and consumes it.
     async fn wait_owner(&self, d: &Delayd) {
-        wait_for("the instance to own the route", DEADLINE, || async {
-            (d.readyz()["routes"][&self.names.route] == "consuming").then_some(())
+        self.wait_owner_within(d, DEADLINE, None).await;
+    }
+
+    /// [`StreamRoute::wait_owner`] within `within`; on a timeout, the
+    /// panic shows both instances' logs (`former`: the other one).
+    async fn wait_owner_within(&self, d: &Delayd, within: Duration, former: Option<&Delayd>) {
+        let owned = tokio::time::timeout(within, async {
+            while d.readyz()["routes"][&self.names.route] != "consuming" {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         })
         .await;
+        assert!(
+            owned.is_ok(),
+            "the instance did not own the route within {within:?}; its log:\n{}\nthe other's:\n{}",
+            d.log_tail(40),
+            former.map(|f| f.log_tail(40)).unwrap_or_default()
+        );
     }
 
     /// Publishes `count` messages with delays spread over `delays_ms`;
@@ -984,10 +998,7 @@ async fn a_stopped_owner_hands_the_route_over_without_a_lease_wait() {
     // The first owner waits out a lease: no one can tell it that no owner
     // came before it.
     let mut a = r.start().await;
-    wait_for("the first instance to own the route", LEASE * 3, || async {
-        (a.readyz()["routes"][&r.names.route] == "consuming").then_some(())
-    })
-    .await;
+    r.wait_owner_within(&a, LEASE * 3, None).await;
     let b = r.start_standby().await;
     let sent = r.send("handover", COUNT, 6000..10_000).await;
     r.wait_stored(&a, COUNT).await;
@@ -1002,10 +1013,7 @@ async fn a_stopped_owner_hands_the_route_over_without_a_lease_wait() {
     // Its lock connection closed just before it exited: without the
     // hand-over, the standby would own the route 15.75 s from here.
     let exited = Instant::now();
-    wait_for("the standby to own the route", LEASE / 2, || async {
-        (b.readyz()["routes"][&r.names.route] == "consuming").then_some(())
-    })
-    .await;
+    r.wait_owner_within(&b, LEASE / 2, Some(&a)).await;
     eprintln!(
         "the standby consumed {:?} after the owner exited",
         exited.elapsed()
@@ -1030,10 +1038,7 @@ async fn an_owner_whose_connections_are_closed_hands_the_route_over() {
     r.store_extra = format!("lease = \"{}s\"\n", LEASE.as_secs());
     let _cleanup = r.names.cleanup();
     let a = r.start().await;
-    wait_for("the first instance to own the route", LEASE * 3, || async {
-        (a.readyz()["routes"][&r.names.route] == "consuming").then_some(())
-    })
-    .await;
+    r.wait_owner_within(&a, LEASE * 3, None).await;
     let b = r.start_standby().await;
     // Due well after the close even on a loaded machine: a publish on the
     // wire at the close may come back as a same-id copy, which is not what
@@ -1043,18 +1048,7 @@ async fn an_owner_whose_connections_are_closed_hands_the_route_over() {
     let closed = a.close_broker_connections();
     assert!(closed >= 2, "closed {closed} connections");
     let at = Instant::now();
-    let owned = tokio::time::timeout(LEASE / 2, async {
-        while b.readyz()["routes"][&r.names.route] != "consuming" {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    assert!(
-        owned.is_ok(),
-        "the standby did not own the route within half the lease; former owner:\n{}\nstandby:\n{}",
-        a.log_tail(40),
-        b.log_tail(40)
-    );
+    r.wait_owner_within(&b, LEASE / 2, Some(&a)).await;
     eprintln!("the standby consumed {:?} after the close", at.elapsed());
     assert!(
         a.log_tail(300)
