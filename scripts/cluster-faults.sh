@@ -56,7 +56,8 @@
 #   bash scripts/cluster-faults.sh --short    # 200 msg/s, delays 5-20 s, 1 cycle (part of scripts/test.sh)
 #   SCENARIOS="rolling" CYCLES=2 RATE=1000 bash scripts/cluster-faults.sh
 #   KEEP=1 ...                                # keep delayd's logs, the owner samples and
-#                                             # <scenario>.late (messages a second or more late)
+#                                             # <scenario>.late (messages a second or more late:
+#                                             # seq, due, arrived, due by the broker's stamp + x-delay)
 #   LOG="info,delayd::runtime::ingest=debug"  # delayd's log level (each message's intake)
 #   LEASE=1s ...                              # store.lease of the store scenarios (default 5s)
 #   INGRESS=stream ...                        # the store scenarios' ingress queue type (default

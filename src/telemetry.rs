@@ -36,6 +36,12 @@ pub fn init_metrics() -> anyhow::Result<PrometheusHandle> {
             ],
         )?
         .set_buckets_for_metric(
+            Matcher::Full("delayd_publish_seconds".into()),
+            &[
+                0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0,
+            ],
+        )?
+        .set_buckets_for_metric(
             Matcher::Full("delayd_wal_fsync_seconds".into()),
             &[
                 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
@@ -169,6 +175,7 @@ pub const METRICS: &[MetricDef] = &[
     ),
     def("delayd_redeliveries_superseding_total", Counter, ROUTE, "Held deliveries not stored again because the broker redelivered them (their channel closed); the redelivery kept their identity."),
     def("delayd_lateness_seconds", Histogram, ROUTE, "How long after its due time a message was handed to its target."),
+    def("delayd_publish_seconds", Histogram, ROUTE, "From a message's hand-over to its target until the publish settled (confirmed, failed or released)."),
     scraped("delayd_next_due_timestamp_seconds", ROUTE, "Due time (Unix seconds) of the route's earliest pending message; absent when none is pending."),
     scraped("delayd_oldest_overdue_seconds", ROUTE, "How long the route's oldest message past its due time has been waiting; 0 when none is."),
     scraped("delayd_broker_connected", &["broker", "role"], "1 while the broker connection for the role (consume, publish) is open, 0 while it is not."),

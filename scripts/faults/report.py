@@ -61,6 +61,12 @@ print(f"{a.scenario:12} {'ok  ' if ok else 'FAIL'} cycles {a.cycles:>3}  publish
       f" same id {r['duplicates_same_id']}, different id {other_id};"
       f" +{r['redelivered_to_bench']} redelivered to the bench)"
       f"  p99 {r['lateness_p99_ms']} ms  max {r['lateness_max_ms']} ms{owners}  {a.seconds} s")
+if r.get("lateness_by_stamp_p99_ms") is not None:
+    # What delayd counts from: the broker's stamp. The difference is how
+    # long the broker took to take a publish in (a node draining, a
+    # connection moving), which delayd cannot see.
+    print(f"{'':12} from the broker's stamp: p99 {r['lateness_by_stamp_p99_ms']} ms"
+          f"  max {r['lateness_by_stamp_max_ms']} ms  early {r.get('early_by_stamp', 0)}")
 if r.get("twins"):
     print(f"{'':12} twins {r['twins']}, copies lost {r['twin_copies_lost']},"
           f" under one id {r.get('twins_under_one_id', 0)}"

@@ -203,6 +203,16 @@ pub struct BenchReport {
     pub lateness_p50_ms: u64,
     pub lateness_p99_ms: u64,
     pub lateness_max_ms: u64,
+    /// Lateness counted from the broker's `timestamp_in_ms` stamp plus
+    /// `x-delay` (what delayd counts from), when deliveries carry both:
+    /// the broker's own wait before it took a publish in is not in it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lateness_by_stamp_p99_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lateness_by_stamp_max_ms: Option<u64>,
+    /// First copies that arrived before their due time by the stamp.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub early_by_stamp: Option<u64>,
     /// With `--metrics`: delayd's CPU time over the run per message received.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delayd_cpu_us_per_message: Option<f64>,
@@ -245,8 +255,11 @@ struct Tally {
     redelivered_to_bench: u64,
     early: u64,
     lateness: Histogram<u64>,
-    /// First copies a second or more late: (seq, due, arrived), epoch ms.
-    late: Vec<(u64, i64, u64)>,
+    lateness_by_stamp: Histogram<u64>,
+    early_by_stamp: u64,
+    /// First copies a second or more late: (seq, due, arrived, due by the
+    /// broker's stamp), epoch ms.
+    late: Vec<(u64, i64, u64, Option<i64>)>,
     first: Option<Instant>,
     last: Option<Instant>,
 }
@@ -270,6 +283,8 @@ impl Tally {
             redelivered_to_bench: 0,
             early: 0,
             lateness: Histogram::new(3)?,
+            lateness_by_stamp: Histogram::new(3)?,
+            early_by_stamp: 0,
             late: Vec::new(),
             first: None,
             last: None,
@@ -290,7 +305,7 @@ impl Tally {
         id: Option<Box<str>>,
         redelivered: bool,
         now: u64,
-        due: i64,
+        due: Due,
     ) -> bool {
         let t = self;
         let (word, bit) = ((seq as u64 / 64) as usize, seq as u64 % 64);
@@ -351,9 +366,17 @@ impl Tally {
         true
     }
 
-    /// A copy of message `seq` not received before (`now` and `due` in
-    /// epoch ms).
-    fn arrived(&mut self, seq: u64, now: u64, due: i64) {
+    /// A copy of message `seq` not received before (`now` in epoch ms).
+    fn arrived(&mut self, seq: u64, now: u64, due: Due) {
+        let Due { due, by_stamp } = due;
+        if let Some(by_stamp) = by_stamp {
+            match (now as i64).checked_sub(by_stamp) {
+                Some(late) if late >= 0 => {
+                    let _ = self.lateness_by_stamp.record(late as u64);
+                }
+                _ => self.early_by_stamp += 1,
+            }
+        }
         self.received += 1;
         let at = Instant::now();
         self.first.get_or_insert(at);
@@ -364,9 +387,30 @@ impl Tally {
             let late = (now as i64 - due) as u64;
             let _ = self.lateness.record(late);
             if late >= 1000 {
-                self.late.push((seq, due, now));
+                self.late.push((seq, due, now, by_stamp));
             }
         }
+    }
+}
+
+/// When a message is due (epoch ms): by the bench's clock when it sent it,
+/// and by the broker's `timestamp_in_ms` stamp plus its `x-delay`, which
+/// delayd counts from (`delay_from = "broker"`). The two differ by how long
+/// the broker took to take the publish in.
+#[derive(Clone, Copy, Debug, Default)]
+struct Due {
+    due: i64,
+    by_stamp: Option<i64>,
+}
+
+impl Due {
+    fn of(headers: &FieldTable) -> Option<Self> {
+        let due = number(headers.get(DUE))?;
+        let stamp = number(headers.get(crate::route::clock::TIMESTAMP_IN_MS));
+        // delayd delivers `x-delay` negated, as the plugin does.
+        let delay = number(headers.get("x-delay")).map(i64::abs);
+        let by_stamp = stamp.zip(delay).map(|(at, after)| at + after);
+        Some(Self { due, by_stamp })
     }
 }
 
@@ -473,7 +517,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     continue;
                 }
                 let now = SystemClock.now_ms();
-                let (Some(seq), Some(due)) = (number(h.get(SEQ)), number(h.get(DUE))) else {
+                let (Some(seq), Some(due)) = (number(h.get(SEQ)), Due::of(h)) else {
                     continue;
                 };
                 let id = h
@@ -653,7 +697,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let lines: String = t
             .late
             .iter()
-            .map(|(seq, due, at)| format!("{seq} {due} {at}\n"))
+            .map(|(seq, due, at, by_stamp)| {
+                let by_stamp = by_stamp.map_or("-".to_string(), |ms| ms.to_string());
+                format!("{seq} {due} {at} {by_stamp}\n")
+            })
             .collect();
         std::fs::write(path, lines)
             .map_err(|e| anyhow::anyhow!("cannot write --late-log {}: {e}", path.display()))?;
@@ -722,6 +769,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 fn number(value: Option<&Value>) -> Option<i64> {
     match value? {
         Value::I64(n) => Some(*n),
+        Value::U64(n) => i64::try_from(*n).ok(),
+        Value::I32(n) => Some(i64::from(*n)),
+        Value::U32(n) => Some(i64::from(*n)),
         other => other.as_text()?.parse().ok(),
     }
 }
@@ -790,6 +840,12 @@ fn summarise(
         lateness_p50_ms: t.lateness.value_at_quantile(0.5),
         lateness_p99_ms: t.lateness.value_at_quantile(0.99),
         lateness_max_ms: t.lateness.max(),
+        lateness_by_stamp_p99_ms: (!t.lateness_by_stamp.is_empty())
+            .then(|| t.lateness_by_stamp.value_at_quantile(0.99)),
+        lateness_by_stamp_max_ms: (!t.lateness_by_stamp.is_empty())
+            .then(|| t.lateness_by_stamp.max()),
+        early_by_stamp: (!t.lateness_by_stamp.is_empty() || t.early_by_stamp > 0)
+            .then_some(t.early_by_stamp),
         delayd_cpu_us_per_message: None,
         delayd_resident_bytes: None,
         bench_cpu_us_per_message: None,
@@ -850,6 +906,20 @@ mod timing_tests {
         assert_eq!(burst_timing(10_000, 12_000, true), When::After(0));
         assert_eq!(burst_timing(10_000, 4_000, false), When::At(10_000));
     }
+
+    #[test]
+    fn a_delivered_message_is_due_by_its_stamp_plus_its_negated_delay() {
+        let mut delivered = bench_message("r", 7, When::After(5_000), 1_005_000, 0);
+        crate::route::rewrite::for_delivery(&mut delivered, crate::id::MessageId::from_u128(1));
+        let due = Due::of(&delivered.headers).expect("due");
+        assert_eq!((due.due, due.by_stamp), (1_005_000, None), "no stamp");
+        // The broker took it in 2.5 s after the bench sent it.
+        delivered
+            .headers
+            .insert(crate::route::clock::TIMESTAMP_IN_MS, Value::I64(1_002_500));
+        let due = Due::of(&delivered.headers).expect("due");
+        assert_eq!((due.due, due.by_stamp), (1_005_000, Some(1_007_500)));
+    }
 }
 
 #[cfg(test)]
@@ -867,14 +937,17 @@ mod tally_tests {
     #[test]
     fn a_twin_s_other_copy_counts_even_when_flagged_redelivered() {
         let mut t = Tally::new(10, 1).unwrap();
-        assert!(t.receive(3, id("a"), false, 10, 0));
-        assert!(t.receive(3, id("b"), true, 11, 0), "the other twin");
+        assert!(t.receive(3, id("a"), false, 10, Due::default()));
+        assert!(
+            t.receive(3, id("b"), true, 11, Due::default()),
+            "the other twin"
+        );
         assert_eq!(t.second_ids.get(&3).map(|s| &**s), Some("b"));
         assert!(
-            !t.receive(3, id("b"), true, 12, 0),
+            !t.receive(3, id("b"), true, 12, Due::default()),
             "now the bench's own redelivery"
         );
-        assert!(!t.receive(3, id("a"), true, 13, 0));
+        assert!(!t.receive(3, id("a"), true, 13, Due::default()));
         assert_eq!(
             (t.received, t.duplicates, t.redelivered_to_bench),
             (2, 0, 2)
@@ -886,8 +959,8 @@ mod tally_tests {
     #[test]
     fn a_redelivery_under_the_first_id_is_not_a_second_copy() {
         let mut t = Tally::new(10, 1).unwrap();
-        assert!(t.receive(4, id("a"), false, 10, 0));
-        assert!(!t.receive(4, id("a"), true, 11, 0));
+        assert!(t.receive(4, id("a"), false, 10, Due::default()));
+        assert!(!t.receive(4, id("a"), true, 11, Due::default()));
         assert!(t.first_id_again.is_empty());
         assert_eq!(
             (t.received, t.duplicates, t.redelivered_to_bench),
@@ -895,9 +968,9 @@ mod tally_tests {
         );
         // Not a twin: a copy under another id is delayd's duplicate.
         let mut t = Tally::new(10, 0).unwrap();
-        assert!(t.receive(5, id("a"), false, 10, 0));
-        assert!(!t.receive(5, id("b"), false, 11, 0));
-        assert!(!t.receive(5, id("b"), true, 12, 0));
+        assert!(t.receive(5, id("a"), false, 10, Due::default()));
+        assert!(!t.receive(5, id("b"), false, 11, Due::default()));
+        assert!(!t.receive(5, id("b"), true, 12, Due::default()));
         assert_eq!(
             (
                 t.duplicates,

@@ -422,7 +422,11 @@ async fn complete(
     _permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
 ) {
     let Settle { id, route, key } = settle;
+    let started = std::time::Instant::now();
     let outcome = delivery.await;
+    // With `max_in_flight` publishes at most, this bounds the firing rate.
+    metrics::histogram!("delayd_publish_seconds", "route" => route.to_string())
+        .record(started.elapsed().as_secs_f64());
     let mut state = inner.state();
     let Some(flight) = state.land(id) else {
         return;
