@@ -54,6 +54,30 @@ class Verdict(unittest.TestCase):
         out = run(report)
         self.assertEqual(out.returncode, 0, out.stdout)
         self.assertIn("under one id 3", out.stdout)
+    def owners(self, *lines):
+        with tempfile.NamedTemporaryFile("w", suffix=".owners", delete=False) as f:
+            f.write("".join(f"{100 + i * 0.2:.1f} {line}\n" for i, line in enumerate(lines)))
+        try:
+            return run(bench(), "--owners", f.name, "--replicas", "3")
+        finally:
+            os.unlink(f.name)
+
+    def test_a_hand_over_between_two_reads_is_not_two_owners(self):
+        out = self.owners("1 0 1 0", "1 1 0 1", "1 0 0 1", "0 1 0 1")
+        self.assertEqual(out.returncode, 0, out.stdout)
+        self.assertIn("two owners 0 samples", out.stdout)
+
+    def test_an_owner_read_between_two_readings_of_the_other_is_two_owners(self):
+        for line in ("1 1 1 1", "0 1 1 1", "1 1 1 0"):
+            out = self.owners("1 0 1 0", line, "0 1 0 1")
+            self.assertEqual(out.returncode, 1, (line, out.stdout))
+            self.assertIn("two owners 1 samples", out.stdout)
+
+    def test_an_older_sample_of_two_reads_counts_both(self):
+        out = self.owners("1 0", "1 1", "0 1")
+        self.assertEqual(out.returncode, 1, out.stdout)
+        self.assertIn("two owners 1 samples", out.stdout)
+
 
 if __name__ == "__main__":
     unittest.main()

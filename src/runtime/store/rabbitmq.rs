@@ -1226,6 +1226,10 @@ impl StreamStore {
     /// lease: a redeploy of the owner used to leave the route without one
     /// for 5.25 s).
     pub async fn flush(&self, timeout: Duration) {
+        // Nothing fires here any more (publishes are done), and the next
+        // owner may be told so within milliseconds: /readyz and /status
+        // stop naming this instance the owner before that.
+        self.set_phase(Phase::Electing);
         *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let task = self.writer_task.lock().await.take();
         if let Some((writer, session)) = task {
