@@ -33,7 +33,8 @@ pending="${PENDING:-0}"
 
 bash scripts/rabbitmq.sh >/dev/null
 bash scripts/build-deps.sh
-cargo build --release --quiet
+# With BIN set, BIN is what is measured; the release build is not needed.
+if [ -z "${BIN:-}" ] || [ -z "${BENCH:-}" ]; then cargo build --release --quiet; fi
 [ "${RELAY:-0}" = 1 ] && cargo build --release --quiet --example relay
 # BIN: another build to measure (A/B runs), for delayd and the bench alike.
 delayd="${BIN:-$PWD/target/release/delayd}"

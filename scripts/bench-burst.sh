@@ -6,6 +6,7 @@
 #   bash scripts/bench-burst.sh                  # 200,000 messages, 3 runs
 #   COUNT=1000000 RATE=25000 RUNS=1 bash scripts/bench-burst.sh
 #   COUNT=1000000 DELAY_MS=60000 RUNS=1 bash scripts/bench-burst.sh
+#   BIN=target/release-debug/delayd ...   # another build (for a profiler)
 #                                  # the intake done before the instant
 #
 # Each run:
@@ -43,8 +44,9 @@ delay="${DELAY_MS:-5000}"
 
 bash scripts/rabbitmq.sh >/dev/null
 bash scripts/build-deps.sh
-cargo build --release --quiet
-delayd="$PWD/target/release/delayd"
+# BIN: another build to measure (e.g. `--profile release-debug` for perf).
+if [ -z "${BIN:-}" ]; then cargo build --release --quiet; fi
+delayd="$(realpath "${BIN:-target/release/delayd}")"
 work="$(mktemp -d /var/tmp/delayd-bench-burst.XXXXXX)"
 side_rate="${SIDE_RATE:-500}"
 side_seconds="${SIDE_SECONDS:-20}"
