@@ -11,6 +11,7 @@ use super::WalError;
 /// Most frames (a message with its headers) fit in this many bytes, so one
 /// `pread` usually reads the whole frame; a longer one takes a second.
 const FIRST_READ: usize = 4096;
+const _: () = assert!(FIRST_READ >= frame::HEADER_BYTES);
 
 /// Where the bytes of a frame may come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,20 +43,27 @@ pub fn read_frame_at(
         ReadError::NotCached => WalError::NotCached,
         ReadError::Io(e) => WalError::io(path, e),
     };
-    let mut buf = vec![0u8; FIRST_READ.max(frame::HEADER_BYTES)];
-    let got = read_up_to(file, &mut buf, offset, source).map_err(io)?;
+    // On the stack: a heap buffer this size per fired message took glibc's
+    // slow path (it is past the per-thread cache) at every fire.
+    let mut first = [0u8; FIRST_READ];
+    let got = read_up_to(file, &mut first, offset, source).map_err(io)?;
     if got < frame::HEADER_BYTES {
         return Err(corrupt(format!(
             "frame header cut short: {got} of {} bytes",
             frame::HEADER_BYTES
         )));
     }
-    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
+    let len = u32::from_le_bytes([first[0], first[1], first[2], first[3]]);
     if len < frame::MIN_LEN || len > max_len {
         return Err(corrupt(FrameError::BadLength(len).to_string()));
     }
     let total = frame::HEADER_BYTES + len as usize;
-    if total > got {
+    let longer: Vec<u8>;
+    let bytes = if total <= got {
+        &first[..total]
+    } else {
+        let mut buf = Vec::with_capacity(total);
+        buf.extend_from_slice(&first[..got]);
         buf.resize(total, 0);
         let rest = read_up_to(file, &mut buf[got..], offset + got as u64, source).map_err(io)?;
         if got + rest < total {
@@ -64,8 +72,10 @@ pub fn read_frame_at(
                 got + rest
             )));
         }
-    }
-    match frame::parse(&buf[..total], max_len, salt) {
+        longer = buf;
+        &longer[..]
+    };
+    match frame::parse(bytes, max_len, salt) {
         Ok((Parsed::Record(record), _)) => Ok(record.to_owned()),
         Ok((Parsed::Commit { .. }, _)) => Err(corrupt("a Commit frame, not a record".into())),
         Err(e) => Err(corrupt(e.to_string())),
