@@ -143,7 +143,7 @@ fn child(dir: &str) {
             let engine = engine.clone();
             tokio::spawn(async move {
                 loop {
-                    let candidate = engine.wal().compaction_candidate().is_some();
+                    let candidate = engine.wal().compaction_candidate(engine.now_ms()).is_some();
                     if candidate {
                         child_process::say("compacting");
                     }

@@ -43,7 +43,7 @@ pub(crate) async fn once(inner: &Arc<Inner>) -> Result<(), EngineError> {
     let _one_at_a_time = inner.compacting.lock().await;
     write_missing_dones(inner).await?;
     collect_garbage(inner).await?;
-    if let Some(segment) = inner.wal.compaction_candidate() {
+    if let Some(segment) = inner.wal.compaction_candidate(inner.clock.now_ms()) {
         compact(inner, segment).await?;
         collect_garbage(inner).await?;
     }

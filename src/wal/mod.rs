@@ -730,10 +730,11 @@ impl Wal {
         Ok(deleted)
     }
 
-    /// The sealed segment most worth compacting, if any is under the threshold.
-    pub fn compaction_candidate(&self) -> Option<u32> {
+    /// The sealed segment most worth compacting at `now_ms`, if any is
+    /// under the threshold.
+    pub fn compaction_candidate(&self, now_ms: u64) -> Option<u32> {
         self.segments()
-            .compaction_candidate(self.shared.config.compact_below)
+            .compaction_candidate(self.shared.config.compact_below, now_ms)
     }
 
     /// Live Schedules in a segment: every one written and not yet retired

@@ -148,9 +148,9 @@ pub fn recover(
                         offset: offset as u32,
                     };
                     match record {
-                        RecordRef::Schedule { .. } => {
+                        RecordRef::Schedule { due_ms, .. } => {
                             report.schedules += 1;
-                            table.record_schedule(ordinal);
+                            table.record_schedule(ordinal, due_ms);
                         }
                         RecordRef::Done { segment, .. } => {
                             report.dones += 1;

@@ -603,7 +603,7 @@ impl WriterState {
                     table.set_bytes(self.head, self.head_bytes);
                     for p in &pending {
                         match p.kind {
-                            Kind::Schedule => table.record_schedule(self.head),
+                            Kind::Schedule => table.record_schedule(self.head, p.due_ms),
                             Kind::Done(target) => table.record_done(self.head, target),
                             Kind::Mark => {}
                         }
