@@ -157,6 +157,48 @@ fn twins_lose_nothing() {
     }
 }
 
+/// Seed 9104734 (found 2026-12-02, open): the disk fills up with delayd's
+/// own files (`DiskFull` on a disk sized to what it holds plus the
+/// reserve), and at the end, with no more room than that, the drain's far
+/// rounds fail for good: no room for `far/checkpoint.tmp`, and compaction
+/// none for its copies, so nothing frees space. It fails the same way
+/// without 2026-12-02's changes (checked against f5f23fb's reader and
+/// without the compaction rule). Ignored until fixed so the test command
+/// stays green; `cargo test --lib seed_9104734 -- --ignored` replays it.
+#[test]
+#[ignore = "open: the far tier stuck on a disk full of its own files (seed 9104734)"]
+fn seed_9104734_a_drain_on_a_disk_full_of_its_own_files_finishes() {
+    use ops::{Op, Scope};
+    let ops = [
+        Op::DiskFull { scope: Scope::Both },
+        deliver(0, 1, 593, 2_391, None, false),
+        deliver(0, 1, 181, 39_364, None, false),
+        Op::Clock { ms: 11_936 },
+        Op::FarRound,
+        deliver(0, 2, 6, 288_410, None, false),
+        Op::SyncFails,
+        deliver(1, 2, 147, 16_238, Some(1_184_291_533), false),
+        Op::Redeliver,
+        deliver(0, 1, 251, 33_004, Some(385_477_856), false),
+        deliver(0, 3, 788, 4_864_382, None, false),
+        Op::Compact,
+        deliver(0, 1, 363, 16_225, Some(1_109_277_657), false),
+        Op::SyncFails,
+        deliver(1, 2, 772, 0, None, false),
+        deliver(1, 2, 139, 10_182_282, None, false),
+        deliver(1, 1, 836, 2_827, None, true),
+        deliver(1, 2, 151, 97_908, None, false),
+        deliver(0, 3, 768, 2_754, None, false),
+        deliver(1, 2, 20, 0, None, false),
+        deliver(1, 3, 943, 16_689, None, false),
+        deliver(1, 3, 151, 2_759, None, true),
+        Op::PublishFails { n: 3 },
+    ];
+    if let Err(f) = run(9_104_734, &ops) {
+        panic!("{f}");
+    }
+}
+
 /// A delivery, as the regression tests below spell their operations.
 fn deliver(
     route: u8,
