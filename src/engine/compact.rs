@@ -257,8 +257,56 @@ fn settle_remembered(
     keep
 }
 
+/// A record a compaction moves on to the WAL's head.
+enum Move {
+    /// A live Schedule, copied under its id.
+    Schedule {
+        id: u64,
+        old: WalPos,
+        due_ms: u64,
+        uid: u128,
+        route: String,
+        message: Vec<u8>,
+    },
+    /// A Done whose Schedule lies in a segment that stays.
+    Done { id: u64, target: u64 },
+    /// A cancel's mark still compared with redeliveries.
+    Mark { id: u64 },
+}
+
+/// Room a compaction keeps beyond its copies' own bytes: the commit
+/// frames of their batches and a new head segment's header.
+const COPY_SLACK: u64 = 256;
+
+/// Each scanned frame's bytes: up to the next one (a commit frame between
+/// them counts too, so a copy's size is never underestimated).
+fn frame_spans(frames: &[(u32, Record)], segment_bytes: u64) -> Vec<u64> {
+    let ends = frames
+        .iter()
+        .skip(1)
+        .map(|(offset, _)| u64::from(*offset))
+        .chain(std::iter::once(segment_bytes));
+    frames
+        .iter()
+        .zip(ends)
+        .map(|((offset, _), end)| end.saturating_sub(u64::from(*offset)))
+        .collect()
+}
+
 /// Copy a segment's live records to the head, repoint the index, delete it.
 async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
+    // Copies free space only once all are written and the segment goes,
+    // and never on the disk reserve's room (see the WAL's writer): a
+    // compaction that cannot finish waits for room, rather than spend what
+    // the Dones and the far tier's loads need (sim seed 9104734).
+    let wal = inner.wal.clone();
+    if !tokio::task::spawn_blocking(move || wal.has_room())
+        .await
+        .map_err(|_| EngineError::WriterGone)??
+    {
+        tracing::debug!(segment, "compaction postponed: the disk reserve is out");
+        return Ok(());
+    }
     let wal = inner.wal.clone();
     let frames = tokio::task::spawn_blocking(move || wal.scan_segment(segment))
         .await
@@ -314,9 +362,13 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                 _ => None,
             })
             .collect();
-        for (offset, record) in frames {
+        // What moves on, planned first: it is written only if it fits.
+        let mut plan = Vec::new();
+        let mut bytes = 0;
+        let spans = frame_spans(&frames, inner.wal.segment_size(segment));
+        for ((offset, record), span) in frames.into_iter().zip(spans) {
             let old = WalPos { segment, offset };
-            match record {
+            let moves = match record {
                 Record::Schedule {
                     id,
                     due_ms,
@@ -324,21 +376,22 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                     route,
                     message,
                     ..
-                } => {
-                    if state.locate(id).is_some_and(|(slot, _, _)| slot.pos == old) {
-                        let copy = inner.wal.append_copy(id, due_ms, uid, &route, message)?;
-                        copies.push((id, old, copy));
-                    }
-                }
+                } => state
+                    .locate(id)
+                    .is_some_and(|(slot, _, _)| slot.pos == old)
+                    .then_some(Move::Schedule {
+                        id,
+                        old,
+                        due_ms,
+                        uid,
+                        route,
+                        message,
+                    }),
                 Record::Done {
                     id,
                     segment: target,
                     ..
-                } => {
-                    if target_kept(target) {
-                        done_copies.push(inner.wal.append_done_copy(id, target)?);
-                    }
-                }
+                } => target_kept(target).then_some(Move::Done { id, target }),
                 // An ack's mark is read by a restart for the newest records
                 // only: not worth a copy (a record whose mark is gone is in
                 // doubt: a twin redelivered then shares its id).
@@ -353,11 +406,42 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                         && (state.unconfirmed.contains(id & !dedup::CANCELLED_MARK)
                             || retiring.contains(&(id & !dedup::CANCELLED_MARK))) =>
                 {
-                    done_copies.push(inner.wal.append_acked_now(id)?);
+                    Some(Move::Mark { id })
                 }
-                Record::Acked { .. } => {}
+                Record::Acked { .. } => None,
                 // Written again by `remember_departing` if still remembered.
-                Record::Remembered { .. } => {}
+                Record::Remembered { .. } => None,
+            };
+            if let Some(m) = moves {
+                bytes += span;
+                plan.push(m);
+            }
+        }
+        if inner.wal.free_bytes()? < bytes + COPY_SLACK {
+            tracing::debug!(
+                segment = first_seq,
+                bytes,
+                "compaction postponed: no room for its copies"
+            );
+            return Ok(());
+        }
+        for m in plan {
+            match m {
+                Move::Schedule {
+                    id,
+                    old,
+                    due_ms,
+                    uid,
+                    route,
+                    message,
+                } => {
+                    let copy = inner.wal.append_copy(id, due_ms, uid, &route, message)?;
+                    copies.push((id, old, copy));
+                }
+                Move::Done { id, target } => {
+                    done_copies.push(inner.wal.append_done_copy(id, target)?);
+                }
+                Move::Mark { id } => done_copies.push(inner.wal.append_acked_now(id)?),
             }
         }
     }

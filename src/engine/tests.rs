@@ -1988,6 +1988,52 @@ async fn what_the_engine_acknowledged_survives_a_power_loss() {
     }
 }
 
+/// A compaction frees space only once all its copies are written and its
+/// segment goes: on a disk without room for them it waits, and leaves the
+/// disk reserve to the writes that free space by themselves. Without the
+/// wait its copies released the reserve and took its room (sim seed
+/// 9104734: then a drain's far load never fit).
+#[tokio::test]
+async fn a_compaction_without_room_for_its_copies_waits() {
+    use crate::wal::sim::SimFs;
+    let dir = std::path::Path::new("/vol/wal");
+    let fs = SimFs::with_dir(dir);
+    let mut cfg = config(dir);
+    cfg.gc_interval = Duration::from_secs(3600); // compaction only when asked
+    cfg.wal.fs = Arc::new(fs.clone());
+    cfg.wal.reserve_bytes = 4096;
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let (engine, _) = Engine::open(cfg, clock).unwrap();
+    let far = 1_000_000 + 3_600_000;
+    let mut ids = Vec::new();
+    for i in 0..120u64 {
+        ids.push(engine.schedule("r", far + i, vec![7; 300]).await.unwrap());
+    }
+    // Three in four cancelled: every segment is sparse.
+    for (n, id) in ids.iter().enumerate() {
+        if n % 4 != 0 {
+            assert!(engine.cancel(*id).await.unwrap());
+        }
+    }
+    let reserve = dir.join("reserve");
+    assert_eq!(fs.file_len(&reserve), 4096);
+    // Room for a few Dones beside the reserve, not for a segment's copies.
+    fs.set_capacity(Some(fs.used_bytes() + 200));
+    let (segments, used) = (engine.space().segments, fs.used_bytes());
+    engine.compact_now().await.unwrap();
+    assert_eq!(fs.file_len(&reserve), 4096, "the copies took the reserve");
+    assert_eq!(fs.used_bytes(), used, "copies written that cannot finish");
+    assert_eq!(engine.space().segments, segments);
+    // With room, it goes on.
+    fs.set_capacity(None);
+    engine.compact_now().await.unwrap();
+    assert!(
+        engine.space().segments < segments,
+        "compaction removed a segment ({segments} before)"
+    );
+    assert_eq!(engine.pending(), 30);
+}
+
 /// A publish that comes back because its route moved takes the message out
 /// for good: it is neither retried here nor back after a restart. (Retried,
 /// it stayed pending on the former owner, and fired again whenever that

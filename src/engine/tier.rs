@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::far::{Entry, FarConfig, FarRecord, FarStore};
+use crate::far::{Entry, FarConfig, FarError, FarRecord, FarStore};
 use crate::id::MessageId;
-use crate::wal::{Record, WalConfig};
+use crate::wal::{Record, WalConfig, WalError};
 use crate::wheel::Expired;
 
 use super::state::{Slot, State};
@@ -553,7 +553,7 @@ async fn load_one(
     let (mut index, tombstoned, resumed, marks) = tokio::task::spawn_blocking(move || {
         let tier = worker.far.as_ref().expect("far tier");
         let mut store = tier.store();
-        let resumed = store.begin_load(from, after_id)?;
+        let resumed = on_reserve(&worker, || store.begin_load(from, after_id))?;
         let reader = store.reader(from)?.ok_or(EngineError::Interrupted(
             "a far bucket went while it was loaded",
         ))?;
@@ -675,7 +675,7 @@ async fn load_one(
     tokio::task::spawn_blocking(move || -> Result<(), EngineError> {
         let tier = worker.far.as_ref().expect("far tier");
         let mut store = tier.store();
-        let counts = match store.remove_bucket(from, from + width) {
+        let counts = match on_reserve(&worker, || store.remove_bucket(from, from + width)) {
             Ok(c) => c,
             Err(e) => {
                 drop(store);
@@ -704,6 +704,21 @@ async fn load_one(
     metrics::counter!("delayd_far_loaded_total").increment(n as u64);
     tracing::debug!(bucket = from, messages = n, "loaded a far bucket");
     Ok(n)
+}
+
+/// A load's checkpoint write frees space (its bucket goes): on a full
+/// disk it gets the disk reserve's room and tries once more, as the WAL's
+/// Dones do. Without the retry its failure released the reserve to the
+/// fired messages' Dones, which took the room, and the load never fit
+/// again (sim seed 9104734).
+fn on_reserve<T>(
+    inner: &Inner,
+    mut write: impl FnMut() -> Result<T, FarError>,
+) -> Result<T, FarError> {
+    match write() {
+        Err(FarError::Io(WalError::DiskFull(_))) if inner.wal.release_reserve() => write(),
+        written => written,
+    }
 }
 
 /// A load of this bucket began before and did not finish: some records

@@ -101,7 +101,6 @@ pub fn read(fs: &dyn FileSystem, path: &Path) -> Result<Option<Checkpoint>, FarE
     Ok(Some(cp))
 }
 
-/// Write `cp` to `dir/tmp`, sync it, rename it over `dir/name`, sync `dir`.
 /// How many bytes [`write`] would write for `cp` (to `path`).
 pub fn encoded_len(cp: &Checkpoint, path: &Path) -> Result<usize, FarError> {
     encode(cp, path).map(|bytes| bytes.len())
@@ -114,6 +113,7 @@ fn encode(cp: &Checkpoint, path: &Path) -> Result<Vec<u8>, FarError> {
     })
 }
 
+/// Write `cp` to `dir/tmp`, sync it, rename it over `dir/name`, sync `dir`.
 pub fn write(
     fs: &dyn FileSystem,
     dir: &Path,

@@ -259,11 +259,9 @@ impl Sim {
         }
     }
 
-    /// A failure under a fault, hashed without its text: which of two
-    /// errors a crash surfaces first (the I/O error, or "the WAL is
-    /// stopped") depends on the writer thread's timing.
-    /// With `SIM_TRACE`: the files on the simulated disk before each step.
-    fn trace_disk(&self, op: &Op) {
+    /// With `SIM_TRACE`: the files on the simulated disk before each step
+    /// and each drain round.
+    fn trace_disk(&self, op: &dyn std::fmt::Debug) {
         if std::env::var_os("SIM_TRACE").is_none() {
             return;
         }
@@ -284,6 +282,9 @@ impl Sim {
         );
     }
 
+    /// A failure under a fault, hashed without its text: which of two
+    /// errors a crash surfaces first (the I/O error, or "the WAL is
+    /// stopped") depends on the writer thread's timing.
     fn note_error(&mut self, what: &'static str, e: &dyn std::fmt::Display) {
         self.note(what);
         self.show(e.to_string());
@@ -1082,6 +1083,7 @@ impl Sim {
             // What the wheel holds fires before the round loads: a round
             // racing the engine's own firing made runs differ by timing.
             self.settle().await?;
+            self.trace_disk(&("drain round", when));
             let outcome = engine.far_round().await.map_err(|e| e.to_string());
             self.round_outcome("far round", outcome)?;
             let outcome = engine.compact_now().await.map_err(|e| e.to_string());

@@ -157,16 +157,16 @@ fn twins_lose_nothing() {
     }
 }
 
-/// Seed 9104734 (found 2026-12-02, open): the disk fills up with delayd's
-/// own files (`DiskFull` on a disk sized to what it holds plus the
-/// reserve), and at the end, with no more room than that, the drain's far
-/// rounds fail for good: no room for `far/checkpoint.tmp`, and compaction
-/// none for its copies, so nothing frees space. It fails the same way
-/// without 2026-12-02's changes (checked against f5f23fb's reader and
-/// without the compaction rule). Ignored until fixed so the test command
-/// stays green; `cargo test --lib seed_9104734 -- --ignored` replays it.
+/// Seed 9104734 (found 2026-12-02): the disk fills up with delayd's own
+/// files (`DiskFull` on a disk sized to what it holds plus the reserve),
+/// and at the end, with no more room than that, the drain loads the far
+/// tier's bucket. Its checkpoint did not fit beside the reserve; the
+/// failure released the reserve, but the load was not tried again there,
+/// and the fired messages' Dones took the room before the next round, so
+/// the far rounds failed for good. A load's checkpoint now gets the
+/// reserve's room and tries once more (`engine::tier::on_reserve`), and a
+/// compaction waits for room for its copies rather than take that room.
 #[test]
-#[ignore = "open: the far tier stuck on a disk full of its own files (seed 9104734)"]
 fn seed_9104734_a_drain_on_a_disk_full_of_its_own_files_finishes() {
     use ops::{Op, Scope};
     let ops = [

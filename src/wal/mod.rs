@@ -437,6 +437,14 @@ impl Wal {
         self.shared.reserve.restore()
     }
 
+    /// Bytes free on the WAL's volume (the disk reserve's ballast, when
+    /// held, is not free).
+    pub fn free_bytes(&self) -> Result<u64, WalError> {
+        let dir = &self.shared.config.dir;
+        let space = self.fs().space(dir).map_err(|e| WalError::io(dir, e))?;
+        Ok(space.available)
+    }
+
     /// How many bytes of dead segments may wait for their Remembered frames
     /// (see `engine::compact`): a segment's or the disk reserve's worth,
     /// whichever is more, so a full disk still empties.
@@ -485,7 +493,7 @@ impl Wal {
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
         self.shared
             .writer
-            .send(AppendRequest::schedule(None, due_ms, uid, route, message))
+            .send(AppendRequest::schedule(due_ms, uid, route, message))
     }
 
     /// Append a compaction copy of an existing Schedule (same id and uid).
@@ -497,13 +505,9 @@ impl Wal {
         route: &str,
         message: Vec<u8>,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
-        self.shared.writer.send(AppendRequest::schedule(
-            Some(id),
-            due_ms,
-            uid,
-            route,
-            message,
-        ))
+        self.shared
+            .writer
+            .send(AppendRequest::copy(id, due_ms, uid, route, message))
     }
 
     /// Append a Done for the message whose Schedule sits at `pos`, and count

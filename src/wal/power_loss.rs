@@ -552,6 +552,52 @@ fn a_message_admitted_before_the_reserve_went_is_not_written_on_its_room() {
     );
 }
 
+/// A compaction copy frees space only once its whole compaction is done:
+/// on the reserve's room it would take what the fired messages' Dones and
+/// the far tier's loads need to empty the disk. Its ENOSPC releases the
+/// reserve (for those), and it is not tried again there. Without that it
+/// was (sim seed 9104734: a drain's compaction spent the room a far load's
+/// checkpoint needed, and the disk never emptied).
+#[test]
+fn a_full_disk_never_gives_the_reserve_to_a_compaction_copy() {
+    let (fs, wal) = small_volume_with_a_reserve();
+    let m = message(0);
+    let first = append(&wal, &m).unwrap();
+    let filler = Path::new(DIR).join("filler");
+    let room = 128 * 1024 - fs.used_bytes();
+    fs.create_new(&filler)
+        .unwrap()
+        .append(&vec![0; room])
+        .unwrap();
+    let reserve = Path::new(DIR).join("reserve");
+    let without_reserve = fs.used_bytes() - fs.file_len(&reserve);
+    let copy = wal
+        .append_copy(first.id, m.due_ms, m.uid, &m.route, m.message.clone())
+        .unwrap()
+        .blocking_recv()
+        .unwrap();
+    assert!(matches!(copy, Err(WalError::DiskFull(_))), "{copy:?}");
+    assert_eq!(fs.file_len(&reserve), 0, "released");
+    assert_eq!(
+        fs.used_bytes(),
+        without_reserve,
+        "a compaction copy took the reserve's room"
+    );
+    // Refused at once while the reserve is out, and a Done still fits.
+    let again = wal
+        .append_copy(first.id, m.due_ms, m.uid, &m.route, m.message.clone())
+        .unwrap()
+        .blocking_recv()
+        .unwrap();
+    assert!(matches!(again, Err(WalError::DiskFull(_))), "{again:?}");
+    assert_eq!(fs.used_bytes(), without_reserve);
+    wal.append_done(first.id, first.pos)
+        .unwrap()
+        .blocking_recv()
+        .unwrap()
+        .unwrap();
+}
+
 /// A start needs no room of its own: on a disk full to the last byte (the
 /// reserve spent), the log opens and goes on in its last segment, and what
 /// it appends there once there is room survives a power loss. Fails

@@ -50,9 +50,12 @@ pub enum AppendRequest {
         uid: u128,
         route: String,
         message: Vec<u8>,
-        /// A new message from an intake: a failed batch holding one is
-        /// not tried again on the disk reserve's room (see [`Reserve`]).
-        new: bool,
+        /// A new message from an intake, or a compaction copy: never
+        /// written on the disk reserve's room (see [`Reserve`]). A copy
+        /// frees space only once its whole compaction is done, so on that
+        /// room it would take what the fired messages' Dones and the far
+        /// tier's loads need (sim seed 9104734).
+        off_reserve: bool,
     },
     Done {
         id: u64,
@@ -80,25 +83,39 @@ pub enum AppendRequest {
 }
 
 impl AppendRequest {
-    pub fn schedule(
-        id: Option<u64>,
-        due_ms: u64,
-        uid: u128,
-        route: &str,
-        message: Vec<u8>,
-    ) -> Self {
+    /// A Schedule under a new id that is not a new message (a far load's
+    /// copy): it may be written on the disk reserve's room.
+    pub fn schedule(due_ms: u64, uid: u128, route: &str, message: Vec<u8>) -> Self {
         AppendRequest::Schedule {
-            id,
+            id: None,
             due_ms,
             uid,
             route: route.to_owned(),
             message,
-            new: false,
+            off_reserve: false,
         }
     }
 
-    fn is_new_message(&self) -> bool {
-        matches!(self, AppendRequest::Schedule { new: true, .. })
+    /// A compaction copy of a stored Schedule: it keeps its id and uid.
+    pub fn copy(id: u64, due_ms: u64, uid: u128, route: &str, message: Vec<u8>) -> Self {
+        AppendRequest::Schedule {
+            id: Some(id),
+            due_ms,
+            uid,
+            route: route.to_owned(),
+            message,
+            off_reserve: true,
+        }
+    }
+
+    fn is_off_reserve(&self) -> bool {
+        matches!(
+            self,
+            AppendRequest::Schedule {
+                off_reserve: true,
+                ..
+            }
+        )
     }
 
     /// A new message's Schedule, from an intake.
@@ -109,7 +126,7 @@ impl AppendRequest {
             uid,
             route: route.to_owned(),
             message,
-            new: true,
+            off_reserve: true,
         }
     }
 
@@ -472,9 +489,10 @@ impl WriterState {
         }
         // A new message is admitted only while the reserve is held, but an
         // ENOSPC elsewhere (a batch just before, the far tier) may have
-        // released it since: the room it left is not theirs.
+        // released it since: the room it left is not theirs, nor a
+        // compaction copy's.
         if !self.reserve.is_held() {
-            self.refuse_new_messages(batch);
+            self.refuse_off_reserve(batch);
             if batch.is_empty() {
                 return;
             }
@@ -528,7 +546,7 @@ impl WriterState {
         let salt = self.salt;
         let batch_first_seq = self.next_seq;
         let mut pending = Vec::with_capacity(batch.len());
-        let mut has_new = false;
+        let mut has_off_reserve = false;
         for (req, reply) in batch.drain(..) {
             let seq = self.next_seq;
             self.next_seq += 1;
@@ -544,9 +562,9 @@ impl WriterState {
                     uid,
                     route,
                     message,
-                    new,
+                    off_reserve,
                 } => {
-                    has_new |= new;
+                    has_off_reserve |= off_reserve;
                     let id = id.unwrap_or(seq);
                     let schedule = frame::Schedule {
                         id,
@@ -592,7 +610,7 @@ impl WriterState {
         // with its later pages on disk and earlier ones not is recognised.
         frame::put_commit(&mut self.buf, salt, self.next_seq, batch_first_seq);
         self.next_seq += 1;
-        match self.flush(has_new) {
+        match self.flush(has_off_reserve) {
             Ok(()) => {
                 // Durable: ids of a batch that failed may be handed out
                 // again after a restart, these never.
@@ -637,10 +655,11 @@ impl WriterState {
         }
     }
 
-    /// Answer the batch's new messages "disk full", unwritten.
-    fn refuse_new_messages(&self, batch: &mut Vec<(AppendRequest, Reply)>) {
+    /// Answer the batch's new messages and compaction copies "disk full",
+    /// unwritten.
+    fn refuse_off_reserve(&self, batch: &mut Vec<(AppendRequest, Reply)>) {
         let (refused, kept): (Vec<_>, Vec<_>) =
-            batch.drain(..).partition(|(req, _)| req.is_new_message());
+            batch.drain(..).partition(|(req, _)| req.is_off_reserve());
         batch.extend(kept);
         if !refused.is_empty() {
             let full = WalError::DiskFull(self.config.dir.clone());
@@ -650,11 +669,13 @@ impl WriterState {
 
     /// Write the buffer and fdatasync. A write error cuts the file back to the
     /// start of the batch; an ENOSPC releases the disk reserve, and a batch
-    /// without new messages (the reserve's room is never theirs) tries once
-    /// more. An fsync error stops the log for good.
-    fn flush(&mut self, has_new: bool) -> Result<(), WalError> {
+    /// without new messages or compaction copies (the reserve's room is
+    /// never theirs) tries once more. An fsync error stops the log for good.
+    fn flush(&mut self, has_off_reserve: bool) -> Result<(), WalError> {
         let written = match self.write_buf() {
-            Err(WalError::DiskFull(_)) if self.reserve.release() && !has_new => self.write_buf(),
+            Err(WalError::DiskFull(_)) if self.reserve.release() && !has_off_reserve => {
+                self.write_buf()
+            }
             written => written,
         };
         if let Err(e) = &written {
