@@ -10,14 +10,16 @@
 //!   writes that retire messages then use the room it leaves.
 //! - It takes at most an eighth of the volume, so that a small volume (a
 //!   test's tmpfs) is not all reserve.
-//! - New messages ([`super::Wal::append_schedule`]) and spills, which free
-//!   space only once whole segments are dead, wait until the ballast is
-//!   back ([`Reserve::restore`]). Making it again needs twice its size
+//! - New messages ([`super::Wal::append_schedule`]), spills and
+//!   compactions, which free space only once whole segments are dead,
+//!   wait until the ballast is back ([`Reserve::restore`]); the writer
+//!   never puts a new message or a compaction copy on its room. Making it again needs twice its size
 //!   free, so the intake does not take back at once what the retiring
 //!   writes have just freed.
 //! - A spill also waits while the far checkpoint it would write is larger
 //!   than the ballast ([`Reserve::size`]): every load rewrites that
-//!   checkpoint, on a full disk in the ballast's room.
+//!   checkpoint, on a full disk in the ballast's room (a load's checkpoint
+//!   write that meets ENOSPC releases the ballast and tries once more).
 //! - While it is not held (released, or not made again since a start),
 //!   the WAL's writer seals its head segment early, once, so that a head
 //!   whose records all left (spilled, fired) can be deleted: a head is
