@@ -88,7 +88,7 @@ impl Tier {
         let config = FarConfig {
             dir,
             bucket_ms: horizon_ms,
-            max_frame_len: wal.max_frame_len(),
+            max_frame_len: crate::wal::frame::MAX_LEN,
             fs: wal.fs.clone(),
         };
         let reach = now.saturating_add(horizon_ms);

@@ -882,3 +882,32 @@ async fn a_disk_full_of_its_own_spilled_messages_still_empties() {
     assert!(again.is_ok(), "not taken in again: {again:?}");
     r.stop().await;
 }
+
+/// `wal.max_message_bytes` lowered between restarts: a larger message that
+/// was stored before, and spilled to the far tier, still loads and fires
+/// byte-equal. Before, the bucket's frame was "implausible" under the new
+/// limit.
+#[tokio::test]
+async fn a_lower_max_message_bytes_keeps_a_larger_far_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let r = start(far_config(dir.path()), clock.clone());
+    let big: Vec<u8> = (0..200 << 10).map(|i: u32| (i % 251) as u8).collect();
+    let id = r
+        .engine
+        .schedule("orders", T0 + 5 * HOUR, big.clone())
+        .await
+        .unwrap();
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 1);
+    r.stop().await;
+
+    let mut lower = far_config(dir.path());
+    lower.wal.max_message_bytes = 64 << 10;
+    let mut r = start(lower, clock.clone());
+    assert_eq!(r.engine.pending(), 1);
+    at(&r, &clock, T0 + 5 * HOUR).await;
+    let fired = r.recv().await;
+    assert_eq!(fired.message, big);
+    assert_ne!(fired.id, id, "loaded under a new id");
+}

@@ -9,6 +9,18 @@ pub const MIN_LEN: u32 = 9;
 pub const SCHEDULE_OVERHEAD: usize = 8 + 8 + 16 + 2;
 /// The same for a Schedule written before messages had a uid (type 1).
 const SCHEDULE_V1_OVERHEAD: usize = 8 + 8 + 2;
+/// The longest `len` a reader believes: any frame a delayd may have
+/// written, whatever `wal.max_message_bytes` was then. Not the limit
+/// configured now: lowered between restarts, it made the larger messages
+/// stored before it "implausible" and recovery skipped them, acknowledged
+/// (`wal::tests::a_lower_max_message_bytes_keeps_the_larger_messages_already_stored`).
+/// A frame is still bounded by the bytes that follow it, and checked by
+/// its CRC.
+pub const MAX_LEN: u32 = u32::MAX;
+/// The longest frame that is not a Schedule (a Remembered one): a longer
+/// `len` with another type is not tried against its CRC, which keeps a
+/// resynchronisation through a corrupt message's bytes cheap.
+const MAX_SMALL_LEN: u32 = MIN_LEN + REMEMBERED_PAYLOAD as u32;
 
 pub const SEGMENT_MAGIC: &[u8; 8] = b"DELAYDWL";
 /// Version 2 salts every frame's CRC and ends each batch with a Commit frame;
@@ -333,12 +345,15 @@ pub fn parse(buf: &[u8], max_len: u32, salt: Salt) -> Result<(Parsed<'_>, usize)
     if buf.len() < total {
         return Err(FrameError::Short);
     }
+    let kind = buf[8];
+    if len > MAX_SMALL_LEN && kind != TYPE_SCHEDULE && kind != TYPE_SCHEDULE_V1 {
+        return Err(FrameError::BadType(kind));
+    }
     let stored_crc = u32::from_le_bytes(buf[4..8].try_into().expect("4 bytes"));
     let crc = salt.crc(&buf[0..4], &buf[8..total]);
     if crc != stored_crc {
         return Err(FrameError::BadCrc);
     }
-    let kind = buf[8];
     let seq = u64::from_le_bytes(buf[9..17].try_into().expect("8 bytes"));
     let payload = &buf[17..total];
     let parsed = match kind {

@@ -221,14 +221,6 @@ pub struct WalConfig {
 }
 
 impl WalConfig {
-    /// Largest frame `len` a reader believes: a Schedule with the largest
-    /// message and the longest route name.
-    pub fn max_frame_len(&self) -> u32 {
-        (frame::MIN_LEN as usize + SCHEDULE_OVERHEAD + u16::MAX as usize)
-            .saturating_add(self.max_message_bytes as usize)
-            .min(u32::MAX as usize) as u32
-    }
-
     pub fn new(dir: impl Into<PathBuf>) -> Self {
         Self {
             dir: dir.into(),
@@ -671,7 +663,7 @@ impl Wal {
             &*file,
             &path,
             pos.offset as u64,
-            self.shared.config.max_frame_len(),
+            frame::MAX_LEN,
             salt,
             source,
         )
@@ -683,7 +675,7 @@ impl Wal {
             .segments()
             .file(segment)
             .ok_or(WalError::NoSegment(segment))?;
-        reader::scan_file(&*file, &path, self.shared.config.max_frame_len())
+        reader::scan_file(&*file, &path, frame::MAX_LEN)
     }
 
     /// Set the live-record counts after recovery (the caller knows liveness).

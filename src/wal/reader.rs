@@ -62,6 +62,14 @@ pub fn read_frame_at(
     let bytes = if total <= got {
         &first[..total]
     } else {
+        // Allocated only for bytes the file holds: a length is believed up
+        // to the format's largest (see `frame::MAX_LEN`).
+        let size = file.size().map_err(|e| WalError::io(path, e))?;
+        if got < FIRST_READ || offset.saturating_add(total as u64) > size {
+            return Err(corrupt(format!(
+                "frame of {total} bytes runs past the end of its file ({size} bytes)"
+            )));
+        }
         let mut buf = Vec::with_capacity(total);
         buf.extend_from_slice(&first[..got]);
         buf.resize(total, 0);

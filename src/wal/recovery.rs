@@ -116,7 +116,7 @@ pub fn recover(
         let corrupt_before = report.corruptions.len();
         let mut frames = 0u64;
         let mut cut_at = None;
-        let scan = || Scanner::new(&buf, config.max_frame_len()).with_last_seq(last_seq);
+        let scan = || Scanner::new(&buf, frame::MAX_LEN).with_last_seq(last_seq);
         // Only the last segment can have a torn tail, and judging one needs
         // the whole list of items. It is built only when a first pass finds
         // a bad frame: a list of every frame of a 64 MiB segment is tens of

@@ -254,7 +254,7 @@ fn torn_tail_at_every_byte_offset_keeps_every_complete_frame() {
     let (mut frame_ends, mut all_ends) = (Vec::new(), Vec::new());
     let mut at = frame::SEGMENT_HEADER_BYTES as usize;
     while at < full.len() {
-        let (parsed, size) = frame::parse(&full[at..], cfg.max_frame_len(), salt).unwrap();
+        let (parsed, size) = frame::parse(&full[at..], frame::MAX_LEN, salt).unwrap();
         at += size;
         all_ends.push(at);
         if let frame::Parsed::Record(record) = parsed {
@@ -1131,4 +1131,47 @@ fn a_done_joining_a_schedules_batch_waits_only_the_dones_wait() {
         .expect("the Schedule rode the Done's batch")
         .unwrap();
     close(wal);
+}
+
+/// `wal.max_message_bytes` lowered between restarts: the messages already
+/// stored above the new limit were acknowledged, and must come back.
+#[test]
+fn a_lower_max_message_bytes_keeps_the_larger_messages_already_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _, _) = open_live(config(dir.path())).unwrap();
+    let big = vec![7u8; 200 << 10];
+    let stored = schedule(&wal, 10, &big);
+    let small = schedule(&wal, 20, b"small");
+    close(wal);
+    let lower = WalConfig {
+        max_message_bytes: 64 << 10,
+        ..config(dir.path())
+    };
+    let (wal, live, report) = open_live(lower).unwrap();
+    assert!(report.corruptions.is_empty(), "{:?}", report.corruptions);
+    assert_eq!(live.get(&stored.id).map(|m| m.2.len()), Some(big.len()));
+    assert!(live.contains_key(&small.id));
+    assert!(
+        matches!(wal.read(stored.pos).unwrap(), Record::Schedule { message, .. } if message == big)
+    );
+}
+
+/// A length is believed up to the format's largest (`frame::MAX_LEN`), so
+/// a corrupt one at a record's position is refused for running past the
+/// file, before anything that size is allocated.
+#[test]
+fn a_corrupt_length_past_the_file_is_refused_without_allocating_it() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let wal = open_one_segment(dir.path());
+    let a = schedule(&wal, 10, &[1; 100]);
+    let seg = segments_of(dir.path()).pop().unwrap();
+    let f = OpenOptions::new().write(true).open(&seg).unwrap();
+    f.write_all_at(&0xF000_0000u32.to_le_bytes(), u64::from(a.pos.offset))
+        .unwrap();
+    let err = wal.read(a.pos).unwrap_err();
+    assert!(
+        err.to_string().contains("runs past the end of its file"),
+        "{err}"
+    );
 }
