@@ -17,12 +17,15 @@
 # (no Remembered frame when a remembered record's segment goes: a restart
 # forgets a message that left, and its late redelivery gets a new id),
 # consumed (a redelivery whose copy failed to store stays matched: the next
-# one gets a new id).
+# one gets a new id), movedone (a compaction that leaves a segment's Dones
+# behind: the Schedules they retire, kept in other segments, come back at
+# a restart), unarmed (a compaction that copies only what is armed: a
+# record durable but not yet armed goes with its segment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
 bugs=("$@")
-[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed)
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone unarmed)
 
 # plant NAME: edit the source; each edit must apply exactly once.
 plant() {
@@ -63,6 +66,12 @@ edits = {
     "consumed": [("src/engine/mod.rs",
         "engine.state().unconfirmed.unconsume(taken);",
         "let _ = taken;")],
+    "movedone": [("src/engine/compact.rs",
+        "} => target_kept(target).then_some(Move::Done { id, target }),",
+        "} => target_kept(target).then_some(()).and(None),")],
+    "unarmed": [("src/engine/compact.rs",
+        "if located < inner.wal.segment_live(segment) {",
+        "if false && located < inner.wal.segment_live(segment) {")],
 }
 for path, old, new in edits[bug]:
     text = open(path).read()
