@@ -469,6 +469,17 @@ fn small_volume_with_a_reserve() -> (SimFs, Wal) {
     (fs, wal)
 }
 
+/// Another process fills the small volume to the last byte; returns its file.
+fn fill_the_volume(fs: &SimFs) -> PathBuf {
+    let filler = Path::new(DIR).join("filler");
+    let room = 128 * 1024 - fs.used_bytes();
+    fs.create_new(&filler)
+        .unwrap()
+        .append(&vec![0; room])
+        .unwrap();
+    filler
+}
+
 /// The disk reserve on a disk that fills up: the first ENOSPC releases it;
 /// a batch of new messages is not tried again on its room (the intake
 /// waits), a Done is, and succeeds; new messages are taken again only once
@@ -481,13 +492,7 @@ fn a_full_disk_gives_the_reserve_to_dones_never_to_new_messages() {
     append(&wal, &message(1)).unwrap();
     let reserve = Path::new(DIR).join("reserve");
     assert_eq!(fs.file_len(&reserve), 8 << 10);
-    // Another process fills the volume to the last byte.
-    let filler = Path::new(DIR).join("filler");
-    let room = 128 * 1024 - fs.used_bytes();
-    fs.create_new(&filler)
-        .unwrap()
-        .append(&vec![0; room])
-        .unwrap();
+    let filler = fill_the_volume(&fs);
     let full = append(&wal, &message(3)).unwrap_err();
     assert!(matches!(full, WalError::DiskFull(_)), "{full}");
     assert_eq!(fs.file_len(&reserve), 0, "released");
@@ -522,12 +527,7 @@ fn a_full_disk_gives_the_reserve_to_dones_never_to_new_messages() {
 fn a_message_admitted_before_the_reserve_went_is_not_written_on_its_room() {
     let (fs, wal) = small_volume_with_a_reserve();
     append(&wal, &message(0)).unwrap();
-    let filler = Path::new(DIR).join("filler");
-    let room = 128 * 1024 - fs.used_bytes();
-    fs.create_new(&filler)
-        .unwrap()
-        .append(&vec![0; room])
-        .unwrap();
+    fill_the_volume(&fs);
     // Admitted while the reserve was held...
     assert!(wal.has_room().unwrap());
     // ...then another write's ENOSPC releases it...
@@ -563,12 +563,7 @@ fn a_full_disk_never_gives_the_reserve_to_a_compaction_copy() {
     let (fs, wal) = small_volume_with_a_reserve();
     let m = message(0);
     let first = append(&wal, &m).unwrap();
-    let filler = Path::new(DIR).join("filler");
-    let room = 128 * 1024 - fs.used_bytes();
-    fs.create_new(&filler)
-        .unwrap()
-        .append(&vec![0; room])
-        .unwrap();
+    fill_the_volume(&fs);
     let reserve = Path::new(DIR).join("reserve");
     let without_reserve = fs.used_bytes() - fs.file_len(&reserve);
     let copy = wal
