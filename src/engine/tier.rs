@@ -339,11 +339,30 @@ pub(crate) async fn spill(inner: &Arc<Inner>) -> Result<usize, EngineError> {
     .map_err(|_| EngineError::WriterGone)??;
     // Durable in the bucket and counted there: retire the WAL's copy. A
     // crash before this is durable spills it again (kept once per id).
+    // One the engine no longer remembers (its ack was confirmed) gets its
+    // ack's mark again in its Done's batch, which lasts as long as its
+    // Schedule: compaction does not move marks, and a restart that read
+    // the Schedule back without one took it for a record in doubt, which
+    // a later cancel of its load's copy (under another id) did not cover;
+    // a twin's redelivery was then stored under its identity and fired
+    // after that cancel (sim seed 9117519).
+    let settled: HashSet<u64> = {
+        let state = inner.state();
+        spilled
+            .iter()
+            .map(|e| e.id)
+            .filter(|&id| !state.unconfirmed.contains(id))
+            .collect()
+    };
     let mut dones = Vec::with_capacity(spilled.len());
     let mut not_retired = Vec::new();
     let mut done_failed = None;
     for e in &spilled {
-        match inner.wal.append_done(e.id, e.data.pos) {
+        let marks = match settled.contains(&e.id) {
+            true => vec![e.id],
+            false => Vec::new(),
+        };
+        match inner.wal.append_done_with_marks(e.id, e.data.pos, marks) {
             Ok(rx) => dones.push((e, rx)),
             Err(err) => {
                 not_retired.push(e);

@@ -199,6 +199,41 @@ fn seed_9104734_a_drain_on_a_disk_full_of_its_own_files_finishes() {
     }
 }
 
+/// Seed 9117519 (found 2026-12-02): message 1 fired after its cancel by
+/// key was answered.
+#[test]
+fn seed_9117519_a_cancel_by_key_holds_across_a_crash() {
+    use ops::{Loss, Op};
+    let ops = [
+        deliver(0, 0, 563, 371_782, None, false),
+        Op::FarRound,
+        Op::Clock { ms: 22547 },
+        deliver(0, 3, 492, 1_566, None, false),
+        deliver(0, 0, 147, 159_300, Some(145_442_247), true),
+        deliver(0, 3, 526, 277, None, false),
+        deliver(0, 0, 28, 19_556, None, false),
+        deliver(0, 0, 67, 38_677, None, true),
+        deliver(0, 0, 814, 1_588, None, false),
+        deliver(1, 0, 405, 0, None, false),
+        Op::Kill { loss: Loss::Torn },
+        deliver(1, 0, 332, 18_941, None, true),
+        Op::Compact,
+        deliver(0, 3, 627, 2_291, Some(2_669_003_443), false),
+        deliver(0, 0, 669, 305_296, None, false),
+        Op::FarRound,
+        Op::CancelKey { route: 0, key: 3 },
+        deliver(0, 2, 250, 0, None, false),
+        deliver(0, 1, 702, 10_458_400, None, false),
+        deliver(0, 0, 77, 940, None, false),
+        Op::CrashAfter { n: 6 },
+        deliver(0, 2, 711, 443, None, false),
+        Op::FarRound,
+    ];
+    if let Err(f) = run(9_117_519, &ops) {
+        panic!("{f}");
+    }
+}
+
 /// A delivery, as the regression tests below spell their operations.
 fn deliver(
     route: u8,
