@@ -35,6 +35,9 @@ pub use tier::{FarSettings, LOAD_CHUNK_BYTES};
 
 use std::collections::BinaryHeap;
 use std::future::Future;
+
+use futures_util::future::Either;
+use futures_util::FutureExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 #[cfg(test)]
 use std::sync::Mutex as StdMutex;
@@ -301,10 +304,20 @@ impl Written {
     }
 }
 
-/// [`Engine::store`]'s start: at once, or once the original is written.
-enum Start<S, W> {
-    Now(S),
-    After(W, String, Vec<u8>),
+/// [`Engine::store`] once the original of a redelivery is written.
+type BoxedStore = std::pin::Pin<Box<dyn Future<Output = Result<Stored, EngineError>> + Send>>;
+
+/// A store's outcome once its write (if any) is durable and armed.
+fn stored<F>(storing: Storing<F>) -> impl Future<Output = Result<Stored, EngineError>> + Send
+where
+    F: Future<Output = Result<Written, EngineError>> + Send,
+{
+    match storing {
+        Storing::Duplicate => Either::Left(std::future::ready(Ok(Stored::Duplicate))),
+        Storing::New(written) | Storing::Copy(written, _) => {
+            Either::Right(written.map(|w| Ok(w?.commit())))
+        }
+    }
 }
 
 /// A store being written (see [`dedup::Writing`]); ends on drop, whether
@@ -858,22 +871,22 @@ impl Engine {
         arrival: impl Into<Arrival>,
     ) -> impl Future<Output = Result<Stored, EngineError>> + Send + 'static {
         let arrival = arrival.into();
-        let start = match self.wait_for_original(route, &message, arrival.redelivered) {
-            None => Start::Now(self.begin_store(route, due_ms, uid, message, arrival)),
-            Some(wait) => Start::After(wait, route.to_owned(), message),
-        };
-        let engine = self.clone();
-        async move {
-            let storing = match start {
-                Start::Now(storing) => storing,
-                Start::After(wait, route, message) => {
+        // Combinators, not an async block: the store future is allocated
+        // per delivery, and an async block holding the write's future
+        // twice (captured, then awaited) took it past glibc's per-thread
+        // cache size, onto malloc's slow path.
+        match self.wait_for_original(route, &message, arrival.redelivered) {
+            None => Either::Left(stored(
+                self.begin_store(route, due_ms, uid, message, arrival),
+            )),
+            Some(wait) => {
+                // Rare (a redelivery racing its original's write): boxed.
+                let (engine, route) = (self.clone(), route.to_owned());
+                let after: BoxedStore = Box::pin(async move {
                     wait.await;
-                    engine.begin_store(&route, due_ms, uid, message, arrival)
-                }
-            };
-            match storing {
-                Storing::Duplicate => Ok(Stored::Duplicate),
-                Storing::New(stored) | Storing::Copy(stored, _) => Ok(stored.await?.commit()),
+                    stored(engine.begin_store(&route, due_ms, uid, message, arrival)).await
+                });
+                Either::Right(after)
             }
         }
     }
