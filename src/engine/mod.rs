@@ -228,27 +228,37 @@ impl Retired {
     /// A Done that fails (a full disk) puts the message back: the cancel
     /// fails and the message fires as if it had not been asked for.
     async fn settle(
-        self,
+        mut self,
         inner: &Inner,
         cancel_hook: Option<&CancelHook>,
     ) -> Result<(), EngineError> {
-        if let Some(done) = self.done {
-            let written = match done.await {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(e)) => Err(EngineError::from(e)),
-                Err(_) => Err(EngineError::WriterGone),
-            };
-            if let Err(e) = written {
-                if let Some((entry, hash)) = self.was {
-                    inner.rearm_retired(entry, hash);
-                }
-                return Err(e);
-            }
-        }
+        self.written(inner).await?;
         if let (Some(hook), Some(message)) = (cancel_hook, &self.message) {
             hook(&self.route, self.id, message)
                 .await
                 .map_err(EngineError::StoreCancel)?;
+        }
+        Ok(())
+    }
+}
+
+impl Retired {
+    /// Wait for the Done to be durable (at once if it was, or there is
+    /// none). One that fails puts the message back in the wheel.
+    async fn written(&mut self, inner: &Inner) -> Result<(), EngineError> {
+        let Some(done) = self.done.take() else {
+            return Ok(());
+        };
+        let written = match done.await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(EngineError::from(e)),
+            Err(_) => Err(EngineError::WriterGone),
+        };
+        if let Err(e) = written {
+            if let Some((entry, hash)) = self.was.take() {
+                inner.rearm_retired(entry, hash);
+            }
+            return Err(e);
         }
         Ok(())
     }
@@ -1305,9 +1315,12 @@ impl Engine {
         let near = tokio::task::spawn_blocking(move || engine.retire_queued(id, why))
             .await
             .map_err(|_| EngineError::WriterGone)??;
-        if let Some((entry, _)) = near.as_ref().and_then(|r| r.was.as_ref()) {
-            self.retire_far_copy(id, entry.deadline, entry.data.pos)
-                .await?;
+        let mut near = near;
+        if let Some(retired) = near.as_mut() {
+            if let Some((entry, _)) = retired.was.as_ref() {
+                let (deadline, pos) = (entry.deadline, entry.data.pos);
+                self.retire_far_copy(retired, deadline, pos).await?;
+            }
         }
         if near.is_some() || self.inner.far.is_none() {
             return Ok(near);
@@ -1360,12 +1373,20 @@ impl Engine {
     /// well, or that copy would load and fire. The bucket is the one of its
     /// stored due time: the wheel's deadline may be a retry's since (seed
     /// 6063), and a spill never takes a message waiting for a retry.
+    ///
+    /// Only once its WAL Done is durable, and with the tier's operations
+    /// held from before that wait (no load takes the copy meanwhile): a
+    /// Done that failed puts the message back in the wheel, and its bucket
+    /// copy had been cancelled already, so its next spill there (kept once
+    /// per id) was taken for cancelled, and the message was gone from both
+    /// tiers, though its cancel had failed (sim seed 9118903).
     async fn retire_far_copy(
         &self,
-        id: u64,
+        retired: &mut Retired,
         deadline: u64,
         pos: WalPos,
     ) -> Result<(), EngineError> {
+        let id = retired.id;
         let Some(tier) = self.inner.far.as_ref() else {
             return Ok(());
         };
@@ -1373,6 +1394,7 @@ impl Engine {
             return Ok(());
         }
         let _op = tier.exclusive().await;
+        retired.written(&self.inner).await?;
         let inner = self.inner.clone();
         tokio::task::spawn_blocking(move || {
             let stored = match inner.wal.read(pos)? {

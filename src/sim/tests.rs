@@ -234,6 +234,90 @@ fn seed_9117519_a_cancel_by_key_holds_across_a_crash() {
     }
 }
 
+/// Seed 9118903 (found 2026-12-02): message 21 fired after its cancel was
+/// answered.
+#[test]
+fn seed_9118903_a_cancel_holds() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(1, 1, 214, 0, Some(3_563_096_155), true),
+        Op::PublishFails { n: 4 },
+        deliver(1, 1, 568, 145_753, None, true),
+        deliver(0, 1, 558, 37_854, None, false),
+        Op::CrashAfter { n: 2 },
+        deliver(1, 3, 355, 25_998, None, false),
+        Op::Redeliver,
+        Op::Redeliver,
+        Op::FarRound,
+        deliver(1, 0, 5, 165_578, None, true),
+        deliver(1, 0, 180, 2_532_471, None, false),
+        deliver(1, 2, 619, 804, None, false),
+        deliver(1, 0, 186, 26_985, None, true),
+        Op::DiskFull { scope: Scope::Far },
+        Op::Redeliver,
+        Op::Cancel {
+            pick: 2_666_982_330,
+        },
+        deliver(1, 0, 232, 389_096, None, false),
+        Op::Cancel {
+            pick: 3_457_084_942,
+        },
+        Op::Clock { ms: 25_121 },
+        Op::CancelKey { route: 1, key: 3 },
+        deliver(1, 2, 25, 1_767, None, true),
+        deliver(0, 0, 310, 7_738_147, None, false),
+        deliver(0, 0, 698, 2_898, None, true),
+        Op::Kill { loss: Loss::Torn },
+        Op::Clock { ms: 127_065 },
+        deliver(0, 1, 303, 775, None, false),
+        deliver(0, 2, 996, 2_969, None, false),
+        deliver(0, 2, 181, 30_486, None, false),
+        deliver(1, 0, 428, 8_340, None, false),
+        deliver(1, 0, 122, 1_344, None, false),
+        deliver(0, 3, 179, 26_641, None, false),
+        deliver(1, 0, 448, 22_598, None, false),
+        Op::CrashAfter { n: 5 },
+        Op::Redeliver,
+        Op::CrashAfter { n: 5 },
+        deliver(0, 3, 678, 6_497, None, true),
+        deliver(1, 0, 193, 27_167, None, false),
+        deliver(1, 3, 1, 172_617, None, true),
+        Op::Clock { ms: 1580 },
+        deliver(0, 0, 785, 28_279, None, false),
+        deliver(0, 0, 733, 0, None, true),
+        Op::Redeliver,
+        Op::Redeliver,
+        deliver(1, 0, 636, 0, Some(528_870_646), true),
+        deliver(1, 2, 512, 10_463_403, None, false),
+        Op::DiskFull { scope: Scope::Wal },
+        deliver(1, 1, 956, 11_773, None, false),
+        deliver(1, 0, 112, 10_237_724, Some(161_653_265), false),
+        Op::FarRound,
+        Op::Clock { ms: 128_881 },
+        deliver(1, 3, 276, 30_681, None, false),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        deliver(1, 2, 401, 1_856, None, true),
+        deliver(0, 1, 426, 221_572, None, true),
+        Op::Cancel {
+            pick: 2_950_205_276,
+        },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::FarRound,
+        Op::Purge {
+            route: 1,
+            from_ms: 35_516,
+            width_ms: 20_180,
+        },
+    ];
+    if let Err(f) = run(9_118_903, &ops) {
+        panic!("{f}");
+    }
+}
+
 /// A delivery, as the regression tests below spell their operations.
 fn deliver(
     route: u8,
