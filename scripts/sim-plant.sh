@@ -20,7 +20,9 @@
 # one gets a new id), movedone (a compaction that leaves a segment's Dones
 # behind: the Schedules they retire, kept in other segments, come back at
 # a restart), unarmed (a compaction that copies only what is armed: a
-# record durable but not yet armed goes with its segment).
+# record durable but not yet armed goes with its segment; the simulator
+# settles between operations and cannot reach this one, see
+# docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
