@@ -219,6 +219,10 @@ struct Retired {
     /// Where it waited in the wheel, and its key-index hash: armed again
     /// if its Done fails.
     was: Option<(Expired<Slot>, Option<u64>)>,
+    /// A cancel's marks for other records of its identity, each kept by a
+    /// Done naming its own Schedule's segment: durable before the cancel
+    /// is answered.
+    kept_marks: Vec<AppendReceiver>,
 }
 
 impl Retired {
@@ -259,6 +263,11 @@ impl Retired {
                 inner.rearm_retired(entry, hash);
             }
             return Err(e);
+        }
+        // Retired for good now: a mark that failed only makes the cancel's
+        // answer an error (it may have taken effect).
+        for mark in std::mem::take(&mut self.kept_marks) {
+            mark.await.map_err(|_| EngineError::WriterGone)??;
         }
         Ok(())
     }
@@ -1356,6 +1365,7 @@ impl Engine {
                 route: Arc::from(record.route.as_str()),
                 message: Some(record.message),
                 was: None,
+                kept_marks: Vec::new(),
             }))
         })
         .await
@@ -1448,15 +1458,40 @@ impl Engine {
         // written apart (lazily) could land in a segment of its own, which
         // garbage collection deleted while the Schedule stayed, and a
         // restart read that back in doubt and not cancelled (seed 339).
-        let marks = match why {
-            "cancelled" => state
-                .unconfirmed
-                .cancel_all(id, uid)
-                .into_iter()
-                .map(|marked| marked | dedup::CANCELLED_MARK)
-                .collect(),
-            _ => Vec::new(),
-        };
+        // Another record of its identity (a load's original, a copy stored
+        // for a redelivery) has its mark kept by a Done naming its own
+        // Schedule's segment, as a far cancel's are: that Schedule may
+        // outlive this one's segment and the Done's, and a restart that
+        // read it back without its mark took it in doubt and not cancelled
+        // (`tier_tests::a_cancel_through_a_loaded_copy_holds_for_the_original_after_a_restart`).
+        let mut marks = Vec::new();
+        let mut kept_marks = Vec::new();
+        let mut failed = None;
+        if why == "cancelled" {
+            for marked in state.unconfirmed.cancel_all(id, uid) {
+                let mark = marked | dedup::CANCELLED_MARK;
+                // Not one still pending: the Done that keeps a mark would
+                // retire its Schedule too.
+                let at = match marked == id || state.is_pending(marked) {
+                    true => None,
+                    false => state.unconfirmed.written_at(marked),
+                };
+                match at.map(|pos| self.inner.wal.append_marks_kept_by(marked, pos, vec![mark])) {
+                    Some(Ok(Some(rx))) => kept_marks.push(rx),
+                    Some(Err(e)) => {
+                        failed = Some(e);
+                        break;
+                    }
+                    // Its segment is gone: it goes with the Done.
+                    Some(Ok(None)) | None => marks.push(mark),
+                }
+            }
+        }
+        if let Some(e) = failed {
+            drop(state);
+            self.inner.rearm_retired(entry, hash);
+            return Err(e.into());
+        }
         // Written under the lock so it is ordered before any compaction copy.
         let done = match self
             .inner
@@ -1478,6 +1513,7 @@ impl Engine {
             route,
             message: stored.map(|(_, _, m)| m),
             was: Some((entry, hash)),
+            kept_marks,
         }))
     }
 

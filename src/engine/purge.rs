@@ -182,6 +182,7 @@ impl Engine {
                 route: Arc::from(r.route.as_str()),
                 message: Some(r.message),
                 was: None,
+                kept_marks: Vec::new(),
             };
             retired
                 .settle(&self.inner, self.inner.cancel_hook.get())

@@ -911,3 +911,89 @@ async fn a_lower_max_message_bytes_keeps_a_larger_far_message() {
     assert_eq!(fired.message, big);
     assert_ne!(fired.id, id, "loaded under a new id");
 }
+
+/// A message in doubt, spilled, loaded back under a new id and cancelled
+/// through that copy: the cancel's mark for the original must last as long
+/// as the original's Schedule does, not as long as the copy's. Once the
+/// copy's segments were collected, a restart read the original back in
+/// doubt and not cancelled, and a redelivery of it was stored again under
+/// its identity (and fired after the cancel).
+#[tokio::test]
+async fn a_cancel_through_a_loaded_copy_holds_for_the_original_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    // Small segments: a 600-byte message seals its segment.
+    let cfg = || {
+        let mut cfg = far_config(dir.path());
+        cfg.wal.segment_bytes = 500;
+        cfg.wal.compact_below = 0.0; // garbage collection only
+        cfg
+    };
+    let big = |body: &str| keyed(None, None, &format!("{body} {}", "x".repeat(600)));
+    let on = |session, redelivered| Arrival {
+        redelivered,
+        session,
+    };
+    let mut r = start(cfg(), clock.clone());
+    let due = T0 + 10 * HOUR;
+    let stay = |r: &Running, body: &'static str| {
+        r.engine.store(
+            "kept-near",
+            T0 + 20 * HOUR,
+            MessageId::mint(),
+            big(body),
+            on(1, false),
+        )
+    };
+    // Segment 1: the message, its ack in doubt, beside one that stays.
+    let message = keyed(None, None, "far, its ack in doubt");
+    let stored = r
+        .engine
+        .store("k", due, MessageId::mint(), message.clone(), on(1, false))
+        .await
+        .unwrap();
+    let original = stored.id().unwrap();
+    let uid = uid_of(&r, original);
+    r.engine.ack_sending(original);
+    stay(&r, "stays").await.unwrap();
+    // Segment 2: the spill's Done, beside another that stays.
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 1, "spilled");
+    stay(&r, "seals").await.unwrap();
+    // Segment 3: loaded back under a new id, and cancelled through that
+    // copy; then sealed behind a message that fires.
+    at(&r, &clock, due - HOUR).await;
+    assert_eq!(r.engine.far_pending(), 0, "loaded");
+    let copy = r.engine.find_by_uid(uid).unwrap().expect("the loaded copy");
+    assert_ne!(copy, original);
+    assert!(r.engine.cancel(copy).await.unwrap());
+    r.engine
+        .store(
+            "k",
+            due - HOUR,
+            MessageId::mint(),
+            big("fires"),
+            on(1, false),
+        )
+        .await
+        .unwrap();
+    r.engine.wake();
+    r.recv().await;
+    // Its Done (lazy) rides the next write, in segment 4.
+    stay(&r, "next").await.unwrap();
+    // Segment 3 holds nothing live now: collected.
+    r.engine.compact_now().await.unwrap();
+    r = {
+        r.stop().await;
+        start(cfg(), clock.clone())
+    };
+    assert_eq!(
+        r.engine
+            .store("k", due, MessageId::mint(), message.clone(), on(2, true))
+            .await
+            .unwrap(),
+        Stored::Duplicate,
+        "the redelivery goes with the cancel"
+    );
+    r.stop().await;
+}
