@@ -1517,11 +1517,6 @@ impl Engine {
         }))
     }
 
-    /// See [`Inner::mark_cancelled_now`].
-    fn mark_cancelled_now(&self, id: u64, uid: u128) -> Result<AppendReceiver, EngineError> {
-        self.inner.mark_cancelled_now(id, uid)
-    }
-
     /// Set once: told of every message cancelled (by id or by key), with
     /// its route and stored bytes, once its Done is durable. The
     /// broker-kept store removes its state record there, and the cancel

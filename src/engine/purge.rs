@@ -8,6 +8,7 @@ use std::sync::Arc;
 use futures_util::stream::{self, StreamExt};
 
 use super::{Engine, EngineError, ListQuery, Location, PendingInfo, Retired};
+use crate::far::FarRecord;
 
 /// Messages listed per walk of a purge.
 const PURGE_PAGE: usize = 10_000;
@@ -161,24 +162,37 @@ impl Engine {
             let _op = tier.exclusive().await;
             let inner = self.inner.clone();
             let ids = ids.clone();
-            tokio::task::spawn_blocking(move || super::tier::cancel_listed(&inner, bucket, &ids))
-                .await
-                .map_err(|_| EngineError::WriterGone)?
-                .inspect_err(|e| self.inner.on_failure(e))?
+            tokio::task::spawn_blocking(move || {
+                // Each cancel's mark durable before the bucket's cancels are
+                // written, as a cancel by id does (seed 9398): marked after,
+                // a purge that failed between the two left messages cancelled
+                // without a mark, whose redelivery a restart stored again
+                // and fired after the next purge was answered (seed 9171180).
+                // Queued at once, so one group commit makes many durable.
+                let marked = |found: &[FarRecord]| {
+                    let mut marks = Vec::with_capacity(found.len());
+                    for r in found {
+                        marks.push(inner.mark_cancelled_now(r.id, r.uid)?);
+                    }
+                    for mark in marks {
+                        mark.blocking_recv()
+                            .map_err(|_| EngineError::WriterGone)??;
+                    }
+                    Ok(())
+                };
+                super::tier::cancel_listed(&inner, bucket, &ids, marked)
+            })
+            .await
+            .map_err(|_| EngineError::WriterGone)?
+            .inspect_err(|e| self.inner.on_failure(e))?
         };
         let n = found.len() as u64;
-        // Each cancel's mark (see `Engine::mark_cancelled`), queued at once
-        // so one group commit makes many durable.
-        let mut marks = Vec::with_capacity(found.len());
-        for r in &found {
-            marks.push(self.mark_cancelled_now(r.id, r.uid)?);
-        }
-        for (r, mark) in found.into_iter().zip(marks) {
+        for r in found {
             metrics::counter!("delayd_cancelled_total", "route" => r.route.clone()).increment(1);
             let (id, uid) = (r.id, r.uid);
             let retired = Retired {
                 id,
-                done: Some(mark),
+                done: None,
                 route: Arc::from(r.route.as_str()),
                 message: Some(r.message),
                 was: None,

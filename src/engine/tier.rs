@@ -861,6 +861,7 @@ pub(crate) fn cancel_listed(
     inner: &Inner,
     start: u64,
     ids: &HashSet<u64>,
+    before: impl FnOnce(&[FarRecord]) -> Result<(), EngineError>,
 ) -> Result<Vec<FarRecord>, EngineError> {
     let Some(tier) = inner.far.as_ref() else {
         return Ok(Vec::new());
@@ -879,6 +880,7 @@ pub(crate) fn cancel_listed(
         }
         None => Vec::new(),
     };
+    before(&found)?;
     let cancels: Vec<(u64, &str)> = found.iter().map(|r| (r.id, r.route.as_str())).collect();
     store.cancel_many(start, &cancels)?;
     drop(store);

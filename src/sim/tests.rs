@@ -318,6 +318,34 @@ fn seed_9118903_a_cancel_holds() {
     }
 }
 
+/// Seed 9171180 (found 2026-12-02): message 0 fired after a purge that
+/// covered it was answered.
+#[test]
+fn seed_9171180_a_purge_holds() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(0, 0, 590, 175_910, None, true),
+        Op::FarRound,
+        Op::DiskFull { scope: Scope::Wal },
+        Op::Clock { ms: 19_244 },
+        Op::Clock { ms: 129_415 },
+        Op::Purge {
+            route: 0,
+            from_ms: 23_464,
+            width_ms: 9317,
+        },
+        Op::Kill { loss: Loss::Torn },
+        Op::Purge {
+            route: 0,
+            from_ms: 2516,
+            width_ms: 29_810,
+        },
+    ];
+    if let Err(f) = run(9_171_180, &ops) {
+        panic!("{f}");
+    }
+}
+
 /// A delivery, as the regression tests below spell their operations.
 fn deliver(
     route: u8,
