@@ -209,14 +209,28 @@ fn settle_remembered(
     written: Vec<(Frame, Result<Appended, WalError>)>,
     reserve_held: bool,
 ) -> Vec<u32> {
+    // A frame that failed for another reason than a full disk (a failed
+    // fsync, the log stopped) keeps its segment whatever its size: nothing
+    // presses for room, and going on without the frame forgot what it
+    // carried (sim seed 9173454: after a failed fsync, a compaction deleted
+    // the segment holding a cancel's mark; the frame that would have
+    // carried the cancel on had failed, and a restart read an older frame
+    // back, not cancelled).
+    let mut keep: Vec<u32> = written
+        .iter()
+        .filter(|(_, result)| matches!(result, Err(e) if !matches!(e, WalError::DiskFull(_))))
+        .filter_map(|(frame, _)| frame.from)
+        .collect();
     let mut failed: Vec<u32> = written
         .iter()
-        .filter(|(_, result)| reserve_held && result.is_err())
+        .filter(|(_, result)| reserve_held && matches!(result, Err(WalError::DiskFull(_))))
         .filter_map(|(frame, _)| frame.from)
+        .filter(|from| !keep.contains(from))
         .collect();
     failed.sort_unstable();
     failed.dedup();
-    let mut keep = Vec::new();
+    keep.sort_unstable();
+    keep.dedup();
     let mut held_back = 0;
     for segment in failed {
         held_back += inner.wal.segment_size(segment);
