@@ -312,6 +312,28 @@ async fn a_redelivery_of_a_far_message_cancelled_by_key_stays_cancelled() {
     r.stop().await;
 }
 
+/// Segments of 500 bytes, so that a 600-byte message ([`big`]) seals its
+/// segment; garbage collection only, no compaction.
+fn small_segments(dir: &std::path::Path) -> EngineConfig {
+    let mut cfg = far_config(dir);
+    cfg.wal.segment_bytes = 500;
+    cfg.wal.compact_below = 0.0;
+    cfg
+}
+
+/// A message of more than 600 bytes: it seals a [`small_segments`] segment.
+fn big(body: &str) -> Vec<u8> {
+    keyed(None, None, &format!("{body} {}", "x".repeat(600)))
+}
+
+/// Delivered on source session `session`.
+fn on(session: u64, redelivered: bool) -> Arrival {
+    Arrival {
+        redelivered,
+        session,
+    }
+}
+
 /// A far message's cancel (by id: no Done follows, only its mark) must
 /// outlast garbage collection while its WAL Schedule stays on disk: a
 /// restart reads that Schedule back in doubt (its ack was), and without the
@@ -320,18 +342,7 @@ async fn a_redelivery_of_a_far_message_cancelled_by_key_stays_cancelled() {
 async fn a_far_cancel_survives_the_collection_of_its_marks_segment() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    // Small segments: a 600-byte message seals its segment.
-    let cfg = || {
-        let mut cfg = far_config(dir.path());
-        cfg.wal.segment_bytes = 500;
-        cfg.wal.compact_below = 0.0; // garbage collection only
-        cfg
-    };
-    let big = |body: &str| keyed(None, None, &format!("{body} {}", "x".repeat(600)));
-    let on = |session, redelivered| Arrival {
-        redelivered,
-        session,
-    };
+    let cfg = || small_segments(dir.path());
     let mut r = start(cfg(), clock.clone());
     let due = T0 + 10 * HOUR;
     // Its Schedule's segment stays: a near message waits there too.
@@ -922,18 +933,7 @@ async fn a_lower_max_message_bytes_keeps_a_larger_far_message() {
 async fn a_cancel_through_a_loaded_copy_holds_for_the_original_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    // Small segments: a 600-byte message seals its segment.
-    let cfg = || {
-        let mut cfg = far_config(dir.path());
-        cfg.wal.segment_bytes = 500;
-        cfg.wal.compact_below = 0.0; // garbage collection only
-        cfg
-    };
-    let big = |body: &str| keyed(None, None, &format!("{body} {}", "x".repeat(600)));
-    let on = |session, redelivered| Arrival {
-        redelivered,
-        session,
-    };
+    let cfg = || small_segments(dir.path());
     let mut r = start(cfg(), clock.clone());
     let due = T0 + 10 * HOUR;
     let stay = |r: &Running, body: &'static str| {
