@@ -19,7 +19,9 @@
 # consumed (a redelivery whose copy failed to store stays matched: the next
 # one gets a new id), movedone (a compaction that leaves a segment's Dones
 # behind: the Schedules they retire, kept in other segments, come back at
-# a restart), unarmed (a compaction that copies only what is armed: a
+# a restart), limit (a restart that reads frames only up to the new
+# wal.max_message_bytes: a larger message stored before is taken for
+# corruption; with SIM_LIMITS=1), unarmed (a compaction that copies only what is armed: a
 # record durable but not yet armed goes with its segment; the simulator
 # settles between operations and cannot reach this one, see
 # docs/testing.md).
@@ -27,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
 bugs=("$@")
-[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone unarmed)
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone limit unarmed)
 
 # plant NAME: edit the source; each edit must apply exactly once.
 plant() {
@@ -71,6 +73,9 @@ edits = {
     "movedone": [("src/engine/compact.rs",
         "} => target_kept(target).then_some(Move::Done { id, target }),",
         "} => target_kept(target).then_some(()).and(None),")],
+    "limit": [("src/wal/recovery.rs",
+        "let scan = || Scanner::new(&buf, frame::MAX_LEN).with_last_seq(last_seq);",
+        "let scan = || Scanner::new(&buf, config.max_message_bytes + 128).with_last_seq(last_seq);")],
     "unarmed": [("src/engine/compact.rs",
         "if located < inner.wal.segment_live(segment) {",
         "if false && located < inner.wal.segment_live(segment) {")],
@@ -92,7 +97,11 @@ for bug in "${bugs[@]}"; do
     set +e
     # SIM_SOCKET: deliveries may wait unread in a socket (the session bug
     # needs twins redelivered together).
-    out=$(SIM_SOCKET=1 SIM_SEEDS="$seeds" cargo test --lib sim::tests::long_run -- --ignored --nocapture 2>&1)
+    # SIM_LIMITS: the config may change at restarts (the limit bug needs a
+    # lower wal.max_message_bytes).
+    limits=0
+    [ "$bug" = limit ] && limits=1
+    out=$(SIM_SOCKET=1 SIM_LIMITS=$limits SIM_SEEDS="$seeds" cargo test --lib sim::tests::long_run -- --ignored --nocapture 2>&1)
     status=$?
     set -e
     git checkout -q -- src

@@ -10,6 +10,10 @@
 #   bash scripts/sim.sh --seeds 5000 # seeds 1..5000 (SIM_FROM=N to start elsewhere)
 #   SIM_SEED=42 bash scripts/sim.sh  # replay one seed, shrunk if it fails
 #   SIM_THREADS=1 ...                # seeds run on every core by default
+#   SIM_SOCKET=1, SIM_RELEASE=1,     # modes: deliveries unread in the socket,
+#   SIM_LIMITS=1 ...                 # routes moving away, a config changed
+#                                    # at restarts (segment size, largest
+#                                    # message, compaction, load chunk, spill)
 #
 # The test command runs a fixed budget of seeds in a debug build
 # (sim::tests::a_fixed_budget_of_seeds_breaks_no_guarantee).

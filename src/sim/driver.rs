@@ -30,8 +30,10 @@ const RECOVERY_ROUNDS: u32 = 2;
 /// Message bytes a far load reads at once: a few messages, so that loads
 /// go chunk by chunk.
 const LOAD_CHUNK: usize = 64;
-/// Longest message the simulator stores (a key and a body).
+/// Longest message the simulator stores (a key and a body), and with
+/// `SIM_LIMITS=1` (a body padded, see [`padding`]).
 const MAX_MESSAGE: usize = 16;
+const MAX_PADDED: usize = MAX_MESSAGE + 400;
 /// Longest a settle may take in real time before the engine is said stuck.
 /// The disk reserve (`wal.reserve_bytes`): a few segments' worth.
 const RESERVE: usize = 2048;
@@ -126,6 +128,14 @@ pub struct Sim {
     /// and a redelivery of a message this process released must keep its
     /// id.
     release_on: bool,
+    /// Whether a start may come with other limits (`SIM_LIMITS=1`, off
+    /// like `socket_on`): segment size, largest message, compaction
+    /// threshold, far load chunk, which route spills (see [`Limits`]);
+    /// one body in four is padded past the lower message limit.
+    limits_on: bool,
+    limits: Limits,
+    /// Draws of [`Limits`], from a stream of their own.
+    limits_rng: Rng,
     /// Stored deliveries whose ack is in doubt: (message, whether it was
     /// sent; one never sent is certainly redelivered after a crash).
     in_doubt: Vec<(usize, bool)>,
@@ -170,6 +180,53 @@ pub struct Sim {
     report: Report,
 }
 
+/// Limits a start takes (`SIM_LIMITS=1` draws others at restarts).
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    segment_bytes: u64,
+    max_message_bytes: u32,
+    compact_below: f64,
+    load_chunk: usize,
+}
+
+impl Default for Limits {
+    /// Small segments, compacted eagerly: many rotations and copies (a
+    /// Done moved past a record is how a load that kept an old id loses a
+    /// message). A far load reads a few messages at once, so that loads
+    /// go chunk by chunk.
+    fn default() -> Self {
+        Limits {
+            segment_bytes: 1024,
+            max_message_bytes: 16 << 20,
+            compact_below: 0.8,
+            load_chunk: LOAD_CHUNK,
+        }
+    }
+}
+
+impl Limits {
+    fn draw(rng: &mut Rng) -> Self {
+        Limits {
+            segment_bytes: [512, 1024, 4096][rng.below(3) as usize],
+            // Below a padded message, a quarter of the time.
+            max_message_bytes: match rng.below(4) {
+                0 => 300,
+                _ => 16 << 20,
+            },
+            compact_below: [0.5, 0.8][rng.below(2) as usize],
+            load_chunk: [LOAD_CHUNK, 1024][rng.below(2) as usize],
+        }
+    }
+}
+
+/// With `SIM_LIMITS=1`: one body in four padded to 200-399 more bytes.
+fn padding(body: u16) -> usize {
+    match body % 4 {
+        0 => 200 + (usize::from(body) * 7) % 200,
+        _ => 0,
+    }
+}
+
 fn sim_key(message: &[u8]) -> Option<&[u8]> {
     let end = message.iter().position(|&b| b == b'|')?;
     (end > 0).then(|| &message[..end])
@@ -202,6 +259,9 @@ impl Sim {
             socket: Vec::new(),
             socket_on: std::env::var_os("SIM_SOCKET").is_some_and(|v| v == "1"),
             release_on: std::env::var_os("SIM_RELEASE").is_some_and(|v| v == "1"),
+            limits_on: std::env::var_os("SIM_LIMITS").is_some_and(|v| v == "1"),
+            limits: Limits::default(),
+            limits_rng: seeded(seed ^ 0x0111_1175),
             in_doubt: Vec::new(),
             ids: HashSet::new(),
             clock_high: T0,
@@ -234,6 +294,24 @@ impl Sim {
     pub fn with_release(mut self) -> Self {
         self.release_on = true;
         self
+    }
+
+    /// Starts may come with other limits (see `limits_on`).
+    pub fn with_limits(mut self) -> Self {
+        self.limits_on = true;
+        self
+    }
+
+    /// With `limits_on`, half the starts after the first take new limits,
+    /// as a redeploy with a changed config would.
+    fn maybe_change_limits(&mut self) {
+        if !self.limits_on || !self.limits_rng.chance(50) {
+            return;
+        }
+        self.limits = Limits::draw(&mut self.limits_rng);
+        self.near_only = self.limits_rng.chance(50);
+        let (limits, near_only) = (self.limits, self.near_only);
+        self.note(("limits", format!("{limits:?}"), near_only));
     }
 
     fn fail(&self, what: impl Into<String>) -> Failure {
@@ -304,11 +382,9 @@ impl Sim {
     fn config(&self) -> EngineConfig {
         let mut wal = WalConfig::new(DIR);
         wal.fs = Arc::new(self.fs.clone());
-        // Small segments, compacted eagerly: many rotations and copies
-        // (a Done moved past a record is how a load that kept an old id
-        // loses a message).
-        wal.segment_bytes = 1024;
-        wal.compact_below = 0.8;
+        wal.segment_bytes = self.limits.segment_bytes;
+        wal.compact_below = self.limits.compact_below;
+        wal.max_message_bytes = self.limits.max_message_bytes;
         wal.lazy_done_wait = Duration::ZERO;
         wal.reserve_bytes = RESERVE as u64;
         // One record per batch: which records share a group commit depends
@@ -319,7 +395,7 @@ impl Sim {
             horizon: Duration::from_millis(self.horizon),
             near_only: self.near_only_routes(),
             spill: true,
-            load_chunk_bytes: LOAD_CHUNK,
+            load_chunk_bytes: self.limits.load_chunk,
         });
         EngineConfig {
             max_in_flight: 64,
@@ -335,7 +411,7 @@ impl Sim {
                     horizon: Duration::from_millis(HORIZONS[1]),
                     near_only: HashSet::new(),
                     spill: false,
-                    load_chunk_bytes: LOAD_CHUNK,
+                    load_chunk_bytes: self.limits.load_chunk,
                 })
             }),
             background_rounds: false,
@@ -495,6 +571,7 @@ impl Sim {
         let uid = self.uid();
         let m = &self.model.msgs[msg];
         let (route, due, bytes) = (m.route, m.due, m.bytes.clone());
+        let bytes_len = bytes.len();
         // May reach the disk even if the store fails.
         self.model.stored(msg, uid.as_u128(), self.session);
         let arrival = Arrival {
@@ -540,6 +617,18 @@ impl Sim {
                 self.model.msgs[msg].duplicate_on.push(self.session);
                 self.model.msgs[msg].stored_on.remove(&uid.as_u128());
                 self.note(("duplicate", msg));
+            }
+            Err(crate::engine::EngineError::Wal(crate::wal::WalError::TooLarge { .. })) => {
+                // Refused for good: the intake sends it to the invalid
+                // destination. A copy stored under a larger limit is still
+                // owed (`acked` stays as it was).
+                if bytes_len <= self.limits.max_message_bytes as usize {
+                    return Err(self.fail(format!(
+                        "a message of {bytes_len} bytes was refused under a limit of {}",
+                        self.limits.max_message_bytes
+                    )));
+                }
+                self.note(("refused as too large", msg));
             }
             Err(e) => {
                 if !self.faulty() {
@@ -642,7 +731,9 @@ impl Sim {
                     _ => {
                         let key = (key > 0).then_some(key);
                         let k = key.map_or(String::new(), |k| format!("k{k}"));
-                        (key, format!("{k}|body-{body}").into_bytes())
+                        let pad = if self.limits_on { padding(body) } else { 0 };
+                        let bytes = format!("{k}|body-{body}{}", "~".repeat(pad));
+                        (key, bytes.into_bytes())
                     }
                 };
                 let msg = self.model.add(route, key, bytes, due);
@@ -750,11 +841,13 @@ impl Sim {
             }
             Op::Kill { loss } => {
                 self.kill(loss).await;
+                self.maybe_change_limits();
                 self.ensure_started().await?;
             }
             Op::Restart { horizon } => {
                 self.stop_cleanly().await;
                 self.horizon = HORIZONS[horizon as usize % HORIZONS.len()];
+                self.maybe_change_limits();
                 self.ensure_started().await?;
             }
             Op::CrashAfter { n } => {
@@ -910,9 +1003,13 @@ impl Sim {
         // A load holds one chunk of messages at a time (and the last one
         // read may pass the limit).
         let peak = self.engine().map_or(0, |e| e.far_load_peak());
-        if peak >= LOAD_CHUNK + MAX_MESSAGE {
+        let (chunk, longest) = match self.limits_on {
+            true => (LOAD_CHUNK.max(self.limits.load_chunk), MAX_PADDED),
+            false => (LOAD_CHUNK, MAX_MESSAGE),
+        };
+        if peak >= chunk + longest {
             return Err(self.fail(format!(
-                "a far load held {peak} bytes of messages at once (chunks of {LOAD_CHUNK})"
+                "a far load held {peak} bytes of messages at once (chunks of {chunk})"
             )));
         }
         let corrupt = self.engine().map_or(0, |e| e.far_corrupt_frames());

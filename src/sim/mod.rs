@@ -51,7 +51,8 @@ impl std::fmt::Display for Failure {
 pub const OPS_PER_SEED: usize = 120;
 
 /// What a run may do beyond the default draw (each also turned on for
-/// every run by its variable: `SIM_SOCKET=1`, `SIM_RELEASE=1`).
+/// every run by its variable: `SIM_SOCKET=1`, `SIM_RELEASE=1`,
+/// `SIM_LIMITS=1`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Mode {
     /// Deliveries may wait unread in the process's socket.
@@ -60,6 +61,9 @@ pub struct Mode {
     /// broker-kept store's `Outcome::Release`); a redelivery of a message
     /// released must keep its id.
     pub release: bool,
+    /// Starts may come with other limits: segment size, largest message,
+    /// compaction threshold, far load chunk, which route spills.
+    pub limits: bool,
 }
 
 /// Play `ops` with randomness from `seed`.
@@ -85,6 +89,9 @@ pub fn run_in(seed: u64, ops: &[Op], mode: Mode) -> Result<Report, Failure> {
     }
     if mode.release {
         sim = sim.with_release();
+    }
+    if mode.limits {
+        sim = sim.with_limits();
     }
     block_on(sim.play(ops))
 }

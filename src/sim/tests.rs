@@ -9,6 +9,9 @@ const BUDGET_SEEDS: u64 = 1000;
 /// Seeds the test command runs with routes moving away.
 const RELEASE_SEEDS: u64 = 300;
 
+/// Seeds the test command runs with the config changed at restarts.
+const LIMITS_SEEDS: u64 = 200;
+
 fn report(reports: &[Report]) -> String {
     let sum = |f: fn(&Report) -> u64| reports.iter().map(f).sum::<u64>();
     format!(
@@ -57,6 +60,20 @@ fn a_fixed_budget_of_seeds_with_routes_moving_away_breaks_no_guarantee() {
     };
     let reports = run_or_panic_in(1, RELEASE_SEEDS, mode);
     eprintln!("sim (routes moving away): {}", report(&reports));
+}
+
+/// Seeds whose restarts may change the config, as a redeploy does: the
+/// segment size, `wal.max_message_bytes` below messages already stored,
+/// the compaction threshold, the far load's chunk, and which route spills.
+/// Messages stored under the old limits must still fire, byte-equal.
+#[test]
+fn a_fixed_budget_of_seeds_with_the_config_changed_at_restarts_breaks_no_guarantee() {
+    let mode = Mode {
+        limits: true,
+        ..Mode::default()
+    };
+    let reports = run_or_panic_in(1, LIMITS_SEEDS, mode);
+    eprintln!("sim (config changed at restarts): {}", report(&reports));
 }
 
 #[test]
