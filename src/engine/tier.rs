@@ -408,9 +408,25 @@ pub(crate) fn retire_spilled(inner: &Inner) -> Result<(), EngineError> {
     }
     // A segment collected meanwhile took the WAL's copy with it.
     unretired.retain(|&(_, first_seq)| inner.wal.segment_exists(first_seq));
+    // With its ack's mark if the engine no longer remembers it, as a
+    // spill's own Done has it (`spill`): without, a restart read the
+    // record back in doubt, outside a cancel made through its load's copy
+    // (`tier_tests::a_spill_retired_after_a_full_disk_keeps_its_acks_mark`).
+    let settled: HashSet<u64> = {
+        let state = inner.state();
+        unretired
+            .iter()
+            .map(|&(id, _)| id)
+            .filter(|&id| !state.unconfirmed.contains(id))
+            .collect()
+    };
     let mut replies = Vec::with_capacity(unretired.len());
     for &(id, first_seq) in unretired.iter() {
-        replies.push(inner.wal.append_done_copy(id, first_seq)?);
+        let marks = match settled.contains(&id) {
+            true => vec![id],
+            false => Vec::new(),
+        };
+        replies.push(inner.wal.append_done_naming(id, first_seq, marks)?);
     }
     for rx in replies {
         rx.blocking_recv().map_err(|_| EngineError::WriterGone)??;

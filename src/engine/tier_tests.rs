@@ -997,3 +997,89 @@ async fn a_cancel_through_a_loaded_copy_holds_for_the_original_after_a_restart()
     );
     r.stop().await;
 }
+
+/// A spill whose WAL Done failed on a full disk is retired by the next
+/// round (`tier::retire_spilled`). A message the engine no longer
+/// remembered (its ack confirmed, and its mark left behind by a
+/// compaction) must get its ack's mark again in that Done's batch, as a
+/// spill's own Done gives it (sim seed 9117519). Without it, a restart
+/// read the record back in doubt; a cancel through its load's copy had
+/// not covered it (it was not remembered), and a byte-equal twin's
+/// redelivery was stored under the cancelled identity.
+#[tokio::test]
+async fn a_spill_retired_after_a_full_disk_keeps_its_acks_mark() {
+    use crate::wal::sim::SimFs;
+    let dir = std::path::Path::new("/vol/wal");
+    let fs = SimFs::with_dir(dir);
+    let cfg = || {
+        let mut cfg = small_segments(dir);
+        cfg.wal.fs = Arc::new(fs.clone());
+        cfg.wal.compact_below = 0.9;
+        cfg
+    };
+    let clock = Arc::new(ManualClock::new(T0));
+    let mut r = start(cfg(), clock.clone());
+    let due = T0 + 10 * HOUR;
+    let stay = |r: &Running, body: &'static str| {
+        r.engine.store(
+            "kept-near",
+            T0 + 20 * HOUR,
+            MessageId::mint(),
+            big(body),
+            on(1, false),
+        )
+    };
+    // Segment 1: the message, its ack confirmed (the mark rides the next
+    // batch), and one that is cancelled below.
+    let message = keyed(None, None, "far, its ack confirmed");
+    let stored = r
+        .engine
+        .store("k", due, MessageId::mint(), message.clone(), on(1, false))
+        .await
+        .unwrap();
+    let original = stored.id().unwrap();
+    let uid = uid_of(&r, original);
+    r.engine.ack_sending(original);
+    r.engine.confirm_ack(original);
+    let goes = stay(&r, "goes").await.unwrap().id().unwrap();
+    // A restart forgets it: its ack is marked.
+    r = {
+        r.stop().await;
+        start(cfg(), clock.clone())
+    };
+    // Segment 1 half dead: compaction copies the message, and its mark
+    // goes with the segment.
+    assert!(r.engine.cancel(goes).await.unwrap());
+    r.engine.compact_now().await.unwrap();
+    stay(&r, "keeps the copy's segment").await.unwrap();
+    // The spill's Done fails on a full WAL disk; the next round writes it.
+    fs.set_full(vec![dir.join("wal-")]);
+    assert!(
+        r.engine.far_round().await.is_err(),
+        "the spill's Done failed"
+    );
+    assert_eq!(r.engine.far_pending(), 1, "spilled");
+    fs.set_full(Vec::new());
+    r.engine.far_round().await.unwrap();
+    // Loaded back under a new id and cancelled through that copy.
+    at(&r, &clock, due - HOUR).await;
+    let copy = r.engine.find_by_uid(uid).unwrap().expect("the loaded copy");
+    assert_ne!(copy, original);
+    assert!(r.engine.cancel(copy).await.unwrap());
+    r = {
+        r.stop().await;
+        start(cfg(), clock.clone())
+    };
+    // A twin (the same bytes published again) redelivered: its own
+    // message, not the cancelled one.
+    let twin = r
+        .engine
+        .store("k", due, MessageId::mint(), message.clone(), on(2, true))
+        .await
+        .unwrap();
+    assert!(
+        !matches!(twin, Stored::Copy { uid: kept, .. } if kept == uid),
+        "the twin was stored under the cancelled identity: {twin:?}"
+    );
+    r.stop().await;
+}

@@ -625,6 +625,22 @@ impl Wal {
             .send(AppendRequest::done(id, schedule_segment_first_seq))
     }
 
+    /// A Done for the Schedule `id` in the segment whose first seq is
+    /// `schedule_segment_first_seq`, with `marks` in its batch (so in its
+    /// segment, kept as long as the Done is).
+    pub(crate) fn append_done_naming(
+        &self,
+        id: u64,
+        schedule_segment_first_seq: u64,
+        marks: Vec<u64>,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        self.shared.writer.send(AppendRequest::done_with_marks(
+            id,
+            schedule_segment_first_seq,
+            marks,
+        ))
+    }
+
     /// Keep segment `copy` (and so every Done naming it) until segment
     /// `original` is gone. `copy` holds a compaction copy of a Schedule that
     /// `original` still holds too: if `copy` went first, a Done for that
