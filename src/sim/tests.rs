@@ -10,7 +10,7 @@ const BUDGET_SEEDS: u64 = 1000;
 const RELEASE_SEEDS: u64 = 300;
 
 /// Seeds the test command runs with the config changed at restarts.
-const LIMITS_SEEDS: u64 = 200;
+const LIMITS_SEEDS: u64 = 100;
 
 fn report(reports: &[Report]) -> String {
     let sum = |f: fn(&Report) -> u64| reports.iter().map(f).sum::<u64>();
