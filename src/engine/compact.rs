@@ -360,8 +360,13 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
             );
             return Ok(());
         }
+        // A Done naming this very segment moves on too while the segment
+        // must outlive another: a compaction cut short left an original of
+        // the Schedule it retires there (seed 9195864: a cancel's Done
+        // named the copy's segment, went with it, and the original fired
+        // after the next restart).
         let target_kept =
-            |target: u64| target != first_seq && (outlives || inner.wal.segment_exists(target));
+            |target: u64| outlives || (target != first_seq && inner.wal.segment_exists(target));
         // Ids whose Done moves on (their Schedule is still on disk): a
         // restart may read that Schedule back, so their cancel marks move
         // on too (seed 7247).

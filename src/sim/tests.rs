@@ -3256,3 +3256,47 @@ fn seed_3031_three_twins_after_a_release_and_a_restart_all_fire() {
         panic!("{f}");
     }
 }
+
+/// Seed 9195864 (found 2026-12-02, third session): message 4 fired after
+/// its cancel was answered.
+#[test]
+fn seed_9195864_a_cancel_holds() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(0, 0, 318, 31_523, None, true),
+        deliver(0, 0, 831, 12_006, None, true),
+        Op::Clock { ms: 7599 },
+        Op::PublishFails { n: 1 },
+        Op::CrashAfter { n: 9 },
+        deliver(0, 0, 915, 0, None, false),
+        deliver(0, 1, 75, 845, None, false),
+        deliver(0, 1, 666, 1_319, None, true),
+        Op::Redeliver,
+        Op::Clock { ms: -1512 },
+        deliver(0, 0, 69, 29_811, Some(3_676_892_765), false),
+        deliver(0, 1, 138, 1_905, None, true),
+        deliver(1, 0, 674, 141_089, None, false),
+        Op::Clock { ms: 947 },
+        Op::DiskFull { scope: Scope::Wal },
+        Op::Redeliver,
+        deliver(0, 0, 755, 843, None, false),
+        Op::DiskSpace,
+        Op::Clock { ms: 1729 },
+        deliver(0, 0, 109, 4_156_596, None, true),
+        Op::CrashAfter { n: 7 },
+        Op::Compact,
+        deliver(0, 2, 900, 33_414, Some(3_119_043_977), false),
+        Op::Cancel {
+            pick: 2_965_984_079,
+        },
+        deliver(1, 2, 822, 12_192_431, None, true),
+        deliver(0, 1, 799, 918, None, false),
+        Op::FarRound,
+        Op::Clock { ms: 1082 },
+        Op::Compact,
+        Op::Restart { horizon: 2 },
+    ];
+    if let Err(f) = run(9_195_864, &ops) {
+        panic!("{f}");
+    }
+}
