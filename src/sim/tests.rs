@@ -3300,3 +3300,78 @@ fn seed_9195864_a_cancel_holds() {
         panic!("{f}");
     }
 }
+
+/// Seed 9210116 (found 2026-12-02, third session): message 9 fired after
+/// its cancel was answered.
+#[test]
+fn seed_9210116_a_cancel_holds() {
+    use ops::{Loss, Op};
+    let ops = [
+        deliver(1, 3, 376, 40_701, None, false),
+        deliver(1, 3, 432, 274_944, None, false),
+        deliver(1, 0, 223, 6_992, Some(587998030), false),
+        deliver(0, 0, 427, 225_448, None, true),
+        Op::SyncFails,
+        deliver(1, 1, 363, 1_397, None, true),
+        Op::Cancel { pick: 2324955555 },
+        deliver(0, 3, 93, 0, None, false),
+        deliver(0, 3, 381, 1_232, None, false),
+        deliver(0, 2, 660, 980, None, false),
+        Op::SyncFails,
+        deliver(1, 0, 713, 9_374_787, None, false),
+        deliver(0, 0, 97, 348_420, Some(1430907601), true),
+        Op::Compact,
+        Op::SyncFails,
+        deliver(1, 2, 895, 1_339, None, false),
+        Op::Clock { ms: 16604 },
+        deliver(0, 0, 311, 18_643, None, false),
+        Op::Compact,
+        Op::SyncFails,
+        deliver(0, 2, 117, 1_266, None, false),
+        deliver(0, 1, 828, 311_139, None, true),
+        Op::Restart { horizon: 1 },
+        Op::Clock { ms: 17524 },
+        deliver(0, 3, 803, 86_540, None, true),
+        Op::Restart { horizon: 1 },
+        Op::Clock { ms: 18583 },
+        deliver(1, 0, 473, 36_937, None, false),
+        deliver(1, 3, 975, 109_500, None, false),
+        Op::Restart { horizon: 3 },
+        deliver(0, 1, 88, 391_954, None, true),
+        Op::FarRound,
+        Op::Cancel { pick: 1093203759 },
+        deliver(1, 0, 954, 34_548, None, false),
+        Op::Compact,
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::FarRound,
+        Op::Cancel { pick: 4268487447 },
+        deliver(0, 3, 858, 172_921, None, false),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::FarRound,
+        deliver(0, 0, 515, 17_643, None, false),
+        deliver(1, 2, 268, 2_190, None, true),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::FarRound,
+        deliver(1, 0, 157, 0, None, false),
+        deliver(0, 3, 621, 491, None, false),
+        Op::Compact,
+        deliver(0, 0, 532, 1_935, None, true),
+        deliver(1, 0, 264, 30_891, None, false),
+        Op::Cancel { pick: 3175513597 },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::Clock { ms: 1673 },
+        Op::SyncFails,
+        Op::Compact,
+    ];
+    if let Err(f) = run(9_210_116, &ops) {
+        panic!("{f}");
+    }
+}
