@@ -497,6 +497,16 @@ impl Unconfirmed {
         }
     }
 
+    /// Where a restart reads remembered record `id` back: its Schedule
+    /// while that is on disk, else its Remembered frame.
+    pub fn read_back_at(&self, id: u64) -> Option<WalPos> {
+        let entry = self.fingerprints.get(&id)?;
+        match entry.evidence {
+            Evidence::At(pos) => Some(pos),
+            Evidence::Digest(_) => entry.frame.map(|segment| WalPos { segment, offset: 0 }),
+        }
+    }
+
     /// Whether `id` is remembered.
     pub fn contains(&self, id: u64) -> bool {
         self.fingerprints.contains_key(&id)

@@ -1474,7 +1474,7 @@ impl Engine {
                 // retire its Schedule too.
                 let at = match marked == id || state.is_pending(marked) {
                     true => None,
-                    false => state.unconfirmed.written_at(marked),
+                    false => state.unconfirmed.read_back_at(marked),
                 };
                 match at.map(|pos| self.inner.wal.append_marks_kept_by(marked, pos, vec![mark])) {
                     Some(Ok(Some(rx))) => kept_marks.push(rx),
@@ -1917,9 +1917,12 @@ impl Inner {
         let mut last = None;
         for marked in ids {
             let mark = marked | dedup::CANCELLED_MARK;
-            // With a Done naming its Schedule's segment, so the mark is not
-            // collected while a restart may read that Schedule back.
-            let kept = match state.unconfirmed.written_at(marked) {
+            // With a Done naming its Schedule's segment (or its Remembered
+            // frame's), so the mark is not collected while a restart may
+            // read that record back. A plain mark went with its segment
+            // while the older frame stayed, before the frame saying
+            // "cancelled" was written (sim seeds 9210116, 9222575).
+            let kept = match state.unconfirmed.read_back_at(marked) {
                 Some(pos) => self.wal.append_marks_kept_by(marked, pos, vec![mark])?,
                 None => None,
             };

@@ -3375,3 +3375,69 @@ fn seed_9210116_a_cancel_holds() {
         panic!("{f}");
     }
 }
+
+/// Seed 9222575 (found 2026-12-02, third session): message 5 fired after
+/// its cancel was answered.
+#[test]
+fn seed_9222575_a_cancel_holds() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(0, 2, 227, 21_749, None, true),
+        deliver(0, 2, 113, 90_286, None, false),
+        Op::Clock { ms: -4473 },
+        deliver(0, 0, 969, 1_625, None, true),
+        deliver(1, 3, 64, 11_830, None, true),
+        deliver(1, 2, 190, 0, None, false),
+        deliver(0, 1, 163, 2_430_873, None, true),
+        deliver(1, 1, 380, 244_807, None, false),
+        deliver(1, 0, 352, 9_973_074, None, true),
+        deliver(0, 3, 475, 37_284, None, true),
+        deliver(0, 3, 878, 626, None, false),
+        Op::Clock { ms: 188467 },
+        deliver(1, 3, 524, 165_046, None, false),
+        deliver(1, 0, 415, 2_512, None, false),
+        deliver(0, 3, 20, 27_923, Some(3170741439), false),
+        Op::FarRound,
+        deliver(0, 1, 630, 22_547, None, true),
+        deliver(1, 3, 889, 2_258, None, false),
+        deliver(0, 0, 933, 35_629, None, false),
+        Op::SyncFails,
+        Op::Clock { ms: 8922 },
+        deliver(1, 1, 9, 229_757, None, false),
+        deliver(1, 0, 128, 90, None, false),
+        deliver(1, 1, 213, 148_921, Some(366675929), true),
+        deliver(1, 1, 22, 13_175, None, false),
+        Op::SyncFails,
+        deliver(1, 3, 28, 38_486, None, true),
+        Op::Compact,
+        deliver(0, 3, 376, 2_687, None, false),
+        Op::Redeliver,
+        Op::Clock { ms: 225254 },
+        deliver(1, 3, 293, 159, None, false),
+        deliver(0, 1, 54, 4_553_809, None, true),
+        Op::PublishFails { n: 3 },
+        Op::FarRound,
+        deliver(0, 1, 629, 24_974, None, false),
+        Op::Redeliver,
+        Op::Restart { horizon: 0 },
+        Op::Compact,
+        Op::Cancel { pick: 2697495730 },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        deliver(0, 2, 349, 35_105, None, false),
+        Op::Clock { ms: 22045 },
+        Op::Restart { horizon: 2 },
+        Op::FarRound,
+        deliver(1, 0, 118, 2_359, None, false),
+        deliver(0, 1, 164, 62_324, Some(1144811405), false),
+        Op::DiskFull { scope: Scope::Wal },
+        Op::FarRound,
+        Op::Compact,
+        Op::CrashAfter { n: 9 },
+        deliver(0, 3, 101, 2_082, None, false),
+    ];
+    if let Err(f) = run(9_222_575, &ops) {
+        panic!("{f}");
+    }
+}
