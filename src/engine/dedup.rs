@@ -488,15 +488,6 @@ impl Unconfirmed {
         }
     }
 
-    /// Where remembered record `id`'s Schedule was written, while it is
-    /// still there.
-    pub fn written_at(&self, id: u64) -> Option<WalPos> {
-        match self.fingerprints.get(&id)?.evidence {
-            Evidence::At(pos) => Some(pos),
-            Evidence::Digest(_) => None,
-        }
-    }
-
     /// Where a restart reads remembered record `id` back: its Schedule
     /// while that is on disk, else its Remembered frame.
     pub fn read_back_at(&self, id: u64) -> Option<WalPos> {

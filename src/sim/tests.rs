@@ -3261,7 +3261,7 @@ fn seed_3031_three_twins_after_a_release_and_a_restart_all_fire() {
 /// its cancel was answered.
 #[test]
 fn seed_9195864_a_cancel_holds() {
-    use ops::{Loss, Op, Scope};
+    use ops::{Op, Scope};
     let ops = [
         deliver(0, 0, 318, 31_523, None, true),
         deliver(0, 0, 831, 12_006, None, true),
