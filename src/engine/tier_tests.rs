@@ -326,6 +326,32 @@ fn big(body: &str) -> Vec<u8> {
     keyed(None, None, &format!("{body} {}", "x".repeat(600)))
 }
 
+/// A [`big`] message on the near-only route, due long after the tests'
+/// far messages: it keeps its segment.
+async fn stay_near(r: &Running, body: &str) -> Result<Stored, EngineError> {
+    r.engine
+        .store(
+            "kept-near",
+            T0 + 20 * HOUR,
+            MessageId::mint(),
+            big(body),
+            on(1, false),
+        )
+        .await
+}
+
+/// `message` stored on route "k" (it spills) on session 1: its id and
+/// identity.
+async fn store_far(r: &Running, due: u64, message: &[u8]) -> (u64, MessageId) {
+    let stored = r
+        .engine
+        .store("k", due, MessageId::mint(), message.to_vec(), on(1, false))
+        .await
+        .unwrap();
+    let id = stored.id().unwrap();
+    (id, uid_of(r, id))
+}
+
 /// Delivered on source session `session`.
 fn on(session: u64, redelivered: bool) -> Arrival {
     Arrival {
@@ -936,30 +962,15 @@ async fn a_cancel_through_a_loaded_copy_holds_for_the_original_after_a_restart()
     let cfg = || small_segments(dir.path());
     let mut r = start(cfg(), clock.clone());
     let due = T0 + 10 * HOUR;
-    let stay = |r: &Running, body: &'static str| {
-        r.engine.store(
-            "kept-near",
-            T0 + 20 * HOUR,
-            MessageId::mint(),
-            big(body),
-            on(1, false),
-        )
-    };
     // Segment 1: the message, its ack in doubt, beside one that stays.
     let message = keyed(None, None, "far, its ack in doubt");
-    let stored = r
-        .engine
-        .store("k", due, MessageId::mint(), message.clone(), on(1, false))
-        .await
-        .unwrap();
-    let original = stored.id().unwrap();
-    let uid = uid_of(&r, original);
+    let (original, uid) = store_far(&r, due, &message).await;
     r.engine.ack_sending(original);
-    stay(&r, "stays").await.unwrap();
+    stay_near(&r, "stays").await.unwrap();
     // Segment 2: the spill's Done, beside another that stays.
     r.engine.far_round().await.unwrap();
     assert_eq!(r.engine.far_pending(), 1, "spilled");
-    stay(&r, "seals").await.unwrap();
+    stay_near(&r, "seals").await.unwrap();
     // Segment 3: loaded back under a new id, and cancelled through that
     // copy; then sealed behind a message that fires.
     at(&r, &clock, due - HOUR).await;
@@ -980,7 +991,7 @@ async fn a_cancel_through_a_loaded_copy_holds_for_the_original_after_a_restart()
     r.engine.wake();
     r.recv().await;
     // Its Done (lazy) rides the next write, in segment 4.
-    stay(&r, "next").await.unwrap();
+    stay_near(&r, "next").await.unwrap();
     // Segment 3 holds nothing live now: collected.
     r.engine.compact_now().await.unwrap();
     r = {
@@ -1020,28 +1031,13 @@ async fn a_spill_retired_after_a_full_disk_keeps_its_acks_mark() {
     let clock = Arc::new(ManualClock::new(T0));
     let mut r = start(cfg(), clock.clone());
     let due = T0 + 10 * HOUR;
-    let stay = |r: &Running, body: &'static str| {
-        r.engine.store(
-            "kept-near",
-            T0 + 20 * HOUR,
-            MessageId::mint(),
-            big(body),
-            on(1, false),
-        )
-    };
     // Segment 1: the message, its ack confirmed (the mark rides the next
     // batch), and one that is cancelled below.
     let message = keyed(None, None, "far, its ack confirmed");
-    let stored = r
-        .engine
-        .store("k", due, MessageId::mint(), message.clone(), on(1, false))
-        .await
-        .unwrap();
-    let original = stored.id().unwrap();
-    let uid = uid_of(&r, original);
+    let (original, uid) = store_far(&r, due, &message).await;
     r.engine.ack_sending(original);
     r.engine.confirm_ack(original);
-    let goes = stay(&r, "goes").await.unwrap().id().unwrap();
+    let goes = stay_near(&r, "goes").await.unwrap().id().unwrap();
     // A restart forgets it: its ack is marked.
     r = {
         r.stop().await;
@@ -1051,7 +1047,7 @@ async fn a_spill_retired_after_a_full_disk_keeps_its_acks_mark() {
     // goes with the segment.
     assert!(r.engine.cancel(goes).await.unwrap());
     r.engine.compact_now().await.unwrap();
-    stay(&r, "keeps the copy's segment").await.unwrap();
+    stay_near(&r, "keeps the copy's segment").await.unwrap();
     // The spill's Done fails on a full WAL disk; the next round writes it.
     fs.set_full(vec![dir.join("wal-")]);
     assert!(
