@@ -105,7 +105,7 @@ async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
         let wal = inner.wal.clone();
         wal.collect_garbage_after(|segments| {
             let reserve_held = inner.wal.reserve_is_held();
-            let written: Vec<_> = remember_departing(&inner, segments)
+            let written = remember_departing(&inner, segments)
                 .into_iter()
                 .map(|w| {
                     let result = w
@@ -114,27 +114,7 @@ async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
                     (w.frame, result)
                 })
                 .collect();
-            // A cancel newer than its record's Remembered frame lives in a
-            // plain mark, in a segment of its own choosing, until a frame
-            // that says "cancelled" is written: if that frame failed,
-            // nothing goes this round (as a failed frame keeps its own
-            // segment, below). Sim seed 9210116: the segment with the mark
-            // went, a restart read the older frame back in doubt, and a
-            // redelivery was stored under the cancelled identity.
-            let cancel_unwritten = written.iter().any(|(frame, result)| {
-                frame.from.is_none()
-                    && frame.cancelled
-                    && match result {
-                        Ok(_) => false,
-                        Err(WalError::DiskFull(_)) => reserve_held,
-                        Err(_) => true,
-                    }
-            });
-            let mut keep = settle_remembered(&inner, written, reserve_held);
-            if cancel_unwritten {
-                keep = segments.to_vec();
-            }
-            keep
+            settle_remembered(&inner, written, reserve_held)
         })
     })
     .await

@@ -365,7 +365,7 @@ impl Unconfirmed {
             .filter_map(|(&id, entry)| {
                 let schedule = match entry.evidence {
                     Evidence::At(pos) => Some(pos.segment),
-                    Evidence::Digest(_) => None,
+                    Evidence::Digest(_) => entry.frame,
                 };
                 let from = schedule
                     .filter(|s| segments.contains(s))
@@ -488,13 +488,13 @@ impl Unconfirmed {
         }
     }
 
-    /// Where a restart reads remembered record `id` back: its Schedule
-    /// while that is on disk, else its Remembered frame.
-    pub fn read_back_at(&self, id: u64) -> Option<WalPos> {
+    /// The segment a restart reads remembered record `id` back from: its
+    /// Schedule's while that is on disk, else its Remembered frame's.
+    pub fn read_back_from(&self, id: u64) -> Option<u32> {
         let entry = self.fingerprints.get(&id)?;
         match entry.evidence {
-            Evidence::At(pos) => Some(pos),
-            Evidence::Digest(_) => entry.frame.map(|segment| WalPos { segment, offset: 0 }),
+            Evidence::At(pos) => Some(pos.segment),
+            Evidence::Digest(_) => entry.frame,
         }
     }
 

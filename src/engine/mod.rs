@@ -1474,9 +1474,13 @@ impl Engine {
                 // retire its Schedule too.
                 let at = match marked == id || state.is_pending(marked) {
                     true => None,
-                    false => state.unconfirmed.read_back_at(marked),
+                    false => state.unconfirmed.read_back_from(marked),
                 };
-                match at.map(|pos| self.inner.wal.append_marks_kept_by(marked, pos, vec![mark])) {
+                match at.map(|segment| {
+                    self.inner
+                        .wal
+                        .append_marks_kept_by(marked, segment, vec![mark])
+                }) {
                     Some(Ok(Some(rx))) => kept_marks.push(rx),
                     Some(Err(e)) => {
                         failed = Some(e);
@@ -1922,8 +1926,8 @@ impl Inner {
             // read that record back. A plain mark went with its segment
             // while the older frame stayed, before the frame saying
             // "cancelled" was written (sim seeds 9210116, 9222575).
-            let kept = match state.unconfirmed.read_back_at(marked) {
-                Some(pos) => self.wal.append_marks_kept_by(marked, pos, vec![mark])?,
+            let kept = match state.unconfirmed.read_back_from(marked) {
+                Some(segment) => self.wal.append_marks_kept_by(marked, segment, vec![mark])?,
                 None => None,
             };
             last = Some(match kept {

@@ -346,22 +346,12 @@ pub(crate) async fn spill(inner: &Arc<Inner>) -> Result<usize, EngineError> {
     // a later cancel of its load's copy (under another id) did not cover;
     // a twin's redelivery was then stored under its identity and fired
     // after that cancel (sim seed 9117519).
-    let settled: HashSet<u64> = {
-        let state = inner.state();
-        spilled
-            .iter()
-            .map(|e| e.id)
-            .filter(|&id| !state.unconfirmed.contains(id))
-            .collect()
-    };
+    let mut marks = ack_marks(inner, spilled.iter().map(|e| e.id));
     let mut dones = Vec::with_capacity(spilled.len());
     let mut not_retired = Vec::new();
     let mut done_failed = None;
     for e in &spilled {
-        let marks = match settled.contains(&e.id) {
-            true => vec![e.id],
-            false => Vec::new(),
-        };
+        let marks = marks.remove(&e.id).unwrap_or_default();
         match inner.wal.append_done_with_marks(e.id, e.data.pos, marks) {
             Ok(rx) => dones.push((e, rx)),
             Err(err) => {
@@ -394,6 +384,15 @@ pub(crate) async fn spill(inner: &Arc<Inner>) -> Result<usize, EngineError> {
     }
 }
 
+/// The ack marks a spilled record's Done carries: its own for one the
+/// engine no longer remembers (see [`spill`]).
+fn ack_marks(inner: &Inner, ids: impl Iterator<Item = u64>) -> HashMap<u64, Vec<u64>> {
+    let state = inner.state();
+    ids.filter(|&id| !state.unconfirmed.contains(id))
+        .map(|id| (id, vec![id]))
+        .collect()
+}
+
 /// Write the WAL Dones of spilled messages that a full disk kept from
 /// being written (blocking: call it from a blocking task, with the tier's
 /// operation lock held). Until they are durable a restart would arm a
@@ -408,24 +407,14 @@ pub(crate) fn retire_spilled(inner: &Inner) -> Result<(), EngineError> {
     }
     // A segment collected meanwhile took the WAL's copy with it.
     unretired.retain(|&(_, first_seq)| inner.wal.segment_exists(first_seq));
-    // With its ack's mark if the engine no longer remembers it, as a
-    // spill's own Done has it (`spill`): without, a restart read the
-    // record back in doubt, outside a cancel made through its load's copy
+    // With their ack marks, as a spill's own Dones have them: without, a
+    // restart read the record back in doubt, outside a cancel made through
+    // its load's copy
     // (`tier_tests::a_spill_retired_after_a_full_disk_keeps_its_acks_mark`).
-    let settled: HashSet<u64> = {
-        let state = inner.state();
-        unretired
-            .iter()
-            .map(|&(id, _)| id)
-            .filter(|&id| !state.unconfirmed.contains(id))
-            .collect()
-    };
+    let mut marks = ack_marks(inner, unretired.iter().map(|&(id, _)| id));
     let mut replies = Vec::with_capacity(unretired.len());
     for &(id, first_seq) in unretired.iter() {
-        let marks = match settled.contains(&id) {
-            true => vec![id],
-            false => Vec::new(),
-        };
+        let marks = marks.remove(&id).unwrap_or_default();
         replies.push(inner.wal.append_done_naming(id, first_seq, marks)?);
     }
     for rx in replies {

@@ -529,23 +529,20 @@ impl Wal {
             .send(AppendRequest::done_with_marks(id, first_seq, marks))
     }
 
-    /// Acked `marks`, then a Done for `id` naming the segment of its Schedule
-    /// at `pos`, retired already (a far message's, by its spill): in one
-    /// batch, so the marks last as long as that Schedule's segment does.
-    /// `None` if that segment is gone (nothing is written).
+    /// Acked `marks`, then a Done for `id` naming `segment`, where a
+    /// restart reads its record back (its Schedule, retired already, or its
+    /// Remembered frame): in one batch, so the marks last as long as that
+    /// segment does. `None` if that segment is gone (nothing is written).
     pub fn append_marks_kept_by(
         &self,
         id: u64,
-        pos: WalPos,
+        segment: u32,
         marks: Vec<u64>,
     ) -> Result<Option<oneshot::Receiver<Result<Appended, WalError>>>, WalError> {
-        let Some(first_seq) = self.segment_first_seq(pos.segment) else {
+        let Some(first_seq) = self.segment_first_seq(segment) else {
             return Ok(None);
         };
-        self.shared
-            .writer
-            .send(AppendRequest::done_with_marks(id, first_seq, marks))
-            .map(Some)
+        self.append_done_naming(id, first_seq, marks).map(Some)
     }
 
     /// Count the Schedule at `pos` dead; the first seq of its segment (what
@@ -620,9 +617,7 @@ impl Wal {
         id: u64,
         schedule_segment_first_seq: u64,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
-        self.shared
-            .writer
-            .send(AppendRequest::done(id, schedule_segment_first_seq))
+        self.append_done_naming(id, schedule_segment_first_seq, Vec::new())
     }
 
     /// A Done for the Schedule `id` in the segment whose first seq is
