@@ -3441,3 +3441,33 @@ fn seed_9222575_a_cancel_holds() {
         panic!("{f}");
     }
 }
+
+#[test]
+fn seed_9242409_a_twin_fires() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(0, 2, 780, 32_897, None, false),
+        deliver(0, 3, 909, 51_135, None, true),
+        deliver(0, 1, 884, 482, None, false),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::FarRound,
+        deliver(0, 3, 893, 30_978, None, true),
+        Op::Redeliver,
+        deliver(0, 0, 487, 112, None, true),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::Clock { ms: 138314 },
+        deliver(0, 3, 712, 13_657_005, Some(3609400928), false),
+        Op::CancelKey { route: 0, key: 3 },
+        Op::DiskFull { scope: Scope::Wal },
+        deliver(0, 0, 741, 345, None, false),
+        deliver(0, 0, 62, 24_440, Some(217204161), false),
+        deliver(0, 2, 714, 0, Some(366905657), false),
+    ];
+    if let Err(f) = run(9_242_409, &ops) {
+        panic!("{f}");
+    }
+}
