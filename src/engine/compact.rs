@@ -292,6 +292,9 @@ enum Move {
 /// frames of their batches and a new head segment's header.
 const COPY_SLACK: u64 = 256;
 
+/// An Acked mark's frame, with room for the commit frame that may follow.
+const MARK_BYTES: u64 = 64;
+
 /// Each scanned frame's bytes: up to the next one (a commit frame between
 /// them counts too, so a copy's size is never underestimated).
 fn frame_spans(frames: &[(u32, Record)], segment_bytes: u64) -> Vec<u64> {
@@ -427,13 +430,33 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                 {
                     Some(Move::Mark { id })
                 }
+                // A settled record's mark moves on while it is remembered
+                // (its Schedule too, with a mark after the copy, below).
+                Record::Acked { id, .. }
+                    if id & dedup::CANCELLED_MARK == 0
+                        && state.unconfirmed.is_settled(id & !dedup::MATCHED_MARK) =>
+                {
+                    Some(Move::Mark { id })
+                }
                 Record::Acked { .. } => None,
                 // Written again by `remember_departing` if still remembered.
                 Record::Remembered { .. } => None,
             };
             if let Some(m) = moves {
                 bytes += span;
+                // A restart reads a mark for the newest record under its
+                // id: a settled record's copy is followed by one.
+                let settled = match &m {
+                    Move::Schedule { id, .. } => state.unconfirmed.is_settled(*id).then_some(*id),
+                    _ => None,
+                };
                 plan.push(m);
+                if let Some(id) = settled {
+                    bytes += MARK_BYTES;
+                    plan.push(Move::Mark {
+                        id: id | dedup::MATCHED_MARK,
+                    });
+                }
             }
         }
         if inner.wal.free_bytes()? < bytes + COPY_SLACK {

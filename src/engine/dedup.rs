@@ -39,6 +39,14 @@
 //! there is none, a twin of it whose ack was in doubt goes with it: the one
 //! case where a twin is not kept.
 //!
+//! A record matches one redelivery only. Once that redelivery is stored as
+//! its copy (the in-doubt case above), the record is settled: a
+//! [`MATCHED_MARK`] says so, durably before the copy is answered, and
+//! compaction moves it on. A later redelivery of the same bytes repeats the
+//! copy, or is a twin. Left a candidate after a restart, a record that
+//! stayed pending while its copy fired could be cancelled later, and a twin
+//! published after that cancel was taken for it and dropped.
+//!
 //! A Kafka record's or a stream delivery's bytes carry where it was read,
 //! so equal bytes are always the same record: a duplicate.
 //!
@@ -105,6 +113,13 @@ pub fn fingerprint(route: &str, message: &[u8]) -> u64 {
 /// id).
 pub const CANCELLED_MARK: u64 = 1 << 63;
 
+/// Set in an Acked mark's id: a redelivery matched message `id` and is
+/// stored as its copy, under its identity (see [`Unconfirmed::settle`]).
+/// The copy stands for it: no later redelivery repeats it, after a restart
+/// too. Below [`DEPARTED_IDS`], above any WAL id; a delayd that predates
+/// the flag ignores the mark (an unknown id).
+pub const MATCHED_MARK: u64 = 1 << 61;
+
 /// Ids given to departed messages remembered from another owner
 /// ([`Unconfirmed::add_departed`]): above any WAL id, below
 /// [`CANCELLED_MARK`]. Never written anywhere.
@@ -163,6 +178,9 @@ struct Entry {
     /// It matched a redelivery already (one to one): no candidate any
     /// more, but kept so that compaction still moves its cancel mark on.
     consumed: bool,
+    /// That redelivery is stored as its copy, and a [`MATCHED_MARK`] says
+    /// so: compaction moves the mark on (see [`Unconfirmed::settle`]).
+    settled: bool,
     /// Its ack was confirmed (kept in doubt in this process only).
     confirmed: bool,
     /// The segment of its Remembered frame, once its Schedule's is gone
@@ -248,6 +266,7 @@ impl Unconfirmed {
                 cancelled: false,
                 left: false,
                 consumed: false,
+                settled: false,
                 confirmed: false,
                 frame: None,
                 owed: false,
@@ -275,6 +294,7 @@ impl Unconfirmed {
                 cancelled,
                 left: true,
                 consumed: false,
+                settled: false,
                 confirmed: false,
                 frame: None,
                 owed: false,
@@ -297,7 +317,8 @@ impl Unconfirmed {
                 ack: AckState::InDoubt,
                 cancelled: false,
                 left: false,
-                consumed: false,
+                consumed: r.settled,
+                settled: r.settled,
                 confirmed: false,
                 frame: r.frame,
                 owed: false,
@@ -480,6 +501,23 @@ impl Unconfirmed {
         }
     }
 
+    /// The redelivery `id` matched is stored as its copy: it is settled
+    /// for good, and marked so in the WAL ([`MATCHED_MARK`]). Left a
+    /// candidate after a restart, a record that stayed pending while its
+    /// copy fired could be cancelled later, and a twin published after the
+    /// cancel was taken for it and dropped (sim seed 9,242,409).
+    pub fn settle(&mut self, id: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.consumed = true;
+            entry.settled = true;
+        }
+    }
+
+    /// Whether `id` is settled (see [`Unconfirmed::settle`]).
+    pub fn is_settled(&self, id: u64) -> bool {
+        self.fingerprints.get(&id).is_some_and(|e| e.settled)
+    }
+
     /// The redelivery `id` matched was not stored after all: a candidate
     /// again.
     pub fn unconsume(&mut self, id: u64) {
@@ -645,6 +683,8 @@ struct RecentEntry {
     frame_cancelled: bool,
     acked: bool,
     cancelled: bool,
+    /// A [`MATCHED_MARK`] was read for it.
+    settled: bool,
     /// When its Done was read (see [`Recent::retire`]).
     retired_at: Option<u64>,
 }
@@ -673,6 +713,9 @@ pub struct ReadBack {
     /// Its Remembered frame says it left (fired or parked): the far tier
     /// cannot hold it.
     pub surely_left: bool,
+    /// A redelivery matched it and was stored as its copy
+    /// ([`MATCHED_MARK`]): no candidate.
+    pub settled: bool,
 }
 
 /// The newest Schedules a restart reads, to seed [`Unconfirmed`] with: the
@@ -718,6 +761,7 @@ impl Recent {
             frame_cancelled: false,
             acked: false,
             cancelled: false,
+            settled: false,
             retired_at: None,
         });
     }
@@ -735,6 +779,7 @@ impl Recent {
             frame_cancelled: r.flags & REMEMBERED_CANCELLED != 0,
             acked: false,
             cancelled: r.flags & REMEMBERED_CANCELLED != 0,
+            settled: false,
             retired_at: None,
         });
     }
@@ -777,6 +822,12 @@ impl Recent {
     pub fn mark(&mut self, marked: u64) {
         self.read += 1;
         let read = self.read;
+        if marked & CANCELLED_MARK == 0 && marked & MATCHED_MARK != 0 {
+            if let Some(entry) = self.entry_mut(marked & !MATCHED_MARK) {
+                entry.settled = true;
+            }
+            return;
+        }
         let Some(entry) = self.entry_mut(marked & !CANCELLED_MARK) else {
             return;
         };
@@ -828,6 +879,7 @@ impl Recent {
                 cancelled: e.cancelled || covered,
                 left: e.left || (retired && !live.contains(&e.uid)),
                 surely_left: e.left,
+                settled: e.settled,
                 newest: newest.get(&e.uid).copied().unwrap_or(e.id),
             }
         })

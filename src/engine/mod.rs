@@ -1031,15 +1031,17 @@ impl Engine {
     }
 
     /// Record `taken` matched a redelivery that is now stored as its copy:
-    /// marked acked, durably before the copy is answered, so a restart
-    /// does not offer it to another redelivery. The copy, under the same
+    /// settled, and marked so durably before the copy is answered, so a
+    /// restart does not offer it to another redelivery. The copy, under the same
     /// identity and bytes, stands for it (one redelivery per record). Left
     /// a candidate, a record that stayed pending while the copy fired could
     /// be cancelled later, and a twin published after that cancel was then
     /// taken for it and dropped (sim seed 9,242,409). If the mark fails,
     /// the record is in doubt after a restart, as before.
     async fn settle_taken(&self, taken: u64) {
-        let marked = match self.inner.wal.append_acked_now(taken) {
+        // Settled first: a compaction from now on moves the mark on.
+        self.state().unconfirmed.settle(taken);
+        let marked = match self.inner.wal.append_acked_now(taken | dedup::MATCHED_MARK) {
             Ok(rx) => rx.await.map_err(|_| EngineError::WriterGone).and_then(|r| Ok(r?)),
             Err(e) => Err(e.into()),
         };

@@ -738,6 +738,98 @@ async fn after_a_restart_a_twin_of_a_record_whose_ack_was_in_doubt_is_kept() {
     assert_eq!(engine.pending(), 2);
 }
 
+/// A record matches one redelivery. Once that redelivery is stored as its
+/// copy, a restart must not offer the record to the next one: that is the
+/// copy's (in doubt) or a twin's (stored as new). Offered again, a record
+/// that stayed pending while its copy fired, and was cancelled then, took a
+/// twin published after the cancel for itself and dropped it (sim seed
+/// 9,242,409). Fails without the matched mark; `compacted` moves the
+/// record and its mark to another segment first (fails without compaction
+/// moving the mark on).
+async fn a_record_whose_redelivery_was_stored_as_its_copy_matches_no_other(compacted: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let due = now() + 1_000_000;
+    let twin = b"recompute order 42".to_vec();
+    let sibling = MessageId::mint();
+    let on = |redelivered, session| Arrival {
+        redelivered,
+        session,
+    };
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let first = engine
+        .store("r", due, sibling, twin.clone(), on(false, 1))
+        .await
+        .unwrap();
+    engine.ack_sending(first.id().unwrap());
+    engine.close().await.unwrap();
+    drop(engine);
+
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let copy = engine
+        .store("r", due, MessageId::mint(), twin.clone(), on(true, 1))
+        .await
+        .unwrap();
+    let Stored::Copy { id, uid } = copy else {
+        panic!("the redelivery was not stored as a copy: {copy:?}");
+    };
+    assert_eq!(uid, sibling);
+    engine.ack_sending(id);
+    engine.confirm_ack(id);
+    if compacted {
+        // Fill the segment, and more, with messages cancelled then: it is
+        // almost all dead, and compaction moves the two records on.
+        let mut filler = Vec::new();
+        while engine.space().segments < 3 {
+            filler.push(engine.schedule("r", due, vec![1; 300]).await.unwrap());
+        }
+        for id in filler {
+            assert!(engine.cancel(id).await.unwrap());
+        }
+        let before = engine.space().segments;
+        engine.compact_now().await.unwrap();
+        assert!(engine.space().segments < before, "nothing was compacted");
+    }
+    engine.close().await.unwrap();
+    drop(engine);
+
+    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let record = first.id().unwrap();
+    let offered: Vec<u64> = engine
+        .state()
+        .unconfirmed
+        .candidates(fingerprint("r", &twin), 1)
+        .iter()
+        .map(|c| c.id)
+        .collect();
+    assert!(
+        !offered.contains(&record),
+        "record {record} is offered to another redelivery: {offered:?}"
+    );
+    if !compacted {
+        // (Compaction drops the copy's own ack mark: the twin then shares
+        // its id, in doubt, as the module doc says.)
+        let again = engine
+            .store("r", due, MessageId::mint(), twin, on(true, 1))
+            .await
+            .unwrap();
+        assert!(
+            matches!(again, Stored::New(_)),
+            "a twin was taken for a record whose redelivery was stored already: {again:?}"
+        );
+        assert_eq!(engine.pending(), 3);
+    }
+}
+
+#[tokio::test]
+async fn a_record_whose_redelivery_was_stored_as_its_copy_matches_no_other_after_a_restart() {
+    a_record_whose_redelivery_was_stored_as_its_copy_matches_no_other(false).await;
+}
+
+#[tokio::test]
+async fn a_record_whose_redelivery_was_stored_as_its_copy_matches_no_other_after_compaction() {
+    a_record_whose_redelivery_was_stored_as_its_copy_matches_no_other(true).await;
+}
+
 /// The connection an original came on can die while its record is still
 /// being written; the broker's copy then arrives before the original is
 /// remembered (that happens once it is durable). The copy must wait for the

@@ -42,7 +42,11 @@
 //!   unknown id): message `id` was cancelled, so a redelivery that repeats
 //!   it must not be stored again. Written just before the cancel's Done in its
 //!   batch, so in its segment (or durably, for a far message, before the
-//!   far tier's cancel), and copied with that Done by compaction.
+//!   far tier's cancel), and copied with that Done by compaction. With
+//!   bit 61 set (`engine::dedup::MATCHED_MARK`): a redelivery of message
+//!   `id` is stored as its copy, so no later one repeats it; copied by
+//!   compaction while the engine remembers it, and after its Schedule's
+//!   copy.
 //! - `6 Remembered` (version 4): `id u64 | uid u128 | fingerprint u64 |
 //!   digest [32] | flags u8` (1: cancelled, 2: left): a message redelivery
 //!   detection still remembers (its ack in doubt) whose Schedule's segment
