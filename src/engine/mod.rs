@@ -1042,7 +1042,10 @@ impl Engine {
         // Settled first: a compaction from now on moves the mark on.
         self.state().unconfirmed.settle(taken);
         let marked = match self.inner.wal.append_acked_now(taken | dedup::MATCHED_MARK) {
-            Ok(rx) => rx.await.map_err(|_| EngineError::WriterGone).and_then(|r| Ok(r?)),
+            Ok(rx) => rx
+                .await
+                .map_err(|_| EngineError::WriterGone)
+                .and_then(|r| Ok(r?)),
             Err(e) => Err(e.into()),
         };
         if let Err(e) = marked {
