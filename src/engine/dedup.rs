@@ -175,8 +175,9 @@ struct Entry {
     /// It left (fired or parked), or its Done was read back at a start: a
     /// cancel of another record under its identity does not cover it.
     left: bool,
-    /// It matched a redelivery already (one to one): no candidate any
-    /// more, but kept so that compaction still moves its cancel mark on.
+    /// It matched a redelivery that is stored as its copy (one to one):
+    /// no candidate any more, but kept so that compaction still moves its
+    /// cancel mark on. (One answered "duplicate" is rebound instead.)
     consumed: bool,
     /// That redelivery is stored as its copy, and a [`MATCHED_MARK`] says
     /// so: compaction moves the mark on (see [`Unconfirmed::settle`]).
@@ -488,10 +489,30 @@ impl Unconfirmed {
         self.confirmed.push_back(id);
         while self.confirmed.len() > CONFIRMED_KEPT {
             if let Some(old) = self.confirmed.pop_front() {
-                self.remove(old);
+                // Not one that stands for a later delivery since.
+                if self.fingerprints.get(&old).is_some_and(|e| e.confirmed) {
+                    self.remove(old);
+                }
             }
         }
         true
+    }
+
+    /// `id` matched a redelivery on source session `session` that was
+    /// answered "duplicate": it stands for that delivery now, whose ack is
+    /// sent and not known to arrive. Consumed instead, a redelivery of that
+    /// delivery (its ack lost with the channel) found no record and was
+    /// stored under a new id, or, the record cancelled, fired after the
+    /// cancel; and the record's segment went with no Remembered frame, so
+    /// a restart forgot it too (sim seed 6,572). A redelivery on a later
+    /// session repeats it, as it would the delivery it stood for before.
+    pub fn rebind(&mut self, id: u64, session: u64) {
+        if let Some(entry) = self.fingerprints.get_mut(&id) {
+            entry.consumed = false;
+            entry.session = session;
+            entry.ack = AckState::InDoubt;
+            entry.confirmed = false;
+        }
     }
 
     /// `id` matched a redelivery: no candidate any more (see `Entry`).

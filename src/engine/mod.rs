@@ -986,7 +986,8 @@ impl Engine {
                     copy_of = Some(MessageId::from_u128(stored_uid));
                     taken = Some(id);
                 }
-                Some(_) => {
+                Some(Candidate { id, .. }) => {
+                    self.state().unconfirmed.rebind(id, session);
                     metrics::counter!("delayd_redeliveries_deduplicated_total", "route" => route.to_owned())
                         .increment(1);
                     return Storing::Duplicate;
@@ -1055,7 +1056,8 @@ impl Engine {
 
     /// Is `message`, redelivered on source session `session`, byte-equal to
     /// a stored record whose ack is unconfirmed, from an earlier session?
-    /// If so, that record is forgotten (it matches one redelivery only). The
+    /// If so, that record is taken (it matches one redelivery at a time,
+    /// see [`dedup::Unconfirmed::rebind`] and `settle`). The
     /// comparison reads the stored bytes: the fingerprint only picks
     /// candidates, and a hash match alone would drop a message never stored.
     fn take_stored_copy(

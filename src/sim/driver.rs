@@ -616,6 +616,12 @@ impl Sim {
                 self.model.msgs[msg].acked = true;
                 self.model.msgs[msg].duplicate_on.push(self.session);
                 self.model.msgs[msg].stored_on.remove(&uid.as_u128());
+                if ack_in_doubt {
+                    // A duplicate is acked like any delivery, and that ack
+                    // can be lost too (drawing nothing).
+                    let sent = (msg as u64 + self.session) % 2 == 0;
+                    self.in_doubt.push((msg, sent));
+                }
                 self.note(("duplicate", msg));
             }
             Err(crate::engine::EngineError::Wal(crate::wal::WalError::TooLarge { .. })) => {

@@ -3442,6 +3442,11 @@ fn seed_9222575_a_cancel_holds() {
     }
 }
 
+/// Seed 9,242,409: a record in doubt matched a redelivery stored as its
+/// copy. After a restart the record was a candidate again; it stayed
+/// pending in the far tier while its copy fired, a cancel by key hit it,
+/// and a twin published after the cancel was taken for it and answered
+/// "duplicate": lost. The copy now settles the record (`MATCHED_MARK`).
 #[test]
 fn seed_9242409_a_twin_fires() {
     use ops::{Loss, Op, Scope};
@@ -3468,6 +3473,47 @@ fn seed_9242409_a_twin_fires() {
         deliver(0, 2, 714, 0, Some(366905657), false),
     ];
     if let Err(f) = run(9_242_409, &ops) {
+        panic!("{f}");
+    }
+}
+
+/// Seed 6,572 (the simulator loses a duplicate's ack now, as a channel that
+/// dies does): a record in doubt matched a redelivery answered "duplicate"
+/// and was consumed. The duplicate's ack was lost at a kill; compaction had
+/// removed the record's segment with no Remembered frame (consumed ones got
+/// none), and the next redelivery was stored under a new id: the message
+/// fired under two ids. The record now stands for the delivery it matched
+/// (`dedup::Unconfirmed::rebind`).
+#[test]
+fn seed_6572_a_duplicates_lost_ack_keeps_one_id() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::SyncFails,
+        Op::Restart { horizon: 1 },
+        deliver(1, 2, 444, 320_117, None, false),
+        deliver(0, 2, 36, 5_683, None, true),
+        Op::Redeliver,
+        Op::DiskFull { scope: Scope::Wal },
+        deliver(0, 0, 951, 4_669, None, true),
+        deliver(1, 0, 245, 233_856, None, false),
+        deliver(1, 0, 574, 575, None, false),
+        Op::DiskSpace,
+        Op::Redeliver,
+        Op::FarRound,
+        Op::DiskFull { scope: Scope::Far },
+        Op::Redeliver,
+        Op::Redeliver,
+        Op::CrashAfter { n: 10 },
+        Op::CancelKey { route: 0, key: 2 },
+        Op::FarRound,
+        Op::Redeliver,
+        deliver(1, 0, 721, 428, None, false),
+        Op::Compact,
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+    ];
+    if let Err(f) = run(6572, &ops) {
         panic!("{f}");
     }
 }
