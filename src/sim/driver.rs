@@ -619,7 +619,7 @@ impl Sim {
                 if ack_in_doubt {
                     // A duplicate is acked like any delivery, and that ack
                     // can be lost too (drawing nothing).
-                    let sent = (msg as u64 + self.session) % 2 == 0;
+                    let sent = (msg as u64 + self.session).is_multiple_of(2);
                     self.in_doubt.push((msg, sent));
                 }
                 self.note(("duplicate", msg));
