@@ -15,7 +15,9 @@
 //! remembered record's ack decides what a byte-equal redelivery is
 //! ([`AckState`]):
 //! - its ack was never sent: the broker will redeliver it, so the
-//!   redelivery is that record (one to one) and is not stored again;
+//!   redelivery is that record (one to one) and is not stored again. The
+//!   record stands for that redelivery from then on (its session, its ack
+//!   in doubt: the duplicate is acked, and that ack can be lost too);
 //! - its ack was sent and not answered (in flight, cut off by the
 //!   connection, or read back at a start without an Acked mark): the
 //!   redelivery is that record or its twin, and nothing can tell which. It
