@@ -718,20 +718,7 @@ async fn after_a_restart_a_twin_of_a_record_whose_ack_was_in_doubt_is_kept() {
     let due = now() + 1_000_000;
     let twin = b"recompute order 42".to_vec();
     let sibling = MessageId::mint();
-    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
-    let arrival = Arrival {
-        redelivered: false,
-        session: 1,
-    };
-    let first = engine
-        .store("r", due, sibling, twin.clone(), arrival)
-        .await
-        .unwrap();
-    engine.ack_sending(first.id().unwrap());
-    engine.close().await.unwrap();
-    drop(engine);
-
-    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let (engine, _) = stored_in_doubt_then_restarted(dir.path(), due, sibling, &twin).await;
     let redelivery = Arrival {
         redelivered: true,
         session: 1,
@@ -745,6 +732,33 @@ async fn after_a_restart_a_twin_of_a_record_whose_ack_was_in_doubt_is_kept() {
         other => panic!("the twin was not kept: {other:?}"),
     }
     assert_eq!(engine.pending(), 2);
+}
+
+/// `message` stored under `uid` on session 1, its ack sent and not
+/// answered, and the engine restarted: the record is read back in doubt.
+/// The restarted engine, and the record's id.
+async fn stored_in_doubt_then_restarted(
+    dir: &std::path::Path,
+    due: u64,
+    uid: MessageId,
+    message: &[u8],
+) -> (Engine, u64) {
+    let (engine, _) = Engine::open(config(dir), Arc::new(SystemClock)).unwrap();
+    let arrival = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    let id = engine
+        .store("r", due, uid, message.to_vec(), arrival)
+        .await
+        .unwrap()
+        .id()
+        .unwrap();
+    engine.ack_sending(id);
+    engine.close().await.unwrap();
+    drop(engine);
+    let (engine, _) = Engine::open(config(dir), Arc::new(SystemClock)).unwrap();
+    (engine, id)
 }
 
 /// A record matches one redelivery. Once that redelivery is stored as its
@@ -764,16 +778,7 @@ async fn a_record_whose_redelivery_was_stored_as_its_copy_matches_no_other(compa
         redelivered,
         session,
     };
-    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
-    let first = engine
-        .store("r", due, sibling, twin.clone(), on(false, 1))
-        .await
-        .unwrap();
-    engine.ack_sending(first.id().unwrap());
-    engine.close().await.unwrap();
-    drop(engine);
-
-    let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+    let (engine, record) = stored_in_doubt_then_restarted(dir.path(), due, sibling, &twin).await;
     let copy = engine
         .store("r", due, MessageId::mint(), twin.clone(), on(true, 1))
         .await
@@ -802,7 +807,6 @@ async fn a_record_whose_redelivery_was_stored_as_its_copy_matches_no_other(compa
     drop(engine);
 
     let (engine, _) = Engine::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
-    let record = first.id().unwrap();
     let offered: Vec<u64> = engine
         .state()
         .unconfirmed

@@ -3517,3 +3517,63 @@ fn seed_6572_a_duplicates_lost_ack_keeps_one_id() {
         panic!("{f}");
     }
 }
+
+#[test]
+fn seed_212067_all_modes() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(0, 0, 943, 19_789, None, true),
+        Op::Redeliver,
+        deliver(0, 2, 749, 44, None, false),
+        deliver(1, 3, 691, 316_288, None, false),
+        Op::Cancel { pick: 4112780588 },
+        deliver(0, 3, 591, 2_099, None, false),
+        deliver(1, 1, 660, 0, None, true),
+        deliver(1, 2, 264, 25_529, None, true),
+        Op::Compact,
+        Op::FarRound,
+        Op::DiskFull { scope: Scope::Both },
+        deliver(0, 2, 766, 266_526, None, true),
+        deliver(1, 3, 942, 548, None, true),
+        Op::Compact,
+        Op::Clock { ms: 8717 },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        deliver(0, 1, 463, 233_560, None, false),
+        deliver(0, 2, 231, 290_820, None, false),
+        deliver(1, 0, 122, 65, None, false),
+        deliver(0, 0, 609, 1_852, None, false),
+        Op::DiskFull { scope: Scope::Both },
+        Op::Compact,
+        deliver(0, 1, 558, 3_970_932, Some(1029185704), true),
+        Op::Clock { ms: 188473 },
+        Op::FarRound,
+        deliver(1, 1, 879, 0, None, false),
+        deliver(0, 1, 910, 2_933, None, true),
+        deliver(1, 2, 451, 1_057, Some(1518775775), true),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::CancelKey { route: 0, key: 2 },
+        deliver(1, 2, 705, 19_300, None, false),
+        Op::Compact,
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        deliver(0, 3, 732, 13_758_183, None, false),
+        deliver(0, 1, 864, 4_660, None, true),
+        Op::Clock { ms: 27270 },
+        Op::FarRound,
+        Op::Compact,
+        Op::Restart { horizon: 1 },
+    ];
+    let mode = Mode {
+        socket: true,
+        release: true,
+        limits: true,
+    };
+    if let Err(f) = run_in(212_067, &ops, mode) {
+        panic!("{f}");
+    }
+}
