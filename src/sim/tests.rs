@@ -3518,6 +3518,14 @@ fn seed_6572_a_duplicates_lost_ack_keeps_one_id() {
     }
 }
 
+/// Seed 212,067, all three modes (pre-existing: fails on 2a0957c too). A
+/// message that fired with its ack in doubt was remembered by a Remembered
+/// frame. Garbage collection, on 512-byte segments, wrote the frame again
+/// into a segment that was sealed while it wrote; one segment was kept
+/// back, the deletable set was worked out again, and the new segment, with
+/// nothing live, went in the same round. The restart forgot the message,
+/// and its redelivery fired under a new id. Only the segments offered to
+/// the frames' writer are deleted now (`SegmentTable::deletable_among`).
 #[test]
 fn seed_212067_all_modes() {
     use ops::{Loss, Op, Scope};

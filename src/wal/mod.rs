@@ -720,8 +720,12 @@ impl Wal {
             let keep = before(&deletable);
             if !keep.is_empty() {
                 // Not only those: a segment whose Dones retire Schedules in
-                // a kept one stays as long (else they would come back).
-                deletable = self.segments().deletable_keeping(&keep);
+                // a kept one stays as long (else they would come back). And
+                // only of those `before` saw: a segment sealed meanwhile
+                // may hold the Remembered frames it wrote just now (sim
+                // seed 212,067: deleted in the same round, a restart forgot
+                // the record, and its redelivery fired under a new id).
+                deletable = self.segments().deletable_among(Some(&deletable), &keep);
             }
         }
         let mut deleted = 0;

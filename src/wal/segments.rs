@@ -212,14 +212,22 @@ impl SegmentTable {
     /// that must outlive one of them is kept too (its Dones may be all that
     /// retires a Schedule there).
     pub fn deletable_keeping(&self, keep: &[u32]) -> Vec<u32> {
+        self.deletable_among(None, keep)
+    }
+
+    /// [`SegmentTable::deletable_keeping`], of the segments `offered` only
+    /// (those the caller prepared for deletion); any other is kept.
+    pub fn deletable_among(&self, offered: Option<&[u32]>, keep: &[u32]) -> Vec<u32> {
+        let kept = |ordinal: &u32| {
+            keep.contains(ordinal) || offered.is_some_and(|offered| !offered.contains(ordinal))
+        };
         // Deleting one segment can free another (its refs), so iterate to a fixpoint.
         let mut gone: BTreeSet<u64> = BTreeSet::new();
         let mut out = Vec::new();
         loop {
             let before = out.len();
             for (&ordinal, s) in &self.segments {
-                if !s.sealed || s.live > 0 || gone.contains(&s.first_seq) || keep.contains(&ordinal)
-                {
+                if !s.sealed || s.live > 0 || gone.contains(&s.first_seq) || kept(&ordinal) {
                     continue;
                 }
                 let refs_ok = s
