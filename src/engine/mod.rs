@@ -1953,8 +1953,15 @@ impl Inner {
             // frame's), so the mark is not collected while a restart may
             // read that record back. A plain mark went with its segment
             // while the older frame stayed, before the frame saying
-            // "cancelled" was written (sim seeds 9210116, 9222575).
-            let kept = match state.unconfirmed.read_back_from(marked) {
+            // "cancelled" was written (sim seeds 9210116, 9222575). Not
+            // another record still pending, as a near cancel's marks: that
+            // Done would retire its Schedule at the next restart (sim seed
+            // 223542: a purge of a far copy lost its pending original).
+            let at = match marked != id && state.is_pending(marked) {
+                true => None,
+                false => state.unconfirmed.read_back_from(marked),
+            };
+            let kept = match at {
                 Some(segment) => self.wal.append_marks_kept_by(marked, segment, vec![mark])?,
                 None => None,
             };

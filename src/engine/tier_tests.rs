@@ -1079,3 +1079,89 @@ async fn a_spill_retired_after_a_full_disk_keeps_its_acks_mark() {
     );
     r.stop().await;
 }
+
+/// A record in doubt and a byte-equal redelivery stored as its copy (under
+/// its identity: it may be a twin) that goes to the far tier. A purge whose
+/// window holds the copy alone cancels the copy alone: the record stays
+/// pending, across a restart too. The far cancel's marks wrote the
+/// record's a Done that kept its mark, and so retired the pending record at
+/// the next restart (sim seed 223,542: the record was acknowledged and
+/// never fired).
+#[tokio::test]
+async fn a_purge_of_a_far_copy_leaves_its_pending_original_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let mut r = start(far_config(dir.path()), clock.clone());
+    let near_due = T0 + HOUR / 2;
+    let message = keyed(None, None, "twice, on purpose");
+    let original = r
+        .engine
+        .store(
+            "k",
+            near_due,
+            MessageId::mint(),
+            message.clone(),
+            on(1, false),
+        )
+        .await
+        .unwrap()
+        .id()
+        .unwrap();
+    let uid = uid_of(&r, original);
+    r.engine.ack_sending(original);
+    r = {
+        r.stop().await;
+        start(far_config(dir.path()), clock.clone())
+    };
+    let far_due = T0 + 5 * HOUR;
+    let copy = r
+        .engine
+        .store(
+            "k",
+            far_due,
+            MessageId::mint(),
+            message.clone(),
+            on(2, true),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(copy, Stored::Copy { uid: u, .. } if u == uid),
+        "stored as the record's copy: {copy:?}"
+    );
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 1, "the copy spilled");
+    let count = r
+        .engine
+        .purge("k", Some(far_due - HOUR), Some(far_due + HOUR), false)
+        .await
+        .unwrap();
+    assert_eq!(count.purged, 1, "{count:?}");
+    let pending = |r: &Running| -> Vec<(u64, u64)> {
+        r.engine
+            .list(&ListQuery {
+                route: Some("k".into()),
+                due_from: None,
+                due_to: None,
+                after: None,
+                limit: 10,
+            })
+            .iter()
+            .map(|p| (p.id, p.due_ms))
+            .collect()
+    };
+    assert_eq!(
+        pending(&r),
+        vec![(original, near_due)],
+        "before the restart"
+    );
+    r = {
+        r.stop().await;
+        start(far_config(dir.path()), clock.clone())
+    };
+    assert_eq!(pending(&r), vec![(original, near_due)], "after the restart");
+    at(&r, &clock, near_due).await;
+    let fired = r.recv().await;
+    assert_eq!((fired.id, fired.message), (original, message));
+    r.stop().await;
+}

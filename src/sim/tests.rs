@@ -3585,3 +3585,67 @@ fn seed_212067_all_modes() {
         panic!("{f}");
     }
 }
+
+/// Sim seed 223,542, all three modes: see docs/testing.md.
+#[test]
+fn seed_223542_all_modes() {
+    use ops::{Loss, Op};
+    let ops = [
+        deliver(1, 3, 788, 5_757, None, true),
+        Op::Restart { horizon: 0 },
+        deliver(1, 3, 426, 31_758, None, false),
+        Op::Kill { loss: Loss::Torn },
+        deliver(1, 1, 50, 75_955, None, false),
+        deliver(0, 2, 373, 0, None, false),
+        Op::Kill { loss: Loss::Torn },
+        deliver(0, 2, 240, 5_973, None, true),
+        deliver(0, 2, 71, 57_974, None, false),
+        deliver(1, 1, 854, 382_240, None, false),
+        Op::Cancel { pick: 1757610686 },
+        deliver(0, 2, 945, 29_882, None, false),
+        Op::PublishFails { n: 1 },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        deliver(0, 3, 881, 9_959, None, false),
+        Op::Cancel { pick: 1735804667 },
+        deliver(0, 1, 72, 36_952, None, false),
+        Op::Purge {
+            route: 1,
+            from_ms: 15349,
+            width_ms: 34931,
+        },
+        deliver(1, 3, 22, 312_332, None, true),
+        deliver(1, 0, 637, 1_347, None, true),
+        deliver(0, 2, 738, 930, None, false),
+        deliver(1, 3, 918, 37_488, None, false),
+        deliver(1, 3, 218, 126_467, None, false),
+        deliver(0, 0, 16, 7_559, None, false),
+        Op::Clock { ms: 224077 },
+        deliver(1, 2, 188, 22_926, None, false),
+        Op::Redeliver,
+        Op::Restart { horizon: 3 },
+        Op::CrashAfter { n: 7 },
+        Op::Restart { horizon: 3 },
+        deliver(1, 2, 914, 149_079, Some(4034899498), false),
+        Op::Clock { ms: 19187 },
+        Op::Redeliver,
+        Op::FarRound,
+        Op::Purge {
+            route: 1,
+            from_ms: 71815,
+            width_ms: 58333,
+        },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+    ];
+    let mode = Mode {
+        socket: true,
+        release: true,
+        limits: true,
+    };
+    if let Err(f) = run_in(223_542, &ops, mode) {
+        panic!("{f}");
+    }
+}
