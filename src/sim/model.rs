@@ -22,6 +22,11 @@ pub struct Msg {
     /// A cancel covering it was answered, or failed (and so may have
     /// taken effect): it need not fire.
     pub cancelled: bool,
+    /// A cancel covering it was answered after it fired: the engine may
+    /// have cancelled its record all the same (pending again after a crash
+    /// lost the fire's Done), so a redelivery with its bytes may go with
+    /// that cancel (see [`Model::check_complete`]).
+    pub cancelled_after_fire: bool,
     pub fired: BTreeMap<u128, u32>,
     /// The source session of each store that began (by id), except those
     /// answered "duplicate": a process start begins a new channel session.
@@ -55,6 +60,7 @@ impl Model {
             uids: Vec::new(),
             acked: false,
             cancelled: false,
+            cancelled_after_fire: false,
             fired: BTreeMap::new(),
             stored_on: BTreeMap::new(),
             duplicate_on: Vec::new(),
@@ -125,6 +131,11 @@ impl Model {
     /// twin kept under its sibling's id, with its own due time) is not
     /// cancelled as a whole: only the covered messages are.
     pub fn cancel_where(&mut self, covered: impl Fn(&Msg) -> bool) {
+        for m in &mut self.msgs {
+            if !m.fired.is_empty() && covered(m) {
+                m.cancelled_after_fire = true;
+            }
+        }
         let hit: Vec<usize> = (0..self.msgs.len())
             .filter(|&m| self.msgs[m].fired.is_empty() && covered(&self.msgs[m]))
             .collect();
@@ -208,10 +219,11 @@ impl Model {
 
     /// At the end: every acknowledged message not cancelled fired. A
     /// message lost because a byte-equal twin was taken for its redelivery
-    /// (issue #37) fails too, but for two cases: the twin was cancelled,
-    /// its ack in doubt, and this one's redelivery, which may have been the
-    /// twin's, was answered "duplicate" (`engine::dedup`: it goes with the
-    /// cancel); or it was answered "duplicate" and its byte-equal group
+    /// (issue #37) fails too, but for two cases: the twin was cancelled
+    /// (or covered by a cancel after it fired: its record may have been
+    /// pending again, sim seed 224385), its ack in doubt, and this one's
+    /// redelivery, which may have been the twin's, was answered
+    /// "duplicate" (`engine::dedup`: it goes with the cancel); or it was answered "duplicate" and its byte-equal group
     /// delivered as many messages as it owes (fires per id counted up to
     /// the messages stored under that id).
     pub fn check_complete(&self) -> Result<(), String> {
@@ -228,7 +240,7 @@ impl Model {
                     .iter()
                     .enumerate()
                     .filter(byte_equal)
-                    .any(|(_, t)| t.cancelled);
+                    .any(|(_, t)| t.cancelled || t.cancelled_after_fire);
             if with_a_cancel {
                 continue;
             }

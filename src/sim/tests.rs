@@ -3649,3 +3649,61 @@ fn seed_223542_all_modes() {
         panic!("{f}");
     }
 }
+
+/// Sim seed 224,385, all three modes: see docs/testing.md.
+#[test]
+fn seed_224385_all_modes() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(0, 3, 841, 6_638, None, false),
+        deliver(0, 2, 554, 26_092, None, false),
+        Op::SyncFails,
+        Op::DiskFull { scope: Scope::Wal },
+        deliver(0, 3, 378, 1_673, None, true),
+        Op::CrashAfter { n: 4 },
+        Op::Redeliver,
+        deliver(0, 0, 275, 92_873, None, false),
+        deliver(1, 2, 227, 1_099, None, true),
+        deliver(1, 0, 407, 1_171, None, true),
+        deliver(0, 0, 205, 2_209_509, None, true),
+        Op::Redeliver,
+        Op::Purge {
+            route: 0,
+            from_ms: 3713,
+            width_ms: 7916,
+        },
+        deliver(1, 2, 363, 2_700, None, true),
+        deliver(0, 3, 269, 0, None, false),
+        deliver(1, 0, 332, 911, None, false),
+        deliver(1, 0, 521, 6_509, None, false),
+        deliver(0, 1, 505, 33_725, None, false),
+        deliver(0, 1, 636, 0, None, true),
+        Op::DiskSpace,
+        deliver(1, 3, 847, 3_244_770, None, false),
+        deliver(0, 2, 198, 305_650, None, true),
+        deliver(1, 0, 167, 1_999_545, Some(2520436572), false),
+        deliver(0, 3, 187, 1_865, Some(2396933097), true),
+        deliver(1, 2, 719, 38_854, Some(1288911133), false),
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        deliver(0, 2, 954, 2_264, None, false),
+        deliver(1, 2, 290, 0, None, false),
+        Op::DiskFull { scope: Scope::Wal },
+        Op::Clock { ms: 2020 },
+        Op::PublishFails { n: 3 },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::DiskFull { scope: Scope::Far },
+        Op::CancelKey { route: 0, key: 1 },
+    ];
+    let mode = Mode {
+        socket: true,
+        release: true,
+        limits: true,
+    };
+    if let Err(f) = run_in(224_385, &ops, mode) {
+        panic!("{f}");
+    }
+}
