@@ -1165,3 +1165,69 @@ async fn a_purge_of_a_far_copy_leaves_its_pending_original_after_a_restart() {
     assert_eq!((fired.id, fired.message), (original, message));
     r.stop().await;
 }
+
+/// [`a_purge_of_a_far_copy_leaves_its_pending_original_after_a_restart`]
+/// the other way round: the record in doubt is in the far tier and its
+/// copy near. A purge of the copy leaves the far record, across a restart
+/// too.
+#[tokio::test]
+async fn a_purge_of_a_near_copy_leaves_its_far_original_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let mut r = start(far_config(dir.path()), clock.clone());
+    let far_due = T0 + 5 * HOUR;
+    let message = keyed(None, None, "twice, on purpose");
+    let (original, uid) = store_far(&r, far_due, &message).await;
+    r.engine.ack_sending(original);
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 1, "the record spilled");
+    r = {
+        r.stop().await;
+        start(far_config(dir.path()), clock.clone())
+    };
+    let near_due = T0 + HOUR / 2;
+    let copy = r
+        .engine
+        .store(
+            "k",
+            near_due,
+            MessageId::mint(),
+            message.clone(),
+            on(2, true),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(copy, Stored::Copy { uid: u, .. } if u == uid),
+        "stored as the record's copy: {copy:?}"
+    );
+    let count = r
+        .engine
+        .purge("k", Some(near_due - 60_000), Some(near_due + 60_000), false)
+        .await
+        .unwrap();
+    assert_eq!(count.purged, 1, "{count:?}");
+    let pending = |r: &Running| -> Vec<u64> {
+        r.engine
+            .list(&ListQuery {
+                route: Some("k".into()),
+                due_from: None,
+                due_to: None,
+                after: None,
+                limit: 10,
+            })
+            .iter()
+            .map(|p| p.due_ms)
+            .collect()
+    };
+    assert_eq!(pending(&r), vec![far_due], "before the restart");
+    r = {
+        r.stop().await;
+        start(far_config(dir.path()), clock.clone())
+    };
+    assert_eq!(pending(&r), vec![far_due], "after the restart");
+    at(&r, &clock, far_due).await;
+    let fired = r.recv().await;
+    assert_eq!((fired.uid, fired.message), (uid, message));
+    r.stop().await;
+}
