@@ -50,8 +50,8 @@ use tokio_util::sync::CancellationToken;
 use crate::far::{FarError, FarRecord};
 use crate::id::MessageId;
 use crate::wal::{
-    Appended, Claimed, Record, RecordRef, RecoveryReport, SpaceReport, Wal, WalConfig, WalError,
-    WalPos,
+    Appended, Claimed, Record, RecordRef, RecoveryReport, SizeLimit, SpaceReport, Wal, WalConfig,
+    WalError, WalPos,
 };
 use crate::wheel::Expired;
 
@@ -805,7 +805,13 @@ impl Engine {
         due_ms: u64,
         message: Vec<u8>,
     ) -> impl Future<Output = Result<u64, EngineError>> + Send + 'static {
-        let scheduled = self.schedule_at(route, due_ms, MessageId::mint(), message);
+        let scheduled = self.schedule_at(
+            route,
+            due_ms,
+            MessageId::mint(),
+            message,
+            SizeLimit::Applies,
+        );
         async move { Ok(scheduled.await?.0) }
     }
 
@@ -817,9 +823,10 @@ impl Engine {
         due_ms: u64,
         uid: MessageId,
         message: Vec<u8>,
+        limit: SizeLimit,
     ) -> impl Future<Output = Result<(u64, WalPos), EngineError>> + Send + 'static {
         let spills = self.inner.far.as_ref().is_some_and(|t| t.spills(route));
-        let queued = self.queue_schedule(route, due_ms, uid, message);
+        let queued = self.queue_schedule(route, due_ms, uid, message, limit);
         let engine = self.clone();
         async move {
             let (route_id, key, appended) = queued?;
@@ -855,6 +862,7 @@ impl Engine {
         due_ms: u64,
         uid: MessageId,
         message: Vec<u8>,
+        limit: SizeLimit,
     ) -> Result<Queued, EngineError> {
         let route_id = self
             .state()
@@ -864,7 +872,7 @@ impl Engine {
         let appended =
             self.inner
                 .wal
-                .append_schedule_claimed(due_ms, uid.as_u128(), route, message)?;
+                .append_schedule_claimed(due_ms, uid.as_u128(), route, message, limit)?;
         Ok((route_id, key, appended))
     }
 
@@ -997,7 +1005,11 @@ impl Engine {
         }
         let uid = copy_of.unwrap_or(uid);
         let writing = WritingGuard::begin(self, fp);
-        let scheduled = self.schedule_at(route, due_ms, uid, message);
+        let limit = match copy_of {
+            Some(_) => SizeLimit::Waived,
+            None => SizeLimit::Applies,
+        };
+        let scheduled = self.schedule_at(route, due_ms, uid, message, limit);
         let engine = self.clone();
         let written = async move {
             let (id, pos) = match scheduled.await {

@@ -761,6 +761,45 @@ async fn stored_in_doubt_then_restarted(
     (engine, id)
 }
 
+/// A record in doubt, and a restart under a `wal.max_message_bytes` lower
+/// than its size: a byte-equal redelivery is still stored as its copy (a
+/// new message of that size is refused). Refused, it went to the invalid
+/// destination, and where the record had been taken for a twin's delivery
+/// already, that twin was lost (sim seed 309,433).
+#[tokio::test]
+async fn a_redelivery_of_a_record_stored_under_a_larger_limit_is_stored_as_its_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let due = now() + 1_000_000;
+    let message = vec![b'x'; 600];
+    let uid = MessageId::mint();
+    let (engine, _) = stored_in_doubt_then_restarted(dir.path(), due, uid, &message).await;
+    engine.close().await.unwrap();
+    drop(engine);
+    let mut lower = config(dir.path());
+    lower.wal.max_message_bytes = 300;
+    let (engine, _) = Engine::open(lower, Arc::new(SystemClock)).unwrap();
+    let redelivered = Arrival {
+        redelivered: true,
+        session: 2,
+    };
+    let copy = engine
+        .store("r", due, MessageId::mint(), message.clone(), redelivered)
+        .await
+        .unwrap();
+    assert!(
+        matches!(copy, Stored::Copy { uid: u, .. } if u == uid),
+        "{copy:?}"
+    );
+    let new = engine
+        .store("r", due, MessageId::mint(), vec![b'y'; 600], redelivered)
+        .await;
+    assert!(
+        matches!(new, Err(EngineError::Wal(WalError::TooLarge { .. }))),
+        "{new:?}"
+    );
+    engine.close().await.unwrap();
+}
+
 /// A record matches one redelivery. Once that redelivery is stored as its
 /// copy, a restart must not offer the record to the next one: that is the
 /// copy's (in doubt) or a twin's (stored as new). Offered again, a record
@@ -1326,7 +1365,13 @@ async fn compaction_keeps_a_record_that_is_durable_but_not_yet_armed() {
     let far = now() + 3_600_000;
     // Durable, but the task that would arm it has not run yet.
     let (route, _, appended) = engine
-        .queue_schedule("r", far, MessageId::mint(), vec![7; 300])
+        .queue_schedule(
+            "r",
+            far,
+            MessageId::mint(),
+            vec![7; 300],
+            SizeLimit::Applies,
+        )
         .unwrap();
     let appended = appended.await.unwrap().unwrap().appended;
     // Fill and seal its segment with messages that are then cancelled, so it
@@ -1485,7 +1530,13 @@ async fn fire_in_id_order_when_armed_out_of_order(count: u32, margin_ms: u64) {
     let queued: Vec<_> = (0..count)
         .map(|i| {
             engine
-                .queue_schedule("r", due, MessageId::mint(), i.to_le_bytes().to_vec())
+                .queue_schedule(
+                    "r",
+                    due,
+                    MessageId::mint(),
+                    i.to_le_bytes().to_vec(),
+                    SizeLimit::Applies,
+                )
                 .unwrap()
         })
         .collect();

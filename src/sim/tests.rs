@@ -3707,3 +3707,58 @@ fn seed_224385_all_modes() {
         panic!("{f}");
     }
 }
+
+/// Sim seed 309,433, all three modes: see docs/testing.md.
+#[test]
+fn seed_309433_all_modes() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(1, 3, 701, 0, None, false),
+        deliver(1, 1, 213, 2_087, None, false),
+        Op::Clock { ms: 10954 },
+        deliver(1, 2, 556, 250_680, None, false),
+        deliver(0, 2, 107, 233_866, None, false),
+        deliver(0, 3, 205, 1_649, None, true),
+        deliver(0, 3, 340, 337, None, false),
+        deliver(1, 2, 101, 363, None, true),
+        Op::DiskFull { scope: Scope::Wal },
+        deliver(1, 0, 927, 29_500, None, false),
+        deliver(0, 1, 606, 35_537, None, false),
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::PublishFails { n: 3 },
+        deliver(1, 1, 360, 128_272, None, false),
+        deliver(0, 0, 210, 2_043, None, false),
+        Op::Redeliver,
+        Op::PublishFails { n: 1 },
+        deliver(0, 0, 720, 397_019, None, false),
+        deliver(1, 2, 263, 2_647_503, None, false),
+        deliver(0, 3, 959, 141_235, None, true),
+        deliver(0, 2, 929, 339_933, None, false),
+        deliver(0, 3, 672, 1_896, None, true),
+        Op::DiskSpace,
+        deliver(1, 0, 111, 245, None, false),
+        Op::Redeliver,
+        deliver(0, 0, 573, 3_437, None, true),
+        Op::Redeliver,
+        deliver(1, 2, 87, 248, Some(3557672013), true),
+        deliver(0, 0, 320, 1_732, None, false),
+        deliver(0, 3, 848, 225_863, None, false),
+        Op::PublishFails { n: 2 },
+        Op::Redeliver,
+        Op::Redeliver,
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::Kill { loss: Loss::Torn },
+    ];
+    let mode = Mode {
+        socket: true,
+        release: true,
+        limits: true,
+    };
+    if let Err(f) = run_in(309_433, &ops, mode) {
+        panic!("{f}");
+    }
+}
