@@ -1510,11 +1510,10 @@ impl Engine {
         if why == "cancelled" {
             for marked in state.unconfirmed.cancel_all(id, uid) {
                 let mark = marked | dedup::CANCELLED_MARK;
-                // Not one still pending: the Done that keeps a mark would
-                // retire its Schedule too.
-                let at = match marked == id || state.is_pending(marked) {
+                // Its own mark goes with its Done.
+                let at = match marked == id {
                     true => None,
-                    false => state.unconfirmed.read_back_from(marked),
+                    false => state.cancel_mark_kept_by(marked),
                 };
                 match at.map(|segment| {
                     self.inner
@@ -1965,15 +1964,8 @@ impl Inner {
             // frame's), so the mark is not collected while a restart may
             // read that record back. A plain mark went with its segment
             // while the older frame stayed, before the frame saying
-            // "cancelled" was written (sim seeds 9210116, 9222575). Not
-            // another record still pending, as a near cancel's marks: that
-            // Done would retire its Schedule at the next restart (sim seed
-            // 223542: a purge of a far copy lost its pending original).
-            let at = match marked != id && state.is_pending(marked) {
-                true => None,
-                false => state.unconfirmed.read_back_from(marked),
-            };
-            let kept = match at {
+            // "cancelled" was written (sim seeds 9210116, 9222575).
+            let kept = match state.cancel_mark_kept_by(marked) {
                 Some(segment) => self.wal.append_marks_kept_by(marked, segment, vec![mark])?,
                 None => None,
             };

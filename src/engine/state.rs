@@ -629,6 +629,19 @@ impl State {
             || self.ready.contains(id)
     }
 
+    /// Where a cancel's mark for remembered record `id` is kept: by a Done
+    /// naming the segment a restart reads that record back from, so the
+    /// mark lasts as long as the record does. `None` (the mark is written
+    /// plainly) for a record still pending: that Done would retire its
+    /// Schedule at the next restart (sim seed 223542), or if nothing of it
+    /// is on disk.
+    pub fn cancel_mark_kept_by(&self, id: u64) -> Option<u32> {
+        if self.is_pending(id) {
+            return None;
+        }
+        self.unconfirmed.read_back_from(id)
+    }
+
     /// Drop key-index entries of messages that are no longer pending.
     pub fn sweep_keys(&mut self) {
         let mut keys = std::mem::take(&mut self.keys);

@@ -223,9 +223,10 @@ impl Model {
     /// (or covered by a cancel after it fired: its record may have been
     /// pending again, sim seed 224385), its ack in doubt, and this one's
     /// redelivery, which may have been the twin's, was answered
-    /// "duplicate" (`engine::dedup`: it goes with the cancel); or it was answered "duplicate" and its byte-equal group
-    /// delivered as many messages as it owes (fires per id counted up to
-    /// the messages stored under that id).
+    /// "duplicate" (`engine::dedup`: it goes with the cancel); or it was
+    /// answered "duplicate" and its byte-equal group delivered as many
+    /// messages as it owes (fires per id counted up to the messages stored
+    /// under that id).
     pub fn check_complete(&self) -> Result<(), String> {
         for (i, m) in self.msgs.iter().enumerate() {
             if !m.acked || m.cancelled || !m.fired.is_empty() {
