@@ -742,6 +742,10 @@ impl Engine {
                 let tier = tier::Tier::open(settings, &config.wal, now)?;
                 if let Some(tier) = &tier {
                     tier.adopt(&mut state)?;
+                    // Its checkpoint as it stands must be writable again on
+                    // a full disk, whatever the reserve would be made at now.
+                    let checkpoint = tier.store().checkpoint_bytes_after(&[])?;
+                    wal.keep_reserve_at_least(checkpoint as u64);
                 }
                 tier
             }

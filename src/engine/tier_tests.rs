@@ -1169,3 +1169,80 @@ async fn a_purge_of_a_far_copy_leaves_its_pending_original_after_a_restart() {
 async fn a_purge_of_a_near_copy_leaves_its_far_original_after_a_restart() {
     a_purge_of_a_copy_leaves_its_pending_original_after_a_restart(false).await;
 }
+
+/// `wal.reserve_bytes` lowered between restarts below the size of the far
+/// checkpoint that spills under the old reserve wrote (sim seed 335474
+/// met it as a volume that shrank). Every load rewrites that checkpoint,
+/// on a full disk in the reserve's room: a reserve made at the new size
+/// could never hold it, no bucket loaded again, and the disk never
+/// emptied. The reserve is now made at least the checkpoint's size.
+#[tokio::test]
+async fn a_lowered_disk_reserve_still_lets_a_full_disk_load_its_buckets() {
+    use crate::wal::sim::SimFs;
+    let dir = std::path::Path::new("/vol/wal");
+    let fs = SimFs::with_dir(dir);
+    fs.set_capacity(Some(64 << 10));
+    let config = |reserve_bytes: u64| {
+        let mut cfg = far_config(dir);
+        cfg.wal.fs = Arc::new(fs.clone());
+        cfg.wal.reserve_bytes = reserve_bytes;
+        cfg.gc_interval = Duration::from_secs(3600);
+        if let Some(far) = cfg.far.as_mut() {
+            far.horizon = Duration::from_secs(1);
+        }
+        cfg
+    };
+    let clock = Arc::new(ManualClock::new(T0));
+    let r = start(config(8 << 10), clock.clone());
+    // One message in each of 40 buckets: a checkpoint of a few KiB.
+    let first = T0 + 60_000;
+    let mut far = std::collections::BTreeMap::new();
+    for i in 0..40u64 {
+        let due = first + i * 1_000;
+        let id = schedule(&r, &format!("route-{}", i % 4), due, &format!("far {i}")).await;
+        far.insert(uid_of(&r, id), due);
+    }
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 40);
+    let checkpoint = fs.read(&dir.join("far/checkpoint")).len() as u64;
+    assert!(checkpoint > 1 << 10, "a checkpoint of {checkpoint} B");
+    r.stop().await;
+
+    let mut r = start(config(1 << 10), clock.clone());
+    // The intake fills the disk with messages due after all of them.
+    let mut near = 0;
+    loop {
+        match r.engine.schedule("fill", first + HOUR, vec![7; 1024]).await {
+            Ok(_) => near += 1,
+            Err(e) if e.is_disk_full() => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(near >= 20, "only {near} taken in");
+    // Each bucket loads and fires in the room the reserve gives.
+    let mut t = first;
+    while t < first + 40_000 && !far.is_empty() {
+        clock.set(t);
+        let _ = r.engine.far_round().await;
+        r.engine.wake();
+        while let Some(f) = r.recv_within(Duration::from_millis(20)).await {
+            let due = far.remove(&f.uid).expect("fired once, and spilled");
+            assert!(f.fired_ms >= due, "{} ms early", due - f.fired_ms);
+        }
+        t += 1_000;
+    }
+    // What was handed over last, within a deadline.
+    while !far.is_empty() {
+        let Some(f) = r.recv_within(Duration::from_secs(10)).await else {
+            break;
+        };
+        let due = far.remove(&f.uid).expect("fired once, and spilled");
+        assert!(f.fired_ms >= due, "{} ms early", due - f.fired_ms);
+    }
+    assert!(
+        far.is_empty(),
+        "{} spilled messages never loaded on the full disk",
+        far.len()
+    );
+    r.stop().await;
+}

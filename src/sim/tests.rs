@@ -3762,3 +3762,84 @@ fn seed_309433_all_modes() {
         panic!("{f}");
     }
 }
+
+/// Sim seed 335,474, all three modes: see docs/testing.md.
+#[test]
+fn seed_335474_all_modes() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(0, 3, 507, 0, None, false),
+        deliver(1, 1, 886, 9_778_010, Some(103978064), false),
+        deliver(1, 0, 830, 0, None, true),
+        Op::CrashAfter { n: 10 },
+        deliver(0, 0, 257, 103, None, false),
+        deliver(0, 2, 87, 21_115, None, false),
+        deliver(1, 3, 778, 39_230, None, true),
+        deliver(0, 1, 768, 34_372, None, true),
+        deliver(0, 0, 81, 26_810, None, false),
+        Op::Restart { horizon: 1 },
+        deliver(0, 0, 818, 33_905, None, false),
+        Op::DiskFull { scope: Scope::Both },
+        deliver(1, 1, 445, 0, None, false),
+        Op::Redeliver,
+        Op::Cancel { pick: 103470973 },
+        deliver(1, 2, 636, 33_715, None, false),
+        Op::Redeliver,
+        deliver(1, 3, 644, 21_515, None, true),
+        Op::SyncFails,
+        deliver(0, 1, 876, 2_688, Some(217313948), false),
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        deliver(0, 2, 478, 112_529, None, false),
+        Op::Clock { ms: 210997 },
+        deliver(1, 3, 473, 62_766, None, false),
+        Op::Kill { loss: Loss::Torn },
+        deliver(0, 0, 749, 150_042, None, false),
+        Op::Redeliver,
+        deliver(0, 3, 771, 14_840, None, true),
+        Op::Kill { loss: Loss::Torn },
+        deliver(1, 1, 485, 400, None, true),
+        Op::Redeliver,
+        Op::FarRound,
+        Op::CrashAfter { n: 5 },
+        Op::DiskFull { scope: Scope::Both },
+        Op::Redeliver,
+        deliver(1, 0, 367, 15_260, None, true),
+        deliver(1, 3, 117, 128_328, None, true),
+        deliver(0, 3, 833, 230_358, None, true),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::Clock { ms: 661 },
+        deliver(0, 3, 509, 180_623, None, false),
+        Op::FarRound,
+        deliver(1, 1, 121, 0, None, false),
+        deliver(1, 2, 560, 0, None, true),
+        deliver(1, 3, 508, 12_806, None, true),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        deliver(0, 1, 515, 26_648, None, true),
+        Op::Compact,
+        deliver(0, 1, 648, 415, None, false),
+        Op::DiskFull { scope: Scope::Both },
+        deliver(1, 2, 245, 21_648, None, false),
+        Op::Clock { ms: 1808 },
+        Op::CancelKey { route: 1, key: 2 },
+        Op::Redeliver,
+        Op::Redeliver,
+        Op::Restart { horizon: 3 },
+        deliver(1, 2, 982, 1_311, None, false),
+        deliver(1, 3, 348, 683, None, true),
+        Op::CancelKey { route: 0, key: 2 },
+    ];
+    let mode = Mode {
+        socket: true,
+        release: true,
+        limits: true,
+    };
+    if let Err(f) = run_in(335_474, &ops, mode) {
+        panic!("{f}");
+    }
+}

@@ -481,6 +481,12 @@ impl Wal {
         self.shared.reserve.size()
     }
 
+    /// Keep the disk reserve at least `bytes` large (see
+    /// [`reserve::Reserve::keep_at_least`]).
+    pub fn keep_reserve_at_least(&self, bytes: u64) {
+        self.shared.reserve.keep_at_least(bytes);
+    }
+
     /// A write failed with ENOSPC: give the reserve's room to the writes
     /// that free space. True if there was a reserve to give.
     pub fn release_reserve(&self) -> bool {

@@ -20,6 +20,9 @@
 //!   than the ballast ([`Reserve::size`]): every load rewrites that
 //!   checkpoint, on a full disk in the ballast's room (a load's checkpoint
 //!   write that meets ENOSPC releases the ballast and tries once more).
+//!   A start makes the ballast at least as large as the checkpoint on
+//!   disk ([`Reserve::keep_at_least`]): it was held to the ballast of its
+//!   day, which a lower `wal.reserve_bytes` would not hold.
 //! - While it is not held (released, or not made again since a start),
 //!   the WAL's writer seals its head segment early, once, so that a head
 //!   whose records all left (spilled, fired) can be deleted: a head is
@@ -58,6 +61,9 @@ pub struct Reserve {
     /// The ballast's size when it was last made (`bytes`, or an eighth of
     /// a small volume); `bytes` until then.
     size: AtomicU64,
+    /// The least size it is made at, whatever the volume's eighth and
+    /// `bytes` (see [`Reserve::keep_at_least`]).
+    floor: AtomicU64,
     /// Serialises releasing and making it.
     change: Mutex<()>,
 }
@@ -94,6 +100,7 @@ impl Reserve {
             fs,
             held: AtomicBool::new(bytes == 0),
             size: AtomicU64::new(bytes),
+            floor: AtomicU64::new(0),
             change: Mutex::new(()),
         };
         reserve.publish();
@@ -107,6 +114,34 @@ impl Reserve {
     /// The room a release gives: the ballast's size (0: no reserve).
     pub fn size(&self) -> u64 {
         self.size.load(Ordering::Acquire)
+    }
+
+    /// Make the ballast at least `floor` bytes from now on (no effect
+    /// when no reserve is kept). The far tier's checkpoint is rewritten by
+    /// every load, on a full disk in the ballast's room, and a checkpoint
+    /// written under a larger ballast (a larger volume, a larger
+    /// `wal.reserve_bytes` before a restart) must still fit (sim seed
+    /// 335474). A ballast held smaller is given up, to be made again at
+    /// the new size.
+    pub fn keep_at_least(&self, floor: u64) {
+        if self.bytes == 0 {
+            return;
+        }
+        let _change = self.change.lock().unwrap_or_else(|e| e.into_inner());
+        self.floor.store(floor, Ordering::Release);
+        if floor <= self.size() {
+            return;
+        }
+        if self.is_held() {
+            let path = self.dir.join(RESERVE_FILE);
+            if let Err(e) = self.fs.remove_file(&path) {
+                tracing::error!(path = %path.display(), error = %e, "cannot remove the disk reserve to make it larger");
+                return;
+            }
+            self.held.store(false, Ordering::Release);
+            self.publish();
+        }
+        self.size.store(floor, Ordering::Release);
     }
 
     /// A write failed with ENOSPC: remove the ballast, if it is there, to
@@ -151,7 +186,15 @@ impl Reserve {
             .fs
             .space(&self.dir)
             .map_err(|e| WalError::io(&self.dir, e))?;
-        let bytes = self.bytes.min(space.total / VOLUME_SHARE);
+        let eighth = self.bytes.min(space.total / VOLUME_SHARE);
+        let bytes = eighth.max(self.floor.load(Ordering::Acquire));
+        if bytes > self.bytes {
+            tracing::warn!(
+                bytes,
+                configured = self.bytes,
+                "the disk reserve is made larger than wal.reserve_bytes: the far tier's checkpoint needs that room to load on a full disk"
+            );
+        }
         if space.available < bytes.saturating_mul(2) {
             return Ok(false);
         }
@@ -252,6 +295,26 @@ mod tests {
         assert!(reserve.restore().unwrap());
         assert_eq!(fs.read(&dir.join(RESERVE_FILE)).len(), 2 << 10);
         assert_eq!(reserve.size(), 2 << 10);
+    }
+
+    #[test]
+    fn a_floor_makes_the_ballast_larger_than_the_volumes_eighth() {
+        let (fs, dir) = sim();
+        fs.set_capacity(Some(16 << 10));
+        let reserve = Reserve::open(Arc::new(fs.clone()), &dir, 1 << 10).unwrap();
+        assert!(reserve.restore().unwrap());
+        assert_eq!(reserve.size(), 1 << 10);
+        // Held smaller than the floor: given up, and made again at it.
+        reserve.keep_at_least(3 << 10);
+        assert!(!reserve.is_held());
+        assert!(fs.list(&dir).unwrap().is_empty());
+        assert_eq!(reserve.size(), 3 << 10, "the room a release would give");
+        assert!(reserve.restore().unwrap());
+        assert_eq!(fs.read(&dir.join(RESERVE_FILE)).len(), 3 << 10);
+        // A lower floor changes nothing held.
+        reserve.keep_at_least(1);
+        assert!(reserve.is_held());
+        assert_eq!(reserve.size(), 3 << 10);
     }
 
     #[test]
