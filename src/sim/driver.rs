@@ -671,7 +671,8 @@ impl Sim {
     /// allowed around it: an engine ended while a full disk still kept it
     /// from writing a Remembered frame (`Engine::frames_owed`), so a
     /// restart forgot a message that had left, and its late redelivery
-    /// was stored as new.
+    /// was stored as new. The same goes for a message whose cancel was
+    /// answered: it never fires, under any id, but for that way.
     fn check_one_identity(&mut self) -> Result<(), Failure> {
         let lone = self.model.lone_other_id_copies();
         self.report.lone_other_id_copies = lone
@@ -684,19 +685,28 @@ impl Sim {
                 .iter()
                 .any(|uid| self.remembered_dropped.contains(uid))
         };
-        match lone.into_iter().find(|i| !forgotten(i)) {
-            Some(i) => {
-                let m = &self.model.msgs[i];
-                Err(self.fail(format!(
-                    "message {i} ({} due {}, no byte-equal twin) fired under {} ids: {:?}",
-                    m.route,
-                    m.due,
-                    m.fired.len(),
-                    m.fired
-                )))
-            }
-            _ => Ok(()),
+        if let Some(i) = lone.into_iter().find(|i| !forgotten(i)) {
+            let m = &self.model.msgs[i];
+            return Err(self.fail(format!(
+                "message {i} ({} due {}, no byte-equal twin) fired under {} ids: {:?}",
+                m.route,
+                m.due,
+                m.fired.len(),
+                m.fired
+            )));
         }
+        let after_cancel = self.model.fired_after_their_cancel();
+        if let Some(i) = after_cancel.into_iter().find(|i| !forgotten(i)) {
+            let m = &self.model.msgs[i];
+            return Err(self.fail(format!(
+                "message {i} ({} due {}, no byte-equal twin) fired under {:?} after a cancel of its ids {:?} was answered",
+                m.route,
+                m.due,
+                m.fired,
+                m.cancel_answered.as_deref().unwrap_or_default()
+            )));
+        }
+        Ok(())
     }
 
     async fn apply(&mut self, op: &Op) -> Result<(), Failure> {

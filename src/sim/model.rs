@@ -28,6 +28,12 @@ pub struct Msg {
     /// that cancel (see [`Model::check_complete`]).
     pub cancelled_after_fire: bool,
     pub fired: BTreeMap<u128, u32>,
+    /// Taken in, and a cancel of every id it had, before it fired at all,
+    /// was answered:
+    /// those ids. It must never fire, under them or under an id a later
+    /// redelivery of it was stored under (see
+    /// [`Model::fired_after_their_cancel`]).
+    pub cancel_answered: Option<Vec<u128>>,
     /// The source session of each store that began (by id), except those
     /// answered "duplicate": a process start begins a new channel session.
     pub stored_on: BTreeMap<u128, u64>,
@@ -62,6 +68,7 @@ impl Model {
             cancelled: false,
             cancelled_after_fire: false,
             fired: BTreeMap::new(),
+            cancel_answered: None,
             stored_on: BTreeMap::new(),
             duplicate_on: Vec::new(),
             failed_store: false,
@@ -100,11 +107,20 @@ impl Model {
     /// (seed 2983), as [`Model::cancel_where`] has it.
     pub fn cancel_uid(&mut self, uid: u128) {
         let owners = self.owner.get(&uid).cloned().unwrap_or_default();
-        if owners.iter().all(|&m| self.msgs[m].fired.is_empty()) {
+        let unfired = owners.iter().all(|&m| self.msgs[m].fired.is_empty());
+        if unfired {
             self.cancelled.insert(uid);
         }
         for m in owners {
-            self.msgs[m].cancelled = true;
+            let m = &mut self.msgs[m];
+            m.cancelled = true;
+            let all_cancelled = m.uids.iter().all(|u| self.cancelled.contains(u));
+            // Only a message taken in: one whose store failed comes again
+            // as a new delivery, which a cancel before it does not cover.
+            let taken_in = m.acked && !m.failed_store;
+            if unfired && all_cancelled && taken_in && m.cancel_answered.is_none() {
+                m.cancel_answered = Some(m.uids.clone());
+            }
         }
     }
 
@@ -318,19 +334,34 @@ impl Model {
         (same, other)
     }
 
+    /// Messages with no byte-equal twin that fired after a cancel of every
+    /// id they had was answered: under one of those ids (also caught as
+    /// it fires) or under an id a later redelivery of theirs was stored
+    /// under, which the engine should have taken for the cancelled record.
+    /// Twins are left out: which one a redelivery was is the model's guess.
+    pub fn fired_after_their_cancel(&self) -> Vec<usize> {
+        (0..self.msgs.len())
+            .filter(|&i| {
+                let m = &self.msgs[i];
+                m.cancel_answered.is_some() && !m.fired.is_empty() && !self.twinned(i)
+            })
+            .collect()
+    }
+
+    fn twinned(&self, i: usize) -> bool {
+        let m = &self.msgs[i];
+        self.msgs
+            .iter()
+            .enumerate()
+            .any(|(j, o)| j != i && o.route == m.route && o.bytes == m.bytes)
+    }
+
     /// Copies under another id of messages with no byte-equal twin: the
     /// model's attribution of a fire to one of several byte-equal messages
     /// is a guess, so only these are certain.
     pub fn lone_other_id_copies(&self) -> Vec<usize> {
-        let twinned = |i: usize| {
-            let m = &self.msgs[i];
-            self.msgs
-                .iter()
-                .enumerate()
-                .any(|(j, o)| j != i && o.route == m.route && o.bytes == m.bytes)
-        };
         (0..self.msgs.len())
-            .filter(|&i| self.msgs[i].fired.len() > 1 && !twinned(i))
+            .filter(|&i| self.msgs[i].fired.len() > 1 && !self.twinned(i))
             .collect()
     }
 }
