@@ -21,7 +21,9 @@
 # behind: the Schedules they retire, kept in other segments, come back at
 # a restart), limit (a restart that reads frames only up to the new
 # wal.max_message_bytes: a larger message stored before is taken for
-# corruption; with SIM_LIMITS=1), unarmed (a compaction that copies only what is armed: a
+# corruption; with SIM_LIMITS=1), cancelmark (a redelivery that matches a
+# cancelled record is stored as new: the cancelled message fires under a
+# new id), unarmed (a compaction that copies only what is armed: a
 # record durable but not yet armed goes with its segment; the simulator
 # settles between operations and cannot reach this one, see
 # docs/testing.md).
@@ -29,7 +31,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
 bugs=("$@")
-[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone limit unarmed)
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone limit cancelmark unarmed)
 
 # plant NAME: edit the source; each edit must apply exactly once.
 plant() {
@@ -76,6 +78,9 @@ edits = {
     "limit": [("src/wal/recovery.rs",
         "let scan = || Scanner::new(&buf, frame::MAX_LEN).with_last_seq(last_seq);",
         "let scan = || Scanner::new(&buf, config.max_message_bytes + 128).with_last_seq(last_seq);")],
+    "cancelmark": [("src/engine/mod.rs",
+        "                Some(Candidate { id, .. }) => {\n                    self.state().unconfirmed.rebind(id, session);",
+        "                Some(Candidate { cancelled: true, .. }) => {}\n                Some(Candidate { id, .. }) => {\n                    self.state().unconfirmed.rebind(id, session);")],
     "unarmed": [("src/engine/compact.rs",
         "if located < inner.wal.segment_live(segment) {",
         "if false && located < inner.wal.segment_live(segment) {")],
