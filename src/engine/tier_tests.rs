@@ -52,6 +52,22 @@ async fn schedule(r: &Running, route: &str, due: u64, body: &str) -> u64 {
         .unwrap()
 }
 
+/// Take what fires until `expected` is empty or nothing comes within
+/// `within`: each once, none early.
+async fn take_fired(
+    r: &mut Running,
+    expected: &mut std::collections::BTreeMap<MessageId, u64>,
+    within: Duration,
+) {
+    while !expected.is_empty() {
+        let Some(f) = r.recv_within(within).await else {
+            return;
+        };
+        let due = expected.remove(&f.uid).expect("fired once, and stored");
+        assert!(f.fired_ms >= due, "{} ms early", due - f.fired_ms);
+    }
+}
+
 fn buckets(dir: &std::path::Path) -> usize {
     std::fs::read_dir(dir.join("far"))
         .map(|d| {
@@ -893,20 +909,11 @@ async fn a_disk_full_of_its_own_spilled_messages_still_empties() {
             failed_in_a_row = 0;
         }
         r.engine.wake();
-        while let Some(f) = r.recv_within(Duration::from_millis(20)).await {
-            let due = stored.remove(&f.uid).expect("fired once, and stored");
-            assert!(f.fired_ms >= due, "{} ms early", due - f.fired_ms);
-        }
+        take_fired(&mut r, &mut stored, Duration::from_millis(20)).await;
         t += 500;
     }
     // What was handed over last, within a deadline.
-    while !stored.is_empty() {
-        let Some(f) = r.recv_within(Duration::from_secs(10)).await else {
-            break;
-        };
-        let due = stored.remove(&f.uid).expect("fired once, and stored");
-        assert!(f.fired_ms >= due, "{} ms early", due - f.fired_ms);
-    }
+    take_fired(&mut r, &mut stored, Duration::from_secs(10)).await;
     assert!(
         stored.is_empty(),
         "{} of the stored messages never fired on the full disk",
@@ -1225,20 +1232,11 @@ async fn a_lowered_disk_reserve_still_lets_a_full_disk_load_its_buckets() {
         clock.set(t);
         let _ = r.engine.far_round().await;
         r.engine.wake();
-        while let Some(f) = r.recv_within(Duration::from_millis(20)).await {
-            let due = far.remove(&f.uid).expect("fired once, and spilled");
-            assert!(f.fired_ms >= due, "{} ms early", due - f.fired_ms);
-        }
+        take_fired(&mut r, &mut far, Duration::from_millis(20)).await;
         t += 1_000;
     }
     // What was handed over last, within a deadline.
-    while !far.is_empty() {
-        let Some(f) = r.recv_within(Duration::from_secs(10)).await else {
-            break;
-        };
-        let due = far.remove(&f.uid).expect("fired once, and spilled");
-        assert!(f.fired_ms >= due, "{} ms early", due - f.fired_ms);
-    }
+    take_fired(&mut r, &mut far, Duration::from_secs(10)).await;
     assert!(
         far.is_empty(),
         "{} spilled messages never loaded on the full disk",
