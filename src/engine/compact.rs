@@ -203,10 +203,7 @@ fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<FrameWrite> {
 /// and a restart takes a late redelivery of one for a new message (a copy
 /// under another id, never a loss). It owes its frame, written by the next
 /// round that has room ([`write_owed_frames`]); see
-/// [`super::Engine::frames_owed`]. A frame that carries a cancel keeps its
-/// segment with the reserve out as well, within the same limit and before
-/// any other: a restart that forgot it would store the cancelled message's
-/// late redelivery as new, and it would fire after its cancel.
+/// [`super::Engine::frames_owed`].
 fn settle_remembered(
     inner: &Inner,
     written: Vec<(Frame, Result<Appended, WalError>)>,
@@ -224,25 +221,14 @@ fn settle_remembered(
         .filter(|(_, result)| matches!(result, Err(e) if !matches!(e, WalError::DiskFull(_))))
         .filter_map(|(frame, _)| frame.from)
         .collect();
-    // Cancels first, whether or not the reserve is held (sim seed 400004).
-    let full = |result: &Result<Appended, WalError>| matches!(result, Err(WalError::DiskFull(_)));
-    let mut cancels: Vec<u32> = written
+    let mut failed: Vec<u32> = written
         .iter()
-        .filter(|(frame, result)| frame.cancelled && full(result))
+        .filter(|(_, result)| reserve_held && matches!(result, Err(WalError::DiskFull(_))))
         .filter_map(|(frame, _)| frame.from)
         .filter(|from| !keep.contains(from))
         .collect();
-    cancels.sort_unstable();
-    cancels.dedup();
-    let mut failed: Vec<u32> = written
-        .iter()
-        .filter(|(_, result)| reserve_held && full(result))
-        .filter_map(|(frame, _)| frame.from)
-        .filter(|from| !keep.contains(from) && !cancels.contains(from))
-        .collect();
     failed.sort_unstable();
     failed.dedup();
-    let failed = cancels.into_iter().chain(failed);
     keep.sort_unstable();
     keep.dedup();
     let mut held_back = 0;
@@ -272,16 +258,13 @@ fn settle_remembered(
                     tracing::debug!(id, error = %e, "no Remembered frame yet: its segment is kept for a later round");
                     state.unconfirmed.set_frame(id, Some(from));
                 }
-                None if from.is_some() => {
-                    tracing::warn!(id, error = %e, "no Remembered frame (the disk is full): written once there is room; a restart before that takes a late redelivery of this message for a new one");
-                    metrics::counter!("delayd_wal_remembered_owed_total").increment(1);
+                None => {
+                    if from.is_some() {
+                        tracing::warn!(id, error = %e, "no Remembered frame (the disk is full): written once there is room; a restart before that takes a late redelivery of this message for a new one");
+                        metrics::counter!("delayd_wal_remembered_owed_total").increment(1);
+                    }
                     state.unconfirmed.owe_frame(id);
                 }
-                // Owed already, or written again for a newer cancel: tried
-                // again next round. The latter's record is still where it
-                // was read back from, which must keep its segment (sim
-                // seed 400260: taken for owed, it no longer did).
-                None => {}
             },
         }
     }
