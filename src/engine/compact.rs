@@ -63,7 +63,7 @@ async fn write_owed_frames(inner: &Inner) {
         written.push((w.frame, result));
     }
     if !written.is_empty() {
-        settle_remembered(inner, written, false);
+        settle_remembered(inner, written, false, &[]);
     }
 }
 
@@ -114,7 +114,7 @@ async fn collect_garbage(inner: &Arc<Inner>) -> Result<(), EngineError> {
                     (w.frame, result)
                 })
                 .collect();
-            settle_remembered(&inner, written, reserve_held)
+            settle_remembered(&inner, written, reserve_held, segments)
         })
     })
     .await
@@ -130,6 +130,8 @@ struct Frame {
     from: Option<u32>,
     /// The frame says it was cancelled.
     cancelled: bool,
+    /// What it says.
+    payload: Remembered,
 }
 
 /// A Remembered frame on its way.
@@ -185,6 +187,7 @@ fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<FrameWrite> {
                 id: d.id,
                 from: d.from,
                 cancelled: d.cancelled,
+                payload: frame,
             },
             written: inner.wal.append_remembered(frame),
         });
@@ -199,15 +202,19 @@ fn remember_departing(inner: &Inner, segments: &[u32]) -> Vec<FrameWrite> {
 /// it out). Once the reserve is out, or past
 /// [`crate::wal::Wal::hold_back_limit`] bytes of such segments, a segment
 /// goes all the same, since a full disk must still empty (sim seed 420
-/// stayed full for good): its records are then remembered in memory only,
-/// and a restart takes a late redelivery of one for a new message (a copy
-/// under another id, never a loss). It owes its frame, written by the next
-/// round that has room ([`write_owed_frames`]); see
-/// [`super::Engine::frames_owed`].
+/// stayed full for good): it owes its frame, written by the next round
+/// that has room ([`write_owed_frames`]), and meanwhile held by the ledger
+/// of owed frames (`wal::ledger`), written in place before the segment
+/// goes. Beyond what the ledger holds, a record is remembered in memory
+/// only, and a restart takes a late redelivery of it for a new message (a
+/// copy under another id, never a loss; see
+/// [`super::Engine::frames_owed`]). If the ledger cannot be written,
+/// every segment of the round (`offered`) stays for a later round.
 fn settle_remembered(
     inner: &Inner,
     written: Vec<(Frame, Result<Appended, WalError>)>,
     reserve_held: bool,
+    offered: &[u32],
 ) -> Vec<u32> {
     // A frame that failed for another reason than a full disk (a failed
     // fsync, the log stopped) keeps its segment whatever its size: nothing
@@ -239,12 +246,29 @@ fn settle_remembered(
         }
         keep.push(segment);
     }
+    // The frames owed from now on, to the ledger before their segments go.
+    let owed: Vec<Remembered> = written
+        .iter()
+        .filter(|(frame, result)| {
+            result.is_err() && frame.from.is_none_or(|from| !keep.contains(&from))
+        })
+        .map(|(frame, _)| frame.payload)
+        .collect();
+    let ledgered = match inner.wal.hold_owed_frames(&owed) {
+        Ok(held) => owed[..held].iter().map(|f| f.id).collect::<HashSet<u64>>(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot write the ledger of owed Remembered frames; the segments stay for a later round");
+            keep_all(inner, written, offered);
+            return offered.to_vec();
+        }
+    };
     let mut state = inner.state();
     for (
         Frame {
             id,
             from,
             cancelled,
+            ..
         },
         result,
     ) in written
@@ -259,16 +283,41 @@ fn settle_remembered(
                     state.unconfirmed.set_frame(id, Some(from));
                 }
                 None => {
+                    let held = ledgered.contains(&id);
                     if from.is_some() {
-                        tracing::warn!(id, error = %e, "no Remembered frame (the disk is full): written once there is room; a restart before that takes a late redelivery of this message for a new one");
+                        if held {
+                            tracing::info!(id, error = %e, "no Remembered frame (the disk is full): the ledger of owed frames holds it until there is room");
+                        } else {
+                            tracing::warn!(id, error = %e, "no Remembered frame (the disk is full) and the ledger of owed frames is full too: written once there is room; a restart before that takes a late redelivery of this message for a new one");
+                        }
                         metrics::counter!("delayd_wal_remembered_owed_total").increment(1);
                     }
-                    state.unconfirmed.owe_frame(id);
+                    state.unconfirmed.owe_frame(id, held);
                 }
             },
         }
     }
     keep
+}
+
+/// The ledger could not be written: every segment of the round stays, and
+/// each frame that failed is tried again next round from where it is.
+fn keep_all(inner: &Inner, written: Vec<(Frame, Result<Appended, WalError>)>, offered: &[u32]) {
+    let mut state = inner.state();
+    for (frame, result) in written {
+        match (result, frame.from) {
+            (Ok(appended), _) => {
+                state
+                    .unconfirmed
+                    .frame_written(frame.id, appended.pos.segment, frame.cancelled)
+            }
+            (Err(_), Some(from)) if offered.contains(&from) => {
+                state.unconfirmed.set_frame(frame.id, Some(from))
+            }
+            // Owed already: as the ledger's last good write left it.
+            (Err(_), _) => {}
+        }
+    }
 }
 
 /// A record a compaction moves on to the WAL's head.
@@ -527,7 +576,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
         };
         written.push((w.frame, result));
     }
-    if settle_remembered(inner, written, reserve_held).is_empty() {
+    if settle_remembered(inner, written, reserve_held, &[segment]).is_empty() {
         inner.wal.remove_compacted(segment)?;
     } else {
         // Dead now: collected once its Remembered frames are written.

@@ -191,8 +191,10 @@ struct Entry {
     frame: Option<u32>,
     /// Its segment went before its Remembered frame could be written (a
     /// full disk): written as soon as there is room, and until then only
-    /// memory knows it.
+    /// the ledger of owed frames knows it (see `wal::ledger`), or memory.
     owed: bool,
+    /// The ledger holds its owed frame: a restart knows it.
+    ledgered: bool,
     /// Its Remembered frame says it was cancelled. A cancel after the frame
     /// was written is durable only by its cancel mark, whose segment can go
     /// before the frame's (nothing retires a Schedule there any more): so
@@ -273,6 +275,7 @@ impl Unconfirmed {
                 confirmed: false,
                 frame: None,
                 owed: false,
+                ledgered: false,
                 frame_cancelled: false,
             },
         );
@@ -301,6 +304,7 @@ impl Unconfirmed {
                 confirmed: false,
                 frame: None,
                 owed: false,
+                ledgered: false,
                 frame_cancelled: false,
             },
         );
@@ -324,7 +328,8 @@ impl Unconfirmed {
                 settled: r.settled,
                 confirmed: false,
                 frame: r.frame,
-                owed: false,
+                owed: r.owed,
+                ledgered: r.owed,
                 frame_cancelled: r.frame_cancelled,
             },
         );
@@ -426,6 +431,7 @@ impl Unconfirmed {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.frame = frame;
             entry.owed = false;
+            entry.ledgered = false;
         }
     }
 
@@ -435,25 +441,28 @@ impl Unconfirmed {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.frame = Some(frame);
             entry.owed = false;
+            entry.ledgered = false;
             entry.frame_cancelled = cancelled;
         }
     }
 
     /// `id`'s segment goes without its Remembered frame (a full disk):
     /// it is written once there is room (see [`Unconfirmed::departing`]).
-    pub fn owe_frame(&mut self, id: u64) {
+    /// `ledgered`: the ledger of owed frames holds it meanwhile.
+    pub fn owe_frame(&mut self, id: u64, ledgered: bool) {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.frame = None;
             entry.owed = true;
+            entry.ledgered = ledgered;
         }
     }
 
     /// The identities of the remembered records that owe a Remembered
-    /// frame: a restart now would forget them.
+    /// frame the ledger does not hold: a restart now would forget them.
     pub fn frames_owed(&self) -> Vec<u128> {
         self.fingerprints
             .values()
-            .filter(|e| e.owed)
+            .filter(|e| e.owed && !e.ledgered)
             .map(|e| e.uid)
             .collect()
     }
@@ -704,6 +713,9 @@ struct RecentEntry {
     left: bool,
     /// The frame says it was cancelled.
     frame_cancelled: bool,
+    /// Read from the ledger of owed frames: its Schedule is gone and no
+    /// frame in the log carries it.
+    owed: bool,
     acked: bool,
     cancelled: bool,
     /// A [`MATCHED_MARK`] was read for it.
@@ -725,6 +737,8 @@ pub struct ReadBack {
     pub frame: Option<u32>,
     /// That frame says it was cancelled.
     pub frame_cancelled: bool,
+    /// It owes its frame (read from the ledger, see `wal::ledger`).
+    pub owed: bool,
     pub cancelled: bool,
     /// Its Done was read and no record of its identity is live: it fired,
     /// was cancelled, or waits in the far tier (which the load that brings
@@ -758,6 +772,18 @@ pub struct Recent {
     read: u64,
     /// Identity -> when the first cancel mark of one of its records was read.
     cancelled_at: HashMap<u128, u64>,
+    /// The frames the ledger says are owed, by id (see [`Recent::expect_owed`]),
+    /// with the marks read for them while they have no entry.
+    owed: HashMap<u64, OwedFrame>,
+}
+
+/// A frame from the ledger of owed frames, and what the log says of it.
+#[derive(Debug)]
+struct OwedFrame {
+    frame: Remembered,
+    acked: bool,
+    cancelled: bool,
+    settled: bool,
 }
 
 impl Recent {
@@ -769,6 +795,57 @@ impl Recent {
             index: HashMap::new(),
             read: 0,
             cancelled_at: HashMap::new(),
+            owed: HashMap::new(),
+        }
+    }
+
+    /// Before the log is read: the frames the ledger holds. Marks read for
+    /// them where no entry has their id apply to them
+    /// ([`Recent::push_owed`]): the cancel of a record whose frame is owed
+    /// is written after the frame went to the ledger.
+    pub fn expect_owed(&mut self, frames: &[Remembered]) {
+        for frame in frames {
+            self.owed.insert(
+                frame.id,
+                OwedFrame {
+                    frame: *frame,
+                    acked: false,
+                    cancelled: false,
+                    settled: false,
+                },
+            );
+        }
+    }
+
+    /// After the log is read: the ledger's frames, newest of all. One whose
+    /// id has an entry (the frame was written after all, or an older frame
+    /// of it is still on disk) only adds its cancel to it.
+    pub fn push_owed(&mut self) {
+        let mut owed: Vec<OwedFrame> = std::mem::take(&mut self.owed).into_values().collect();
+        owed.sort_unstable_by_key(|o| o.frame.id);
+        for o in owed {
+            let r = o.frame;
+            let frame_cancelled = r.flags & REMEMBERED_CANCELLED != 0;
+            if let Some(entry) = self.entry_mut(r.id) {
+                entry.cancelled |= frame_cancelled;
+                continue;
+            }
+            // Its cancel covers itself; a cancel mark read for it has
+            // covered its identity where the mark stands (`mark`).
+            self.push_entry(RecentEntry {
+                id: r.id,
+                uid: r.uid,
+                fp: r.fp,
+                evidence: Evidence::Digest(r.digest),
+                frame: None,
+                left: r.flags & REMEMBERED_LEFT != 0,
+                frame_cancelled,
+                owed: true,
+                acked: o.acked,
+                cancelled: frame_cancelled || o.cancelled,
+                settled: o.settled,
+                retired_at: None,
+            });
         }
     }
 
@@ -782,6 +859,7 @@ impl Recent {
             frame: None,
             left: false,
             frame_cancelled: false,
+            owed: false,
             acked: false,
             cancelled: false,
             settled: false,
@@ -800,6 +878,7 @@ impl Recent {
             frame: Some(pos.segment),
             left: r.flags & REMEMBERED_LEFT != 0,
             frame_cancelled: r.flags & REMEMBERED_CANCELLED != 0,
+            owed: false,
             acked: false,
             cancelled: r.flags & REMEMBERED_CANCELLED != 0,
             settled: false,
@@ -846,12 +925,25 @@ impl Recent {
         self.read += 1;
         let read = self.read;
         if marked & CANCELLED_MARK == 0 && marked & MATCHED_MARK != 0 {
-            if let Some(entry) = self.entry_mut(marked & !MATCHED_MARK) {
+            let id = marked & !MATCHED_MARK;
+            if let Some(entry) = self.entry_mut(id) {
                 entry.settled = true;
+            } else if let Some(owed) = self.owed.get_mut(&id) {
+                owed.settled = true;
             }
             return;
         }
-        let Some(entry) = self.entry_mut(marked & !CANCELLED_MARK) else {
+        let id = marked & !CANCELLED_MARK;
+        let Some(entry) = self.entry_mut(id) else {
+            if let Some(owed) = self.owed.get_mut(&id) {
+                if marked & CANCELLED_MARK == 0 {
+                    owed.acked = true;
+                } else {
+                    owed.cancelled = true;
+                    let uid = owed.frame.uid;
+                    self.cancelled_at.entry(uid).or_insert(read);
+                }
+            }
             return;
         };
         if marked & CANCELLED_MARK == 0 {
@@ -876,7 +968,7 @@ impl Recent {
         let live: std::collections::HashSet<u128> = self
             .entries
             .iter()
-            .filter(|e| e.retired_at.is_none() && e.frame.is_none())
+            .filter(|e| e.retired_at.is_none() && e.frame.is_none() && !e.owed)
             .map(|e| e.uid)
             .collect();
         let mut newest: HashMap<u128, u64> = HashMap::new();
@@ -891,7 +983,7 @@ impl Recent {
                     .get(&e.uid)
                     .is_some_and(|&at| e.retired_at.is_none_or(|r| r > at));
             // A frame's Schedule was retired (or it would not be written).
-            let retired = e.retired_at.is_some() || e.frame.is_some();
+            let retired = e.retired_at.is_some() || e.frame.is_some() || e.owed;
             ReadBack {
                 id: e.id,
                 uid: e.uid,
@@ -899,6 +991,7 @@ impl Recent {
                 evidence: e.evidence,
                 frame: e.frame,
                 frame_cancelled: e.frame_cancelled,
+                owed: e.owed,
                 cancelled: e.cancelled || covered,
                 left: e.left || (retired && !live.contains(&e.uid)),
                 surely_left: e.left,
@@ -1256,5 +1349,45 @@ mod tests {
         u.left(6);
         u.pending_again(6);
         assert_eq!(u.cancel_all(16, Some(6)), vec![16, 6]);
+    }
+
+    /// The ledger's frames are read back as owed, with the marks the log
+    /// wrote for them after they went there; one whose id the log still
+    /// has a frame for only adds its cancel to it.
+    #[test]
+    fn frames_from_the_ledger_take_the_logs_later_marks() {
+        let frame = |id: u64, flags: u8| Remembered {
+            id,
+            uid: u128::from(id) + 100,
+            fp: 7,
+            digest: [id as u8; 32],
+            flags,
+        };
+        let mut r = Recent::new(10);
+        r.expect_owed(&[
+            frame(1, 0),
+            frame(2, 0),
+            frame(3, REMEMBERED_CANCELLED),
+            frame(4, 0),
+        ]);
+        // An older frame of 3 is still in the log, not cancelled.
+        r.push_remembered(&frame(3, 0), P);
+        r.mark(1 | CANCELLED_MARK);
+        r.mark(2);
+        r.mark(4 | MATCHED_MARK);
+        r.push_owed();
+        let back: Vec<(u64, bool, bool, bool)> = r
+            .unacked()
+            .map(|b| (b.id, b.owed, b.cancelled, b.settled))
+            .collect();
+        // 2 was acked: not in doubt.
+        assert_eq!(
+            back,
+            [
+                (3, false, true, false),
+                (1, true, true, false),
+                (4, true, false, true),
+            ]
+        );
     }
 }

@@ -662,6 +662,10 @@ impl Engine {
         let mut state = State::new(now, config.dedup_window);
         state.set_weights(config.route_weights.clone());
         let mut recent = dedup::Recent::new(config.dedup_window);
+        // Frames owed at the last stop: the replay applies later marks to them.
+        if config.dedup_window > 0 {
+            recent.expect_owed(&Wal::read_owed_frames(&config.wal)?);
+        }
         let mut too_many_routes = false;
         let mut superseded = Vec::new();
         // Messages whose live Schedule is a compaction copy with the
@@ -725,6 +729,7 @@ impl Engine {
         if too_many_routes {
             return Err(EngineError::TooManyRoutes);
         }
+        recent.push_owed();
         for (copy, original) in superseded.iter().copied() {
             wal.keep_after(copy, original);
         }
@@ -757,8 +762,13 @@ impl Engine {
         // and a cancel of it must cover every record of it.
         let far_min_id = far.as_ref().map_or(u64::MAX, |t| t.store().min_id());
         // Their acks may have been sent before the restart, or not.
+        let held = wal.owed_frames_held();
         for r in recent.unacked() {
             state.unconfirmed.restore(&r);
+            if r.owed && !held.contains(&r.id) {
+                // Read back from a ledger made again smaller: memory only.
+                state.unconfirmed.owe_frame(r.id, false);
+            }
             if r.cancelled {
                 state.unconfirmed.cancel(r.id);
             }

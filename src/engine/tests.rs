@@ -2385,3 +2385,98 @@ async fn a_message_that_left_under_another_owner_keeps_its_identity_when_redeliv
     assert!(matches!(stored, Stored::New(_)), "{stored:?}");
     assert_eq!(engine.pending(), 2);
 }
+
+/// A cancelled message whose ack was in doubt, on a disk that refuses
+/// every write once the reserve is out: the segment holding its record and
+/// its cancel's mark goes with its Remembered frame owed, and the ledger of
+/// owed frames holds the frame meanwhile. Without it, a crash before there
+/// was room made the next start store the message's late redelivery as
+/// new: it fired after its cancel was answered (sim seeds 400,004, 400,260
+/// and 401,035).
+#[tokio::test]
+async fn a_cancel_of_a_message_in_doubt_outlives_a_full_disk_and_a_crash() {
+    use crate::wal::sim::{PowerLoss, SimFs};
+    let dir = std::path::Path::new("/vol/wal");
+    let on = |fs: &SimFs| {
+        let mut cfg = config(dir);
+        cfg.gc_interval = Duration::from_secs(3600); // compaction only when asked
+        cfg.wal.fs = Arc::new(fs.clone());
+        cfg.wal.segment_bytes = 1024;
+        cfg.wal.reserve_bytes = 4096;
+        cfg
+    };
+    let fs = SimFs::with_dir(dir);
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let mut r = start(on(&fs), clock.clone());
+    assert!(r.engine.wal().has_room().unwrap(), "the reserve is made");
+    let message = b"cancelled, its ack in doubt".to_vec();
+    let arrival = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    let id = r
+        .engine
+        .store(
+            "r",
+            1_000_000 + 3_600_000,
+            MessageId::mint(),
+            message.clone(),
+            arrival,
+        )
+        .await
+        .unwrap()
+        .id()
+        .unwrap();
+    r.engine.ack_sending(id); // sent; whether it arrived is not known
+    assert!(r.engine.cancel(id).await.unwrap());
+    // Its segment fills with messages that fire: dead but for the mark.
+    for i in 0..6u8 {
+        let id = r
+            .engine
+            .schedule("r", 1_000_000, vec![i; 300])
+            .await
+            .unwrap();
+        r.engine.confirm_ack(id);
+    }
+    for _ in 0..6 {
+        r.recv().await;
+    }
+    // Every write refused: the first failure gives the reserve out, and
+    // the frame that would carry the cancel on cannot be written.
+    fs.set_full(vec![dir.to_path_buf()]);
+    for _ in 0..3 {
+        let _ = r.engine.compact_now().await;
+    }
+    let owed = r.engine.frames_owed();
+    assert!(
+        owed.is_empty(),
+        "the ledger holds every owed frame: {owed:?}"
+    );
+    let fs = fs.power_loss(PowerLoss::ProcessCrash);
+    r.shutdown.cancel();
+    r.task.abort();
+    drop(r);
+    fs.set_full(Vec::new());
+    let r = start(on(&fs), clock);
+    let again = Arrival {
+        redelivered: true,
+        session: 2,
+    };
+    let redelivered = r
+        .engine
+        .store(
+            "r",
+            1_000_000 + 3_600_000,
+            MessageId::mint(),
+            message,
+            again,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        redelivered,
+        Stored::Duplicate,
+        "the cancelled message's redelivery was stored again (frames owed at the crash: {owed:?})"
+    );
+    r.stop().await;
+}

@@ -870,6 +870,8 @@ async fn a_disk_full_of_its_own_spilled_messages_still_empties() {
     cfg.wal.fs = Arc::new(fs.clone());
     cfg.wal.segment_bytes = 128 << 10;
     cfg.wal.reserve_bytes = 16 << 10;
+    // Scaled down too: 32 KiB would be a third of this disk.
+    cfg.wal.owed_frames = 8;
     cfg.gc_interval = Duration::from_secs(3600);
     if let Some(far) = cfg.far.as_mut() {
         far.horizon = Duration::from_secs(2);
@@ -1193,6 +1195,8 @@ async fn a_lowered_disk_reserve_still_lets_a_full_disk_load_its_buckets() {
         let mut cfg = far_config(dir);
         cfg.wal.fs = Arc::new(fs.clone());
         cfg.wal.reserve_bytes = reserve_bytes;
+        // The ledger of owed frames scaled down with the disk.
+        cfg.wal.owed_frames = 8;
         cfg.gc_interval = Duration::from_secs(3600);
         if let Some(far) = cfg.far.as_mut() {
             far.horizon = Duration::from_secs(1);

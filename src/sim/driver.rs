@@ -136,6 +136,12 @@ pub struct Sim {
     limits: Limits,
     /// Draws of [`Limits`], from a stream of their own.
     limits_rng: Rng,
+    /// The ledger's room for owed frames (`WalConfig::owed_frames`), drawn
+    /// with new limits from a stream of its own (so that the other draws,
+    /// and the seeds found before it, stay as they were): a small one
+    /// overflows, and a change remakes the ledger at a start.
+    owed_frames: usize,
+    owed_rng: Rng,
     /// Stored deliveries whose ack is in doubt: (message, whether it was
     /// sent; one never sent is certainly redelivered after a crash).
     in_doubt: Vec<(usize, bool)>,
@@ -262,6 +268,8 @@ impl Sim {
             limits_on: std::env::var_os("SIM_LIMITS").is_some_and(|v| v == "1"),
             limits: Limits::default(),
             limits_rng: seeded(seed ^ 0x0111_1175),
+            owed_frames: crate::wal::ledger::DEFAULT_FRAMES,
+            owed_rng: seeded(seed ^ 0x0ed_f4a3e5),
             in_doubt: Vec::new(),
             ids: HashSet::new(),
             clock_high: T0,
@@ -310,8 +318,10 @@ impl Sim {
         }
         self.limits = Limits::draw(&mut self.limits_rng);
         self.near_only = self.limits_rng.chance(50);
+        self.owed_frames =
+            [1, 2, crate::wal::ledger::DEFAULT_FRAMES][self.owed_rng.below(3) as usize];
         let (limits, near_only) = (self.limits, self.near_only);
-        self.note(("limits", format!("{limits:?}"), near_only));
+        self.note(("limits", format!("{limits:?}"), near_only, self.owed_frames));
     }
 
     fn fail(&self, what: impl Into<String>) -> Failure {
@@ -387,6 +397,7 @@ impl Sim {
         wal.max_message_bytes = self.limits.max_message_bytes;
         wal.lazy_done_wait = Duration::ZERO;
         wal.reserve_bytes = RESERVE as u64;
+        wal.owed_frames = self.owed_frames;
         // One record per batch: which records share a group commit depends
         // on threads' timing, and the frames it adds (a Commit per batch)
         // would move every later seq, segment and compaction.

@@ -134,6 +134,34 @@ pub struct Remembered {
     pub flags: u8,
 }
 
+impl Remembered {
+    /// Bytes of its payload.
+    pub const BYTES: usize = REMEMBERED_PAYLOAD;
+
+    /// Append its payload to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.uid.to_le_bytes());
+        out.extend_from_slice(&self.fp.to_le_bytes());
+        out.extend_from_slice(&self.digest);
+        out.push(self.flags);
+    }
+
+    /// Read a payload back; `None` if it is not [`Remembered::BYTES`] long.
+    pub fn decode(payload: &[u8]) -> Option<Remembered> {
+        if payload.len() != REMEMBERED_PAYLOAD {
+            return None;
+        }
+        Some(Remembered {
+            id: u64::from_le_bytes(payload[0..8].try_into().ok()?),
+            uid: u128::from_le_bytes(payload[8..24].try_into().ok()?),
+            fp: u64::from_le_bytes(payload[24..32].try_into().ok()?),
+            digest: payload[32..64].try_into().ok()?,
+            flags: payload[64],
+        })
+    }
+}
+
 /// A record borrowed from a read buffer (recovery avoids copying payloads).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordRef<'a> {
@@ -250,11 +278,7 @@ pub fn put_remembered(out: &mut Vec<u8>, salt: Salt, seq: u64, r: &Remembered) {
         TYPE_REMEMBERED,
         seq,
     );
-    out.extend_from_slice(&r.id.to_le_bytes());
-    out.extend_from_slice(&r.uid.to_le_bytes());
-    out.extend_from_slice(&r.fp.to_le_bytes());
-    out.extend_from_slice(&r.digest);
-    out.push(r.flags);
+    r.encode(out);
     finish(out, start, salt);
 }
 
@@ -384,13 +408,7 @@ pub fn parse(buf: &[u8], max_len: u32, salt: Salt) -> Result<(Parsed<'_>, usize)
             }
             Parsed::Record(RecordRef::Remembered {
                 seq,
-                remembered: Remembered {
-                    id: u64::from_le_bytes(payload[0..8].try_into().expect("8 bytes")),
-                    uid: u128::from_le_bytes(payload[8..24].try_into().expect("16 bytes")),
-                    fp: u64::from_le_bytes(payload[24..32].try_into().expect("8 bytes")),
-                    digest: payload[32..64].try_into().expect("32 bytes"),
-                    flags: payload[64],
-                },
+                remembered: Remembered::decode(payload).expect("65 bytes"),
             })
         }
         TYPE_COMMIT if salt.is_salted() => {

@@ -41,6 +41,11 @@ pub trait WalFile: Send + Sync + Debug {
     fn size(&self) -> io::Result<u64>;
     /// Cut (or extend) the file to `len` bytes.
     fn set_len(&self, len: u64) -> io::Result<()>;
+    /// Write all of `buf` at `offset`, inside the file's size (opened with
+    /// [`FileSystem::open_write`]): the blocks are the file's already, so a
+    /// full disk does not refuse it (on a file system that overwrites in
+    /// place, which a copy-on-write one does not).
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
     /// `fdatasync`: the file's bytes and size are durable when it returns.
     fn sync_data(&self) -> io::Result<()>;
     /// `fsync`: the same, and every other attribute of the file.
@@ -119,6 +124,17 @@ impl WalFile for File {
 
     fn set_len(&self, len: u64) -> io::Result<()> {
         File::set_len(self, len)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let size = self.metadata()?.len();
+        if offset + buf.len() as u64 > size {
+            return Err(io::Error::other(format!(
+                "a write in place of {} bytes at {offset} passes the file's end ({size})",
+                buf.len()
+            )));
+        }
+        FileExt::write_all_at(self, buf, offset)
     }
 
     fn sync_data(&self) -> io::Result<()> {

@@ -144,6 +144,7 @@ mod claims;
 pub(crate) mod frame;
 pub mod fs;
 mod halt;
+pub mod ledger;
 mod lock;
 pub(crate) mod reader;
 mod recovery;
@@ -169,6 +170,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
+use self::ledger::Ledger;
 use self::reserve::Reserve;
 use self::segments::SegmentTable;
 use self::writer::{AppendRequest, Writer};
@@ -219,6 +221,8 @@ pub struct WalConfig {
     /// Bytes of the volume a ballast file keeps for the writes that free
     /// space (see [`reserve`]); 0 keeps none.
     pub reserve_bytes: u64,
+    /// Remembered frames the ledger of owed frames holds (see [`ledger`]).
+    pub owed_frames: usize,
     /// The file layer every file operation of the log goes through:
     /// [`StdFs`] but in tests (see [`fs`]).
     pub fs: Arc<dyn FileSystem>,
@@ -237,6 +241,7 @@ impl WalConfig {
             commit_delay: std::time::Duration::ZERO,
             create_dir: false,
             reserve_bytes: 0,
+            owed_frames: ledger::DEFAULT_FRAMES,
             fs: Arc::new(StdFs),
         }
     }
@@ -332,8 +337,25 @@ struct Shared {
     writer: Writer,
     claims: Arc<Claims>,
     reserve: Arc<Reserve>,
+    /// The Remembered frames owed (see [`ledger`]); `None` while a full
+    /// disk keeps it from being made.
+    ledger: Mutex<Option<Ledger>>,
     /// Held for as long as any handle to the log exists.
     _lock: Box<dyn fs::DirGuard>,
+}
+
+/// The ledger of owed frames, made if missing; none (with a warning) if
+/// it cannot be (a full disk): a later [`Wal::hold_owed_frames`] tries
+/// again. A failed sync is fatal.
+fn open_ledger(config: &WalConfig) -> Result<Option<Ledger>, WalError> {
+    match Ledger::open(&*config.fs, &config.dir, config.owed_frames) {
+        Ok(ledger) => Ok(Some(ledger)),
+        Err(e @ WalError::Fatal { .. }) => Err(e),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot make the ledger of owed Remembered frames yet; until it is made, a restart after a full disk may take a cancelled message's late redelivery for a new one");
+            Ok(None)
+        }
+    }
 }
 
 impl Wal {
@@ -371,6 +393,7 @@ impl Wal {
             report,
             last,
         } = recovery::recover(&config, visit)?;
+        let ledger = open_ledger(&config)?;
         let segments = Arc::new(Mutex::new(table));
         let claims = Arc::new(Claims::default());
         let writer = Writer::start(
@@ -389,6 +412,7 @@ impl Wal {
                     writer,
                     claims,
                     reserve,
+                    ledger: Mutex::new(ledger),
                     _lock: lock,
                 }),
             },
@@ -479,6 +503,40 @@ impl Wal {
     /// full disk releases it (0: no reserve is kept).
     pub fn reserve_size(&self) -> u64 {
         self.shared.reserve.size()
+    }
+
+    /// The Remembered frames a previous run owed (see [`ledger`]), read
+    /// before the log is opened so that its replay can apply later marks
+    /// to them. None without a ledger.
+    pub fn read_owed_frames(config: &WalConfig) -> Result<Vec<Remembered>, WalError> {
+        ledger::read_owed(&*config.fs, &config.dir)
+    }
+
+    /// Make the ledger of owed frames hold `frames`, durably: returns how
+    /// many of them (the first) it holds. 0 while a full disk keeps the
+    /// ledger from being made; then they are owed in memory only.
+    pub fn hold_owed_frames(&self, frames: &[Remembered]) -> Result<usize, WalError> {
+        let mut ledger = self.shared.ledger.lock().expect("ledger lock poisoned");
+        if ledger.is_none() {
+            if frames.is_empty() {
+                return Ok(0);
+            }
+            *ledger = open_ledger(&self.shared.config).map_err(|e| self.check_fatal(e))?;
+        }
+        match ledger.as_mut() {
+            Some(ledger) => ledger.hold(frames).map_err(|e| self.check_fatal(e)),
+            None => Ok(0),
+        }
+    }
+
+    /// The ids of the frames the ledger of owed frames holds now (fewer
+    /// than a start read back if it was made again smaller).
+    pub fn owed_frames_held(&self) -> std::collections::HashSet<u64> {
+        let ledger = self.shared.ledger.lock().expect("ledger lock poisoned");
+        ledger
+            .as_ref()
+            .map(|l| l.frames().iter().map(|f| f.id).collect())
+            .unwrap_or_default()
     }
 
     /// Keep the disk reserve at least `bytes` large (see

@@ -572,6 +572,24 @@ impl WalFile for SimFile {
         Ok(())
     }
 
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.check_writable()?;
+        let mut state = self.fs.mutating()?;
+        let inode = &mut state.inodes[self.ino];
+        let from = offset as usize;
+        let Some(to) = from
+            .checked_add(buf.len())
+            .filter(|&to| to <= inode.data.len())
+        else {
+            return Err(io::Error::other("a write in place passes the file's end"));
+        };
+        // In the file's own blocks: a full disk does not refuse it. Until
+        // synced, a power loss keeps all of it or none (see `surviving`).
+        inode.rewritten = true;
+        inode.data[from..to].copy_from_slice(buf);
+        Ok(())
+    }
+
     fn sync_data(&self) -> io::Result<()> {
         self.sync()
     }
