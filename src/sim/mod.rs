@@ -83,7 +83,16 @@ pub fn run_with_socket(seed: u64, ops: &[Op]) -> Result<Report, Failure> {
 
 /// [`run`] in `mode`.
 pub fn run_in(seed: u64, ops: &[Op], mode: Mode) -> Result<Report, Failure> {
-    let mut sim = driver::Sim::new(seed);
+    run_on(driver::Sim::new(seed), ops, mode)
+}
+
+/// [`run_in`] with the ledger of owed frames at its default size at every
+/// start: a run found before the simulator drew its size.
+pub fn run_with_default_ledger(seed: u64, ops: &[Op], mode: Mode) -> Result<Report, Failure> {
+    run_on(driver::Sim::new(seed).with_default_ledger(), ops, mode)
+}
+
+fn run_on(mut sim: driver::Sim, ops: &[Op], mode: Mode) -> Result<Report, Failure> {
     if mode.socket {
         sim = sim.with_socket();
     }

@@ -3843,3 +3843,112 @@ fn seed_335474_all_modes() {
         panic!("{f}");
     }
 }
+
+/// Sim seed 400,004, all three modes: a cancelled message whose ack was
+/// in doubt fired after its cancel was answered, once a full disk let its
+/// segment go with its Remembered frame owed and a crash came before there
+/// was room. Now the ledger of owed frames holds the frame (see
+/// `wal::ledger`): nothing is left for the identity checks to excuse.
+#[test]
+fn seed_400004_a_cancel_in_doubt_outlives_a_full_disk() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        deliver(1, 2, 973, 8_576_483, None, true),
+        Op::Kill { loss: Loss::Torn },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        deliver(0, 3, 192, 78, None, true),
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::Clock { ms: 1392 },
+        Op::DiskFull { scope: Scope::Wal },
+        Op::FarRound,
+        Op::Compact,
+        Op::Kill { loss: Loss::Torn },
+    ];
+    let mode = Mode {
+        socket: true,
+        release: true,
+        limits: true,
+    };
+    match run_with_default_ledger(400_004, &ops, mode) {
+        Ok(report) => assert_eq!(report.frames_forgotten, 0, "{report:?}"),
+        Err(f) => panic!("{f}"),
+    }
+}
+
+/// Sim seed 400,260, all three modes: a cancelled message whose ack was
+/// in doubt fired after its cancel was answered, once a full disk let its
+/// segment go with its Remembered frame owed and a crash came before there
+/// was room. Now the ledger of owed frames holds the frame (see
+/// `wal::ledger`): nothing is left for the identity checks to excuse.
+#[test]
+fn seed_400260_a_cancel_in_doubt_outlives_a_full_disk() {
+    use ops::{Op, Scope};
+    let ops = [
+        deliver(0, 2, 140, 1_331, None, true),
+        deliver(1, 3, 834, 241_995, None, false),
+        deliver(1, 3, 317, 79_744, None, true),
+        deliver(1, 0, 366, 0, None, false),
+        Op::FarRound,
+        deliver(0, 1, 776, 284_593, Some(141793026), false),
+        Op::DiskFull { scope: Scope::Both },
+        Op::Clock { ms: 1904 },
+        Op::Compact,
+        Op::CrashAfter { n: 1 },
+        Op::DiskSpace,
+        Op::FarRound,
+    ];
+    let mode = Mode {
+        socket: true,
+        release: true,
+        limits: true,
+    };
+    match run_with_default_ledger(400_260, &ops, mode) {
+        Ok(report) => assert_eq!(report.frames_forgotten, 0, "{report:?}"),
+        Err(f) => panic!("{f}"),
+    }
+}
+
+/// Sim seed 401,035, all three modes: a cancelled message whose ack was
+/// in doubt fired after its cancel was answered, once a full disk let its
+/// segment go with its Remembered frame owed and a crash came before there
+/// was room. Now the ledger of owed frames holds the frame (see
+/// `wal::ledger`): nothing is left for the identity checks to excuse.
+#[test]
+fn seed_401035_a_cancel_in_doubt_outlives_a_full_disk() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::CrashAfter { n: 6 },
+        deliver(1, 2, 564, 0, None, false),
+        deliver(1, 1, 112, 416_705, None, false),
+        deliver(1, 0, 968, 268_912, None, true),
+        Op::SyncFails,
+        Op::Redeliver,
+        Op::Redeliver,
+        Op::Redeliver,
+        Op::FarRound,
+        Op::Cancel { pick: 3133570787 },
+        Op::DiskFull { scope: Scope::Both },
+        deliver(0, 0, 385, 120_754, None, true),
+        Op::Compact,
+        Op::Kill { loss: Loss::Torn },
+    ];
+    let mode = Mode {
+        socket: true,
+        release: true,
+        limits: true,
+    };
+    match run_with_default_ledger(401_035, &ops, mode) {
+        Ok(report) => assert_eq!(report.frames_forgotten, 0, "{report:?}"),
+        Err(f) => panic!("{f}"),
+    }
+}
