@@ -1172,9 +1172,10 @@ impl Engine {
     }
 
     /// Messages whose segment went before a full disk let their
-    /// Remembered frame be written (see `compact::settle_remembered`): a
-    /// restart now would forget them, and store a late redelivery of one
-    /// under a new id.
+    /// Remembered frame be written (see `compact::settle_remembered`), and
+    /// which the ledger of owed frames does not hold (past its size, or no
+    /// ledger): a restart now would forget them, and store a late
+    /// redelivery of one under a new id.
     pub fn frames_owed(&self) -> Vec<MessageId> {
         self.state()
             .unconfirmed

@@ -695,9 +695,10 @@ impl Sim {
 
     /// A message with no byte-equal twin fires under one id. The one way
     /// allowed around it: an engine ended while a full disk still kept it
-    /// from writing a Remembered frame (`Engine::frames_owed`), so a
-    /// restart forgot a message that had left, and its late redelivery
-    /// was stored as new. The same goes for a message whose cancel was
+    /// from writing a Remembered frame that the ledger of owed frames did
+    /// not hold either (`Engine::frames_owed`: past the ledger's size, or
+    /// no ledger), so a restart forgot a message that had left, and its
+    /// late redelivery was stored as new. The same goes for a message whose cancel was
     /// answered: it never fires, under any id, but for that way.
     fn check_one_identity(&mut self) -> Result<(), Failure> {
         let lone = self.model.lone_other_id_copies();
