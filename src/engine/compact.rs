@@ -53,7 +53,7 @@ pub(crate) async fn once(inner: &Arc<Inner>) -> Result<(), EngineError> {
 
 /// The Remembered frames a full disk refused while their segments went:
 /// the room those segments left is theirs now.
-async fn write_owed_frames(inner: &Inner) {
+async fn write_owed_frames(inner: &Arc<Inner>) {
     let mut written = Vec::new();
     for w in remember_departing(inner, &[]) {
         let result = match w.written {
@@ -63,7 +63,12 @@ async fn write_owed_frames(inner: &Inner) {
         written.push((w.frame, result));
     }
     if !written.is_empty() {
-        settle_remembered(inner, written, false, &[]);
+        // It may sync the ledger of owed frames.
+        let inner = inner.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            settle_remembered(&inner, written, false, &[]);
+        })
+        .await;
     }
 }
 
@@ -576,7 +581,16 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
         };
         written.push((w.frame, result));
     }
-    if settle_remembered(inner, written, reserve_held, &[segment]).is_empty() {
+    // It may sync the ledger of owed frames.
+    let settled = {
+        let inner = inner.clone();
+        tokio::task::spawn_blocking(move || {
+            settle_remembered(&inner, written, reserve_held, &[segment])
+        })
+        .await
+        .map_err(|_| EngineError::WriterGone)?
+    };
+    if settled.is_empty() {
         inner.wal.remove_compacted(segment)?;
     } else {
         // Dead now: collected once its Remembered frames are written.
