@@ -3953,10 +3953,11 @@ fn seed_401035_a_cancel_in_doubt_outlives_a_full_disk() {
     }
 }
 
-/// Sim seed 427,654, all three modes, open: a twin published after a
-/// cancel by key (its original in the far tier, its ack in doubt), whose
-/// store failed, was stored at the end as the cancelled original's copy
-/// and fired under the cancelled id. Found on 2026-12-07; it fails on the
+/// Sim seed 427,654, all three modes, open: a compaction deleted the
+/// Acked mark of a record cancelled by key (no cancel mark: its ack was
+/// confirmed) while its Schedule stayed; read back in doubt, it took a
+/// byte-equal twin published after the cancel for its redelivery, and the
+/// twin fired under the cancelled id. Found on 2026-12-07; it fails on the
 /// code before the ledger of owed frames too. See docs/testing.md.
 #[test]
 #[ignore = "open: sim seed 427,654 (docs/testing.md)"]
