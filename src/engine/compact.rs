@@ -440,6 +440,8 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
             .collect();
         // What moves on, planned first: it is written only if it fits.
         let mut plan = Vec::new();
+        // Ids whose Schedule is copied.
+        let mut copied = HashSet::new();
         let mut bytes = 0;
         let spans = frame_spans(&frames, inner.wal.segment_size(segment));
         for ((offset, record), span) in frames.into_iter().zip(spans) {
@@ -492,10 +494,29 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                 {
                     Some(Move::Mark { id })
                 }
+                // A plain ack mark moves on while its Schedule may be read
+                // back: the segment its id was written to stays, or the
+                // Schedule is copied here (the mark follows the copy). Lost,
+                // it left a settled record to a restart as one in doubt
+                // (sim seed 427,654; `SegmentTable::record_mark` keeps it
+                // from garbage collection the same way).
+                Record::Acked { id, .. }
+                    if id & (dedup::CANCELLED_MARK | dedup::MATCHED_MARK) == 0
+                        && match inner.wal.segment_covering(id) {
+                            Some(seq) if seq == first_seq => copied.contains(&id),
+                            Some(_) => true,
+                            None => false,
+                        } =>
+                {
+                    Some(Move::Mark { id })
+                }
                 Record::Acked { .. } => None,
                 // Written again by `remember_departing` if still remembered.
                 Record::Remembered { .. } => None,
             };
+            if let Some(Move::Schedule { id, .. }) = &moves {
+                copied.insert(*id);
+            }
             if let Some(m) = moves {
                 bytes += span;
                 // A restart reads a mark for the newest record under its

@@ -2480,3 +2480,84 @@ async fn a_cancel_of_a_message_in_doubt_outlives_a_full_disk_and_a_crash() {
     );
     r.stop().await;
 }
+
+/// A settled record's ack mark, written in a later segment than its
+/// Schedule, moves on when compaction empties that segment while the
+/// Schedule's segment stays. Dropped, it left the record to a restart as
+/// one in doubt, and a byte-equal twin published later was taken for its
+/// redelivery and stored under its identity (sim seed 427,654, where that
+/// identity had been cancelled).
+#[tokio::test]
+async fn a_compaction_moves_an_acks_mark_on_while_its_schedule_stays() {
+    use crate::wal::sim::{PowerLoss, SimFs};
+    let dir = std::path::Path::new("/vol/wal");
+    let on = |fs: &SimFs| {
+        let mut cfg = config(dir);
+        cfg.gc_interval = Duration::from_secs(3600); // compaction only when asked
+        cfg.wal.fs = Arc::new(fs.clone());
+        cfg.wal.segment_bytes = 1024;
+        cfg
+    };
+    let fs = SimFs::with_dir(dir);
+    let t0 = 1_000_000;
+    let clock = Arc::new(ManualClock::new(t0));
+    let mut r = start(on(&fs), clock.clone());
+    let later = t0 + 3_600_000;
+    let message = vec![7u8; 300];
+    let first = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    let id = r
+        .engine
+        .store("r", t0 + 1_000, MessageId::mint(), message.clone(), first)
+        .await
+        .unwrap()
+        .id()
+        .unwrap();
+    // Its segment stays: two messages due in an hour fill it.
+    for i in 0..2u8 {
+        r.engine.schedule("r", later, vec![i; 300]).await.unwrap();
+    }
+    // The ack is confirmed: its mark goes to the next segment, among a
+    // message due in an hour and two due now.
+    r.engine.ack_sending(id);
+    r.engine.confirm_ack(id);
+    r.engine.schedule("r", later, vec![9; 300]).await.unwrap();
+    for i in 0..2u8 {
+        r.engine.schedule("r", t0, vec![10 + i; 300]).await.unwrap();
+    }
+    // And two more segments of messages due now, so that it is sealed.
+    for i in 0..6u8 {
+        r.engine.schedule("r", t0, vec![20 + i; 300]).await.unwrap();
+    }
+    clock.set(t0 + 2_000);
+    r.engine.wake();
+    let mut fired = 0;
+    while fired < 9 {
+        r.recv().await;
+        fired += 1;
+    }
+    r.engine.compact_now().await.unwrap();
+    r.engine.compact_now().await.unwrap();
+    let fs = fs.power_loss(PowerLoss::ProcessCrash);
+    r.shutdown.cancel();
+    r.task.abort();
+    drop(r);
+    let r = start(on(&fs), clock);
+    // A twin, published after all this, redelivered on a later session.
+    let twin = Arrival {
+        redelivered: true,
+        session: 2,
+    };
+    let stored = r
+        .engine
+        .store("r", t0 + 5_000, MessageId::mint(), message, twin)
+        .await
+        .unwrap();
+    assert!(
+        matches!(stored, Stored::New(_)),
+        "the settled record was taken for the twin's redelivery: {stored:?}"
+    );
+    r.stop().await;
+}

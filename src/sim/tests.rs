@@ -3953,14 +3953,12 @@ fn seed_401035_a_cancel_in_doubt_outlives_a_full_disk() {
     }
 }
 
-/// Sim seed 427,654, all three modes, open: a compaction deleted the
-/// Acked mark of a record cancelled by key (no cancel mark: its ack was
-/// confirmed) while its Schedule stayed; read back in doubt, it took a
-/// byte-equal twin published after the cancel for its redelivery, and the
-/// twin fired under the cancelled id. Found on 2026-12-07; it fails on the
-/// code before the ledger of owed frames too. See docs/testing.md.
+/// Sim seed 427,654, all three modes: garbage collection deleted a
+/// settled record's Acked mark while its Schedule stayed; read back in
+/// doubt, the record took a byte-equal twin published after a cancel of
+/// its load's copy for its redelivery, and the twin fired under the
+/// cancelled identity. See docs/testing.md.
 #[test]
-#[ignore = "open: sim seed 427,654 (docs/testing.md)"]
 fn seed_427654_all_modes() {
     use ops::{Loss, Op};
     let ops = [

@@ -851,6 +851,12 @@ impl Wal {
     }
 
     /// Whether the segment with this first_seq still exists.
+    /// The first seq of the segment that seq `seq` was written to, if it is
+    /// still on disk (a record's Schedule, by its id, while not compacted).
+    pub fn segment_covering(&self, seq: u64) -> Option<u64> {
+        self.segments().covering(seq)
+    }
+
     pub fn segment_exists(&self, first_seq: u64) -> bool {
         self.segments().ordinal_of(first_seq).is_some()
     }

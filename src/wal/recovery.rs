@@ -156,7 +156,8 @@ pub fn recover(
                             report.dones += 1;
                             table.record_done(ordinal, segment);
                         }
-                        RecordRef::Acked { .. } | RecordRef::Remembered { .. } => {}
+                        RecordRef::Acked { id, .. } => table.record_mark(ordinal, id),
+                        RecordRef::Remembered { .. } => {}
                     }
                     visit(record, pos);
                 }

@@ -147,6 +147,33 @@ impl SegmentTable {
         }
     }
 
+    /// An Acked mark for the record with seq `marked` landed in `ordinal`:
+    /// it outlives the segment that record's Schedule was first written to
+    /// (the one its seq falls in), while that stays. Lost before, the mark
+    /// left the Schedule to a restart as a record in doubt, which took a
+    /// twin published after a cancel for its redelivery (sim seed 427,654).
+    /// A mark with flag bits is past every seq, and one in the Schedule's
+    /// own segment needs nothing.
+    pub fn record_mark(&mut self, ordinal: u32, marked: u64) {
+        let Some(own) = self.segments.get(&ordinal).map(|s| s.first_seq) else {
+            return;
+        };
+        if marked >= own {
+            return;
+        }
+        if let Some(target) = self.covering(marked) {
+            self.record_done(ordinal, target);
+        }
+    }
+
+    /// The first seq of the segment that seq `seq` falls in, if it exists.
+    pub fn covering(&self, seq: u64) -> Option<u64> {
+        self.by_first_seq
+            .range(..=seq)
+            .next_back()
+            .map(|(&first, _)| first)
+    }
+
     /// `copy` may not be deleted before `original`, nor before any segment
     /// `original` must outlive (when `original` was itself a copy's home
     /// and is being compacted away, its constraints move on to `copy`).

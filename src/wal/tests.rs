@@ -1224,3 +1224,65 @@ fn a_corrupt_length_past_the_file_is_refused_without_allocating_it() {
         "{err}"
     );
 }
+
+/// An ack's mark written in a later segment than its Schedule outlives the
+/// Schedule's segment, at run time and after a restart: deleted first, it
+/// left a settled record to a restart as one in doubt (sim seed 427,654).
+#[test]
+fn an_acks_mark_outlives_the_segment_of_its_schedule() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, _, _) = open_live(config(dir.path())).unwrap();
+    let marked = schedule(&wal, 1, &[1u8; 100]);
+    // Keeps the Schedule's segment on disk.
+    let _stays = schedule(&wal, 2, &[2u8; 100]);
+    let fill = |wal: &Wal| -> Vec<Appended> {
+        (0..12)
+            .map(|i| schedule(wal, 100 + i, &[3u8; 400]))
+            .collect()
+    };
+    let mut dead = fill(&wal);
+    wal.append_acked_now(marked.id)
+        .unwrap()
+        .blocking_recv()
+        .unwrap()
+        .unwrap();
+    dead.extend(fill(&wal));
+    dead.push(marked);
+    for a in &dead {
+        wal.append_done(a.id, a.pos)
+            .unwrap()
+            .blocking_recv()
+            .unwrap()
+            .unwrap();
+    }
+    let marks_on_disk = |dir: &Path| {
+        let mut marks = 0;
+        let mut live = std::collections::HashMap::new();
+        let (wal, _) = Wal::open(config(dir), |rec, pos| match rec {
+            RecordRef::Acked { id, .. } if id == marked.id => marks += 1,
+            RecordRef::Schedule { id, .. } => {
+                live.insert(id, pos);
+            }
+            RecordRef::Done { id, .. } => {
+                live.remove(&id);
+            }
+            _ => {}
+        })
+        .unwrap();
+        wal.set_live_counts(live.into_values());
+        (wal, marks)
+    };
+    wal.collect_garbage().unwrap();
+    close(wal);
+    let (wal, marks) = marks_on_disk(dir.path());
+    assert_eq!(marks, 1, "the mark went while its Schedule stayed");
+    // The restart's table knows it too.
+    wal.collect_garbage().unwrap();
+    close(wal);
+    let (wal, marks) = marks_on_disk(dir.path());
+    assert_eq!(
+        marks, 1,
+        "after a restart, the mark went while its Schedule stayed"
+    );
+    close(wal);
+}

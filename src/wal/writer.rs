@@ -358,7 +358,9 @@ enum Kind {
     Schedule,
     /// A Done retiring a Schedule of the segment with this first seq.
     Done(u64),
-    /// Counts for nothing (an Acked mark).
+    /// An Acked mark for this id (see [`SegmentTable::record_mark`]).
+    Acked(u64),
+    /// Counts for nothing (a Remembered frame).
     Mark,
 }
 
@@ -591,7 +593,7 @@ impl WriterState {
                 }
                 AppendRequest::Acked { id, .. } => {
                     frame::put_acked(&mut self.buf, salt, seq, id);
-                    (id, Kind::Mark, 0, None)
+                    (id, Kind::Acked(id), 0, None)
                 }
                 AppendRequest::Remembered(remembered) => {
                     frame::put_remembered(&mut self.buf, salt, seq, &remembered);
@@ -623,6 +625,7 @@ impl WriterState {
                         match p.kind {
                             Kind::Schedule => table.record_schedule(self.head, p.due_ms),
                             Kind::Done(target) => table.record_done(self.head, target),
+                            Kind::Acked(id) => table.record_mark(self.head, id),
                             Kind::Mark => {}
                         }
                     }
