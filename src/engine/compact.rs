@@ -470,9 +470,6 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                     segment: target,
                     ..
                 } => target_kept(target).then_some(Move::Done { id, target }),
-                // An ack's mark is read by a restart for the newest records
-                // only: not worth a copy (a record whose mark is gone is in
-                // doubt: a twin redelivered then shares its id).
                 // A cancel's mark moves on while its record may still be
                 // compared with a redelivery: remembered here, or on disk
                 // for a restart to read back (in doubt, its plain mark
