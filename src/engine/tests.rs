@@ -2396,12 +2396,9 @@ async fn a_message_that_left_under_another_owner_keeps_its_identity_when_redeliv
 #[tokio::test]
 async fn a_cancel_of_a_message_in_doubt_outlives_a_full_disk_and_a_crash() {
     use crate::wal::sim::{PowerLoss, SimFs};
-    let dir = std::path::Path::new("/vol/wal");
+    let dir = std::path::Path::new(SIM_DIR);
     let on = |fs: &SimFs| {
-        let mut cfg = config(dir);
-        cfg.gc_interval = Duration::from_secs(3600); // compaction only when asked
-        cfg.wal.fs = Arc::new(fs.clone());
-        cfg.wal.segment_bytes = 1024;
+        let mut cfg = on_sim_fs(fs);
         cfg.wal.reserve_bytes = 4096;
         cfg
     };
@@ -2490,14 +2487,8 @@ async fn a_cancel_of_a_message_in_doubt_outlives_a_full_disk_and_a_crash() {
 #[tokio::test]
 async fn a_compaction_moves_an_acks_mark_on_while_its_schedule_stays() {
     use crate::wal::sim::{PowerLoss, SimFs};
-    let dir = std::path::Path::new("/vol/wal");
-    let on = |fs: &SimFs| {
-        let mut cfg = config(dir);
-        cfg.gc_interval = Duration::from_secs(3600); // compaction only when asked
-        cfg.wal.fs = Arc::new(fs.clone());
-        cfg.wal.segment_bytes = 1024;
-        cfg
-    };
+    let dir = std::path::Path::new(SIM_DIR);
+    let on = on_sim_fs;
     let fs = SimFs::with_dir(dir);
     let t0 = 1_000_000;
     let clock = Arc::new(ManualClock::new(t0));
@@ -2560,4 +2551,16 @@ async fn a_compaction_moves_an_acks_mark_on_while_its_schedule_stays() {
         "the settled record was taken for the twin's redelivery: {stored:?}"
     );
     r.stop().await;
+}
+
+const SIM_DIR: &str = "/vol/wal";
+
+/// A config on a simulated disk with small segments, compacted only when
+/// a test asks.
+fn on_sim_fs(fs: &crate::wal::sim::SimFs) -> EngineConfig {
+    let mut cfg = config(std::path::Path::new(SIM_DIR));
+    cfg.gc_interval = Duration::from_secs(3600);
+    cfg.wal.fs = Arc::new(fs.clone());
+    cfg.wal.segment_bytes = 1024;
+    cfg
 }
