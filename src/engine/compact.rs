@@ -261,6 +261,10 @@ fn settle_remembered(
         .collect();
     let ledgered = match inner.wal.hold_owed_frames(&owed) {
         Ok(held) => owed[..held].iter().map(|f| f.id).collect::<HashSet<u64>>(),
+        // Even the ledger found no room (a copy-on-write file system): the
+        // segments go all the same, a full disk must still empty, and the
+        // frames are owed in memory only, as without a ledger.
+        Err(WalError::DiskFull(_)) => HashSet::new(),
         Err(e) => {
             tracing::warn!(error = %e, "cannot write the ledger of owed Remembered frames; the segments stay for a later round");
             keep_all(inner, written, offered);

@@ -130,6 +130,20 @@ impl Running {
             .flatten()
     }
 
+    /// Wait until `n` messages are pending: those handed to the sink have
+    /// landed, their Dones queued and their segments' live counts down.
+    pub(super) async fn until_pending(&self, n: u64) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.engine.pending() != n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} pending after 10 s, not {n}",
+                self.engine.pending()
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     pub(super) async fn recv(&mut self) -> Fired {
         tokio::time::timeout(Duration::from_secs(10), self.rx.recv())
             .await
@@ -2438,6 +2452,7 @@ async fn a_cancel_of_a_message_in_doubt_outlives_a_full_disk_and_a_crash() {
     for _ in 0..6 {
         r.recv().await;
     }
+    r.until_pending(0).await;
     // Every write refused: the first failure gives the reserve out, and
     // the frame that would carry the cancel on cannot be written.
     fs.set_full(vec![dir.to_path_buf()]);
@@ -2529,6 +2544,7 @@ async fn a_compaction_moves_an_acks_mark_on_while_its_schedule_stays() {
         r.recv().await;
         fired += 1;
     }
+    r.until_pending(3).await;
     r.engine.compact_now().await.unwrap();
     r.engine.compact_now().await.unwrap();
     let fs = fs.power_loss(PowerLoss::ProcessCrash);

@@ -178,6 +178,8 @@ impl Ledger {
         let offset = (generation % 2) * half_bytes(self.capacity) as u64;
         let bytes = encode_half(generation, kept);
         let path = &self.path;
+        // ENOSPC (a copy-on-write file system takes new blocks even here)
+        // is `DiskFull`.
         self.file
             .write_at(&bytes, offset)
             .map_err(|e| WalError::io(path, e))?;
@@ -279,6 +281,25 @@ mod tests {
         assert_eq!(ledger.hold(&[frame(9, 1)]).unwrap(), 1);
         let fs = fs.power_loss(PowerLoss::DropUnsynced);
         assert_eq!(read_owed(&fs, dir).unwrap(), vec![frame(9, 1)]);
+    }
+
+    /// On a copy-on-write file system an overwrite takes new blocks: a
+    /// full disk refuses it, as disk full (the caller then lets the
+    /// segments go with their frames owed in memory, as a full disk must
+    /// still empty), and the copy before it stays.
+    #[test]
+    fn a_full_copy_on_write_disk_refuses_it_as_disk_full() {
+        let fs = SimFs::with_dir(DIR);
+        let dir = Path::new(DIR);
+        fs.set_copy_on_write(true);
+        let mut ledger = Ledger::open(&fs, dir, DEFAULT_FRAMES).unwrap();
+        ledger.hold(&[frame(1, 0)]).unwrap();
+        fs.set_full(vec![dir.to_path_buf()]);
+        let refused = ledger.hold(&[frame(2, 1)]);
+        assert!(matches!(refused, Err(WalError::DiskFull(_))), "{refused:?}");
+        assert_eq!(ledger.frames(), &[frame(1, 0)]);
+        let fs = fs.power_loss(PowerLoss::DropUnsynced);
+        assert_eq!(read_owed(&fs, dir).unwrap(), vec![frame(1, 0)]);
     }
 
     #[test]

@@ -107,6 +107,8 @@ struct State {
     failed_syncs: u64,
     /// See [`SimFs::fail_next_append`].
     fail_append: Option<usize>,
+    /// See [`SimFs::set_copy_on_write`].
+    copy_on_write: bool,
     /// Operations that changed the disk so far (see [`SimFs::crash_after`]).
     ops: u64,
     crash_at: Option<u64>,
@@ -362,6 +364,12 @@ impl SimFs {
         inode.synced.extend_from_slice(bytes);
     }
 
+    /// Writes in place take new blocks, as on btrfs or ZFS: a full disk
+    /// refuses them too (ENOSPC, nothing written).
+    pub fn set_copy_on_write(&self, on: bool) {
+        self.state.lock().expect("sim fs poisoned").copy_on_write = on;
+    }
+
     /// Make the next append write only `written` bytes of its buffer, which
     /// reach the disk (as if the kernel wrote their pages back at once),
     /// then fail with `ENOSPC`.
@@ -575,6 +583,9 @@ impl WalFile for SimFile {
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.check_writable()?;
         let mut state = self.fs.mutating()?;
+        if state.copy_on_write && (state.is_full(&self.path) || state.room() < buf.len()) {
+            return Err(enospc());
+        }
         let inode = &mut state.inodes[self.ino];
         let from = offset as usize;
         let Some(to) = from
