@@ -911,9 +911,12 @@ fn wal_inspect_reports_a_corrupted_frame_with_segment_and_offset() {
         }
     });
     wal.close().expect("close WAL");
+    // The segment: the directory also holds the lock and the ledger of
+    // owed frames.
     let segment = std::fs::read_dir(dir.path())
         .expect("list WAL")
         .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
         .max_by_key(|p| p.metadata().map(|m| m.len()).unwrap_or(0))
         .expect("a segment");
 
