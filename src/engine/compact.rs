@@ -301,7 +301,7 @@ fn settle_remembered(
                         }
                         metrics::counter!("delayd_wal_remembered_owed_total").increment(1);
                     }
-                    state.unconfirmed.owe_frame(id, held);
+                    state.unconfirmed.owe_frame(id);
                 }
             },
         }

@@ -193,8 +193,6 @@ struct Entry {
     /// full disk): written as soon as there is room, and until then only
     /// the ledger of owed frames knows it (see `wal::ledger`), or memory.
     owed: bool,
-    /// The ledger holds its owed frame: a restart knows it.
-    ledgered: bool,
     /// Its Remembered frame says it was cancelled. A cancel after the frame
     /// was written is durable only by its cancel mark, whose segment can go
     /// before the frame's (nothing retires a Schedule there any more): so
@@ -275,7 +273,6 @@ impl Unconfirmed {
                 confirmed: false,
                 frame: None,
                 owed: false,
-                ledgered: false,
                 frame_cancelled: false,
             },
         );
@@ -304,7 +301,6 @@ impl Unconfirmed {
                 confirmed: false,
                 frame: None,
                 owed: false,
-                ledgered: false,
                 frame_cancelled: false,
             },
         );
@@ -329,7 +325,6 @@ impl Unconfirmed {
                 confirmed: false,
                 frame: r.frame,
                 owed: r.owed,
-                ledgered: r.owed,
                 frame_cancelled: r.frame_cancelled,
             },
         );
@@ -431,7 +426,6 @@ impl Unconfirmed {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.frame = frame;
             entry.owed = false;
-            entry.ledgered = false;
         }
     }
 
@@ -441,29 +435,26 @@ impl Unconfirmed {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.frame = Some(frame);
             entry.owed = false;
-            entry.ledgered = false;
             entry.frame_cancelled = cancelled;
         }
     }
 
     /// `id`'s segment goes without its Remembered frame (a full disk):
     /// it is written once there is room (see [`Unconfirmed::departing`]).
-    /// `ledgered`: the ledger of owed frames holds it meanwhile.
-    pub fn owe_frame(&mut self, id: u64, ledgered: bool) {
+    pub fn owe_frame(&mut self, id: u64) {
         if let Some(entry) = self.fingerprints.get_mut(&id) {
             entry.frame = None;
             entry.owed = true;
-            entry.ledgered = ledgered;
         }
     }
 
-    /// The identities of the remembered records that owe a Remembered
-    /// frame the ledger does not hold: a restart now would forget them.
-    pub fn frames_owed(&self) -> Vec<u128> {
+    /// The remembered records that owe a Remembered frame, (id, identity):
+    /// a restart knows them only if the ledger of owed frames holds them.
+    pub fn frames_owed(&self) -> Vec<(u64, u128)> {
         self.fingerprints
-            .values()
-            .filter(|e| e.owed && !e.ledgered)
-            .map(|e| e.uid)
+            .iter()
+            .filter(|(_, e)| e.owed)
+            .map(|(&id, e)| (id, e.uid))
             .collect()
     }
 

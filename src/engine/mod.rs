@@ -762,13 +762,8 @@ impl Engine {
         // and a cancel of it must cover every record of it.
         let far_min_id = far.as_ref().map_or(u64::MAX, |t| t.store().min_id());
         // Their acks may have been sent before the restart, or not.
-        let held = wal.owed_frames_held();
         for r in recent.unacked() {
             state.unconfirmed.restore(&r);
-            if r.owed && !held.contains(&r.id) {
-                // Read back from a ledger made again smaller: memory only.
-                state.unconfirmed.owe_frame(r.id, false);
-            }
             if r.cancelled {
                 state.unconfirmed.cancel(r.id);
             }
@@ -1177,11 +1172,13 @@ impl Engine {
     /// ledger): a restart now would forget them, and store a late
     /// redelivery of one under a new id.
     pub fn frames_owed(&self) -> Vec<MessageId> {
+        let held = self.inner.wal.owed_frames_held();
         self.state()
             .unconfirmed
             .frames_owed()
             .into_iter()
-            .map(MessageId::from_u128)
+            .filter(|(id, _)| !held.contains(id))
+            .map(|(_, uid)| MessageId::from_u128(uid))
             .collect()
     }
 

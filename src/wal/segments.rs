@@ -166,7 +166,10 @@ impl SegmentTable {
         }
     }
 
-    /// The first seq of the segment that seq `seq` falls in, if it exists.
+    /// The first seq of the segment that seq `seq` falls in, if it exists;
+    /// if that one is gone, of the newest older one (the table keeps no
+    /// segment's last seq): a mark is then held longer than it needs, never
+    /// shorter.
     pub fn covering(&self, seq: u64) -> Option<u64> {
         self.by_first_seq
             .range(..=seq)
