@@ -675,7 +675,7 @@ fn write_fixtures() {
     };
     let first = append(DUE_MS, UID, "orders", FIRST);
     append(DUE_MS + 1, UID + 1, "r2", SECOND);
-    wal.append_acked(first.id).unwrap();
+    wal.append_acked(first.id, None).unwrap();
     wal.append_done(first.id, first.pos)
         .unwrap()
         .blocking_recv()

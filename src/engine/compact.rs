@@ -339,6 +339,8 @@ enum Move {
         uid: u128,
         route: String,
         message: Vec<u8>,
+        /// The mark written after the copy (see [`dedup::Unconfirmed::mark_for_copy`]).
+        mark_after: Option<u64>,
     },
     /// A Done whose Schedule lies in a segment that stays.
     Done { id: u64, target: u64 },
@@ -461,13 +463,14 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                 } => state
                     .locate(id)
                     .is_some_and(|(slot, _, _)| slot.pos == old)
-                    .then_some(Move::Schedule {
+                    .then(|| Move::Schedule {
                         id,
                         old,
                         due_ms,
                         uid,
                         route,
                         message,
+                        mark_after: state.unconfirmed.mark_for_copy(id),
                     }),
                 Record::Done {
                     id,
@@ -520,19 +523,16 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
             }
             if let Some(m) = moves {
                 bytes += span;
-                // A restart reads a mark for the newest record under its
-                // id: a settled record's copy is followed by one.
-                let settled = match &m {
-                    Move::Schedule { id, .. } => state.unconfirmed.is_settled(*id).then_some(*id),
-                    _ => None,
-                };
-                plan.push(m);
-                if let Some(id) = settled {
+                if matches!(
+                    m,
+                    Move::Schedule {
+                        mark_after: Some(_),
+                        ..
+                    }
+                ) {
                     bytes += MARK_BYTES;
-                    plan.push(Move::Mark {
-                        id: id | dedup::MATCHED_MARK,
-                    });
                 }
+                plan.push(m);
             }
         }
         if inner.wal.free_bytes()? < bytes + COPY_SLACK {
@@ -552,22 +552,25 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                     uid,
                     route,
                     message,
+                    mark_after,
                 } => {
-                    let copy = inner.wal.append_copy(id, due_ms, uid, &route, message)?;
-                    copies.push((id, old, copy));
+                    let copy = inner
+                        .wal
+                        .append_copy(id, due_ms, uid, &route, message, mark_after)?;
+                    copies.push((id, old, mark_after.is_some(), copy));
                 }
                 Move::Done { id, target } => {
                     done_copies.push(inner.wal.append_done_copy(id, target)?);
                 }
-                Move::Mark { id } => done_copies.push(inner.wal.append_acked_now(id)?),
+                Move::Mark { id } => done_copies.push(inner.wal.append_acked_now(id, None)?),
             }
         }
     }
     let moved = copies.len();
     let mut placed = Vec::with_capacity(copies.len());
-    for (id, old, rx) in copies {
+    for (id, old, marked, rx) in copies {
         let appended = rx.await.map_err(|_| EngineError::WriterGone)??;
-        placed.push((id, old, appended.pos));
+        placed.push((id, old, marked, appended.pos));
     }
     for rx in done_copies {
         let appended = rx.await.map_err(|_| EngineError::WriterGone)??;
@@ -575,12 +578,18 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
         inner.wal.keep_after(appended.pos.segment, segment);
     }
     let mut late_dones = Vec::new();
+    let mut late_marks = Vec::new();
     {
         let mut state = inner.state();
-        for (id, old, new) in placed {
+        for (id, old, marked, new) in placed {
             let still_here = state.locate(id).is_some_and(|(slot, _, _)| slot.pos == old);
             if still_here && state.relocate(id, new) {
                 state.unconfirmed.moved(id, old, new);
+                // Its ack was settled while it was copied: the mark written
+                // then keeps the original's segment, not the copy's.
+                if let Some(mark) = state.unconfirmed.mark_for_copy(id).filter(|_| !marked) {
+                    late_marks.push(inner.wal.append_acked_now(mark, Some(new.segment))?);
+                }
                 inner.wal.mark_dead(old);
                 // Should the removal below not happen (a crash), the copy's
                 // segment must outlive the original's (see `Wal::keep_after`).
@@ -591,7 +600,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
             }
         }
     }
-    for rx in late_dones {
+    for rx in late_dones.into_iter().chain(late_marks) {
         rx.await.map_err(|_| EngineError::WriterGone)??;
     }
     let reserve_held = inner.wal.reserve_is_held();

@@ -559,6 +559,20 @@ impl Unconfirmed {
         }
     }
 
+    /// The Acked mark a compaction copy of stored record `id` is followed
+    /// by: a restart reads the copy as the newest record under its id, and
+    /// only a mark after it says what is known of its ack. A settled record
+    /// gets its [`MATCHED_MARK`]; one whose ack was confirmed, or that is
+    /// no candidate here any more, a plain mark; one in doubt none.
+    pub fn mark_for_copy(&self, id: u64) -> Option<u64> {
+        match self.fingerprints.get(&id) {
+            None => Some(id),
+            Some(e) if e.settled => Some(id | MATCHED_MARK),
+            Some(e) if e.confirmed => Some(id),
+            Some(_) => None,
+        }
+    }
+
     /// Whether `id` is remembered.
     pub fn contains(&self, id: u64) -> bool {
         self.fingerprints.contains_key(&id)
@@ -713,6 +727,8 @@ struct RecentEntry {
     settled: bool,
     /// When its Done was read (see [`Recent::retire`]).
     retired_at: Option<u64>,
+    /// A compaction copy of it was read later (see [`Recent::push`]).
+    superseded: bool,
 }
 
 /// A record read back at a start whose ack is not known to have been
@@ -766,6 +782,16 @@ pub struct Recent {
     /// The frames the ledger says are owed, by id (see [`Recent::expect_owed`]),
     /// with the marks read for them while they have no entry.
     owed: HashMap<u64, OwedFrame>,
+}
+
+impl RecentEntry {
+    /// The segment it was read from (none for a frame from the ledger).
+    fn segment(&self) -> Option<u32> {
+        match self.evidence {
+            Evidence::At(pos) => Some(pos.segment),
+            Evidence::Digest(_) => self.frame,
+        }
+    }
 }
 
 /// A frame from the ledger of owed frames, and what the log says of it.
@@ -836,12 +862,25 @@ impl Recent {
                 cancelled: frame_cancelled || o.cancelled,
                 settled: o.settled,
                 retired_at: None,
+                superseded: false,
             });
         }
     }
 
-    /// A Schedule, read in log order.
+    /// A Schedule, read in log order. A compaction copy (its id read
+    /// before) takes the place of the record it copies, with what the
+    /// marks read so far said of it: a copy's mark may be in a segment
+    /// before the copy's (its ack was confirmed while it was copied), and
+    /// the original, left on disk by a compaction cut short, is no second
+    /// record in doubt.
     pub fn push(&mut self, id: u64, uid: u128, fp: u64, pos: WalPos) {
+        let (mut acked, mut cancelled, mut settled) = (false, false, false);
+        if let Some(original) = self.entry_mut(id).filter(|e| e.frame.is_none() && !e.owed) {
+            original.superseded = true;
+            acked = original.acked;
+            cancelled = original.cancelled;
+            settled = original.settled;
+        }
         self.push_entry(RecentEntry {
             id,
             uid,
@@ -851,10 +890,11 @@ impl Recent {
             left: false,
             frame_cancelled: false,
             owed: false,
-            acked: false,
-            cancelled: false,
-            settled: false,
+            acked,
+            cancelled,
+            settled,
             retired_at: None,
+            superseded: false,
         });
     }
 
@@ -874,6 +914,7 @@ impl Recent {
             cancelled: r.flags & REMEMBERED_CANCELLED != 0,
             settled: false,
             retired_at: None,
+            superseded: false,
         });
     }
 
@@ -911,18 +952,22 @@ impl Recent {
 
     /// An Acked mark (its id perhaps with [`CANCELLED_MARK`]), read in log
     /// order (after its Schedule). A mark whose Schedule is no longer among
-    /// the newest does not matter.
-    pub fn mark(&mut self, marked: u64) {
+    /// the newest does not matter. An ack's mark (plain or
+    /// [`MATCHED_MARK`]) returns the segment its record was read from: the
+    /// mark's segment must outlive it (a compaction copy's segment, which
+    /// the writer knew and its seq does not say).
+    pub fn mark(&mut self, marked: u64) -> Option<u32> {
         self.read += 1;
         let read = self.read;
         if marked & CANCELLED_MARK == 0 && marked & MATCHED_MARK != 0 {
             let id = marked & !MATCHED_MARK;
             if let Some(entry) = self.entry_mut(id) {
                 entry.settled = true;
+                return entry.segment();
             } else if let Some(owed) = self.owed.get_mut(&id) {
                 owed.settled = true;
             }
-            return;
+            return None;
         }
         let id = marked & !CANCELLED_MARK;
         let Some(entry) = self.entry_mut(id) else {
@@ -935,15 +980,16 @@ impl Recent {
                     self.cancelled_at.entry(uid).or_insert(read);
                 }
             }
-            return;
+            return None;
         };
         if marked & CANCELLED_MARK == 0 {
             entry.acked = true;
-            return;
+            return entry.segment();
         }
         entry.cancelled = true;
         let uid = entry.uid;
         self.cancelled_at.entry(uid).or_insert(read);
+        None
     }
 
     /// The newest Schedules whose ack is not known. Whether their acks
@@ -967,29 +1013,32 @@ impl Recent {
             let id = newest.entry(e.uid).or_default();
             *id = (*id).max(e.id);
         }
-        self.entries.into_iter().filter(|e| !e.acked).map(move |e| {
-            // One that left is owed nothing by a later cancel.
-            let covered = !e.left
-                && cancelled_at
-                    .get(&e.uid)
-                    .is_some_and(|&at| e.retired_at.is_none_or(|r| r > at));
-            // A frame's Schedule was retired (or it would not be written).
-            let retired = e.retired_at.is_some() || e.frame.is_some() || e.owed;
-            ReadBack {
-                id: e.id,
-                uid: e.uid,
-                fp: e.fp,
-                evidence: e.evidence,
-                frame: e.frame,
-                frame_cancelled: e.frame_cancelled,
-                owed: e.owed,
-                cancelled: e.cancelled || covered,
-                left: e.left || (retired && !live.contains(&e.uid)),
-                surely_left: e.left,
-                settled: e.settled,
-                newest: newest.get(&e.uid).copied().unwrap_or(e.id),
-            }
-        })
+        self.entries
+            .into_iter()
+            .filter(|e| !e.acked && !e.superseded)
+            .map(move |e| {
+                // One that left is owed nothing by a later cancel.
+                let covered = !e.left
+                    && cancelled_at
+                        .get(&e.uid)
+                        .is_some_and(|&at| e.retired_at.is_none_or(|r| r > at));
+                // A frame's Schedule was retired (or it would not be written).
+                let retired = e.retired_at.is_some() || e.frame.is_some() || e.owed;
+                ReadBack {
+                    id: e.id,
+                    uid: e.uid,
+                    fp: e.fp,
+                    evidence: e.evidence,
+                    frame: e.frame,
+                    frame_cancelled: e.frame_cancelled,
+                    owed: e.owed,
+                    cancelled: e.cancelled || covered,
+                    left: e.left || (retired && !live.contains(&e.uid)),
+                    surely_left: e.left,
+                    settled: e.settled,
+                    newest: newest.get(&e.uid).copied().unwrap_or(e.id),
+                }
+            })
     }
 }
 
@@ -1340,6 +1389,49 @@ mod tests {
         u.left(6);
         u.pending_again(6);
         assert_eq!(u.cancel_all(16, Some(6)), vec![16, 6]);
+    }
+
+    /// A compaction copy read back takes its original's place, and what
+    /// the marks said of it: neither is in doubt once either is marked,
+    /// and a copy's mark says where the copy was read from.
+    #[test]
+    fn a_compaction_copy_takes_its_originals_marks_and_place() {
+        let at = |segment: u32| WalPos {
+            segment,
+            offset: 16,
+        };
+        // The mark read before the copy (its ack confirmed while it was
+        // copied), and the original left by a compaction cut short.
+        let mut r = Recent::new(10);
+        r.push(1, 9, 7, at(1));
+        assert_eq!(r.mark(1), Some(1));
+        r.push(1, 9, 7, at(3));
+        // The mark read after the copy.
+        r.push(2, 8, 7, at(1));
+        r.push(2, 8, 7, at(3));
+        assert_eq!(r.mark(2), Some(3), "the copy's segment");
+        // Settled, then copied; and cancelled, then copied.
+        r.push(4, 6, 7, at(1));
+        r.mark(4 | MATCHED_MARK);
+        r.push(4, 6, 7, at(3));
+        r.push(5, 5, 7, at(1));
+        r.mark(5 | CANCELLED_MARK);
+        r.push(5, 5, 7, at(3));
+        // In doubt, and copied: one record in doubt, read from the copy.
+        r.push(6, 4, 7, at(1));
+        r.push(6, 4, 7, at(3));
+        let back: Vec<(u64, Evidence, bool, bool)> = r
+            .unacked()
+            .map(|b| (b.id, b.evidence, b.settled, b.cancelled))
+            .collect();
+        assert_eq!(
+            back,
+            [
+                (4, Evidence::At(at(3)), true, false),
+                (5, Evidence::At(at(3)), false, true),
+                (6, Evidence::At(at(3)), false, false),
+            ]
+        );
     }
 
     /// The ledger's frames are read back as owed, with the marks the log

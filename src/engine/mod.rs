@@ -678,6 +678,9 @@ impl Engine {
         // segment is gone): (the Done's segment, the Schedule's). The Done
         // must outlive that segment, or the Schedule comes back.
         let mut done_keeps = Vec::new();
+        // An ack's mark and the segment its record is read back from, if
+        // another: (the mark's segment, the record's).
+        let mut mark_keeps = Vec::new();
         let (wal, report) = Wal::open(config.wal.clone(), |record, pos| match record {
             RecordRef::Schedule {
                 id,
@@ -723,7 +726,11 @@ impl Engine {
                     retired_copies.push((id, copy, segment));
                 }
             }
-            RecordRef::Acked { id, .. } => recent.mark(id),
+            RecordRef::Acked { id, .. } => {
+                if let Some(record) = recent.mark(id).filter(|&s| s != pos.segment) {
+                    mark_keeps.push((pos.segment, record));
+                }
+            }
             RecordRef::Remembered { remembered, .. } => recent.push_remembered(&remembered, pos),
         })?;
         if too_many_routes {
@@ -732,6 +739,9 @@ impl Engine {
         recent.push_owed();
         for (copy, original) in superseded.iter().copied() {
             wal.keep_after(copy, original);
+        }
+        for (mark, record) in mark_keeps {
+            wal.keep_mark(mark, record);
         }
         for (done, schedule, named) in done_keeps {
             if wal.segment_first_seq(schedule) != Some(named) {
@@ -1061,9 +1071,18 @@ impl Engine {
     /// taken for it and dropped (sim seed 9,242,409). If the mark fails,
     /// the record is in doubt after a restart, as before.
     async fn settle_taken(&self, taken: u64) {
-        // Settled first: a compaction from now on moves the mark on.
-        self.state().unconfirmed.settle(taken);
-        let marked = match self.inner.wal.append_acked_now(taken | dedup::MATCHED_MARK) {
+        // Settled first: a compaction from now on moves the mark on (or
+        // writes one after its copy).
+        let keeps = {
+            let mut state = self.state();
+            state.unconfirmed.settle(taken);
+            state.unconfirmed.read_back_from(taken)
+        };
+        let marked = match self
+            .inner
+            .wal
+            .append_acked_now(taken | dedup::MATCHED_MARK, keeps)
+        {
             Ok(rx) => rx
                 .await
                 .map_err(|_| EngineError::WriterGone)
@@ -1206,8 +1225,15 @@ impl Engine {
     /// lost; issue #37). Here a queue delivery stays in doubt a while (a
     /// classic queue's node can die and forget the ack; see [`dedup`]).
     pub fn confirm_ack(&self, id: u64) {
-        if self.state().unconfirmed.confirm(id) {
-            if let Err(e) = self.inner.wal.append_acked(id) {
+        // Where a restart reads it back (a compaction copy's segment,
+        // perhaps): the mark outlives that segment.
+        let keeps = {
+            let mut state = self.state();
+            let keeps = state.unconfirmed.read_back_from(id);
+            state.unconfirmed.confirm(id).then_some(keeps)
+        };
+        if let Some(keeps) = keeps {
+            if let Err(e) = self.inner.wal.append_acked(id, keeps) {
                 tracing::debug!(id, error = %e, "cannot mark the ack in the WAL");
             }
         }
@@ -1983,7 +2009,7 @@ impl Inner {
             };
             last = Some(match kept {
                 Some(rx) => rx,
-                None => self.wal.append_acked_now(mark)?,
+                None => self.wal.append_acked_now(mark, None)?,
             });
         }
         Ok(last.expect("cancel_all names the id itself"))

@@ -665,7 +665,7 @@ async fn load_one(
                 Ok(appended) => {
                     // Its source's ack was settled long ago: no redelivery
                     // after a restart is this copy.
-                    let _ = inner.wal.append_acked(appended.id);
+                    let _ = inner.wal.append_acked(appended.id, None);
                     placed.push(Rearm {
                         due,
                         arrival,

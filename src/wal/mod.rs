@@ -572,7 +572,9 @@ impl Wal {
             .send(AppendRequest::schedule(due_ms, uid, route, message))
     }
 
-    /// Append a compaction copy of an existing Schedule (same id and uid).
+    /// Append a compaction copy of an existing Schedule (same id and uid),
+    /// with an Acked mark right after it in the same batch if `mark_after`
+    /// (a record whose ack is settled: the mark lasts as long as the copy).
     pub fn append_copy(
         &self,
         id: u64,
@@ -580,10 +582,11 @@ impl Wal {
         uid: u128,
         route: &str,
         message: Vec<u8>,
+        mark_after: Option<u64>,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
-        self.shared
-            .writer
-            .send(AppendRequest::copy(id, due_ms, uid, route, message))
+        self.shared.writer.send(AppendRequest::copy(
+            id, due_ms, uid, route, message, mark_after,
+        ))
     }
 
     /// Append a Done for the message whose Schedule sits at `pos`, and count
@@ -663,10 +666,17 @@ impl Wal {
     /// confirmed): a restart then no longer takes a redelivery with its
     /// bytes for it. Lazy, like [`Wal::append_fired`]'s Done: a crash that
     /// loses the mark leaves the message among those a restart compares.
-    pub fn append_acked(&self, id: u64) -> Result<(), WalError> {
+    /// `keeps`: the segment a restart reads the record back from, if not
+    /// the one its id was written to (a compaction copy's): the mark
+    /// outlives it.
+    pub fn append_acked(&self, id: u64, keeps: Option<u32>) -> Result<(), WalError> {
         self.shared
             .writer
-            .send(AppendRequest::Acked { id, lazy: true })
+            .send(AppendRequest::Acked {
+                id,
+                lazy: true,
+                keeps,
+            })
             .map(drop)
     }
 
@@ -675,10 +685,23 @@ impl Wal {
     pub fn append_acked_now(
         &self,
         id: u64,
+        keeps: Option<u32>,
     ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
-        self.shared
-            .writer
-            .send(AppendRequest::Acked { id, lazy: false })
+        self.shared.writer.send(AppendRequest::Acked {
+            id,
+            lazy: false,
+            keeps,
+        })
+    }
+
+    /// Segment `mark` holds an Acked mark for a record that a restart reads
+    /// back from segment `record`: `mark` may not be deleted before it (a
+    /// start's replay finds these; the writer keeps them at run time).
+    pub fn keep_mark(&self, mark: u32, record: u32) {
+        let mut table = self.segments();
+        if let Some(target) = table.first_seq(record) {
+            table.record_done(mark, target);
+        }
     }
 
     /// Write what redelivery detection remembers of a message whose

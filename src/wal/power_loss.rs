@@ -567,7 +567,7 @@ fn a_full_disk_never_gives_the_reserve_to_a_compaction_copy() {
     let reserve = Path::new(DIR).join("reserve");
     let without_reserve = fs.used_bytes() - fs.file_len(&reserve);
     let copy = wal
-        .append_copy(first.id, m.due_ms, m.uid, &m.route, m.message.clone())
+        .append_copy(first.id, m.due_ms, m.uid, &m.route, m.message.clone(), None)
         .unwrap()
         .blocking_recv()
         .unwrap();
@@ -580,7 +580,7 @@ fn a_full_disk_never_gives_the_reserve_to_a_compaction_copy() {
     );
     // Refused at once while the reserve is out, and a Done still fits.
     let again = wal
-        .append_copy(first.id, m.due_ms, m.uid, &m.route, m.message.clone())
+        .append_copy(first.id, m.due_ms, m.uid, &m.route, m.message.clone(), None)
         .unwrap()
         .blocking_recv()
         .unwrap();

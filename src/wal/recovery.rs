@@ -156,7 +156,7 @@ pub fn recover(
                             report.dones += 1;
                             table.record_done(ordinal, segment);
                         }
-                        RecordRef::Acked { id, .. } => table.record_mark(ordinal, id),
+                        RecordRef::Acked { id, .. } => table.record_mark(ordinal, id, None),
                         RecordRef::Remembered { .. } => {}
                     }
                     visit(record, pos);

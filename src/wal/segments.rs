@@ -148,16 +148,24 @@ impl SegmentTable {
     }
 
     /// An Acked mark for the record with seq `marked` landed in `ordinal`:
-    /// it outlives the segment that record's Schedule was first written to
-    /// (the one its seq falls in), while that stays. Lost before, the mark
-    /// left the Schedule to a restart as a record in doubt, which took a
-    /// twin published after a cancel for its redelivery (sim seed 427,654).
-    /// A mark with flag bits is past every seq, and one in the Schedule's
-    /// own segment needs nothing.
-    pub fn record_mark(&mut self, ordinal: u32, marked: u64) {
+    /// it outlives the segment a restart reads that record back from,
+    /// `keeps` if the writer of the mark knew it (a compaction copy's
+    /// segment), else the one its Schedule was first written to (the one its
+    /// seq falls in), while that stays. Lost before, the mark left the
+    /// Schedule to a restart as a record in doubt, which took a twin
+    /// published after a cancel for its redelivery (sim seed 427,654). A
+    /// mark with flag bits is past every seq, and one in the Schedule's own
+    /// segment needs nothing.
+    pub fn record_mark(&mut self, ordinal: u32, marked: u64, keeps: Option<u32>) {
         let Some(own) = self.segments.get(&ordinal).map(|s| s.first_seq) else {
             return;
         };
+        if let Some(kept) = keeps {
+            if let Some(target) = self.first_seq(kept) {
+                self.record_done(ordinal, target);
+            }
+            return;
+        }
         if marked >= own {
             return;
         }

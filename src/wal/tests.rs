@@ -580,7 +580,9 @@ fn compact(wal: &Wal, model: &mut Model) -> bool {
                 ..
             } => {
                 if model.get(&id).is_some_and(|(pos, _, _)| *pos == at) {
-                    let copy = wal.append_copy(id, due_ms, uid, &route, message).unwrap();
+                    let copy = wal
+                        .append_copy(id, due_ms, uid, &route, message, None)
+                        .unwrap();
                     copies.push((id, at, copy));
                 }
             }
@@ -1241,7 +1243,7 @@ fn an_acks_mark_outlives_the_segment_of_its_schedule() {
             .collect()
     };
     let mut dead = fill(&wal);
-    wal.append_acked_now(marked.id)
+    wal.append_acked_now(marked.id, None)
         .unwrap()
         .blocking_recv()
         .unwrap()

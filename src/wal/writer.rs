@@ -56,6 +56,11 @@ pub enum AppendRequest {
         /// room it would take what the fired messages' Dones and the far
         /// tier's loads need (sim seed 9104734).
         off_reserve: bool,
+        /// An Acked mark written right after it, in the same batch and so
+        /// the same segment: a compaction copy of a record whose ack is
+        /// settled (a restart reads the copy as the newest record under its
+        /// id, and only a mark after it says so).
+        mark_after: Option<u64>,
     },
     Done {
         id: u64,
@@ -73,8 +78,15 @@ pub enum AppendRequest {
     /// The source's ack of stored message `id` was confirmed (or, with
     /// `engine::dedup::CANCELLED_MARK` set, it was cancelled). Lazy unless
     /// asked: losing an ack's mark to a crash only leaves the message among
-    /// those a restart compares redeliveries with.
-    Acked { id: u64, lazy: bool },
+    /// those a restart compares redeliveries with. `keeps`: the segment a
+    /// restart reads the record back from (its Schedule's, perhaps a
+    /// compaction copy's, or its Remembered frame's), which the mark must
+    /// outlive; `None`: the one its id was written to.
+    Acked {
+        id: u64,
+        lazy: bool,
+        keeps: Option<u32>,
+    },
     /// What redelivery detection keeps of a departing message (see
     /// `Wal::append_remembered`). Written, like a Done, on the disk
     /// reserve's room: it goes just before a segment that holds more is
@@ -93,11 +105,20 @@ impl AppendRequest {
             route: route.to_owned(),
             message,
             off_reserve: false,
+            mark_after: None,
         }
     }
 
-    /// A compaction copy of a stored Schedule: it keeps its id and uid.
-    pub fn copy(id: u64, due_ms: u64, uid: u128, route: &str, message: Vec<u8>) -> Self {
+    /// A compaction copy of a stored Schedule: it keeps its id and uid
+    /// (`mark_after`: see [`AppendRequest::Schedule`]).
+    pub fn copy(
+        id: u64,
+        due_ms: u64,
+        uid: u128,
+        route: &str,
+        message: Vec<u8>,
+        mark_after: Option<u64>,
+    ) -> Self {
         AppendRequest::Schedule {
             id: Some(id),
             due_ms,
@@ -105,6 +126,7 @@ impl AppendRequest {
             route: route.to_owned(),
             message,
             off_reserve: true,
+            mark_after,
         }
     }
 
@@ -127,6 +149,7 @@ impl AppendRequest {
             route: route.to_owned(),
             message,
             off_reserve: true,
+            mark_after: None,
         }
     }
 
@@ -168,7 +191,12 @@ impl AppendRequest {
 
     fn size(&self) -> usize {
         match self {
-            AppendRequest::Schedule { route, message, .. } => 64 + route.len() + message.len(),
+            AppendRequest::Schedule {
+                route,
+                message,
+                mark_after,
+                ..
+            } => 64 + route.len() + message.len() + if mark_after.is_some() { 32 } else { 0 },
             AppendRequest::Done { marks, .. } => 40 + 32 * marks.len(),
             AppendRequest::Acked { .. } => 32,
             AppendRequest::Remembered(_) => 96,
@@ -358,8 +386,9 @@ enum Kind {
     Schedule,
     /// A Done retiring a Schedule of the segment with this first seq.
     Done(u64),
-    /// An Acked mark for this id (see [`SegmentTable::record_mark`]).
-    Acked(u64),
+    /// An Acked mark for this id, kept by this segment (see
+    /// [`SegmentTable::record_mark`]).
+    Acked(u64, Option<u32>),
     /// Counts for nothing (a Remembered frame).
     Mark,
 }
@@ -565,6 +594,7 @@ impl WriterState {
                     route,
                     message,
                     off_reserve,
+                    mark_after,
                 } => {
                     has_off_reserve |= off_reserve;
                     let id = id.unwrap_or(seq);
@@ -576,6 +606,11 @@ impl WriterState {
                         message: &message,
                     };
                     frame::put_schedule(&mut self.buf, salt, seq, &schedule);
+                    // In this segment: it needs no entry in the table.
+                    if let Some(mark) = mark_after {
+                        frame::put_acked(&mut self.buf, salt, self.next_seq, mark);
+                        self.next_seq += 1;
+                    }
                     (id, Kind::Schedule, due_ms, Some(route))
                 }
                 AppendRequest::Done {
@@ -591,9 +626,9 @@ impl WriterState {
                     frame::put_done(&mut self.buf, salt, seq, id, segment);
                     (id, Kind::Done(segment), 0, None)
                 }
-                AppendRequest::Acked { id, .. } => {
+                AppendRequest::Acked { id, keeps, .. } => {
                     frame::put_acked(&mut self.buf, salt, seq, id);
-                    (id, Kind::Acked(id), 0, None)
+                    (id, Kind::Acked(id, keeps), 0, None)
                 }
                 AppendRequest::Remembered(remembered) => {
                     frame::put_remembered(&mut self.buf, salt, seq, &remembered);
@@ -625,7 +660,7 @@ impl WriterState {
                         match p.kind {
                             Kind::Schedule => table.record_schedule(self.head, p.due_ms),
                             Kind::Done(target) => table.record_done(self.head, target),
-                            Kind::Acked(id) => table.record_mark(self.head, id),
+                            Kind::Acked(id, keeps) => table.record_mark(self.head, id, keeps),
                             Kind::Mark => {}
                         }
                     }
