@@ -133,6 +133,9 @@ pub fn is_departed(id: u64) -> bool {
     (DEPARTED_IDS..CANCELLED_MARK).contains(&id)
 }
 
+/// [`Recent`] reads this many times its capacity of the newest records.
+pub const RECENT_READ_FACTOR: usize = 2;
+
 /// How many records with a confirmed ack stay in doubt (see the module
 /// doc): about the last second of acks at a few thousand a second.
 pub const CONFIRMED_KEPT: usize = 4096;
@@ -763,9 +766,17 @@ pub struct ReadBack {
 }
 
 /// The newest Schedules a restart reads, to seed [`Unconfirmed`] with: the
-/// last `capacity` in log order, less those an Acked mark says were
-/// acknowledged to their source (a redelivery can no longer be one of them;
-/// taking a twin published on purpose for it would lose the twin).
+/// last `capacity` × [`RECENT_READ_FACTOR`] in log order, less those an
+/// Acked mark says were acknowledged to their source (a redelivery can no
+/// longer be one of them; taking a twin published on purpose for it would
+/// lose the twin). [`Unconfirmed`] keeps the newest `capacity` of them.
+///
+/// More than `capacity` are read because the running engine forgets a
+/// record in doubt only after `capacity` newer ones it remembers, and
+/// records whose acks were confirmed (a compaction's copies, up to half a
+/// segment at once) are not among those: read back only the last
+/// `capacity` of all, a record in doubt was pushed out by them and its
+/// redelivery stored as a new message, a copy under another id.
 #[derive(Debug)]
 pub struct Recent {
     capacity: usize,
@@ -923,7 +934,7 @@ impl Recent {
             return;
         }
         self.read += 1;
-        if self.entries.len() == self.capacity {
+        if self.entries.len() >= self.capacity.saturating_mul(RECENT_READ_FACTOR) {
             if let Some(old) = self.entries.pop_front() {
                 if self.index.get(&old.id) == Some(&self.first) {
                     self.index.remove(&old.id);

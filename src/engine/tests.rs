@@ -2738,6 +2738,79 @@ async fn ack_confirmed_after_a_copy(restart_before_collection: bool) {
     r.stop().await;
 }
 
+/// A restart keeps records in doubt as the running engine does: it forgets
+/// one only after `dedup_window` newer ones it remembers. Newer records
+/// whose acks were confirmed (new ones, or a compaction's copies, which can
+/// be more than the window) pushed an older one in doubt out of the
+/// restart's window, and its redelivery was stored as a new message: a
+/// copy under another id.
+#[tokio::test]
+async fn a_restart_keeps_a_record_in_doubt_behind_newer_settled_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.dedup_window = 4;
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let later = 1_000_000 + 3_600_000;
+    let r = start(cfg.clone(), clock.clone());
+    let message = vec![7u8; 100];
+    let uid = MessageId::mint();
+    let in_doubt = r
+        .engine
+        .store(
+            "r",
+            later,
+            uid,
+            message.clone(),
+            Arrival {
+                redelivered: false,
+                session: 1,
+            },
+        )
+        .await
+        .unwrap()
+        .id()
+        .unwrap();
+    r.engine.ack_sending(in_doubt);
+    // Not bound to a session (a stream's or Kafka's): forgotten once
+    // confirmed, so the running engine remembers only the one in doubt.
+    for i in 0..6u8 {
+        let id = r
+            .engine
+            .store(
+                "r",
+                later,
+                MessageId::mint(),
+                vec![i; 100],
+                Arrival {
+                    redelivered: false,
+                    session: 0,
+                },
+            )
+            .await
+            .unwrap()
+            .id()
+            .unwrap();
+        r.engine.ack_sending(id);
+        r.engine.confirm_ack(id);
+    }
+    r.stop().await;
+    let r = start(cfg, clock);
+    let redelivered = Arrival {
+        redelivered: true,
+        session: 2,
+    };
+    let stored = r
+        .engine
+        .store("r", later, MessageId::mint(), message, redelivered)
+        .await
+        .unwrap();
+    assert!(
+        matches!(stored, Stored::Copy { uid: kept, .. } if kept == uid),
+        "a redelivery of the record in doubt was not stored under its identity: {stored:?}"
+    );
+    r.stop().await;
+}
+
 const SIM_DIR: &str = "/vol/wal";
 
 /// A config on a simulated disk with small segments, compacted only when
