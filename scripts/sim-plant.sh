@@ -32,12 +32,14 @@
 # segment: a settled record comes back in doubt; with SIM_LIMITS=1; rare:
 # 2,000 seeds do not reach it, one in about 20,000 of all three modes did,
 # and its tests catch it: sim::tests::seed_427654_all_modes and the two
-# named in docs/testing.md).
+# named in docs/testing.md), copymark (a compaction copy of a record whose
+# ack is settled written with no mark after it: a restart reads it back in
+# doubt, and a twin is stored as its copy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
 bugs=("$@")
-[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone limit cancelmark unarmed ledgerlie ackmark)
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone limit cancelmark unarmed ledgerlie ackmark copymark)
 
 # plant NAME: edit the source; each edit must apply exactly once.
 plant() {
@@ -96,6 +98,12 @@ edits = {
         ("src/engine/compact.rs",
         "if id & (dedup::CANCELLED_MARK | dedup::MATCHED_MARK) == 0",
         "if false && id & (dedup::CANCELLED_MARK | dedup::MATCHED_MARK) == 0")],
+    "copymark": [("src/engine/compact.rs",
+        "mark_after: state.unconfirmed.mark_for_copy(id),",
+        "mark_after: None,"),
+        ("src/engine/compact.rs",
+        "state.unconfirmed.mark_for_copy(id).filter(|_| !marked)",
+        "state.unconfirmed.mark_for_copy(id).filter(|_| false)")],
     "unarmed": [("src/engine/compact.rs",
         "if located < inner.wal.segment_live(segment) {",
         "if false && located < inner.wal.segment_live(segment) {")],

@@ -1,7 +1,7 @@
 //! Plays a list of operations against the real engine on a simulated disk
 //! and clock, one at a time, checking the model after each.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -108,6 +108,48 @@ struct Node {
 /// A delivery the broker still holds: (message, redelivered).
 type Held = (usize, bool);
 
+/// A group of byte-equal messages: a route and the bytes.
+type Group = (&'static str, Vec<u8>);
+
+/// What the driver knows of the acks of each [`Group`], for
+/// [`Sim::check_copy_of_settled`]. Sound rather than complete: a group
+/// counts as settled only while nothing could have cost a mark.
+#[derive(Debug, Default)]
+struct AckBook {
+    /// Groups with a store whose ack was confirmed in this fault epoch.
+    confirmed: HashSet<Group>,
+    /// Groups with a store whose ack may not be confirmed (in doubt, a
+    /// failed store, a duplicate the record now stands for, a release),
+    /// or confirmed before a fault: never settled.
+    unsettled: HashSet<Group>,
+    /// Groups a clean stop made settled on disk.
+    settled: HashSet<Group>,
+}
+
+impl AckBook {
+    /// A fault that can cost writes (a kill, a power cut, a full disk, a
+    /// failed sync): a mark written since may be lost.
+    fn fault(&mut self) {
+        self.unsettled.extend(self.confirmed.drain());
+        self.settled.clear();
+    }
+
+    /// A clean stop flushed every mark.
+    fn clean_stop(&mut self) {
+        let settled: Vec<Group> = self
+            .confirmed
+            .iter()
+            .filter(|g| !self.unsettled.contains(*g))
+            .cloned()
+            .collect();
+        self.settled.extend(settled);
+    }
+
+    fn is_settled(&self, group: &Group) -> bool {
+        self.settled.contains(group) && !self.unsettled.contains(group)
+    }
+}
+
 pub struct Sim {
     seed: u64,
     rng: Rng,
@@ -173,6 +215,9 @@ pub struct Sim {
     failed_syncs: u64,
     /// Remembered frames the engines that ended so far still owed.
     remembered_dropped: std::collections::HashSet<u128>,
+    /// What is known of the acks of each group of byte-equal messages
+    /// (see [`Sim::check_copy_of_settled`]).
+    acks: AckBook,
     /// Far rounds and compactions failed since the disk had room again.
     failed_since_space: u32,
     next_uid: u64,
@@ -180,7 +225,7 @@ pub struct Sim {
     session: u64,
     /// Message -> (the id it was released under, the process then): see
     /// `release_on`.
-    released: std::collections::HashMap<usize, (u128, u32)>,
+    released: HashMap<usize, (u128, u32)>,
     /// Id -> the process that stored it (counted by `report.restarts`).
     stored_in: std::collections::HashMap<u128, u32>,
     /// Draws the operations do not carry (deliveries in the dead process's
@@ -285,6 +330,7 @@ impl Sim {
             failed_since_space: 0,
             failed_syncs: 0,
             remembered_dropped: Default::default(),
+            acks: AckBook::default(),
             next_uid: 0,
             session: 0,
             released: Default::default(),
@@ -517,6 +563,7 @@ impl Sim {
         };
         // The disk first: nothing the old process still does reaches it.
         self.fs = self.fs.power_loss(power);
+        self.acks.fault();
         if let Some(node) = self.node.take() {
             self.remembered_dropped
                 .extend(node.engine.frames_owed().iter().map(|id| id.as_u128()));
@@ -566,6 +613,10 @@ impl Sim {
 
     async fn stop_cleanly(&mut self) {
         self.requeue_socket();
+        // The stop flushes the lazy marks, unless a fault is in the way.
+        if !self.faulty() && !self.fs.crash_armed() {
+            self.acks.clean_stop();
+        }
         if let Some(node) = self.node.take() {
             self.remembered_dropped
                 .extend(node.engine.frames_owed().iter().map(|id| id.as_u128()));
@@ -576,6 +627,28 @@ impl Sim {
         self.failed_syncs = self.fs.failed_syncs();
         // A clean stop gets its acks through.
         self.in_doubt.clear();
+    }
+
+    /// A redelivery of `msg` was stored as a copy under `kept`, the id of
+    /// a byte-equal message: that message's record must be in doubt. Not
+    /// if every store of the group had its ack confirmed and a clean stop
+    /// since made the marks durable: a restart reads them back settled.
+    /// (A compaction copy written without its mark came back in doubt,
+    /// 2026-12-07.)
+    fn check_copy_of_settled(
+        &mut self,
+        msg: usize,
+        kept: u128,
+        group: &Group,
+    ) -> Result<(), Failure> {
+        let own = self.model.owners(kept).contains(&msg);
+        if !own && self.acks.is_settled(group) {
+            return Err(self.fail(format!(
+                "message {msg} was stored as a copy under {kept:#x}, a byte-equal message whose \
+                 ack was confirmed and marked durably (a clean stop since, no fault)"
+            )));
+        }
+        Ok(())
     }
 
     fn uid(&mut self) -> MessageId {
@@ -604,6 +677,7 @@ impl Sim {
             redelivered,
             session: self.session,
         };
+        let group = (route, bytes.clone());
         match engine.store(route, due, uid, bytes, arrival).await {
             Ok(stored @ (Stored::New(id) | Stored::Copy { id, .. })) => {
                 if !self.ids.insert(id) {
@@ -620,6 +694,7 @@ impl Sim {
                     .entry(kept.as_u128())
                     .or_insert(self.report.restarts);
                 if let Stored::Copy { uid: kept, .. } = stored {
+                    self.check_copy_of_settled(msg, kept.as_u128(), &group)?;
                     self.model
                         .stored_as(msg, uid.as_u128(), kept.as_u128(), self.session);
                     self.show(("copy of", kept.as_u128(), "engine id", id));
@@ -632,13 +707,17 @@ impl Sim {
                         engine.ack_sending(id);
                     }
                     self.in_doubt.push((msg, sent));
+                    self.acks.unsettled.insert(group);
                 } else {
                     engine.ack_sending(id);
                     engine.confirm_ack(id);
+                    self.acks.confirmed.insert(group);
                 }
                 self.note(("stored", msg, redelivered));
             }
             Ok(Stored::Duplicate) => {
+                // The record it matched stands for this delivery now.
+                self.acks.unsettled.insert(group);
                 self.model.msgs[msg].acked = true;
                 self.model.msgs[msg].duplicate_on.push(self.session);
                 self.model.msgs[msg].stored_on.remove(&uid.as_u128());
@@ -667,6 +746,8 @@ impl Sim {
                     return Err(self.fail(format!("a store failed with no fault: {e}")));
                 }
                 self.model.msgs[msg].failed_store = true;
+                // It may be on disk, unmarked, under a sibling's id.
+                self.acks.unsettled.insert(group);
                 self.broker.push_back((msg, true));
                 self.note(("store failed", msg));
             }
@@ -896,6 +977,7 @@ impl Sim {
             }
             Op::CrashAfter { n } => {
                 self.fs.crash_after(u64::from(n));
+                self.acks.fault();
                 self.report.faults += 1;
             }
             Op::DiskFull { scope: Scope::Both } if self.fills_up => {
@@ -906,6 +988,7 @@ impl Sim {
                 let size = self.fs.used_bytes() - reserve + RESERVE + slack;
                 self.fs.set_capacity(Some(size));
                 self.filled_up = true;
+                self.acks.fault();
                 self.report.faults += 1;
                 self.note(("fills up", slack));
             }
@@ -917,6 +1000,7 @@ impl Sim {
                 };
                 self.fs.set_full(dirs);
                 self.full = Some(scope);
+                self.acks.fault();
                 self.report.faults += 1;
                 self.note(("full", format!("{scope:?}")));
             }
@@ -932,6 +1016,7 @@ impl Sim {
             Op::SyncFails => {
                 self.fs.fail_next_sync();
                 self.sync_fault = true;
+                self.acks.fault();
                 self.report.faults += 1;
             }
         }
@@ -1135,6 +1220,8 @@ impl Sim {
             if released.contains(&uid) {
                 for m in self.model.owners(uid) {
                     self.released.insert(m, (uid, self.report.restarts));
+                    let msg = &self.model.msgs[m];
+                    self.acks.unsettled.insert((msg.route, msg.bytes.clone()));
                 }
             }
         }

@@ -275,6 +275,16 @@ impl SimFs {
         state.crash_at = Some(state.ops + n);
     }
 
+    /// A [`SimFs::crash_after`] was called for this boot (it may not have
+    /// come yet).
+    pub fn crash_armed(&self) -> bool {
+        self.state
+            .lock()
+            .expect("sim fs poisoned")
+            .crash_at
+            .is_some()
+    }
+
     /// The power went at [`SimFs::crash_after`]'s call: this boot is over.
     pub fn is_frozen(&self) -> bool {
         self.state.lock().expect("sim fs poisoned").frozen
