@@ -344,8 +344,9 @@ enum Move {
     },
     /// A Done whose Schedule lies in a segment that stays.
     Done { id: u64, target: u64 },
-    /// A cancel's mark still compared with redeliveries.
-    Mark { id: u64 },
+    /// A mark still needed; `keeps`: the segment its record is read back
+    /// from, when its seq does not say it (see `Wal::append_acked`).
+    Mark { id: u64, keeps: Option<u32> },
 }
 
 /// Room a compaction keeps beyond its copies' own bytes: the commit
@@ -488,7 +489,7 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                         && (state.unconfirmed.contains(id & !dedup::CANCELLED_MARK)
                             || retiring.contains(&(id & !dedup::CANCELLED_MARK))) =>
                 {
-                    Some(Move::Mark { id })
+                    Some(Move::Mark { id, keeps: None })
                 }
                 // A settled record's mark moves on while it is remembered
                 // (its Schedule too, with a mark after the copy, below).
@@ -496,23 +497,32 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                     if id & dedup::CANCELLED_MARK == 0
                         && state.unconfirmed.is_settled(id & !dedup::MATCHED_MARK) =>
                 {
-                    Some(Move::Mark { id })
+                    Some(Move::Mark { id, keeps: None })
                 }
                 // A plain ack mark moves on while its Schedule may be read
-                // back: the segment its id was written to stays, or the
-                // Schedule is copied here (the mark follows the copy). Lost,
-                // it left a settled record to a restart as one in doubt
-                // (sim seed 427,654; `SegmentTable::record_mark` keeps it
-                // from garbage collection the same way).
+                // back: it is pending in another segment (a compaction's
+                // copy, which its seq does not name: the moved mark keeps
+                // that segment), the segment its id was written to stays,
+                // or the Schedule is copied here (the mark follows the
+                // copy). Lost, it left a settled record to a restart as one
+                // in doubt (sim seed 427,654; `SegmentTable::record_mark`
+                // keeps it from garbage collection the same way).
                 Record::Acked { id, .. }
-                    if id & (dedup::CANCELLED_MARK | dedup::MATCHED_MARK) == 0
-                        && match inner.wal.segment_covering(id) {
-                            Some(seq) if seq == first_seq => copied.contains(&id),
-                            Some(_) => true,
-                            None => false,
-                        } =>
+                    if id & (dedup::CANCELLED_MARK | dedup::MATCHED_MARK) == 0 =>
                 {
-                    Some(Move::Mark { id })
+                    let elsewhere = state
+                        .locate(id)
+                        .map(|(slot, _, _)| slot.pos.segment)
+                        .filter(|&s| s != segment);
+                    let kept = match inner.wal.segment_covering(id) {
+                        Some(seq) if seq == first_seq => copied.contains(&id),
+                        Some(_) => true,
+                        None => false,
+                    };
+                    (elsewhere.is_some() || kept).then_some(Move::Mark {
+                        id,
+                        keeps: elsewhere,
+                    })
                 }
                 Record::Acked { .. } => None,
                 // Written again by `remember_departing` if still remembered.
@@ -562,7 +572,9 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                 Move::Done { id, target } => {
                     done_copies.push(inner.wal.append_done_copy(id, target)?);
                 }
-                Move::Mark { id } => done_copies.push(inner.wal.append_acked_now(id, None)?),
+                Move::Mark { id, keeps } => {
+                    done_copies.push(inner.wal.append_acked_now(id, keeps)?)
+                }
             }
         }
     }

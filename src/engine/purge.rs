@@ -42,6 +42,10 @@ impl Engine {
         due_to: Option<u64>,
         dry_run: bool,
     ) -> Result<PurgeCount, EngineError> {
+        // The far tier's view is the WAL's too before it is listed.
+        super::tier::retire_spilled_now(&self.inner)
+            .await
+            .inspect_err(|e| self.inner.on_failure(e))?;
         let mut count = PurgeCount::default();
         let mut first = true;
         loop {

@@ -424,6 +424,24 @@ pub(crate) fn retire_spilled(inner: &Inner) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// [`retire_spilled`] under the tier's operation lock, from async code.
+/// Before an answer that reads the far tier for what is pending (a purge,
+/// a cancel by key): a spilled message whose WAL Done a full disk refused
+/// is in both, and the far tier may have dropped it already (a key
+/// tombstone written before it was spilled). Answered from the far tier's
+/// view alone, the purge said nothing was left, and a crash brought the
+/// WAL's copy back to fire (sim seed 476,040).
+pub(crate) async fn retire_spilled_now(inner: &Arc<Inner>) -> Result<(), EngineError> {
+    let Some(tier) = inner.far.as_ref() else {
+        return Ok(());
+    };
+    let _op = tier.exclusive().await;
+    let worker = inner.clone();
+    tokio::task::spawn_blocking(move || retire_spilled(&worker))
+        .await
+        .map_err(|_| EngineError::WriterGone)?
+}
+
 /// Under the store lock: take the candidates out of the wheel, and append
 /// them chunk by chunk. Returns those now durable in the tier, and the
 /// error that put the rest back into the wheel, if one did.

@@ -4095,3 +4095,43 @@ fn seed_449977_all_modes() {
         panic!("{f}");
     }
 }
+
+/// Sim seed 476,040, all three modes (10 operations): a cancel by key
+/// failed on a full WAL disk after writing its far tombstone, and put its
+/// message back; a far round spilled it, and the spill's WAL Done failed
+/// too. The far tier now dropped it (the tombstone is older than its id),
+/// while the WAL still held it live. A purge of its due time listed the far
+/// tier, found nothing and answered; a crash brought the WAL's copy back,
+/// and it fired after the purge was answered. A purge (and a cancel by key,
+/// [`seed_476040_a_second_cancel_by_key`]) first makes such Dones durable,
+/// or fails. See docs/testing.md.
+#[test]
+fn seed_476040_all_modes() {
+    use ops::{Loss, Op, Scope};
+    let ops = [
+        Op::Clock { ms: 296750 },
+        deliver(0, 2, 69, 7_231_269, None, false),
+        Op::FarRound,
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        deliver(0, 3, 638, 19_482, None, false),
+        Op::DiskFull { scope: Scope::Wal },
+        Op::CancelKey { route: 0, key: 3 },
+        Op::FarRound,
+        Op::Purge {
+            route: 0,
+            from_ms: 9343,
+            width_ms: 24491,
+        },
+        Op::Kill { loss: Loss::Torn },
+    ];
+    let mode = Mode {
+        socket: true,
+        release: true,
+        limits: true,
+    };
+    if let Err(f) = run_in(476_040, &ops, mode) {
+        panic!("{f}");
+    }
+}
