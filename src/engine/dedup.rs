@@ -576,6 +576,15 @@ impl Unconfirmed {
         }
     }
 
+    /// Whether a record under identity `uid` is a candidate for a
+    /// redelivery (remembered, not matched yet).
+    pub fn has_candidate(&self, uid: u128) -> bool {
+        self.by_uid.get(&uid).is_some_and(|ids| {
+            ids.iter()
+                .any(|id| self.fingerprints.get(id).is_some_and(|e| !e.consumed))
+        })
+    }
+
     /// Whether `id` is remembered.
     pub fn contains(&self, id: u64) -> bool {
         self.fingerprints.contains_key(&id)

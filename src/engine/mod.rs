@@ -1190,6 +1190,13 @@ impl Engine {
     /// which the ledger of owed frames does not hold (past its size, or no
     /// ledger): a restart now would forget them, and store a late
     /// redelivery of one under a new id.
+    /// Whether a record of identity `uid` is one a byte-equal redelivery
+    /// may repeat (its ack in doubt, or confirmed moments ago): the
+    /// simulator's check that a restart reads settled records back settled.
+    pub fn has_candidate(&self, uid: MessageId) -> bool {
+        self.state().unconfirmed.has_candidate(uid.as_u128())
+    }
+
     pub fn frames_owed(&self) -> Vec<MessageId> {
         let held = self.inner.wal.owed_frames_held();
         self.state()

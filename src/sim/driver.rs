@@ -651,6 +651,33 @@ impl Sim {
         Ok(())
     }
 
+    /// After a clean restart: no record of a settled group (see
+    /// [`AckBook`]) is read back in doubt. The same rule as
+    /// [`Sim::check_copy_of_settled`], without waiting for a twin to show
+    /// it.
+    fn check_settled_read_back(&mut self) -> Result<(), Failure> {
+        let Some(engine) = self.engine() else {
+            return Ok(());
+        };
+        let in_doubt = self.model.msgs.iter().enumerate().find_map(|(i, m)| {
+            let group = (m.route, m.bytes.clone());
+            if !self.acks.is_settled(&group) {
+                return None;
+            }
+            m.uids
+                .iter()
+                .find(|&&uid| engine.has_candidate(MessageId::from_u128(uid)))
+                .map(|&uid| (i, uid))
+        });
+        match in_doubt {
+            Some((i, uid)) => Err(self.fail(format!(
+                "message {i} (id {uid:#x}) was read back in doubt at a clean restart, though \
+                 every store of its bytes had its ack confirmed and marked durably"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn uid(&mut self) -> MessageId {
         self.next_uid += 1;
         MessageId::from_u128((u128::from(self.seed) << 64) | u128::from(self.next_uid))
@@ -973,7 +1000,9 @@ impl Sim {
                 self.stop_cleanly().await;
                 self.horizon = HORIZONS[horizon as usize % HORIZONS.len()];
                 self.maybe_change_limits();
-                self.ensure_started().await?;
+                if self.ensure_started().await? {
+                    self.check_settled_read_back()?;
+                }
             }
             Op::CrashAfter { n } => {
                 self.fs.crash_after(u64::from(n));
