@@ -134,6 +134,14 @@ impl AckBook {
         self.settled.clear();
     }
 
+    /// A store of `group` had its ack confirmed. This process keeps it
+    /// in doubt a while (`dedup::CONFIRMED_KEPT`): not settled until the
+    /// next clean stop.
+    fn confirmed_now(&mut self, group: Group) {
+        self.settled.remove(&group);
+        self.confirmed.insert(group);
+    }
+
     /// A clean stop flushed every mark.
     fn clean_stop(&mut self) {
         let settled: Vec<Group> = self
@@ -738,7 +746,7 @@ impl Sim {
                 } else {
                     engine.ack_sending(id);
                     engine.confirm_ack(id);
-                    self.acks.confirmed.insert(group);
+                    self.acks.confirmed_now(group);
                 }
                 self.note(("stored", msg, redelivered));
             }
