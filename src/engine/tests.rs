@@ -2504,7 +2504,7 @@ async fn a_cancel_of_a_message_in_doubt_outlives_a_full_disk_and_a_crash() {
 /// identity had been cancelled).
 #[tokio::test]
 async fn a_compaction_moves_an_acks_mark_on_while_its_schedule_stays() {
-    use crate::wal::sim::{PowerLoss, SimFs};
+    use crate::wal::sim::SimFs;
     let dir = std::path::Path::new(SIM_DIR);
     let on = on_sim_fs;
     let fs = SimFs::with_dir(dir);
@@ -2550,26 +2550,12 @@ async fn a_compaction_moves_an_acks_mark_on_while_its_schedule_stays() {
     r.until_pending(3).await;
     r.engine.compact_now().await.unwrap();
     r.engine.compact_now().await.unwrap();
-    let fs = fs.power_loss(PowerLoss::ProcessCrash);
-    r.shutdown.cancel();
-    r.task.abort();
-    drop(r);
-    let r = start(on(&fs), clock);
     // A twin, published after all this, redelivered on a later session.
-    let twin = Arrival {
-        redelivered: true,
-        session: 2,
-    };
-    let stored = r
-        .engine
-        .store("r", t0 + 5_000, MessageId::mint(), message, twin)
-        .await
-        .unwrap();
+    let stored = crash_then_redeliver(r, &fs, clock, t0 + 5_000, message).await;
     assert!(
         matches!(stored, Stored::New(_)),
         "the settled record was taken for the twin's redelivery: {stored:?}"
     );
-    r.stop().await;
 }
 
 /// A compaction copy of a record whose ack was confirmed is read back at
@@ -2579,27 +2565,10 @@ async fn a_compaction_moves_an_acks_mark_on_while_its_schedule_stays() {
 /// after the restart is stored under its id.
 #[tokio::test]
 async fn a_compaction_copy_of_a_settled_ack_keeps_its_mark() {
-    let dir = std::path::Path::new(SIM_DIR);
-    let on = on_sim_fs;
-    let fs = crate::wal::sim::SimFs::with_dir(dir);
-    let t0 = 1_000_000;
-    let clock = Arc::new(ManualClock::new(t0));
-    let mut r = start(on(&fs), clock.clone());
-    let later = t0 + 3_600_000;
-    let message = vec![7u8; 300];
-    let first = Arrival {
-        redelivered: false,
-        session: 1,
-    };
     // Due in an hour, beside two messages due now: its segment is
     // compacted once they fire.
-    let id = r
-        .engine
-        .store("r", later, MessageId::mint(), message.clone(), first)
-        .await
-        .unwrap()
-        .id()
-        .unwrap();
+    let (mut r, fs, clock, id, message) = one_due_in_an_hour().await;
+    let t0 = T0_SIM;
     for i in 0..2u8 {
         r.engine.schedule("r", t0, vec![i; 300]).await.unwrap();
     }
@@ -2622,26 +2591,12 @@ async fn a_compaction_copy_of_a_settled_ack_keeps_its_mark() {
     r.until_pending(1).await;
     r.engine.compact_now().await.unwrap();
     assert_ne!(at(&r), original, "not copied");
-    let fs = fs.power_loss(crate::wal::sim::PowerLoss::ProcessCrash);
-    r.shutdown.cancel();
-    r.task.abort();
-    drop(r);
-    let r = start(on(&fs), clock);
     // A twin, published after all this, redelivered on a later session.
-    let twin = Arrival {
-        redelivered: true,
-        session: 2,
-    };
-    let stored = r
-        .engine
-        .store("r", t0 + 5_000, MessageId::mint(), message, twin)
-        .await
-        .unwrap();
+    let stored = crash_then_redeliver(r, &fs, clock, t0 + 5_000, message).await;
     assert!(
         matches!(stored, Stored::New(_)),
         "the copy of a settled record was taken for the twin's redelivery: {stored:?}"
     );
-    r.stop().await;
 }
 
 /// An ack confirmed after its record was copied by a compaction: its
@@ -2673,27 +2628,11 @@ enum MarkGoes {
 }
 
 async fn ack_confirmed_after_a_copy(goes: MarkGoes) {
-    let dir = std::path::Path::new(SIM_DIR);
-    let on = on_sim_fs;
-    let fs = crate::wal::sim::SimFs::with_dir(dir);
-    let t0 = 1_000_000;
-    let clock = Arc::new(ManualClock::new(t0));
-    let mut r = start(on(&fs), clock.clone());
-    let later = t0 + 3_600_000;
-    let message = vec![7u8; 300];
-    let first = Arrival {
-        redelivered: false,
-        session: 1,
-    };
     // Due in an hour, in the first segment beside messages due now; its
     // ack is sent and not yet confirmed.
-    let id = r
-        .engine
-        .store("r", later, MessageId::mint(), message.clone(), first)
-        .await
-        .unwrap()
-        .id()
-        .unwrap();
+    let (mut r, fs, clock, id, message) = one_due_in_an_hour().await;
+    let (t0, later) = (T0_SIM, T0_SIM + 3_600_000);
+    let on = on_sim_fs;
     r.engine.ack_sending(id);
     for i in 0..8u8 {
         r.engine.schedule("r", t0, vec![i; 300]).await.unwrap();
@@ -2741,25 +2680,11 @@ async fn ack_confirmed_after_a_copy(goes: MarkGoes) {
     }
     r.engine.compact_now().await.unwrap();
     r.engine.compact_now().await.unwrap();
-    let fs = fs.power_loss(crate::wal::sim::PowerLoss::ProcessCrash);
-    r.shutdown.cancel();
-    r.task.abort();
-    drop(r);
-    let r = start(on(&fs), clock);
-    let twin = Arrival {
-        redelivered: true,
-        session: 2,
-    };
-    let stored = r
-        .engine
-        .store("r", t0 + 5_000, MessageId::mint(), message, twin)
-        .await
-        .unwrap();
+    let stored = crash_then_redeliver(r, &fs, clock, t0 + 5_000, message).await;
     assert!(
         matches!(stored, Stored::New(_)),
         "{goes:?}: the copy was read back in doubt, its mark gone: {stored:?}"
     );
-    r.stop().await;
 }
 
 /// A restart keeps records in doubt as the running engine does: it forgets
@@ -2833,6 +2758,71 @@ async fn a_restart_keeps_a_record_in_doubt_behind_newer_settled_ones() {
         "a redelivery of the record in doubt was not stored under its identity: {stored:?}"
     );
     r.stop().await;
+}
+
+/// The clock's start in the tests on the simulated disk.
+const T0_SIM: u64 = 1_000_000;
+
+/// On a simulated disk, at [`T0_SIM`]: a started engine and one message
+/// (300 bytes of 7) due in an hour, delivered on source session 1. Returns
+/// the run, its disk, its clock, and the message's id and bytes.
+async fn one_due_in_an_hour() -> (
+    Running,
+    crate::wal::sim::SimFs,
+    Arc<ManualClock>,
+    u64,
+    Vec<u8>,
+) {
+    let fs = crate::wal::sim::SimFs::with_dir(SIM_DIR);
+    let clock = Arc::new(ManualClock::new(T0_SIM));
+    let r = start(on_sim_fs(&fs), clock.clone());
+    let message = vec![7u8; 300];
+    let first = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    let id = r
+        .engine
+        .store(
+            "r",
+            T0_SIM + 3_600_000,
+            MessageId::mint(),
+            message.clone(),
+            first,
+        )
+        .await
+        .unwrap()
+        .id()
+        .unwrap();
+    (r, fs, clock, id, message)
+}
+
+/// The process dies (no clean stop) and starts again on what `fs` kept;
+/// then a byte-equal message, redelivered on a later channel session, is
+/// stored. What was it stored as?
+async fn crash_then_redeliver(
+    r: Running,
+    fs: &crate::wal::sim::SimFs,
+    clock: Arc<ManualClock>,
+    due: u64,
+    message: Vec<u8>,
+) -> Stored {
+    let fs = fs.power_loss(crate::wal::sim::PowerLoss::ProcessCrash);
+    r.shutdown.cancel();
+    r.task.abort();
+    drop(r);
+    let r = start(on_sim_fs(&fs), clock);
+    let redelivered = Arrival {
+        redelivered: true,
+        session: 2,
+    };
+    let stored = r
+        .engine
+        .store("r", due, MessageId::mint(), message, redelivered)
+        .await
+        .unwrap();
+    r.stop().await;
+    stored
 }
 
 const SIM_DIR: &str = "/vol/wal";
