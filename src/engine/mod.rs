@@ -1690,9 +1690,6 @@ impl Engine {
         let engine = self.clone();
         let (route, key) = (route.to_owned(), key.to_vec());
         let (far, queued) = tokio::task::spawn_blocking(move || {
-            // The far tier's view is the WAL's too (see
-            // `tier::retire_spilled_now`): the tier's lock is held.
-            tier::retire_spilled(&engine.inner)?;
             // Far messages stored before now obey it as their bucket loads.
             let far = engine.far_ids_for_key(&route, &key)?;
             // Marked, durably, before the tombstone cancels them, as a

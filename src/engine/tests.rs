@@ -144,6 +144,19 @@ impl Running {
         }
     }
 
+    /// A message already handed over, if any (after [`Running::until_pending`]:
+    /// one handed over is counted out only once the sink has it).
+    pub(super) fn handed_over(&mut self) -> Option<Fired> {
+        self.rx.try_recv().ok()
+    }
+
+    /// The process dies: no clean stop (what the disk keeps is the
+    /// caller's, e.g. `SimFs::power_loss`).
+    pub(super) fn crash(self) {
+        self.shutdown.cancel();
+        self.task.abort();
+    }
+
     pub(super) async fn recv(&mut self) -> Fired {
         tokio::time::timeout(Duration::from_secs(10), self.rx.recv())
             .await

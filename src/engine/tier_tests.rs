@@ -1248,3 +1248,82 @@ async fn a_lowered_disk_reserve_still_lets_a_full_disk_load_its_buckets() {
     );
     r.stop().await;
 }
+
+/// A cancel by key fails on a full WAL disk after its far tombstone is
+/// written (another message of the route waits in the far tier), and puts
+/// its message back; a far round spills that message, and the spill's WAL
+/// Done fails too. The far tier drops it (the tombstone is older than its
+/// id), the WAL still holds it live. An answer read from the far tier
+/// alone (a purge of its due time, the same cancel again) said nothing was
+/// left, and a crash brought the WAL's copy back to fire (sim seed
+/// 476,040). Such a Done is made durable first.
+async fn an_answer_from_the_far_tier_retires_a_spill_the_wal_still_holds(purge: bool) {
+    use crate::wal::sim::{PowerLoss, SimFs};
+    let dir = std::path::Path::new("/vol/wal");
+    let fs = SimFs::with_dir(dir);
+    let cfg = |fs: &SimFs| {
+        let mut cfg = far_config(dir);
+        cfg.wal.fs = Arc::new(fs.clone());
+        cfg
+    };
+    let clock = Arc::new(ManualClock::new(T0));
+    let r = start(cfg(&fs), clock.clone());
+    let due = T0 + 10 * HOUR;
+    store_far(
+        &r,
+        due + HOUR,
+        &keyed(Some("order-2"), None, "another, far"),
+    )
+    .await;
+    r.engine.far_round().await.unwrap();
+    assert_eq!(r.engine.far_pending(), 1, "the other one spilled");
+    let message = keyed(Some("order-1"), None, "cancelled, spilled");
+    store_far(&r, due, &message).await;
+    fs.set_full(vec![dir.join("wal-")]);
+    assert!(
+        r.engine.cancel_by_key("k", b"order-1").await.is_err(),
+        "the cancel's Done failed"
+    );
+    assert!(
+        r.engine.far_round().await.is_err(),
+        "the spill's Done failed"
+    );
+    assert_eq!(r.engine.far_pending(), 2, "spilled");
+    fs.set_full(Vec::new());
+    if purge {
+        r.engine
+            .purge("k", Some(due - 1_000), Some(due + 1_000), false)
+            .await
+            .unwrap();
+    } else {
+        r.engine.cancel_by_key("k", b"order-1").await.unwrap();
+    }
+    // Answered: it never fires, whatever a crash does.
+    let fs = fs.power_loss(PowerLoss::ProcessCrash);
+    r.crash();
+    // Due before its bucket loads (the restart came late): the WAL's copy
+    // would fire first, before the load's tombstone could cancel it.
+    let mut r = start(cfg(&fs), clock.clone());
+    clock.set(due + 1);
+    r.engine.wake();
+    // The other one and the far copy: a WAL copy would leave first.
+    r.until_pending(2).await;
+    r.engine.far_round().await.unwrap();
+    r.until_pending(1).await;
+    let fired = r.handed_over();
+    assert!(
+        fired.is_none(),
+        "it fired after the answer that it was cancelled: {fired:?}"
+    );
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn a_purge_retires_a_spill_the_wal_still_holds() {
+    an_answer_from_the_far_tier_retires_a_spill_the_wal_still_holds(true).await;
+}
+
+#[tokio::test]
+async fn a_cancel_by_key_retires_a_spill_the_wal_still_holds() {
+    an_answer_from_the_far_tier_retires_a_spill_the_wal_still_holds(false).await;
+}
