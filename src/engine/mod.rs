@@ -1185,11 +1185,6 @@ impl Engine {
             .add_departed(uid.as_u128(), fingerprint, digest, cancelled);
     }
 
-    /// Messages whose segment went before a full disk let their
-    /// Remembered frame be written (see `compact::settle_remembered`), and
-    /// which the ledger of owed frames does not hold (past its size, or no
-    /// ledger): a restart now would forget them, and store a late
-    /// redelivery of one under a new id.
     /// Whether a record of identity `uid` is one a byte-equal redelivery
     /// may repeat (its ack in doubt, or confirmed moments ago): the
     /// simulator's check that a restart reads settled records back settled.
@@ -1197,6 +1192,11 @@ impl Engine {
         self.state().unconfirmed.has_candidate(uid.as_u128())
     }
 
+    /// Messages whose segment went before a full disk let their
+    /// Remembered frame be written (see `compact::settle_remembered`), and
+    /// which the ledger of owed frames does not hold (past its size, or no
+    /// ledger): a restart now would forget them, and store a late
+    /// redelivery of one under a new id.
     pub fn frames_owed(&self) -> Vec<MessageId> {
         let held = self.inner.wal.owed_frames_held();
         self.state()

@@ -425,8 +425,8 @@ pub(crate) fn retire_spilled(inner: &Inner) -> Result<(), EngineError> {
 }
 
 /// [`retire_spilled`] under the tier's operation lock, from async code.
-/// Before an answer that reads the far tier for what is pending (a purge,
-/// a cancel by key): a spilled message whose WAL Done a full disk refused
+/// Before an answer that reads the far tier for what is pending (a purge;
+/// a cancel by key's [`tombstone`] does the same): a spilled message whose WAL Done a full disk refused
 /// is in both, and the far tier may have dropped it already (a key
 /// tombstone written before it was spilled). Answered from the far tier's
 /// view alone, the purge said nothing was left, and a crash brought the

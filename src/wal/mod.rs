@@ -694,14 +694,10 @@ impl Wal {
         })
     }
 
-    /// Segment `mark` holds an Acked mark for a record that a restart reads
-    /// back from segment `record`: `mark` may not be deleted before it (a
-    /// start's replay finds these; the writer keeps them at run time).
+    /// [`SegmentTable::keep_mark`]: a start's replay finds these pairs; the
+    /// writer keeps them at run time.
     pub fn keep_mark(&self, mark: u32, record: u32) {
-        let mut table = self.segments();
-        if let Some(target) = table.first_seq(record) {
-            table.record_done(mark, target);
-        }
+        self.segments().keep_mark(mark, record);
     }
 
     /// Write what redelivery detection remembers of a message whose

@@ -161,9 +161,7 @@ impl SegmentTable {
             return;
         };
         if let Some(kept) = keeps {
-            if let Some(target) = self.first_seq(kept) {
-                self.record_done(ordinal, target);
-            }
+            self.keep_mark(ordinal, kept);
             return;
         }
         if marked >= own {
@@ -171,6 +169,15 @@ impl SegmentTable {
         }
         if let Some(target) = self.covering(marked) {
             self.record_done(ordinal, target);
+        }
+    }
+
+    /// Segment `mark` holds an Acked mark for a record that a restart
+    /// reads back from segment `record`: `mark` may not be deleted before
+    /// it.
+    pub fn keep_mark(&mut self, mark: u32, record: u32) {
+        if let Some(target) = self.first_seq(record) {
+            self.record_done(mark, target);
         }
     }
 
