@@ -510,10 +510,13 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
                 Record::Acked { id, .. }
                     if id & (dedup::CANCELLED_MARK | dedup::MATCHED_MARK) == 0 =>
                 {
+                    // Pending elsewhere, or fired with its copy still on
+                    // disk (a restart reads it back, and this mark with it).
                     let elsewhere = state
                         .locate(id)
                         .map(|(slot, _, _)| slot.pos.segment)
-                        .filter(|&s| s != segment);
+                        .filter(|&s| s != segment)
+                        .or_else(|| inner.wal.copy_mark_home(segment, id));
                     let kept = match inner.wal.segment_covering(id) {
                         Some(seq) if seq == first_seq => copied.contains(&id),
                         Some(_) => true,

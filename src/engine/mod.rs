@@ -728,7 +728,7 @@ impl Engine {
             }
             RecordRef::Acked { id, .. } => {
                 if let Some(record) = recent.mark(id).filter(|&s| s != pos.segment) {
-                    mark_keeps.push((pos.segment, record));
+                    mark_keeps.push((pos.segment, id, record));
                 }
             }
             RecordRef::Remembered { remembered, .. } => recent.push_remembered(&remembered, pos),
@@ -740,8 +740,8 @@ impl Engine {
         for (copy, original) in superseded.iter().copied() {
             wal.keep_after(copy, original);
         }
-        for (mark, record) in mark_keeps {
-            wal.keep_mark(mark, record);
+        for (mark, marked, record) in mark_keeps {
+            wal.keep_mark(mark, marked, record);
         }
         for (done, schedule, named) in done_keeps {
             if wal.segment_first_seq(schedule) != Some(named) {

@@ -2700,6 +2700,89 @@ async fn ack_confirmed_after_a_copy(goes: MarkGoes) {
     );
 }
 
+/// A record copied by compaction, its ack confirmed after the copy (the
+/// mark in a later segment), then fired: while the copy's segment stands, a
+/// restart reads the copy back, and the mark must stand too, through the
+/// compaction of its own segment. Its seq names only the record's first
+/// segment, long gone.
+#[tokio::test]
+async fn a_fired_copys_ack_mark_outlives_the_compaction_of_its_segment() {
+    for restart in [false, true] {
+        fired_copys_mark_compacted(restart).await;
+    }
+}
+
+/// `restart`: a clean restart before the compaction (the pair of mark and
+/// copy then comes from the replay).
+async fn fired_copys_mark_compacted(restart: bool) {
+    let (mut r, fs, clock, id, message) = one_due_in_an_hour().await;
+    let (t0, later, latest) = (T0_SIM, T0_SIM + 3_600_000, T0_SIM + 7_200_000);
+    r.engine.ack_sending(id);
+    for i in 0..8u8 {
+        r.engine.schedule("r", t0, vec![i; 300]).await.unwrap();
+    }
+    let at = |r: &Running| match r.engine.read(id).unwrap().unwrap().0.at {
+        Location::Wal(pos) => pos.segment,
+        other => panic!("not in the WAL: {other:?}"),
+    };
+    let original = at(&r);
+    clock.set(t0 + 1_000);
+    r.engine.wake();
+    for _ in 0..8 {
+        r.recv().await;
+    }
+    r.until_pending(1).await;
+    r.engine.compact_now().await.unwrap();
+    let copy = at(&r);
+    assert_ne!(copy, original, "not copied");
+    // The copy's segment outlives the record: its other messages are due
+    // later still.
+    for i in 0..2u8 {
+        r.engine
+            .schedule("r", latest, vec![20 + i; 300])
+            .await
+            .unwrap();
+    }
+    r.engine.confirm_ack(id);
+    // The mark's segment is compacted, not collected: one message in it is
+    // due last.
+    r.engine.schedule("r", latest, vec![29; 300]).await.unwrap();
+    for i in 0..6u8 {
+        r.engine.schedule("r", t0, vec![30 + i; 300]).await.unwrap();
+    }
+    r.engine.wake();
+    for _ in 0..6 {
+        r.recv().await;
+    }
+    r.until_pending(4).await;
+    clock.set(later + 1_000);
+    r.engine.wake();
+    assert_eq!(r.recv().await.id, id);
+    r.until_pending(3).await;
+    if restart {
+        r.stop().await;
+        r = start(on_sim_fs(&fs), clock.clone());
+    }
+    r.engine.compact_now().await.unwrap();
+    r.engine.compact_now().await.unwrap();
+    r.stop().await;
+    let r = start(on_sim_fs(&fs), clock);
+    let redelivered = Arrival {
+        redelivered: true,
+        session: 2,
+    };
+    let stored = r
+        .engine
+        .store("r", latest, MessageId::mint(), message, redelivered)
+        .await
+        .unwrap();
+    r.stop().await;
+    assert!(
+        matches!(stored, Stored::New(_)),
+        "restart {restart}: the fired copy was read back in doubt, its mark gone: {stored:?}"
+    );
+}
+
 /// A restart keeps records in doubt as the running engine does: it forgets
 /// one only after `dedup_window` newer ones it remembers. Newer records
 /// whose acks were confirmed (new ones, or a compaction's copies, which can

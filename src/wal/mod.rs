@@ -696,8 +696,13 @@ impl Wal {
 
     /// [`SegmentTable::keep_mark`]: a start's replay finds these pairs; the
     /// writer keeps them at run time.
-    pub fn keep_mark(&self, mark: u32, record: u32) {
-        self.segments().keep_mark(mark, record);
+    pub fn keep_mark(&self, mark: u32, marked: u64, record: u32) {
+        self.segments().keep_mark(mark, marked, record);
+    }
+
+    /// [`SegmentTable::copy_mark_home`].
+    pub fn copy_mark_home(&self, mark: u32, marked: u64) -> Option<u32> {
+        self.segments().copy_mark_home(mark, marked)
     }
 
     /// Write what redelivery detection remembers of a message whose

@@ -42,6 +42,11 @@ struct Segment {
     latest_due_ms: u64,
     /// first_seq of other segments holding Schedules that this one's Dones retire.
     refs: BTreeSet<u64>,
+    /// Acked marks here whose record a restart reads back from a compaction
+    /// copy in another segment: (marked id, that segment's ordinal). The
+    /// mark's seq names only the record's first segment, so compaction
+    /// looks here to move the mark on while the copy stands, fired or not.
+    copy_marks: Vec<(u64, u32)>,
     sealed: bool,
 }
 
@@ -93,6 +98,7 @@ impl SegmentTable {
                 live: 0,
                 latest_due_ms: 0,
                 refs: BTreeSet::new(),
+                copy_marks: Vec::new(),
                 sealed: false,
             },
         );
@@ -161,7 +167,7 @@ impl SegmentTable {
             return;
         };
         if let Some(kept) = keeps {
-            self.keep_mark(ordinal, kept);
+            self.keep_mark(ordinal, marked, kept);
             return;
         }
         if marked >= own {
@@ -172,13 +178,35 @@ impl SegmentTable {
         }
     }
 
-    /// Segment `mark` holds an Acked mark for a record that a restart
-    /// reads back from segment `record`: `mark` may not be deleted before
-    /// it.
-    pub fn keep_mark(&mut self, mark: u32, record: u32) {
-        if let Some(target) = self.first_seq(record) {
-            self.record_done(mark, target);
+    /// Segment `mark` holds an Acked mark for record `marked`, which a
+    /// restart reads back from segment `record`: `mark` may not be deleted
+    /// before it. If that is a compaction copy's segment (its first seq
+    /// after the record's seq), the pair is kept for
+    /// [`Self::copy_mark_home`]; a mark with flag bits (past every seq) is
+    /// moved by what the engine remembers, not by this.
+    pub fn keep_mark(&mut self, mark: u32, marked: u64, record: u32) {
+        let Some(target) = self.first_seq(record) else {
+            return;
+        };
+        self.record_done(mark, target);
+        if mark != record && target > marked {
+            if let Some(s) = self.segments.get_mut(&mark) {
+                s.copy_marks.push((marked, record));
+            }
         }
+    }
+
+    /// The segment, still on disk and other than `mark`, that a restart
+    /// reads the compaction copy of the record marked `marked` in segment
+    /// `mark` back from, if a pair was kept ([`Self::keep_mark`]).
+    pub fn copy_mark_home(&self, mark: u32, marked: u64) -> Option<u32> {
+        let s = self.segments.get(&mark)?;
+        s.copy_marks
+            .iter()
+            .rev()
+            .find(|&&(id, record)| id == marked && record != mark)
+            .map(|&(_, record)| record)
+            .filter(|record| self.segments.contains_key(record))
     }
 
     /// The first seq of the segment that seq `seq` falls in, if it exists;
@@ -365,6 +393,26 @@ mod tests {
             t.add(i * 100 + 1, path, file, 1000, Salt::UNSALTED);
         }
         (t, dir)
+    }
+
+    #[test]
+    fn a_mark_knows_its_records_copy_while_the_copy_stands() {
+        // Segments first at seqs 1, 101, 201: record 50 was written to the
+        // first and copied to the second; its mark is in the third.
+        let (mut t, _dir) = table_with(3);
+        t.record_mark(2, 50, Some(1));
+        assert_eq!(t.copy_mark_home(2, 50), Some(1));
+        assert_eq!(t.copy_mark_home(2, 51), None);
+        // Read back from its first segment, a record needs no pair: its seq
+        // names that segment.
+        t.keep_mark(2, 60, 0);
+        assert_eq!(t.copy_mark_home(2, 60), None);
+        // A flagged mark is past every seq: moved by what the engine
+        // remembers, not by this.
+        t.keep_mark(2, 50 | 1 << 61, 1);
+        assert_eq!(t.copy_mark_home(2, 50 | 1 << 61), None);
+        t.remove(1);
+        assert_eq!(t.copy_mark_home(2, 50), None, "the copy is gone");
     }
 
     #[test]
