@@ -31,13 +31,16 @@
 # frames owed in memory), ackmark (an ack's mark goes before its Schedule's
 # segment: a settled record comes back in doubt; with SIM_LIMITS=1),
 # copymark (a compaction copy of a record whose ack is settled written with
-# no mark after it: a restart reads it back in doubt). Both are caught by
-# the check that a clean restart reads settled records back settled.
+# no mark after it: a restart reads it back in doubt), copyhome (a
+# compaction drops the ack's mark of a fired record whose compaction copy
+# stands: a restart reads the copy back in doubt). The last three are
+# caught by the check that a clean restart reads settled records back
+# settled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
 bugs=("$@")
-[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone limit cancelmark unarmed ledgerlie ackmark copymark)
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone limit cancelmark unarmed ledgerlie ackmark copymark copyhome)
 
 # plant NAME: edit the source; each edit must apply exactly once.
 plant() {
@@ -102,6 +105,9 @@ edits = {
         ("src/engine/compact.rs",
         "state.unconfirmed.mark_for_copy(id).filter(|_| !marked)",
         "state.unconfirmed.mark_for_copy(id).filter(|_| false)")],
+    "copyhome": [("src/engine/compact.rs",
+        ".or_else(|| inner.wal.copy_mark_home(segment, id));",
+        ";")],
     "unarmed": [("src/engine/compact.rs",
         "if located < inner.wal.segment_live(segment) {",
         "if false && located < inner.wal.segment_live(segment) {")],
@@ -126,7 +132,7 @@ for bug in "${bugs[@]}"; do
     # SIM_LIMITS: the config may change at restarts (the limit bug needs a
     # lower wal.max_message_bytes).
     limits=0
-    [ "$bug" = limit ] || [ "$bug" = ackmark ] || [ "$bug" = ledgerlie ] && limits=1
+    [ "$bug" = limit ] || [ "$bug" = ackmark ] || [ "$bug" = ledgerlie ] || [ "$bug" = copyhome ] && limits=1
     out=$(SIM_SOCKET=1 SIM_LIMITS=$limits SIM_SEEDS="$seeds" cargo test --lib sim::tests::long_run -- --ignored --nocapture 2>&1)
     status=$?
     set -e

@@ -341,7 +341,8 @@ pub(crate) async fn spill(inner: &Arc<Inner>) -> Result<usize, EngineError> {
     // crash before this is durable spills it again (kept once per id).
     // One the engine no longer remembers (its ack was confirmed) gets its
     // ack's mark again in its Done's batch, which lasts as long as its
-    // Schedule: compaction does not move marks, and a restart that read
+    // Schedule (garbage collection keeps the Done's segment for it; a
+    // compaction copy's own mark follows the copy). A restart that read
     // the Schedule back without one took it for a record in doubt, which
     // a later cancel of its load's copy (under another id) did not cover;
     // a twin's redelivery was then stored under its identity and fired
