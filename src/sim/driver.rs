@@ -127,11 +127,19 @@ struct AckBook {
 }
 
 impl AckBook {
-    /// A fault that can cost writes (a kill, a power cut, a full disk, a
-    /// failed sync): a mark written since may be lost.
+    /// A disk fault (a full disk, a failed sync, a crash at a write): a
+    /// mark written since may be lost, and a failed write may cost one
+    /// written before (a compaction or a collection under the fault).
     fn fault(&mut self) {
         self.unsettled.extend(self.confirmed.drain());
-        self.settled.clear();
+        self.unsettled.extend(self.settled.drain());
+    }
+
+    /// A kill or a power cut: marks written since the last clean stop may
+    /// be lost (lazy, or not yet synced); the ones that stop flushed stay,
+    /// since the engine writes a moved mark before its old segment goes.
+    fn kill(&mut self) {
+        self.unsettled.extend(self.confirmed.drain());
     }
 
     /// A store of `group` had its ack confirmed. This process keeps it
@@ -146,9 +154,8 @@ impl AckBook {
     fn clean_stop(&mut self) {
         let settled: Vec<Group> = self
             .confirmed
-            .iter()
-            .filter(|g| !self.unsettled.contains(*g))
-            .cloned()
+            .drain()
+            .filter(|g| !self.unsettled.contains(g))
             .collect();
         self.settled.extend(settled);
     }
@@ -571,7 +578,7 @@ impl Sim {
         };
         // The disk first: nothing the old process still does reaches it.
         self.fs = self.fs.power_loss(power);
-        self.acks.fault();
+        self.acks.kill();
         if let Some(node) = self.node.take() {
             self.remembered_dropped
                 .extend(node.engine.frames_owed().iter().map(|id| id.as_u128()));
@@ -653,13 +660,13 @@ impl Sim {
         if !own && self.acks.is_settled(group) {
             return Err(self.fail(format!(
                 "message {msg} was stored as a copy under {kept:#x}, a byte-equal message whose \
-                 ack was confirmed and marked durably (a clean stop since, no fault)"
+                 ack was confirmed and marked durably (a clean stop since, no disk fault)"
             )));
         }
         Ok(())
     }
 
-    /// After a clean restart: no record of a settled group (see
+    /// After a restart (clean, or after a kill): no record of a settled group (see
     /// [`AckBook`]) is read back in doubt. The same rule as
     /// [`Sim::check_copy_of_settled`], without waiting for a twin to show
     /// it.
@@ -679,8 +686,8 @@ impl Sim {
         });
         match in_doubt {
             Some((i, uid)) => Err(self.fail(format!(
-                "message {i} (id {uid:#x}) was read back in doubt at a clean restart, though \
-                 every store of its bytes had its ack confirmed and marked durably"
+                "message {i} (id {uid:#x}) was read back in doubt at a restart, though every \
+                 store of its bytes had its ack confirmed and marked durably"
             ))),
             None => Ok(()),
         }
@@ -1002,7 +1009,9 @@ impl Sim {
             Op::Kill { loss } => {
                 self.kill(loss).await;
                 self.maybe_change_limits();
-                self.ensure_started().await?;
+                if self.ensure_started().await? {
+                    self.check_settled_read_back()?;
+                }
             }
             Op::Restart { horizon } => {
                 self.stop_cleanly().await;
