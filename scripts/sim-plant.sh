@@ -133,7 +133,11 @@ for bug in "${bugs[@]}"; do
     # lower wal.max_message_bytes).
     limits=0
     [ "$bug" = limit ] || [ "$bug" = ackmark ] || [ "$bug" = ledgerlie ] || [ "$bug" = copyhome ] && limits=1
-    out=$(SIM_SOCKET=1 SIM_LIMITS=$limits SIM_SEEDS="$seeds" cargo test --lib sim::tests::long_run -- --ignored --nocapture 2>&1)
+    # SIM_ACKS: acks in doubt confirmed later (the copyhome bug needs a
+    # mark written after a compaction copied its record).
+    acks=0
+    [ "$bug" = copyhome ] && acks=1
+    out=$(SIM_SOCKET=1 SIM_LIMITS=$limits SIM_ACKS=$acks SIM_SEEDS="$seeds" cargo test --lib sim::tests::long_run -- --ignored --nocapture 2>&1)
     status=$?
     set -e
     git checkout -q -- src

@@ -11,9 +11,10 @@
 #   SIM_SEED=42 bash scripts/sim.sh  # replay one seed, shrunk if it fails
 #   SIM_THREADS=1 ...                # seeds run on every core by default
 #   SIM_SOCKET=1, SIM_RELEASE=1,     # modes: deliveries unread in the socket,
-#   SIM_LIMITS=1 ...                 # routes moving away, a config changed
+#   SIM_LIMITS=1, SIM_ACKS=1 ...     # routes moving away, a config changed
 #                                    # at restarts (segment size, largest
-#                                    # message, compaction, load chunk, spill)
+#                                    # message, compaction, load chunk,
+#                                    # spill), acks in doubt confirmed later
 #
 # The test command runs a fixed budget of seeds in a debug build
 # (sim::tests::a_fixed_budget_of_seeds_breaks_no_guarantee).

@@ -124,6 +124,10 @@ struct AckBook {
     unsettled: HashSet<Group>,
     /// Groups a clean stop made settled on disk.
     settled: HashSet<Group>,
+    /// Groups with stores whose ack was sent and may still be confirmed
+    /// (`SIM_ACKS=1`): how many. Unsettled until then; for good if the
+    /// process ends or the channel closes first.
+    doubt: HashMap<Group, u32>,
 }
 
 impl AckBook {
@@ -140,6 +144,28 @@ impl AckBook {
     /// since the engine writes a moved mark before its old segment goes.
     fn kill(&mut self) {
         self.unsettled.extend(self.confirmed.drain());
+        self.doubt_ends();
+    }
+
+    /// The acks still in doubt will never be confirmed to this process.
+    fn doubt_ends(&mut self) {
+        self.unsettled.extend(self.doubt.drain().map(|(g, _)| g));
+    }
+
+    /// A store's ack was sent, and may be confirmed later.
+    fn sent(&mut self, group: Group) {
+        *self.doubt.entry(group).or_default() += 1;
+    }
+
+    /// An ack [`Self::sent`] was confirmed.
+    fn confirmed_late(&mut self, group: Group) {
+        if let Some(n) = self.doubt.get_mut(&group) {
+            *n -= 1;
+            if *n == 0 {
+                self.doubt.remove(&group);
+            }
+        }
+        self.confirmed_now(group);
     }
 
     /// A store of `group` had its ack confirmed. This process keeps it
@@ -152,6 +178,7 @@ impl AckBook {
 
     /// A clean stop flushed every mark.
     fn clean_stop(&mut self) {
+        self.doubt_ends();
         let settled: Vec<Group> = self
             .confirmed
             .drain()
@@ -161,7 +188,9 @@ impl AckBook {
     }
 
     fn is_settled(&self, group: &Group) -> bool {
-        self.settled.contains(group) && !self.unsettled.contains(group)
+        self.settled.contains(group)
+            && !self.unsettled.contains(group)
+            && !self.doubt.contains_key(group)
     }
 }
 
@@ -194,6 +223,12 @@ pub struct Sim {
     /// threshold, far load chunk, which route spills (see [`Limits`]);
     /// one body in four is padded past the lower message limit.
     limits_on: bool,
+    /// Whether an ack in doubt may be confirmed later (`SIM_ACKS=1`, off
+    /// like `socket_on`), at a clock step, drawn from a stream of its own.
+    late_acks_on: bool,
+    late_acks_rng: Rng,
+    /// Stores whose ack was sent and not confirmed: (message, engine id).
+    sent_acks: Vec<(usize, u64)>,
     limits: Limits,
     /// Draws of [`Limits`], from a stream of their own.
     limits_rng: Rng,
@@ -332,6 +367,9 @@ impl Sim {
             socket_on: std::env::var_os("SIM_SOCKET").is_some_and(|v| v == "1"),
             release_on: std::env::var_os("SIM_RELEASE").is_some_and(|v| v == "1"),
             limits_on: std::env::var_os("SIM_LIMITS").is_some_and(|v| v == "1"),
+            late_acks_on: std::env::var_os("SIM_ACKS").is_some_and(|v| v == "1"),
+            late_acks_rng: seeded(seed ^ 0x1a7e_ac25),
+            sent_acks: Vec::new(),
             limits: Limits::default(),
             limits_rng: seeded(seed ^ 0x0111_1175),
             owed_frames: crate::wal::ledger::DEFAULT_FRAMES,
@@ -375,6 +413,11 @@ impl Sim {
     /// Starts may come with other limits (see `limits_on`).
     pub fn with_limits(mut self) -> Self {
         self.limits_on = true;
+        self
+    }
+
+    pub fn with_late_acks(mut self) -> Self {
+        self.late_acks_on = true;
         self
     }
 
@@ -579,6 +622,7 @@ impl Sim {
         // The disk first: nothing the old process still does reaches it.
         self.fs = self.fs.power_loss(power);
         self.acks.kill();
+        self.sent_acks.clear();
         if let Some(node) = self.node.take() {
             self.remembered_dropped
                 .extend(node.engine.frames_owed().iter().map(|id| id.as_u128()));
@@ -608,6 +652,8 @@ impl Sim {
     /// certainly, one sent perhaps), and so does what was unread; the next
     /// channel is a new session.
     fn channel_closed(&mut self) {
+        self.acks.doubt_ends();
+        self.sent_acks.clear();
         for (msg, sent) in std::mem::take(&mut self.in_doubt) {
             if !sent || self.aside.chance(50) {
                 self.broker.push_back((msg, true));
@@ -642,6 +688,32 @@ impl Sim {
         self.failed_syncs = self.fs.failed_syncs();
         // A clean stop gets its acks through.
         self.in_doubt.clear();
+        self.sent_acks.clear();
+    }
+
+    /// The broker confirms the oldest ack in doubt that was sent: its
+    /// record's mark is written now (late, perhaps after a compaction
+    /// copied it), and the delivery is redelivered no more.
+    fn confirm_late_ack(&mut self) {
+        let Some(engine) = self.engine() else {
+            return;
+        };
+        if self.sent_acks.is_empty() {
+            return;
+        }
+        let (msg, id) = self.sent_acks.remove(0);
+        if let Some(at) = self.in_doubt.iter().position(|&(m, sent)| m == msg && sent) {
+            self.in_doubt.remove(at);
+        }
+        engine.confirm_ack(id);
+        let m = &self.model.msgs[msg];
+        let group = (m.route, m.bytes.clone());
+        if self.faulty() || self.fs.crash_armed() {
+            // Its mark, written now, may fail (and is not written again).
+            self.acks.unsettled.insert(group.clone());
+        }
+        self.acks.confirmed_late(group);
+        self.note(("ack confirmed late", msg));
     }
 
     /// A redelivery of `msg` was stored as a copy under `kept`, the id of
@@ -747,9 +819,12 @@ impl Sim {
                     let sent = id % 2 == 0;
                     if sent {
                         engine.ack_sending(id);
+                        self.sent_acks.push((msg, id));
+                        self.acks.sent(group);
+                    } else {
+                        self.acks.unsettled.insert(group);
                     }
                     self.in_doubt.push((msg, sent));
-                    self.acks.unsettled.insert(group);
                 } else {
                     engine.ack_sending(id);
                     engine.confirm_ack(id);
@@ -976,6 +1051,9 @@ impl Sim {
                 }
             }
             Op::Clock { ms } => {
+                if self.late_acks_on && self.late_acks_rng.chance(40) {
+                    self.confirm_late_ack();
+                }
                 let now = self.clock.now_ms();
                 self.clock.set(now.saturating_add_signed(ms));
                 self.clock_high = self.clock_high.max(self.clock.now_ms());

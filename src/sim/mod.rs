@@ -52,7 +52,7 @@ pub const OPS_PER_SEED: usize = 120;
 
 /// What a run may do beyond the default draw (each also turned on for
 /// every run by its variable: `SIM_SOCKET=1`, `SIM_RELEASE=1`,
-/// `SIM_LIMITS=1`).
+/// `SIM_LIMITS=1`, `SIM_ACKS=1`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Mode {
     /// Deliveries may wait unread in the process's socket.
@@ -64,6 +64,10 @@ pub struct Mode {
     /// Starts may come with other limits: segment size, largest message,
     /// compaction threshold, far load chunk, which route spills.
     pub limits: bool,
+    /// An ack in doubt may be confirmed later, while the process lives
+    /// (the broker's answer came after other work): its record's mark is
+    /// then written late, perhaps after a compaction copied the record.
+    pub late_acks: bool,
 }
 
 /// Play `ops` with randomness from `seed`.
@@ -101,6 +105,9 @@ fn run_on(mut sim: driver::Sim, ops: &[Op], mode: Mode) -> Result<Report, Failur
     }
     if mode.limits {
         sim = sim.with_limits();
+    }
+    if mode.late_acks {
+        sim = sim.with_late_acks();
     }
     block_on(sim.play(ops))
 }

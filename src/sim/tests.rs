@@ -3580,6 +3580,7 @@ fn seed_212067_all_modes() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     if let Err(f) = run_in(212_067, &ops, mode) {
         panic!("{f}");
@@ -3644,6 +3645,7 @@ fn seed_223542_all_modes() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     if let Err(f) = run_in(223_542, &ops, mode) {
         panic!("{f}");
@@ -3702,6 +3704,7 @@ fn seed_224385_all_modes() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     if let Err(f) = run_in(224_385, &ops, mode) {
         panic!("{f}");
@@ -3757,6 +3760,7 @@ fn seed_309433_all_modes() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     if let Err(f) = run_in(309_433, &ops, mode) {
         panic!("{f}");
@@ -3838,6 +3842,7 @@ fn seed_335474_all_modes() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     if let Err(f) = run_in(335_474, &ops, mode) {
         panic!("{f}");
@@ -3878,6 +3883,7 @@ fn seed_400004_a_cancel_in_doubt_outlives_a_full_disk() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     match run_with_default_ledger(400_004, &ops, mode) {
         Ok(report) => assert_eq!(report.frames_forgotten, 0, "{report:?}"),
@@ -3911,6 +3917,7 @@ fn seed_400260_a_cancel_in_doubt_outlives_a_full_disk() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     match run_with_default_ledger(400_260, &ops, mode) {
         Ok(report) => assert_eq!(report.frames_forgotten, 0, "{report:?}"),
@@ -3946,6 +3953,7 @@ fn seed_401035_a_cancel_in_doubt_outlives_a_full_disk() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     match run_with_default_ledger(401_035, &ops, mode) {
         Ok(report) => assert_eq!(report.frames_forgotten, 0, "{report:?}"),
@@ -4031,6 +4039,7 @@ fn seed_427654_all_modes() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     if let Err(f) = run_with_default_ledger(427_654, &ops, mode) {
         panic!("{f}");
@@ -4090,6 +4099,7 @@ fn seed_449977_all_modes() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     if let Err(f) = run_in(449_977, &ops, mode) {
         panic!("{f}");
@@ -4130,6 +4140,7 @@ fn seed_476040_all_modes() {
         socket: true,
         release: true,
         limits: true,
+        late_acks: false,
     };
     if let Err(f) = run_in(476_040, &ops, mode) {
         panic!("{f}");
