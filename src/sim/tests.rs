@@ -12,6 +12,9 @@ const RELEASE_SEEDS: u64 = 300;
 /// Seeds the test command runs with the config changed at restarts.
 const LIMITS_SEEDS: u64 = 100;
 
+/// Seeds the test command runs with acks in doubt confirmed later.
+const LATE_ACKS_SEEDS: u64 = 200;
+
 fn report(reports: &[Report]) -> String {
     let sum = |f: fn(&Report) -> u64| reports.iter().map(f).sum::<u64>();
     format!(
@@ -74,6 +77,19 @@ fn a_fixed_budget_of_seeds_with_the_config_changed_at_restarts_breaks_no_guarant
     };
     let reports = run_or_panic_in(1, LIMITS_SEEDS, mode);
     eprintln!("sim (config changed at restarts): {}", report(&reports));
+}
+
+/// Seeds whose acks in doubt may be confirmed later, while the process
+/// lives: a record's mark written after a compaction copied it, or after
+/// it fired, must keep it settled through compactions and restarts.
+#[test]
+fn a_fixed_budget_of_seeds_with_acks_confirmed_late_breaks_no_guarantee() {
+    let mode = Mode {
+        late_acks: true,
+        ..Mode::default()
+    };
+    let reports = run_or_panic_in(1, LATE_ACKS_SEEDS, mode);
+    eprintln!("sim (acks confirmed late): {}", report(&reports));
 }
 
 #[test]
