@@ -2783,6 +2783,92 @@ async fn fired_copys_mark_compacted(restart: bool) {
     );
 }
 
+/// A message due in two days pins its segment that long. The ack marks of
+/// the messages after it, fired long since, must not pin their segments
+/// with it: a compaction moved a plain mark on while any segment at or
+/// before its seq stood (the table kept no segment's last seq), and the
+/// moved mark's segment then had to outlive the pinned one. Marks of two
+/// days of traffic were copied at every compaction and kept on disk.
+#[tokio::test]
+async fn ack_marks_of_fired_messages_do_not_pile_up_behind_an_old_segment() {
+    let fs = crate::wal::sim::SimFs::with_dir(SIM_DIR);
+    let clock = Arc::new(ManualClock::new(T0_SIM));
+    let mut r = start(on_sim_fs(&fs), clock.clone());
+    let t0 = T0_SIM;
+    let arrival = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    // A segment of them, all live: never compacted.
+    for i in 0..3u8 {
+        r.engine
+            .schedule("r", t0 + 48 * 3_600_000, vec![i; 300])
+            .await
+            .unwrap();
+    }
+    // Rounds of messages due at once, their acks confirmed (the marks
+    // ride the next batch), each round with one due in an hour, so that
+    // the segments holding marks are compacted, not collected.
+    let mut hours = 0;
+    for round in 0..20u8 {
+        if round == 10 {
+            // A start knows each segment's end from its scan: the segments
+            // after the pinned one are gone by now.
+            r.stop().await;
+            r = start(on_sim_fs(&fs), clock.clone());
+        }
+        // A segment of messages due now; their acks are confirmed once it
+        // is sealed, so the marks go to the next one, beside one due in an
+        // hour and two more due now (compacted once those fire).
+        let mut ids = Vec::new();
+        for i in 0..3u8 {
+            let stored = r
+                .engine
+                .store("r", t0, MessageId::mint(), vec![round + i; 300], arrival)
+                .await
+                .unwrap();
+            ids.push(stored.id().unwrap());
+        }
+        r.engine
+            .schedule("r", t0 + 3_600_000, vec![round; 300])
+            .await
+            .unwrap();
+        for id in ids {
+            r.engine.ack_sending(id);
+            r.engine.confirm_ack(id);
+        }
+        for i in 0..2u8 {
+            r.engine.schedule("r", t0, vec![round, i]).await.unwrap();
+        }
+        hours += 1;
+        clock.set(t0 + 1_000);
+        r.engine.wake();
+        for _ in 0..5 {
+            r.recv().await;
+        }
+        r.until_pending(3 + hours).await;
+        r.engine.compact_now().await.unwrap();
+    }
+    // The hour passes: all but the pinned message have fired.
+    clock.set(t0 + 3_600_000 + 1_000);
+    r.engine.wake();
+    for _ in 0..hours {
+        r.recv().await;
+    }
+    r.until_pending(3).await;
+    for _ in 0..3 {
+        r.engine.compact_now().await.unwrap();
+    }
+    let space = r.engine.space();
+    r.stop().await;
+    assert!(
+        space.segments <= 3,
+        "{} segments ({} bytes) held behind the pinned one",
+        space.segments,
+        space.bytes
+    );
+}
+
 /// A restart keeps records in doubt as the running engine does: it forgets
 /// one only after `dedup_window` newer ones it remembers. Newer records
 /// whose acks were confirmed (new ones, or a compaction's copies, which can

@@ -179,6 +179,11 @@ pub fn recover(
             }
         }
         last_seq = last_seq.max(scanner.last_seq());
+        if !is_last {
+            // Exact even when the segment after it is gone (the writer
+            // may still go on in the last one).
+            table.set_end_seq(ordinal, last_seq.max(first_seq.saturating_sub(1)) + 1);
+        }
         if let Some(cut) = cut_at {
             truncate(fs, &path, cut)?;
             report.truncated_bytes += buf.len() as u64 - cut;

@@ -32,6 +32,9 @@ pub fn sync_dir(fs: &dyn FileSystem, dir: &Path) -> Result<(), WalError> {
 
 struct Segment {
     first_seq: u64,
+    /// One past the last seq written here: the next segment's first seq,
+    /// or what a start's scan read (`u64::MAX` while it is the head).
+    end_seq: u64,
     path: PathBuf,
     file: Arc<dyn WalFile>,
     salt: Salt,
@@ -85,11 +88,19 @@ impl SegmentTable {
     ) -> u32 {
         let ordinal = self.next_ordinal;
         self.next_ordinal += 1;
+        // The segment before it ends where it begins, unless a start's
+        // scan knew its end.
+        if let Some((_, before)) = self.by_first_seq.range(..first_seq).next_back() {
+            if let Some(s) = self.segments.get_mut(before) {
+                s.end_seq = s.end_seq.min(first_seq);
+            }
+        }
         self.by_first_seq.insert(first_seq, ordinal);
         self.segments.insert(
             ordinal,
             Segment {
                 first_seq,
+                end_seq: u64::MAX,
                 path,
                 file,
                 salt,
@@ -209,15 +220,23 @@ impl SegmentTable {
             .filter(|record| self.segments.contains_key(record))
     }
 
-    /// The first seq of the segment that seq `seq` falls in, if it exists;
-    /// if that one is gone, of the newest older one (the table keeps no
-    /// segment's last seq): a mark is then held longer than it needs, never
-    /// shorter.
+    /// The first seq of the segment that seq `seq` was written to, if it
+    /// is still on disk. Until 2026-12-07 the newest older segment stood in
+    /// for a gone one (no segment's end was kept): a segment of messages
+    /// due in two days then held every ack mark compaction moved on since,
+    /// and the segments the moved marks were written to.
     pub fn covering(&self, seq: u64) -> Option<u64> {
-        self.by_first_seq
-            .range(..=seq)
-            .next_back()
-            .map(|(&first, _)| first)
+        let (&first, ordinal) = self.by_first_seq.range(..=seq).next_back()?;
+        let end = self.segments.get(ordinal).map_or(u64::MAX, |s| s.end_seq);
+        (seq < end).then_some(first)
+    }
+
+    /// A start read segment `ordinal` through: its frames end before
+    /// `end`.
+    pub fn set_end_seq(&mut self, ordinal: u32, end: u64) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            s.end_seq = s.end_seq.min(end);
+        }
     }
 
     /// `copy` may not be deleted before `original`, nor before any segment
@@ -393,6 +412,20 @@ mod tests {
             t.add(i * 100 + 1, path, file, 1000, Salt::UNSALTED);
         }
         (t, dir)
+    }
+
+    #[test]
+    fn a_seq_is_covered_only_by_the_segment_it_was_written_to() {
+        // Segments first at seqs 1, 101, 201, 301.
+        let (mut t, _dir) = table_with(4);
+        assert_eq!(t.covering(150), Some(101));
+        assert_eq!(t.covering(350), Some(301), "the head has no end");
+        t.remove(1);
+        assert_eq!(t.covering(150), None, "its segment is gone");
+        assert_eq!(t.covering(50), Some(1));
+        // A start's scan knows where a segment ended, whatever follows it.
+        t.set_end_seq(0, 60);
+        assert_eq!(t.covering(70), None);
     }
 
     #[test]
