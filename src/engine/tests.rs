@@ -2640,29 +2640,46 @@ enum MarkGoes {
     Compacted,
 }
 
-async fn ack_confirmed_after_a_copy(goes: MarkGoes) {
-    // Due in an hour, in the first segment beside messages due now; its
-    // ack is sent and not yet confirmed.
+/// [`one_due_in_an_hour`], its ack sent and not yet confirmed, copied by
+/// a compaction once the messages due now beside it fired.
+async fn one_copied_in_doubt() -> (
+    Running,
+    crate::wal::sim::SimFs,
+    Arc<ManualClock>,
+    u64,
+    Vec<u8>,
+) {
     let (mut r, fs, clock, id, message) = one_due_in_an_hour().await;
-    let (t0, later) = (T0_SIM, T0_SIM + 3_600_000);
-    let on = on_sim_fs;
     r.engine.ack_sending(id);
     for i in 0..8u8 {
-        r.engine.schedule("r", t0, vec![i; 300]).await.unwrap();
+        r.engine.schedule("r", T0_SIM, vec![i; 300]).await.unwrap();
     }
-    let at = |r: &Running| match r.engine.read(id).unwrap().unwrap().0.at {
-        Location::Wal(pos) => pos.segment,
-        other => panic!("not in the WAL: {other:?}"),
-    };
-    let original = at(&r);
-    clock.set(t0 + 1_000);
+    let original = wal_segment_of(&r, id);
+    clock.set(T0_SIM + 1_000);
     r.engine.wake();
     for _ in 0..8 {
         r.recv().await;
     }
     r.until_pending(1).await;
     r.engine.compact_now().await.unwrap();
-    assert_ne!(at(&r), original, "not copied");
+    assert_ne!(wal_segment_of(&r, id), original, "not copied");
+    (r, fs, clock, id, message)
+}
+
+/// The WAL segment pending record `id` is read from.
+fn wal_segment_of(r: &Running, id: u64) -> u32 {
+    match r.engine.read(id).unwrap().unwrap().0.at {
+        Location::Wal(pos) => pos.segment,
+        other => panic!("not in the WAL: {other:?}"),
+    }
+}
+
+async fn ack_confirmed_after_a_copy(goes: MarkGoes) {
+    // Due in an hour, in the first segment beside messages due now; its
+    // ack is sent and not yet confirmed.
+    let (mut r, fs, clock, id, message) = one_copied_in_doubt().await;
+    let (t0, later) = (T0_SIM, T0_SIM + 3_600_000);
+    let on = on_sim_fs;
     // The copy's segment stays (its other messages are due in an hour);
     // the ack is confirmed now, and its mark goes to a segment of messages
     // due now, which is collected once they fire.
@@ -2715,26 +2732,8 @@ async fn a_fired_copys_ack_mark_outlives_the_compaction_of_its_segment() {
 /// `restart`: a clean restart before the compaction (the pair of mark and
 /// copy then comes from the replay).
 async fn fired_copys_mark_compacted(restart: bool) {
-    let (mut r, fs, clock, id, message) = one_due_in_an_hour().await;
+    let (mut r, fs, clock, id, message) = one_copied_in_doubt().await;
     let (t0, later, latest) = (T0_SIM, T0_SIM + 3_600_000, T0_SIM + 7_200_000);
-    r.engine.ack_sending(id);
-    for i in 0..8u8 {
-        r.engine.schedule("r", t0, vec![i; 300]).await.unwrap();
-    }
-    let at = |r: &Running| match r.engine.read(id).unwrap().unwrap().0.at {
-        Location::Wal(pos) => pos.segment,
-        other => panic!("not in the WAL: {other:?}"),
-    };
-    let original = at(&r);
-    clock.set(t0 + 1_000);
-    r.engine.wake();
-    for _ in 0..8 {
-        r.recv().await;
-    }
-    r.until_pending(1).await;
-    r.engine.compact_now().await.unwrap();
-    let copy = at(&r);
-    assert_ne!(copy, original, "not copied");
     // The copy's segment outlives the record: its other messages are due
     // later still.
     for i in 0..2u8 {
@@ -2766,17 +2765,7 @@ async fn fired_copys_mark_compacted(restart: bool) {
     r.engine.compact_now().await.unwrap();
     r.engine.compact_now().await.unwrap();
     r.stop().await;
-    let r = start(on_sim_fs(&fs), clock);
-    let redelivered = Arrival {
-        redelivered: true,
-        session: 2,
-    };
-    let stored = r
-        .engine
-        .store("r", latest, MessageId::mint(), message, redelivered)
-        .await
-        .unwrap();
-    r.stop().await;
+    let stored = start_then_redeliver(&fs, clock, latest, message).await;
     assert!(
         matches!(stored, Stored::New(_)),
         "restart {restart}: the fired copy was read back in doubt, its mark gone: {stored:?}"
@@ -2993,7 +2982,18 @@ async fn crash_then_redeliver(
     r.shutdown.cancel();
     r.task.abort();
     drop(r);
-    let r = start(on_sim_fs(&fs), clock);
+    start_then_redeliver(&fs, clock, due, message).await
+}
+
+/// The engine starts on what `fs` holds; a byte-equal message, redelivered
+/// on a later channel session, is stored. What was it stored as?
+async fn start_then_redeliver(
+    fs: &crate::wal::sim::SimFs,
+    clock: Arc<ManualClock>,
+    due: u64,
+    message: Vec<u8>,
+) -> Stored {
+    let r = start(on_sim_fs(fs), clock);
     let redelivered = Arrival {
         redelivered: true,
         session: 2,

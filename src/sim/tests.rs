@@ -12,6 +12,15 @@ const RELEASE_SEEDS: u64 = 300;
 /// Seeds the test command runs with the config changed at restarts.
 const LIMITS_SEEDS: u64 = 100;
 
+/// Deliveries unread in the socket, routes moving away, the config changed
+/// at restarts: the mode most long runs found their seeds in.
+const ALL_THREE_MODES: Mode = Mode {
+    socket: true,
+    release: true,
+    limits: true,
+    late_acks: false,
+};
+
 /// Seeds the test command runs with acks in doubt confirmed later.
 const LATE_ACKS_SEEDS: u64 = 200;
 
@@ -3592,12 +3601,7 @@ fn seed_212067_all_modes() {
         Op::Compact,
         Op::Restart { horizon: 1 },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     if let Err(f) = run_in(212_067, &ops, mode) {
         panic!("{f}");
     }
@@ -3657,12 +3661,7 @@ fn seed_223542_all_modes() {
             loss: Loss::Unsynced,
         },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     if let Err(f) = run_in(223_542, &ops, mode) {
         panic!("{f}");
     }
@@ -3716,12 +3715,7 @@ fn seed_224385_all_modes() {
         Op::DiskFull { scope: Scope::Far },
         Op::CancelKey { route: 0, key: 1 },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     if let Err(f) = run_in(224_385, &ops, mode) {
         panic!("{f}");
     }
@@ -3772,12 +3766,7 @@ fn seed_309433_all_modes() {
         },
         Op::Kill { loss: Loss::Torn },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     if let Err(f) = run_in(309_433, &ops, mode) {
         panic!("{f}");
     }
@@ -3854,12 +3843,7 @@ fn seed_335474_all_modes() {
         deliver(1, 3, 348, 683, None, true),
         Op::CancelKey { route: 0, key: 2 },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     if let Err(f) = run_in(335_474, &ops, mode) {
         panic!("{f}");
     }
@@ -3895,12 +3879,7 @@ fn seed_400004_a_cancel_in_doubt_outlives_a_full_disk() {
         Op::Compact,
         Op::Kill { loss: Loss::Torn },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     match run_with_default_ledger(400_004, &ops, mode) {
         Ok(report) => assert_eq!(report.frames_forgotten, 0, "{report:?}"),
         Err(f) => panic!("{f}"),
@@ -3929,12 +3908,7 @@ fn seed_400260_a_cancel_in_doubt_outlives_a_full_disk() {
         Op::DiskSpace,
         Op::FarRound,
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     match run_with_default_ledger(400_260, &ops, mode) {
         Ok(report) => assert_eq!(report.frames_forgotten, 0, "{report:?}"),
         Err(f) => panic!("{f}"),
@@ -3965,12 +3939,7 @@ fn seed_401035_a_cancel_in_doubt_outlives_a_full_disk() {
         Op::Compact,
         Op::Kill { loss: Loss::Torn },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     match run_with_default_ledger(401_035, &ops, mode) {
         Ok(report) => assert_eq!(report.frames_forgotten, 0, "{report:?}"),
         Err(f) => panic!("{f}"),
@@ -4051,12 +4020,7 @@ fn seed_427654_all_modes() {
         Op::Compact,
         Op::Kill { loss: Loss::Torn },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     if let Err(f) = run_with_default_ledger(427_654, &ops, mode) {
         panic!("{f}");
     }
@@ -4111,12 +4075,7 @@ fn seed_449977_all_modes() {
         Op::Clock { ms: 96102 },
         Op::Kill { loss: Loss::Torn },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     if let Err(f) = run_in(449_977, &ops, mode) {
         panic!("{f}");
     }
@@ -4152,12 +4111,7 @@ fn seed_476040_all_modes() {
         },
         Op::Kill { loss: Loss::Torn },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     if let Err(f) = run_in(476_040, &ops, mode) {
         panic!("{f}");
     }
@@ -4221,12 +4175,7 @@ fn seed_616036_all_modes() {
         },
         Op::Kill { loss: Loss::Torn },
     ];
-    let mode = Mode {
-        socket: true,
-        release: true,
-        limits: true,
-        late_acks: false,
-    };
+    let mode = ALL_THREE_MODES;
     if let Err(f) = run_in(616_036, &ops, mode) {
         panic!("{f}");
     }
