@@ -972,10 +972,11 @@ impl Recent {
 
     /// An Acked mark (its id perhaps with [`CANCELLED_MARK`]), read in log
     /// order (after its Schedule). A mark whose Schedule is no longer among
-    /// the newest does not matter. An ack's mark (plain or
-    /// [`MATCHED_MARK`]) returns the segment its record was read from: the
-    /// mark's segment must outlive it (a compaction copy's segment, which
-    /// the writer knew and its seq does not say).
+    /// the newest does not matter. A plain or [`CANCELLED_MARK`] mark
+    /// returns the segment its record was read from: the mark's segment
+    /// must outlive it (a compaction copy's segment, which the writer knew
+    /// and its seq does not say; a cancel's mark that compaction moved
+    /// away from its Done).
     pub fn mark(&mut self, marked: u64) -> Option<u32> {
         self.read += 1;
         let read = self.read;
@@ -1008,8 +1009,12 @@ impl Recent {
         }
         entry.cancelled = true;
         let uid = entry.uid;
+        let segment = entry.segment();
         self.cancelled_at.entry(uid).or_insert(read);
-        None
+        // A cancel's mark outlives the record's segment too: one that a
+        // compaction moved away from its Done has nothing else to keep it
+        // (sim seed 636,755).
+        segment
     }
 
     /// The newest Schedules whose ack is not known. Whether their acks

@@ -4181,14 +4181,9 @@ fn seed_616036_all_modes() {
     }
 }
 
-/// Sim seed 636,755, all four modes (the default with late acks too):
-/// **open**. Message 1 (ack in doubt) is cancelled at step 7, and its
-/// redelivery after the last crash is stored as a copy under the cancelled
-/// identity and fires. Fails on the code of 2026-12-07's fifth session and
-/// on the one it began with (dcce02a). Run it with `--ignored`; see
-/// docs/testing.md.
+/// Sim seed 636,755, all three modes, with and without late acks: a
+/// cancelled message fired. See docs/testing.md.
 #[test]
-#[ignore = "open: a cancelled message fires (sim seed 636,755)"]
 fn seed_636755_all_modes() {
     use ops::{Loss, Op};
     let ops = vec![
