@@ -589,7 +589,10 @@ async fn compact(inner: &Arc<Inner>, segment: u32) -> Result<(), EngineError> {
     }
     for rx in done_copies {
         let appended = rx.await.map_err(|_| EngineError::WriterGone)??;
-        // The Done copies' segment takes over what this one had to outlive.
+        // The segments of the moved Dones and marks take over what this one
+        // had to outlive: a cancel's mark and its Done may land apart, and
+        // the mark must last as long as the Schedule the Done names
+        // (`a_cancel_mark_moved_by_a_compaction_outlives_the_cancelled_schedule`).
         inner.wal.keep_after(appended.pos.segment, segment);
     }
     let mut late_dones = Vec::new();

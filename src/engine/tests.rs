@@ -3018,3 +3018,73 @@ fn on_sim_fs(fs: &crate::wal::sim::SimFs) -> EngineConfig {
     cfg.wal.segment_bytes = 1024;
     cfg
 }
+
+/// A cancel's mark rides its Done's batch, so the Done (naming the
+/// cancelled Schedule's segment) keeps the mark on disk as long as that
+/// Schedule. A compaction moves the mark and the Done as two appends, which
+/// two batches may put in two segments: the mark's, holding nothing live
+/// and naming nothing, must still outlive the Schedule, or a restart reads
+/// the cancelled record back in doubt, not cancelled, stores its
+/// redelivery again, and the cancelled message fires. `Wal::keep_after`
+/// for every moved frame's segment is what holds it (this fails with that
+/// call left out); the stop-75 note had it as an open gap.
+#[tokio::test]
+async fn a_cancel_mark_moved_by_a_compaction_outlives_the_cancelled_schedule() {
+    let fs = crate::wal::sim::SimFs::with_dir(SIM_DIR);
+    let clock = Arc::new(ManualClock::new(T0_SIM));
+    let mut r = start(on_sim_fs(&fs), clock.clone());
+    let (t0, later) = (T0_SIM, T0_SIM + 3_600_000);
+    let arrival = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    // Segment S: the message that is cancelled, its ack never confirmed,
+    // beside two that stay (S is never compacted).
+    let message = vec![7u8; 300];
+    let cancelled = r
+        .engine
+        .store("r", later, MessageId::mint(), message.clone(), arrival)
+        .await
+        .unwrap()
+        .id()
+        .unwrap();
+    r.engine.ack_sending(cancelled);
+    for i in 0..2u8 {
+        r.engine.schedule("r", later, vec![i; 300]).await.unwrap();
+    }
+    let s = wal_segment_of(&r, cancelled);
+    // Segment D: two messages due now, the cancel's marks and Done, one
+    // that stays. Once the two fire, D is compacted.
+    for i in 0..2u8 {
+        r.engine.schedule("r", t0, vec![10 + i; 300]).await.unwrap();
+    }
+    assert!(r.engine.cancel(cancelled).await.unwrap());
+    let stays = r.engine.schedule("r", later, vec![20; 300]).await.unwrap();
+    let d = wal_segment_of(&r, stays);
+    assert_ne!(s, d, "the cancel went to the cancelled message's segment");
+    clock.set(t0 + 1_000);
+    r.engine.wake();
+    for _ in 0..2 {
+        r.recv().await;
+    }
+    // D is sealed: the next batch goes to a new segment.
+    r.engine.schedule("r", later, vec![30; 300]).await.unwrap();
+    r.until_pending(4).await;
+    r.stop().await;
+    // Each append its own batch, each batch its own segment: the moved mark
+    // and the moved Done land apart, as two batches may.
+    let mut apart = on_sim_fs(&fs);
+    apart.wal.max_batch_bytes = 1;
+    apart.wal.segment_bytes = 1;
+    r = start(apart, clock.clone());
+    r.engine.compact_now().await.unwrap();
+    assert_ne!(wal_segment_of(&r, stays), d, "D was not compacted");
+    r.engine.compact_now().await.unwrap();
+    r.stop().await;
+    let stored = start_then_redeliver(&fs, clock, later, message).await;
+    assert_eq!(
+        stored,
+        Stored::Duplicate,
+        "the cancelled record was read back in doubt, its cancel mark gone"
+    );
+}
