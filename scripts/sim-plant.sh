@@ -33,14 +33,16 @@
 # copymark (a compaction copy of a record whose ack is settled written with
 # no mark after it: a restart reads it back in doubt), copyhome (a
 # compaction drops the ack's mark of a fired record whose compaction copy
-# stands: a restart reads the copy back in doubt). The last three are
-# caught by the check that a clean restart reads settled records back
-# settled.
+# stands: a restart reads the copy back in doubt), keepafter (the Dones
+# and marks a compaction moves on do not take over what their segment had
+# to outlive: a Schedule they retire, or a record a cancel's mark covers,
+# comes back at a restart). Ackmark, copymark and copyhome are caught by
+# the check that a clean restart reads settled records back settled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${SEEDS:-1000}"
 bugs=("$@")
-[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone limit cancelmark unarmed ledgerlie ackmark copymark copyhome)
+[ ${#bugs[@]} -eq 0 ] && bugs=(nofsync early cutback cancelfar loadid session indoubt noframe consumed movedone limit cancelmark unarmed ledgerlie ackmark copymark copyhome keepafter)
 
 # plant NAME: edit the source; each edit must apply exactly once.
 plant() {
@@ -108,6 +110,9 @@ edits = {
     "copyhome": [("src/engine/compact.rs",
         ".or_else(|| inner.wal.copy_mark_home(segment, id));",
         ";")],
+    "keepafter": [("src/engine/compact.rs",
+        "        inner.wal.keep_after(appended.pos.segment, segment);\n    }\n    let mut late_dones",
+        "    }\n    let mut late_dones")],
     "unarmed": [("src/engine/compact.rs",
         "if located < inner.wal.segment_live(segment) {",
         "if false && located < inner.wal.segment_live(segment) {")],
