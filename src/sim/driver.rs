@@ -227,6 +227,11 @@ pub struct Sim {
     /// like `socket_on`), at a clock step, drawn from a stream of its own.
     late_acks_on: bool,
     late_acks_rng: Rng,
+    /// `SIM_SMALL=1`: every start's segments this small (a record or
+    /// three each), whatever other limits it draws, so that frames a
+    /// compaction moves land in segments of their own, which garbage
+    /// collection can take apart from what they must outlive.
+    small_segments: Option<u64>,
     /// Stores whose ack was sent and not confirmed: (message, engine id).
     sent_acks: Vec<(usize, u64)>,
     limits: Limits,
@@ -326,6 +331,12 @@ impl Limits {
     }
 }
 
+/// A seed's small segment size (`SIM_SMALL=1`), from a stream of its own
+/// so that the other draws stay as they were.
+fn small_segment_bytes(seed: u64) -> u64 {
+    [160, 256, 384][seeded(seed ^ 0x05a1_15e6).below(3) as usize]
+}
+
 /// With `SIM_LIMITS=1`: one body in four padded to 200-399 more bytes.
 fn padding(body: u16) -> usize {
     match body % 4 {
@@ -369,6 +380,9 @@ impl Sim {
             limits_on: std::env::var_os("SIM_LIMITS").is_some_and(|v| v == "1"),
             late_acks_on: std::env::var_os("SIM_ACKS").is_some_and(|v| v == "1"),
             late_acks_rng: seeded(seed ^ 0x1a7e_ac25),
+            small_segments: std::env::var_os("SIM_SMALL")
+                .is_some_and(|v| v == "1")
+                .then(|| small_segment_bytes(seed)),
             sent_acks: Vec::new(),
             limits: Limits::default(),
             limits_rng: seeded(seed ^ 0x0111_1175),
@@ -418,6 +432,12 @@ impl Sim {
 
     pub fn with_late_acks(mut self) -> Self {
         self.late_acks_on = true;
+        self
+    }
+
+    /// Small segments at every start (see `small_segments`).
+    pub fn with_small_segments(mut self) -> Self {
+        self.small_segments = Some(small_segment_bytes(self.report.seed));
         self
     }
 
@@ -511,7 +531,7 @@ impl Sim {
     fn config(&self) -> EngineConfig {
         let mut wal = WalConfig::new(DIR);
         wal.fs = Arc::new(self.fs.clone());
-        wal.segment_bytes = self.limits.segment_bytes;
+        wal.segment_bytes = self.small_segments.unwrap_or(self.limits.segment_bytes);
         wal.compact_below = self.limits.compact_below;
         wal.max_message_bytes = self.limits.max_message_bytes;
         wal.lazy_done_wait = Duration::ZERO;

@@ -68,6 +68,8 @@ pub struct Mode {
     /// (the broker's answer came after other work): its record's mark is
     /// then written late, perhaps after a compaction copied the record.
     pub late_acks: bool,
+    /// Segments of a record or three (`SIM_SMALL=1`).
+    pub small_segments: bool,
 }
 
 /// Play `ops` with randomness from `seed`.
@@ -108,6 +110,9 @@ fn run_on(mut sim: driver::Sim, ops: &[Op], mode: Mode) -> Result<Report, Failur
     }
     if mode.late_acks {
         sim = sim.with_late_acks();
+    }
+    if mode.small_segments {
+        sim = sim.with_small_segments();
     }
     block_on(sim.play(ops))
 }

@@ -19,6 +19,7 @@ const ALL_THREE_MODES: Mode = Mode {
     release: true,
     limits: true,
     late_acks: false,
+    small_segments: false,
 };
 
 /// Seeds the test command runs with acks in doubt confirmed later.
