@@ -15,6 +15,8 @@
 #                                    # at restarts (segment size, largest
 #                                    # message, compaction, load chunk,
 #                                    # spill), acks in doubt confirmed later
+#   SIM_SMALL=1 ...                  # segments of 160-384 bytes at every
+#                                    # start (a record or three each)
 #
 # The test command runs a fixed budget of seeds in a debug build
 # (sim::tests::a_fixed_budget_of_seeds_breaks_no_guarantee).
