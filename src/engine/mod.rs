@@ -1584,7 +1584,7 @@ impl Engine {
         let done = match self
             .inner
             .wal
-            .append_done_with_marks(id, entry.data.pos, marks)
+            .append_retiring_done(id, entry.data.pos, marks)
         {
             Ok(done) => done,
             Err(e) => {
@@ -2053,7 +2053,8 @@ impl Inner {
     /// A message whose Done failed waits again where it waited: live in
     /// its segment, armed, and in the key index.
     fn rearm_retired(&self, entry: Expired<Slot>, hash: Option<u64>) {
-        self.wal.revive(entry.data.pos);
+        // Its Schedule counts as live again already: the WAL undid the
+        // count when the Done failed (or never took it).
         let mut state = self.state();
         state.arm(entry.id, entry.deadline, entry.data);
         if let Some(hash) = hash {

@@ -3088,3 +3088,50 @@ async fn a_cancel_mark_moved_by_a_compaction_outlives_the_cancelled_schedule() {
         "the cancelled record was read back in doubt, its cancel mark gone"
     );
 }
+
+/// A cancel counts its Schedule dead as it sends the Done, before the Done
+/// is durable. Garbage collection took that count for the segment's last
+/// word: it deleted the Schedule's segment while the Done was on its way,
+/// and when the Done then failed (a full disk past the reserve) the cancel
+/// answered an error and put the message back, pointing at a segment that
+/// was gone. The message whose cancel failed was lost: unreadable when due,
+/// and forgotten by a restart.
+#[tokio::test]
+async fn a_cancel_whose_done_fails_keeps_the_message_on_disk() {
+    let fs = crate::wal::sim::SimFs::with_dir(SIM_DIR);
+    let clock = Arc::new(ManualClock::new(T0_SIM));
+    let mut r = start(on_sim_fs(&fs), clock.clone());
+    let later = T0_SIM + 3_600_000;
+    // Alone in its segment (larger than a segment), which the next batch
+    // seals.
+    let message = vec![1u8; 1_100];
+    let id = r
+        .engine
+        .schedule("r", later, message.clone())
+        .await
+        .unwrap();
+    r.engine.schedule("r", later, vec![2; 10]).await.unwrap();
+    fs.set_full(vec![SIM_DIR.into()]);
+    let mut cancel = Box::pin(r.engine.cancel(id));
+    assert!(futures_util::poll!(cancel.as_mut()).is_pending());
+    // The Done is sent (under the lock that disarmed the message) ...
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while r.engine.pending() != 1 {
+        assert!(std::time::Instant::now() < deadline, "never disarmed");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // ... and a round of garbage collection runs before its answer.
+    r.engine.compact_now().await.unwrap();
+    assert!(cancel.await.is_err(), "the Done was written on a full disk");
+    fs.set_full(Vec::new());
+    assert_eq!(r.engine.pending(), 2, "the cancel that failed put it back");
+    r.stop().await;
+    let mut r = start(on_sim_fs(&fs), clock.clone());
+    assert_eq!(r.engine.pending(), 2, "a restart lost the message");
+    clock.set(later + 1_000);
+    r.engine.wake();
+    let mut fired = vec![r.recv().await, r.recv().await];
+    fired.sort_by_key(|f| f.id);
+    assert_eq!((fired[0].id, &fired[0].message), (id, &message));
+    r.stop().await;
+}

@@ -616,6 +616,25 @@ impl Wal {
             .send(AppendRequest::done_with_marks(id, first_seq, marks))
     }
 
+    /// [`Wal::append_done_with_marks`] for a cancel: the Schedule's
+    /// segment stays until the Done is durable, and if the Done fails the
+    /// Schedule is live again (see [`writer::RetireHold`]), so that the
+    /// message the cancel puts back is still on disk.
+    pub fn append_retiring_done(
+        &self,
+        id: u64,
+        pos: WalPos,
+        marks: Vec<u64>,
+    ) -> Result<oneshot::Receiver<Result<Appended, WalError>>, WalError> {
+        let first_seq = self
+            .segment_first_seq(pos.segment)
+            .ok_or(WalError::NoSegment(pos.segment))?;
+        let hold = writer::RetireHold::take(&self.shared.segments, pos.segment);
+        self.shared
+            .writer
+            .send(AppendRequest::retiring_done(id, first_seq, marks, hold))
+    }
+
     /// Acked `marks`, then a Done for `id` naming `segment`, where a
     /// restart reads its record back (its Schedule, retired already, or its
     /// Remembered frame): in one batch, so the marks last as long as that
@@ -640,13 +659,6 @@ impl Wal {
         table
             .first_seq(pos.segment)
             .ok_or(WalError::NoSegment(pos.segment))
-    }
-
-    /// Undo [`Wal::append_done`]'s count after its Done failed: the
-    /// Schedule at `pos` is live again (its segment must not be collected).
-    pub fn revive(&self, pos: WalPos) {
-        let mut table = self.shared.segments.lock().expect("segment table poisoned");
-        table.add_live(pos.segment);
     }
 
     /// [`Wal::append_done`] for a message that was delivered: written
@@ -887,7 +899,17 @@ impl Wal {
 
     /// Drop a segment after compaction moved everything needed out of it.
     pub fn remove_compacted(&self, segment: u32) -> Result<(), WalError> {
-        if let Some(path) = self.segments().remove(segment) {
+        let removed = {
+            let mut table = self.segments();
+            // A cancel's Done on its way for a Schedule here: should it
+            // fail, that Schedule is live again, so garbage collection
+            // deletes the segment once the Done is durable instead.
+            match table.is_retiring(segment) {
+                true => None,
+                false => table.remove(segment),
+            }
+        };
+        if let Some(path) = removed {
             self.fs()
                 .remove_file(&path)
                 .map_err(|e| WalError::io(&path, e))?;

@@ -51,6 +51,10 @@ struct Segment {
     /// looks here to move the mark on while the copy stands, fired or not.
     copy_marks: Vec<(u64, u32)>,
     sealed: bool,
+    /// Schedules here counted dead by a Done not yet written (a cancel's):
+    /// the segment stays until each Done is durable, or has failed and its
+    /// Schedule is live again (see [`SegmentTable::hold_retiring`]).
+    retiring: u32,
 }
 
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
@@ -111,6 +115,7 @@ impl SegmentTable {
                 refs: BTreeSet::new(),
                 copy_marks: Vec::new(),
                 sealed: false,
+                retiring: 0,
             },
         );
         ordinal
@@ -263,6 +268,34 @@ impl SegmentTable {
         }
     }
 
+    /// Count a Schedule in `ordinal` dead ahead of the Done that retires
+    /// it, and keep the segment (from garbage collection and compaction)
+    /// until [`SegmentTable::release_retiring`]: if the Done fails, the
+    /// Schedule is live again and must still be there.
+    pub fn hold_retiring(&mut self, ordinal: u32) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            s.live = s.live.saturating_sub(1);
+            s.retiring += 1;
+        }
+    }
+
+    /// The Done of a [`SegmentTable::hold_retiring`] was written
+    /// (`written`), or failed: its Schedule is live again.
+    pub fn release_retiring(&mut self, ordinal: u32, written: bool) {
+        if let Some(s) = self.segments.get_mut(&ordinal) {
+            s.retiring = s.retiring.saturating_sub(1);
+            if !written {
+                s.live += 1;
+            }
+        }
+    }
+
+    /// Whether a Done held by [`SegmentTable::hold_retiring`] is on its
+    /// way for a Schedule in `ordinal`.
+    pub fn is_retiring(&self, ordinal: u32) -> bool {
+        self.segments.get(&ordinal).is_some_and(|s| s.retiring > 0)
+    }
+
     /// Live Schedules in `ordinal`: written and not yet retired by a Done.
     pub fn live(&self, ordinal: u32) -> u64 {
         self.segments.get(&ordinal).map_or(0, |s| s.live)
@@ -319,7 +352,12 @@ impl SegmentTable {
         loop {
             let before = out.len();
             for (&ordinal, s) in &self.segments {
-                if !s.sealed || s.live > 0 || gone.contains(&s.first_seq) || kept(&ordinal) {
+                if !s.sealed
+                    || s.live > 0
+                    || s.retiring > 0
+                    || gone.contains(&s.first_seq)
+                    || kept(&ordinal)
+                {
                     continue;
                 }
                 let refs_ok = s
@@ -343,7 +381,7 @@ impl SegmentTable {
     pub fn compaction_candidate(&self, threshold: f64, now_ms: u64) -> Option<u32> {
         self.segments
             .iter()
-            .filter(|(_, s)| s.sealed && s.live > 0 && s.schedules > 0)
+            .filter(|(_, s)| s.sealed && s.live > 0 && s.schedules > 0 && s.retiring == 0)
             .filter(|(_, s)| s.latest_due_ms.abs_diff(now_ms) > DRAINS_WITHIN_MS)
             .map(|(&o, s)| (o, s.live as f64 / s.schedules as f64))
             .filter(|&(_, frac)| frac < threshold)
@@ -530,6 +568,31 @@ mod tests {
     fn head_is_never_deletable() {
         let (t, _dir) = table_with(1);
         assert!(t.deletable().is_empty());
+    }
+
+    #[test]
+    fn a_segment_whose_schedule_is_being_retired_stays_until_the_done_settles() {
+        let (mut t, _dir) = table_with(2);
+        t.seal_all();
+        for _ in 0..4 {
+            t.record_schedule(0, 0);
+        }
+        for _ in 0..3 {
+            t.mark_dead(0);
+        }
+        // The last one's Done is on its way: neither collected nor compacted.
+        t.hold_retiring(0);
+        assert_eq!(t.live(0), 0);
+        assert!(!t.deletable().contains(&0));
+        assert_eq!(t.compaction_candidate(0.5, DRAINS_WITHIN_MS + 1), None);
+        // It failed: the Schedule is live again.
+        t.release_retiring(0, false);
+        assert_eq!(t.live(0), 1);
+        assert!(!t.deletable().contains(&0));
+        // Retired again, and written this time: the segment can go.
+        t.hold_retiring(0);
+        t.release_retiring(0, true);
+        assert!(t.deletable().contains(&0));
     }
 
     #[test]

@@ -74,6 +74,9 @@ pub enum AppendRequest {
         /// the same segment (a cancel's marks: they last as long as the
         /// Done, which lasts as long as the Schedule it retires).
         marks: Vec<u64>,
+        /// A cancel's Done: its Schedule's segment is held until the Done
+        /// is durable, or failed and the Schedule is live again.
+        hold: Option<RetireHold>,
     },
     /// The source's ack of stored message `id` was confirmed (or, with
     /// `engine::dedup::CANCELLED_MARK` set, it was cancelled). Lazy unless
@@ -159,6 +162,7 @@ impl AppendRequest {
             segment,
             lazy: false,
             marks: Vec::new(),
+            hold: None,
         }
     }
 
@@ -169,6 +173,19 @@ impl AppendRequest {
             segment,
             lazy: false,
             marks,
+            hold: None,
+        }
+    }
+
+    /// [`AppendRequest::done_with_marks`] holding its Schedule's segment
+    /// (see `Done::hold`).
+    pub fn retiring_done(id: u64, segment: u64, marks: Vec<u64>, hold: RetireHold) -> Self {
+        AppendRequest::Done {
+            id,
+            segment,
+            lazy: false,
+            marks,
+            hold: Some(hold),
         }
     }
 
@@ -179,6 +196,7 @@ impl AppendRequest {
             segment,
             lazy: true,
             marks: Vec::new(),
+            hold: None,
         }
     }
 
@@ -373,12 +391,55 @@ struct WriterState {
 /// One record of a batch, waiting for the batch's fsync.
 struct Pending {
     reply: Reply,
+    /// A cancel's Done's hold on its Schedule's segment.
+    hold: Option<RetireHold>,
     appended: Appended,
     kind: Kind,
     /// A Schedule's due time (what its claim is ordered by).
     due_ms: u64,
     /// A Schedule's route (claims are per route).
     route: Option<String>,
+}
+
+/// A Schedule counted dead ahead of its Done, its segment held
+/// ([`SegmentTable::hold_retiring`]). Dropped unwritten (its batch failed,
+/// the log stopped, the request never reached the writer), the Schedule is
+/// live again: a segment deleted while the Done was on its way lost the
+/// message whose cancel then failed
+/// (`engine::tests::a_cancel_whose_done_fails_keeps_the_message_on_disk`).
+pub struct RetireHold {
+    segments: Arc<Mutex<SegmentTable>>,
+    ordinal: u32,
+    written: bool,
+}
+
+impl RetireHold {
+    /// Count a Schedule in `ordinal` dead and hold the segment.
+    pub fn take(segments: &Arc<Mutex<SegmentTable>>, ordinal: u32) -> Self {
+        segments
+            .lock()
+            .expect("segment table poisoned")
+            .hold_retiring(ordinal);
+        RetireHold {
+            segments: segments.clone(),
+            ordinal,
+            written: false,
+        }
+    }
+
+    /// The Done is durable: the Schedule stays dead.
+    fn written(mut self) {
+        self.written = true;
+    }
+}
+
+impl Drop for RetireHold {
+    fn drop(&mut self) {
+        self.segments
+            .lock()
+            .expect("segment table poisoned")
+            .release_retiring(self.ordinal, self.written);
+    }
 }
 
 /// What a written record counts as in the segment table.
@@ -586,6 +647,7 @@ impl WriterState {
                 segment: self.head,
                 offset,
             };
+            let mut hold = None;
             let (id, kind, due_ms, route) = match req {
                 AppendRequest::Schedule {
                     id,
@@ -614,8 +676,13 @@ impl WriterState {
                     (id, Kind::Schedule, due_ms, Some(route))
                 }
                 AppendRequest::Done {
-                    id, segment, marks, ..
+                    id,
+                    segment,
+                    marks,
+                    hold: retiring,
+                    ..
                 } => {
+                    hold = retiring;
                     // Each mark takes a seq of its own, before the Done's.
                     let mut seq = seq;
                     for mark in marks {
@@ -637,6 +704,7 @@ impl WriterState {
             };
             pending.push(Pending {
                 reply,
+                hold,
                 appended: Appended { id, pos },
                 kind,
                 due_ms,
@@ -663,6 +731,11 @@ impl WriterState {
                             Kind::Acked(id, keeps) => table.record_mark(self.head, id, keeps),
                             Kind::Mark => {}
                         }
+                    }
+                }
+                for p in &mut pending {
+                    if let Some(hold) = p.hold.take() {
+                        hold.written();
                     }
                 }
                 // All of the batch's claims before any answer.
