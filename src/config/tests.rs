@@ -695,3 +695,42 @@ fn a_route_weight_is_one_to_a_thousand() {
         assert!(e.contains("routes[0].weight"), "{e}");
     }
 }
+
+/// With the broker-kept store, route `orders.3`'s pointer stream is route
+/// `orders`' generation 3: each would delete and refill the other's state.
+#[test]
+fn routes_whose_state_streams_would_share_a_name_are_refused() {
+    let route = |name: &str, extra: &str| {
+        format!(
+            "[[routes]]\nname = \"{name}\"\n{extra}from = {{ broker = \"rabbit\", queue = \"q.{name}\", exchange = \"x.{name}\", exchange_type = \"topic\" }}\nto = {{ broker = \"rabbit\", exchange = \"orders\" }}\n"
+        )
+    };
+    let config = |store: &str, routes: &[String]| {
+        let head = &GOOD[..GOOD.find("[[routes]]").unwrap()];
+        format!("[store]\nkind = \"{store}\"\n{head}{}", routes.concat())
+    };
+    for (a, b) in [
+        (route("orders", ""), route("orders.3", "")),
+        (route("orders.lock", ""), route("orders", "")),
+        (route("orders", ""), route("orders.pointer", "")),
+        // Partition 1 of `orders` is `orders.1`: its generation 2 is `orders.1.2`.
+        (route("orders", "partitions = 2\n"), route("orders.1.2", "")),
+        (
+            route("orders", "partitions = 2\n"),
+            route("orders.members", ""),
+        ),
+    ] {
+        let e = Config::from_toml_str(&config("broker", &[a.clone(), b.clone()]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(".name") && e.contains("rename"), "{e}");
+        // The local store keeps no streams: nothing to share.
+        Config::from_toml_str(&config("local", &[a, b])).unwrap();
+    }
+    // A name that only begins like another's is fine.
+    Config::from_toml_str(&config(
+        "broker",
+        &[route("orders", ""), route("orders.eu", "")],
+    ))
+    .unwrap();
+}

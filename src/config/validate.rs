@@ -172,6 +172,61 @@ impl Config {
     /// `store.kind = "broker"`: the route's state topic (Kafka) or state
     /// streams (RabbitMQ) are named `store.topic_prefix` + the route name,
     /// which must be a valid name for both.
+    /// With the broker-kept store, a RabbitMQ route keeps its state in
+    /// streams named from its own: the pointer `<prefix><route>`, its copy
+    /// `.pointer`, the lock queue `.lock`, generation `n` as `.<n>`, and a
+    /// partitioned route's presence queue `<prefix><group>.members`. A
+    /// route (or partition) named `<other>.3` would take route `<other>`'s
+    /// generation 3 for its pointer: each would delete and refill the
+    /// other's streams, and `<other>`'s messages were lost. The other route
+    /// and the stream they would share, if any.
+    fn state_stream_clash(&self, route: &RouteConfig) -> Option<(String, String)> {
+        if self.store.kind != StoreKind::Broker {
+            return None;
+        }
+        let amqp = |r: &RouteConfig| {
+            matches!(self.broker(&r.from.broker), Some(BrokerConfig::Amqp { .. }))
+        };
+        if !amqp(route) {
+            return None;
+        }
+        // Each route's own names: its partitions', or its own.
+        let names = |r: &RouteConfig| -> Vec<String> {
+            match r.partitions {
+                Some(n) => (0..n)
+                    .map(|i| super::partitions::name(&r.name, i))
+                    .collect(),
+                None => vec![r.name.clone()],
+            }
+        };
+        let derived = |suffix: &str| {
+            matches!(suffix, "lock" | "pointer" | "members")
+                || (!suffix.is_empty() && suffix.bytes().all(|b| b.is_ascii_digit()))
+        };
+        for other in self
+            .routes
+            .iter()
+            .filter(|r| amqp(r) && r.name != route.name)
+        {
+            let mut theirs = names(other);
+            if other.partitions.is_some() {
+                theirs.push(other.name.clone());
+            }
+            for mine in names(route) {
+                for base in &theirs {
+                    let clash = mine
+                        .strip_prefix(base.as_str())
+                        .and_then(|rest| rest.strip_prefix('.'))
+                        .is_some_and(derived);
+                    if clash {
+                        return Some((other.name.clone(), self.store.topic(&mine)));
+                    }
+                }
+            }
+        }
+        None
+    }
+
     fn check_broker_store(&self, route: &RouteConfig) -> Result<(), (String, String)> {
         let topic = self.store.topic(&route.name);
         if !valid_topic_name(&topic) {
@@ -352,6 +407,15 @@ impl Config {
             if let Some(n) = route.partitions {
                 self.check_partitions(route, n, &names)
                     .map_err(|m| err(key("partitions"), m))?;
+            }
+            if let Some((other, stream)) = self.state_stream_clash(route) {
+                return Err(err(
+                    key("name"),
+                    format!(
+                        "route {:?} would keep its state in streams named like route                          {other:?}'s ({stream:?}) with store.kind = \"broker\": one route's                          checkpoint would delete and refill the other's; rename one of them",
+                        route.name
+                    ),
+                ));
             }
             if let Some(w) = route.weight {
                 if !(1..=super::MAX_ROUTE_WEIGHT).contains(&w) {
