@@ -3135,3 +3135,115 @@ async fn a_cancel_whose_done_fails_keeps_the_message_on_disk() {
     assert_eq!((fired[0].id, &fired[0].message), (id, &message));
     r.stop().await;
 }
+
+/// Poll `future` (not driven by anything else) until `done` holds, within
+/// a deadline; the future is left where that poll left it.
+async fn poll_until<F: std::future::Future + Unpin>(
+    future: &mut F,
+    what: &str,
+    done: impl Fn() -> bool,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        if futures_util::poll!(&mut *future).is_ready() {
+            panic!("finished before: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// A cancel that comes while a compaction copies its message: the copy is
+/// durable, the cancel's mark and Done name the original's segment, and
+/// the compaction then retires the copy with a Done of its own. Once the
+/// original's segment goes, nothing keeps the cancel's segment (it is
+/// collected), but the copy's segment stays (another message was copied
+/// beside it): a restart reads the copy back, and must still know it was
+/// cancelled, or a redelivery of the cancelled message (its ack in doubt)
+/// is stored again and fires. What holds it is the Remembered frame the
+/// original's segment leaves, flagged cancelled (this fails with no
+/// Remembered frames written). A review (2026-12-08) took this
+/// interleaving for a hole; it is one only once the record has left the
+/// redelivery window, as every remembered record does.
+#[tokio::test]
+async fn a_cancel_during_a_compaction_copy_stays_cancelled_after_a_restart() {
+    let fs = crate::wal::sim::SimFs::with_dir(SIM_DIR);
+    let clock = Arc::new(ManualClock::new(T0_SIM));
+    let mut r = start(on_sim_fs(&fs), clock.clone());
+    let (t0, later) = (T0_SIM, T0_SIM + 3_600_000);
+    // Segment O: the message that is cancelled (its ack sent, never
+    // confirmed), one that stays, three due now.
+    let message = vec![7u8; 200];
+    let arrival = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    let stays = r.engine.schedule("r", later, vec![1; 200]).await.unwrap();
+    let cancelled = r
+        .engine
+        .store("r", later, MessageId::mint(), message.clone(), arrival)
+        .await
+        .unwrap()
+        .id()
+        .unwrap();
+    r.engine.ack_sending(cancelled);
+    for i in 0..3u8 {
+        r.engine.schedule("r", t0, vec![10 + i; 120]).await.unwrap();
+    }
+    let o = wal_segment_of(&r, cancelled);
+    let next = r.engine.schedule("r", later, vec![2; 10]).await.unwrap();
+    assert_ne!(wal_segment_of(&r, next), o, "O was not sealed");
+    clock.set(t0 + 1_000);
+    r.engine.wake();
+    for _ in 0..3 {
+        r.recv().await;
+    }
+    r.until_pending(3).await;
+    r.stop().await;
+    // A segment per batch from here.
+    let mut small = on_sim_fs(&fs);
+    small.wal.segment_bytes = 1;
+    let r = start(small, clock.clone());
+    let wal = r.engine.inner.wal.clone();
+    // The writer waits at the disk with a batch of its own, so that both
+    // copies queue behind it and go in one batch.
+    fs.hold_appends();
+    let filler = {
+        let engine = r.engine.clone();
+        tokio::spawn(async move { engine.schedule("r", later, vec![3; 10]).await })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while fs.appends_waiting() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the filler never reached the disk"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let mut compaction = Box::pin(r.engine.compact_now());
+    poll_until(&mut compaction, "both copies sent", || {
+        wal.unanswered() == 3
+    })
+    .await;
+    fs.release_appends();
+    filler.await.unwrap().unwrap();
+    poll_until(
+        &mut std::future::pending::<()>(),
+        "the copies written",
+        || wal.unanswered() == 0,
+    )
+    .await;
+    // Copied, not yet repointed: the cancel names the original.
+    assert!(r.engine.cancel(cancelled).await.unwrap());
+    compaction.await.unwrap();
+    assert_ne!(wal_segment_of(&r, stays), o, "O was not compacted");
+    r.engine.compact_now().await.unwrap();
+    drop(wal);
+    r.stop().await;
+    let stored = start_then_redeliver(&fs, clock, later, message).await;
+    assert_eq!(
+        stored,
+        Stored::Duplicate,
+        "the copy was read back in doubt, its cancel mark gone"
+    );
+}

@@ -941,6 +941,11 @@ impl Wal {
         self.shared.writer.is_idle()
     }
 
+    /// Records sent to the writer and not yet answered.
+    pub fn unanswered(&self) -> u64 {
+        self.shared.writer.unanswered()
+    }
+
     pub fn is_stopped(&self) -> bool {
         self.shared.writer.is_stopped()
     }

@@ -54,6 +54,31 @@ pub struct SimFs {
     state: Arc<Mutex<State>>,
     /// The boot this handle belongs to: it fails once the power is lost.
     epoch: u64,
+    /// See [`SimFs::hold_appends`].
+    gate: Arc<Gate>,
+}
+
+/// Appends wait here while a test holds them, so that it can act while a
+/// batch is on its way to the disk (see [`SimFs::hold_appends`]).
+#[derive(Default)]
+struct Gate {
+    /// (held, appends waiting)
+    state: Mutex<(bool, usize)>,
+    opened: std::sync::Condvar,
+}
+
+impl Gate {
+    fn pass(&self) {
+        let mut state = self.state.lock().expect("sim fs gate poisoned");
+        if !state.0 {
+            return;
+        }
+        state.1 += 1;
+        while state.0 {
+            state = self.opened.wait(state).expect("sim fs gate poisoned");
+        }
+        state.1 -= 1;
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,6 +266,7 @@ impl SimFs {
         SimFs {
             state: Arc::new(Mutex::new(state)),
             epoch: 0,
+            gate: Arc::default(),
         }
     }
 
@@ -358,6 +384,7 @@ impl SimFs {
         state.crash_at = None;
         state.epoch += 1;
         SimFs {
+            gate: Arc::default(),
             state: self.state.clone(),
             epoch: state.epoch,
         }
@@ -378,6 +405,25 @@ impl SimFs {
     /// refuses them too (ENOSPC, nothing written).
     pub fn set_copy_on_write(&self, on: bool) {
         self.state.lock().expect("sim fs poisoned").copy_on_write = on;
+    }
+
+    /// From now on every append waits (in the writer's thread) until
+    /// [`SimFs::release_appends`]: a test can then act while a batch is on
+    /// its way, deterministically. [`SimFs::appends_waiting`] tells when
+    /// one has arrived.
+    pub fn hold_appends(&self) {
+        self.gate.state.lock().expect("sim fs gate poisoned").0 = true;
+    }
+
+    /// Let held appends go on (see [`SimFs::hold_appends`]).
+    pub fn release_appends(&self) {
+        self.gate.state.lock().expect("sim fs gate poisoned").0 = false;
+        self.gate.opened.notify_all();
+    }
+
+    /// Appends waiting at [`SimFs::hold_appends`]'s gate.
+    pub fn appends_waiting(&self) -> usize {
+        self.gate.state.lock().expect("sim fs gate poisoned").1
     }
 
     /// Make the next append write only `written` bytes of its buffer, which
@@ -527,6 +573,7 @@ impl SimFile {
 impl WalFile for SimFile {
     fn append(&self, buf: &[u8]) -> io::Result<()> {
         self.check_writable()?;
+        self.fs.gate.pass();
         let mut state = self.fs.mutating()?;
         if state.is_full(&self.path) {
             // A short write of half the buffer, then ENOSPC.

@@ -335,6 +335,13 @@ impl Writer {
         self.answered.load(Ordering::Acquire) >= self.sent.load(Ordering::Acquire)
     }
 
+    /// Records sent and not yet answered (a test's condition to wait for).
+    pub fn unanswered(&self) -> u64 {
+        self.sent
+            .load(Ordering::Acquire)
+            .saturating_sub(self.answered.load(Ordering::Acquire))
+    }
+
     pub fn is_stopped(&self) -> bool {
         self.halt.is_stopped()
     }
