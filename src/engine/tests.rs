@@ -3136,6 +3136,15 @@ async fn a_cancel_whose_done_fails_keeps_the_message_on_disk() {
     r.stop().await;
 }
 
+/// Wait until `done` holds, within a deadline.
+async fn wait_until(what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// Poll `future` (not driven by anything else) until `done` holds, within
 /// a deadline; the future is left where that poll left it.
 async fn poll_until<F: std::future::Future + Unpin>(
@@ -3212,14 +3221,7 @@ async fn a_cancel_during_a_compaction_copy_stays_cancelled_after_a_restart() {
         let engine = r.engine.clone();
         tokio::spawn(async move { engine.schedule("r", later, vec![3; 10]).await })
     };
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while fs.appends_waiting() == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the filler never reached the disk"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    wait_until("the filler at the disk", || fs.appends_waiting() > 0).await;
     let mut compaction = Box::pin(r.engine.compact_now());
     poll_until(&mut compaction, "both copies sent", || {
         wal.unanswered() == 3
@@ -3227,12 +3229,7 @@ async fn a_cancel_during_a_compaction_copy_stays_cancelled_after_a_restart() {
     .await;
     fs.release_appends();
     filler.await.unwrap().unwrap();
-    poll_until(
-        &mut std::future::pending::<()>(),
-        "the copies written",
-        || wal.unanswered() == 0,
-    )
-    .await;
+    wait_until("the copies written", || wal.unanswered() == 0).await;
     // Copied, not yet repointed: the cancel names the original.
     assert!(r.engine.cancel(cancelled).await.unwrap());
     compaction.await.unwrap();
