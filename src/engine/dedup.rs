@@ -919,8 +919,23 @@ impl Recent {
     }
 
     /// A Remembered frame at `pos`, read in log order: a record whose
-    /// Schedule is gone, compared by digest.
+    /// Schedule is gone, compared by digest. It takes the place of what
+    /// was read of the same record before (its Schedule, or an older frame
+    /// of it: a frame is written again each time its segment goes), with
+    /// what the marks read so far said of it. Left beside it, the older
+    /// entry kept its marks as they stood then: a record cancelled, then
+    /// its ack confirmed, came back in doubt through the frame its cancel
+    /// mark had covered (sim seed 678,318), and a redelivered twin would
+    /// have been taken for it and dropped.
     pub fn push_remembered(&mut self, r: &Remembered, pos: WalPos) {
+        let frame_cancelled = r.flags & REMEMBERED_CANCELLED != 0;
+        let (mut acked, mut cancelled, mut settled) = (false, frame_cancelled, false);
+        if let Some(older) = self.entry_mut(r.id).filter(|e| !e.owed) {
+            older.superseded = true;
+            acked = older.acked;
+            cancelled |= older.cancelled;
+            settled = older.settled;
+        }
         self.push_entry(RecentEntry {
             id: r.id,
             uid: r.uid,
@@ -928,11 +943,11 @@ impl Recent {
             evidence: Evidence::Digest(r.digest),
             frame: Some(pos.segment),
             left: r.flags & REMEMBERED_LEFT != 0,
-            frame_cancelled: r.flags & REMEMBERED_CANCELLED != 0,
+            frame_cancelled,
             owed: false,
-            acked: false,
-            cancelled: r.flags & REMEMBERED_CANCELLED != 0,
-            settled: false,
+            acked,
+            cancelled,
+            settled,
             retired_at: None,
             superseded: false,
         });

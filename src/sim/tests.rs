@@ -4237,3 +4237,55 @@ fn seed_636755_all_modes() {
         }
     }
 }
+
+/// Sim seed 678,318, all four modes: a record read back in doubt at a
+/// restart though every store of its bytes had its ack confirmed and marked
+/// durably. See docs/testing.md.
+#[test]
+fn seed_678318_all_modes() {
+    use ops::Op;
+    let ops = vec![
+        deliver(1, 0, 802, 2_893, None, false),
+        Op::Clock { ms: 28156 },
+        deliver(0, 3, 9, 1_104, None, false),
+        deliver(0, 3, 307, 33_440, None, false),
+        deliver(0, 1, 249, 2_369, None, false),
+        Op::Cancel { pick: 872059502 },
+        Op::Clock { ms: 83427 },
+        Op::Clock { ms: 7033 },
+        Op::Clock { ms: 16221 },
+        Op::FarRound,
+        deliver(0, 1, 638, 35_836, Some(805418001), true),
+        Op::FarRound,
+        Op::Clock { ms: 33 },
+        Op::Clock { ms: 696 },
+        Op::CrashAfter { n: 6 },
+        Op::Clock { ms: 1000 },
+        Op::CancelKey { route: 0, key: 1 },
+        deliver(1, 1, 942, 113_749, None, true),
+        deliver(0, 0, 824, 167_770, None, false),
+        deliver(1, 2, 916, 250_820, None, false),
+        deliver(1, 1, 119, 0, Some(2643363195), false),
+        deliver(0, 3, 858, 11_895_485, None, false),
+        Op::Clock { ms: 231862 },
+        deliver(1, 1, 691, 8_815, None, false),
+        deliver(1, 0, 610, 34_522, None, false),
+        deliver(0, 1, 782, 8_125_144, None, true),
+        Op::FarRound,
+        Op::Compact,
+        Op::CancelKey { route: 0, key: 1 },
+        Op::Clock { ms: 954 },
+        Op::Compact,
+        Op::Clock { ms: 1054 },
+        Op::Restart { horizon: 2 },
+    ];
+    for late_acks in [true, false] {
+        let mode = Mode {
+            late_acks,
+            ..ALL_THREE_MODES
+        };
+        if let Err(f) = run_in(678_318, &ops, mode) {
+            panic!("late_acks {late_acks}: {f}");
+        }
+    }
+}
