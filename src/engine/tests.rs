@@ -3100,7 +3100,7 @@ async fn a_cancel_mark_moved_by_a_compaction_outlives_the_cancelled_schedule() {
 async fn a_cancel_whose_done_fails_keeps_the_message_on_disk() {
     let fs = crate::wal::sim::SimFs::with_dir(SIM_DIR);
     let clock = Arc::new(ManualClock::new(T0_SIM));
-    let mut r = start(on_sim_fs(&fs), clock.clone());
+    let r = start(on_sim_fs(&fs), clock.clone());
     let later = T0_SIM + 3_600_000;
     // Alone in its segment (larger than a segment), which the next batch
     // seals.
@@ -3130,7 +3130,7 @@ async fn a_cancel_whose_done_fails_keeps_the_message_on_disk() {
     assert_eq!(r.engine.pending(), 2, "a restart lost the message");
     clock.set(later + 1_000);
     r.engine.wake();
-    let mut fired = vec![r.recv().await, r.recv().await];
+    let mut fired = [r.recv().await, r.recv().await];
     fired.sort_by_key(|f| f.id);
     assert_eq!((fired[0].id, &fired[0].message), (id, &message));
     r.stop().await;
