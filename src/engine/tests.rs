@@ -3034,21 +3034,10 @@ async fn a_cancel_mark_moved_by_a_compaction_outlives_the_cancelled_schedule() {
     let clock = Arc::new(ManualClock::new(T0_SIM));
     let mut r = start(on_sim_fs(&fs), clock.clone());
     let (t0, later) = (T0_SIM, T0_SIM + 3_600_000);
-    let arrival = Arrival {
-        redelivered: false,
-        session: 1,
-    };
     // Segment S: the message that is cancelled, its ack never confirmed,
     // beside two that stay (S is never compacted).
     let message = vec![7u8; 300];
-    let cancelled = r
-        .engine
-        .store("r", later, MessageId::mint(), message.clone(), arrival)
-        .await
-        .unwrap()
-        .id()
-        .unwrap();
-    r.engine.ack_sending(cancelled);
+    let cancelled = store_in_doubt(&r, later, message.clone()).await;
     for i in 0..2u8 {
         r.engine.schedule("r", later, vec![i; 300]).await.unwrap();
     }
@@ -3136,6 +3125,24 @@ async fn a_cancel_whose_done_fails_keeps_the_message_on_disk() {
     r.stop().await;
 }
 
+/// Store `message` on route "r" from source session 1, its ack sent and
+/// not confirmed (in doubt); its id.
+async fn store_in_doubt(r: &Running, due: u64, message: Vec<u8>) -> u64 {
+    let arrival = Arrival {
+        redelivered: false,
+        session: 1,
+    };
+    let id = r
+        .engine
+        .store("r", due, MessageId::mint(), message, arrival)
+        .await
+        .unwrap()
+        .id()
+        .unwrap();
+    r.engine.ack_sending(id);
+    id
+}
+
 /// Wait until `done` holds, within a deadline.
 async fn wait_until(what: &str, done: impl Fn() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -3183,19 +3190,8 @@ async fn a_cancel_during_a_compaction_copy_stays_cancelled_after_a_restart() {
     // Segment O: the message that is cancelled (its ack sent, never
     // confirmed), one that stays, three due now.
     let message = vec![7u8; 200];
-    let arrival = Arrival {
-        redelivered: false,
-        session: 1,
-    };
     let stays = r.engine.schedule("r", later, vec![1; 200]).await.unwrap();
-    let cancelled = r
-        .engine
-        .store("r", later, MessageId::mint(), message.clone(), arrival)
-        .await
-        .unwrap()
-        .id()
-        .unwrap();
-    r.engine.ack_sending(cancelled);
+    let cancelled = store_in_doubt(&r, later, message.clone()).await;
     for i in 0..3u8 {
         r.engine.schedule("r", t0, vec![10 + i; 120]).await.unwrap();
     }
