@@ -175,7 +175,14 @@ pub struct StreamStore {
     owed: Arc<Mutex<Owed>>,
     /// A task writes them.
     writing_owed: AtomicBool,
+    /// Whether the session that last won the route's lock still holds it:
+    /// connected, and its lease held on this process's clock (see
+    /// [`StreamStore::may_fire`]).
+    lock_held: Mutex<Option<LockHeld>>,
 }
+
+/// [`StreamStore::won_lock`]'s view of the owner session.
+type LockHeld = Arc<dyn Fn() -> bool + Send + Sync>;
 
 impl StreamStore {
     pub fn new(
@@ -204,6 +211,7 @@ impl StreamStore {
             lock_endpoint: Mutex::default(),
             owed: Arc::default(),
             writing_owed: AtomicBool::new(false),
+            lock_held: Mutex::new(None),
             state_missing: Default::default(),
             unwritten: Default::default(),
             checkpoint_floor,
@@ -590,12 +598,34 @@ impl StreamStore {
     }
 
     /// Whether due message `id` of this route may be published from here:
-    /// not once the lock is lost (the next owner fires it; a former owner
-    /// that kept firing would only add duplicates), unless it was stored
-    /// before the route kept its state in the broker (only this WAL has it).
+    /// only while this instance owns the route and its session holds the
+    /// lock's lease at this instant, unless it was stored before the route
+    /// kept its state in the broker (only this WAL has it). The next owner
+    /// fires once a lease (and its margin) has passed since this one's
+    /// last ping came back; an owner that fired past its own lease fired
+    /// beside it (the lock model's rule: firing only while
+    /// `Lease::held_at`). The phase alone left two windows: a restore,
+    /// which fires the soonest-due messages as it arms them and did not
+    /// watch the lease, and a stop, which keeps the owner's phase until
+    /// `flush` while nothing watches the session; and the phase follows a
+    /// lost lease a poll (100 ms) late, past the margin of a 1 s lease.
     pub fn may_fire(&self, id: u64) -> bool {
-        matches!(self.phase(), Phase::Restoring | Phase::Active)
+        (matches!(self.phase(), Phase::Restoring | Phase::Active) && self.holds_lock())
             || self.ids().local_only.contains(&id)
+    }
+
+    /// The session that won the lock: [`StreamStore::may_fire`] asks it.
+    fn won_lock(&self, held: LockHeld) {
+        *self.lock_held.lock().unwrap_or_else(|e| e.into_inner()) = Some(held);
+    }
+
+    fn holds_lock(&self) -> bool {
+        let held = self
+            .lock_held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        held.is_some_and(|held| held())
     }
 
     pub fn restoring(&self) -> bool {
@@ -657,6 +687,10 @@ impl StreamStore {
                     continue;
                 }
             };
+            let owner = Arc::downgrade(&session);
+            self.won_lock(Arc::new(move || {
+                owner.upgrade().is_some_and(|s| s.is_alive())
+            }));
             self.set_phase(Phase::Restoring);
             tracing::info!(route = %self.route, "this instance owns the route now; restoring its pending messages");
             let started = std::time::Instant::now();
@@ -2009,6 +2043,45 @@ impl OffsetStore for StreamOffsets {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An owner fires only while its lease is held, restoring or active:
+    /// a restore that outlived the lease (its pings stalled) went on firing
+    /// what it armed, beside the next owner.
+    #[tokio::test]
+    async fn an_owner_fires_nothing_past_its_lease_restoring_or_active() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = crate::engine::EngineConfig::new(crate::wal::WalConfig::new(dir.path()));
+        let (engine, _) = Engine::open(config, Arc::new(crate::engine::SystemClock)).unwrap();
+        let endpoints = delayd_adapters::amqp::Endpoints::new(
+            &delayd_adapters::amqp::AmqpSettings::url("amqp://127.0.0.1:1/%2f"),
+        )
+        .unwrap();
+        let store = StreamStore::new(
+            Arc::new(endpoints),
+            StateNames::new("delayd.state.r"),
+            "r",
+            engine,
+            100,
+            dir.path().to_owned(),
+            None,
+        )
+        .unwrap();
+        let held = Arc::new(AtomicBool::new(true));
+        store.won_lock({
+            let held = held.clone();
+            Arc::new(move || held.load(Ordering::SeqCst))
+        });
+        for phase in [Phase::Restoring, Phase::Active] {
+            store.set_phase(phase);
+            held.store(true, Ordering::SeqCst);
+            assert!(store.may_fire(1), "{phase:?}: the owner may fire");
+            held.store(false, Ordering::SeqCst);
+            assert!(!store.may_fire(1), "{phase:?}: fired past its lease");
+        }
+        store.set_phase(Phase::Standby);
+        held.store(true, Ordering::SeqCst);
+        assert!(!store.may_fire(1), "a standby fires nothing");
+    }
 
     #[test]
     fn a_failed_fresh_generation_leaves_its_dones_where_the_next_restore_reads_them_last() {
