@@ -4289,3 +4289,107 @@ fn seed_678318_all_modes() {
         }
     }
 }
+
+/// Sim seed 719,676, all four modes (found 2026-12-08 by the long run from
+/// 700,000; fails on the code that session began with too): message 9, a
+/// twin answered "duplicate" on a later session, was acknowledged and never
+/// fired. **Open**: kept here, ignored, so that the next session starts
+/// from it; see docs/testing.md.
+#[test]
+#[ignore = "open: sim seed 719,676 loses a message (docs/testing.md)"]
+fn seed_719676_all_modes() {
+    use ops::{Loss, Op, Scope};
+    let ops = vec![
+        deliver(0, 2, 404, 1_566, Some(1419657377), false),
+        deliver(0, 2, 334, 243_455, None, false),
+        deliver(0, 3, 548, 318, Some(2474408486), false),
+        deliver(0, 1, 214, 1_346, None, false),
+        Op::PublishFails { n: 1 },
+        Op::PublishFails { n: 4 },
+        Op::DiskFull { scope: Scope::Both },
+        Op::Clock { ms: 1686 },
+        deliver(1, 0, 136, 2_310, None, true),
+        deliver(0, 2, 3, 820, None, false),
+        Op::Redeliver,
+        deliver(0, 2, 274, 218_280, None, true),
+        Op::Redeliver,
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        deliver(0, 2, 177, 38_887, None, false),
+        deliver(0, 3, 109, 51_935, None, true),
+        Op::Redeliver,
+        deliver(1, 3, 596, 78_146, Some(2116093682), false),
+        deliver(0, 0, 930, 52, None, false),
+        deliver(1, 2, 555, 2_972, None, true),
+        deliver(1, 2, 306, 1_139, None, false),
+        deliver(0, 2, 982, 2_447, Some(4162164696), false),
+        Op::DiskSpace,
+        Op::FarRound,
+        deliver(1, 1, 120, 29_334, Some(3182086386), true),
+        Op::CancelKey { route: 1, key: 2 },
+        deliver(1, 1, 889, 1_614, None, false),
+        Op::Kill { loss: Loss::Torn },
+        deliver(0, 3, 841, 227_668, None, true),
+        Op::Redeliver,
+        deliver(1, 3, 651, 10_101, Some(3132587432), true),
+        Op::Compact,
+        deliver(0, 3, 285, 18_141, None, false),
+        deliver(1, 3, 248, 23_121, Some(843652020), true),
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        deliver(0, 2, 684, 15_359, None, false),
+        deliver(1, 0, 927, 37_794, None, false),
+        Op::Clock { ms: -468 },
+        deliver(1, 2, 262, 14_791, None, false),
+        deliver(1, 0, 165, 12_194, None, false),
+        Op::Redeliver,
+        Op::PublishFails { n: 2 },
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        deliver(0, 3, 812, 2_394, None, true),
+        Op::DiskFull { scope: Scope::Wal },
+        deliver(1, 0, 999, 1_871, None, false),
+        Op::Clock { ms: 1744 },
+        Op::Clock { ms: 19818 },
+        Op::Clock { ms: 24 },
+        deliver(1, 3, 772, 0, None, false),
+        Op::Clock { ms: 1699 },
+        deliver(1, 2, 560, 261_826, None, false),
+        deliver(0, 2, 907, 8_194_374, None, false),
+        Op::Kill {
+            loss: Loss::Unsynced,
+        },
+        Op::Clock { ms: 167 },
+        deliver(1, 3, 679, 30_048, None, false),
+        Op::Kill { loss: Loss::Torn },
+        Op::DiskSpace,
+        deliver(0, 0, 646, 327, Some(1075547885), false),
+        Op::Clock { ms: 624 },
+        deliver(1, 0, 656, 165_980, Some(2028221947), true),
+        Op::Clock { ms: 231988 },
+        Op::Clock { ms: 215363 },
+        deliver(1, 2, 351, 78_008, None, false),
+        deliver(0, 3, 903, 5_460, None, false),
+        Op::Kill {
+            loss: Loss::Process,
+        },
+        Op::FarRound,
+        deliver(1, 3, 88, 79_279, None, true),
+        Op::Redeliver,
+        deliver(1, 3, 831, 1_248, None, false),
+        Op::Redeliver,
+        Op::PublishFails { n: 4 },
+    ];
+    for late_acks in [true, false] {
+        let mode = Mode {
+            late_acks,
+            ..ALL_THREE_MODES
+        };
+        if let Err(f) = run_in(719_676, &ops, mode) {
+            panic!("late_acks {late_acks}: {f}");
+        }
+    }
+}
